@@ -1,0 +1,302 @@
+"""Typed run configuration: YAML in, ``--set section.key=value`` overrides, validated once.
+
+Every field carries a one-line ``help`` (printed by ``mmpipe config --reference`` and kept in
+README). Sub-components receive only the sub-config they use (``cfg.model``, ``cfg.data``...).
+The fully resolved config is written into the run directory by the trainer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+from mmpipe.errors import ConfigError
+
+
+def _f(default, help: str, **kw):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class VisionConfig:
+    """Image tower. transformers config fields, or a local ``save_pretrained`` directory."""
+    arch: str = _f("clip_vit", "clip_vit (transformers CLIP ViT) or resnet (torchvision)")
+    pretrained: Optional[str] = _f(None, "local save_pretrained dir (CLIPVisionModel / CLIPModel) or resnet weights dir")
+    hidden_size: Optional[int] = _f(None, "transformer width (clip_vit); unset = transformers default")
+    num_hidden_layers: Optional[int] = _f(None, "number of transformer blocks (clip_vit)")
+    num_attention_heads: Optional[int] = _f(None, "attention heads (clip_vit)")
+    intermediate_size: Optional[int] = _f(None, "MLP width (clip_vit)")
+    image_size: Optional[int] = _f(None, "input resolution in pixels (square)")
+    patch_size: Optional[int] = _f(None, "ViT patch size (clip_vit)")
+    variant: str = _f("resnet18", "torchvision variant for arch=resnet: resnet18|resnet34|resnet50")
+
+
+@dataclass
+class TextConfig:
+    """Text tower. transformers config fields, or a local ``save_pretrained`` directory."""
+    arch: str = _f("clip_text", "clip_text (transformers CLIP text transformer) or bert (transformers BERT)")
+    pretrained: Optional[str] = _f(None, "local save_pretrained dir (CLIPTextModel / CLIPModel / BertModel)")
+    hidden_size: Optional[int] = _f(None, "transformer width; unset = transformers default")
+    num_hidden_layers: Optional[int] = _f(None, "number of transformer blocks")
+    num_attention_heads: Optional[int] = _f(None, "attention heads")
+    intermediate_size: Optional[int] = _f(None, "MLP width")
+    vocab_size: Optional[int] = _f(None, "vocabulary size; unset = the tokenizer's size")
+    max_position_embeddings: Optional[int] = _f(None, "longest sequence the position table holds")
+    pooling: str = _f("auto", "auto (clip_text: EOS token, bert: mean), eos, cls or mean")
+    eos_token_id: Optional[int] = _f(None, "EOS id for eos pooling; unset = the tokenizer's EOS/SEP id")
+
+
+@dataclass
+class ModelConfig:
+    type: str = _f("clip", "model family; clip = dual encoder with symmetric contrastive loss")
+    pretrained: Optional[str] = _f(None, "local transformers CLIPModel directory: loads both towers, projections, temperature")
+    projection_dim: int = _f(512, "width of the shared image-text embedding space")
+    logit_scale_init: float = _f(2.6592, "initial log temperature (CLIP: log(1/0.07))")
+    vision: VisionConfig = field(default_factory=VisionConfig, metadata={"help": "image tower"})
+    text: TextConfig = field(default_factory=TextConfig, metadata={"help": "text tower"})
+
+
+@dataclass
+class DataConfig:
+    train: Optional[str] = _f(None, "training manifest: .jsonl ({image, text} per line) or .csv (header image,text)")
+    val: Optional[str] = _f(None, "held-out manifest for zero-shot retrieval evaluation")
+    tokenizer: Optional[str] = _f(None, "local transformers tokenizer dir; unset = train WordPiece on the captions")
+    tokenizer_vocab_size: int = _f(2000, "vocabulary size when mmpipe trains the tokenizer")
+    max_length: int = _f(32, "tokens per caption (padded/truncated)")
+    num_workers: int = _f(2, "DataLoader worker processes per data-reading rank")
+    pin_memory: bool = _f(True, "pin host memory (used only when the device is not the CPU)")
+    prefetch_factor: int = _f(2, "batches prefetched per worker")
+    persistent_workers: bool = _f(True, "keep workers alive across epochs")
+
+
+@dataclass
+class ParallelConfig:
+    pipeline_stages: int = _f(1, "P: pipeline stages; the data-parallel degree is world_size / P")
+    placement: str = _f("modality", "modality (image layers first, text+loss last), uniform, parameters or type:REGEX")
+    micro_batch_size: int = _f(8, "samples per micro-batch per data-parallel rank")
+    zero_stage: int = _f(0, "ZeRO stage (0 or 1 with a pipeline; up to 3 with P = 1)")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(5e-4, "peak learning rate (AdamW)")
+    weight_decay: float = _f(0.1, "decoupled weight decay; not applied to biases, norms, embeddings, logit_scale")
+    betas: list = _f([0.9, 0.98], "AdamW betas")
+    eps: float = _f(1e-6, "AdamW epsilon")
+    warmup_steps: int = _f(0, "linear warm-up steps")
+    schedule: str = _f("cosine", "cosine or constant after warm-up")
+    min_lr_ratio: float = _f(0.0, "final lr as a fraction of the peak (cosine)")
+    max_grad_norm: Optional[float] = _f(None, "global gradient-norm clip, applied by mmpipe across all stages/ranks; unset = no clip")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(100, "optimizer steps")
+    batch_size: int = _f(32, "global batch = micro_batch_size x accumulation x data-parallel degree")
+    precision: str = _f("fp32", "fp32, bf16 or fp16 (fp16 needs a GPU)")
+    seed: int = _f(0, "seed for weights, data order and augmentation")
+    output_dir: str = _f("runs/clip", "run directory: resolved configs, metrics.jsonl, checkpoints, tokenizer")
+    deepspeed_config: Optional[str] = _f(None, "DeepSpeed JSON whose \"auto\" values are filled from this config; unset = generated")
+    save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
+    eval_every: int = _f(0, "zero-shot retrieval eval every N steps (0 = only at the end)")
+    keep_checkpoints: int = _f(2, "checkpoints kept on disk (oldest removed); 0 = keep all")
+
+
+@dataclass
+class LogConfig:
+    progress: bool = _f(True, "progress bar on the reporting rank")
+    every: int = _f(1, "print a log line every N steps")
+    tensorboard: bool = _f(False, "also write TensorBoard events into output_dir/tb")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "model definition"})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "data sources and loader"})
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "pipeline / data parallel layout"})
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "optimizer and schedule"})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "training loop"})
+    log: LogConfig = field(default_factory=LogConfig, metadata={"help": "logging"})
+    # dotted keys set explicitly by the YAML file or --set (used to detect DeepSpeed-JSON conflicts)
+    explicit: frozenset = field(default=frozenset(), repr=False, compare=False, metadata={"internal": True})
+    source: Optional[str] = field(default=None, repr=False, compare=False, metadata={"internal": True})
+
+    def to_dict(self) -> dict:
+        return _to_dict(self)
+
+    def get(self, dotted: str):
+        obj = self
+        for part in dotted.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def set(self, dotted: str, value) -> None:
+        *head, last = dotted.split(".")
+        obj = self
+        for part in head:
+            obj = getattr(obj, part)
+        setattr(obj, last, value)
+
+
+def _to_dict(obj) -> dict:
+    out = {}
+    for f in dataclasses.fields(obj):
+        if f.metadata.get("internal"):
+            continue
+        v = getattr(obj, f.name)
+        out[f.name] = _to_dict(v) if dataclasses.is_dataclass(v) else v
+    return out
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true/false", list: "a list"}
+
+
+def _check_type(key: str, tp, value, where: str):
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:  # Optional[X]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        tp = args[0]
+    if isinstance(tp, str):
+        tp = eval(tp)  # noqa: S307 - only our own annotations
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str) and value.lower() in ("inf", "+inf", ".inf"):
+        return float("inf")
+    if tp is int and isinstance(value, bool):
+        raise ConfigError(f"{where}: {key} must be {_TYPE_NAMES[int]}, got {value!r}")
+    if tp in _TYPE_NAMES and not isinstance(value, tp):
+        raise ConfigError(f"{where}: {key} must be {_TYPE_NAMES[tp]}, got {value!r}")
+    return value
+
+
+def _build(cls, data: dict, prefix: str, where: str, explicit: set):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: section '{prefix.rstrip('.') or '<top>'}' must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = prefix + str(key)
+        if key not in known:
+            close = [k for k in known if k.startswith(str(key)[:3])]
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"
+            raise ConfigError(f"{where}: unknown key '{dotted}'{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value or {}, dotted + ".", where, explicit)
+        else:
+            kwargs[key] = _check_type(dotted, tp, value, where)
+            explicit.add(dotted)
+    return cls(**kwargs)
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set train.steps=10")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: Optional[str] = None, overrides=()) -> RunConfig:
+    """Load a YAML run config (or defaults when ``path`` is None) and apply ``section.key=value`` overrides."""
+    data: dict = {}
+    where = path or "<defaults>"
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file not found: {path} (pass --config PATH to a YAML run config)")
+        try:
+            with open(path) as fh:
+                data = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            line = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{path}{line}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    for item in overrides:
+        key, value = _parse_override(item)
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item}: '{part}' is not a section")
+        node[parts[-1]] = value
+    explicit: set = set()
+    cfg = _build(RunConfig, data, "", where + (" (+ --set)" if overrides else ""), explicit)
+    cfg.explicit = frozenset(explicit)
+    cfg.source = path
+    # paths in the config are relative to the config file's directory? No: relative to the CWD,
+    # like every launcher users know (deepspeed, accelerate, torchrun).
+    validate(cfg)
+    return cfg
+
+
+_CHOICES = {
+    "model.type": ("clip",),
+    "model.vision.arch": ("clip_vit", "resnet"),
+    "model.vision.variant": ("resnet18", "resnet34", "resnet50"),
+    "model.text.arch": ("clip_text", "bert"),
+    "model.text.pooling": ("auto", "eos", "cls", "mean"),
+    "train.precision": ("fp32", "bf16", "fp16"),
+    "optim.schedule": ("cosine", "constant"),
+}
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks that need no process group: choices, positivity, ZeRO with a pipeline."""
+    where = cfg.source or "config"
+    for key, choices in _CHOICES.items():
+        if cfg.get(key) not in choices:
+            raise ConfigError(f"{where}: {key}={cfg.get(key)!r} is not one of {', '.join(choices)}")
+    placement = cfg.parallel.placement
+    if placement not in ("modality", "uniform", "parameters") and not placement.startswith("type:"):
+        raise ConfigError(f"{where}: parallel.placement={placement!r} is not one of modality, uniform, parameters, type:REGEX")
+    for key in ("parallel.pipeline_stages", "parallel.micro_batch_size", "train.batch_size", "train.steps",
+                "data.max_length"):
+        if cfg.get(key) < 1:
+            raise ConfigError(f"{where}: {key} must be >= 1, got {cfg.get(key)}")
+    if cfg.parallel.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"{where}: parallel.zero_stage must be 0, 1, 2 or 3, got {cfg.parallel.zero_stage}")
+    if cfg.parallel.pipeline_stages > 1 and cfg.parallel.zero_stage >= 2:
+        raise ConfigError(
+            f"{where}: parallel.zero_stage={cfg.parallel.zero_stage} with parallel.pipeline_stages="
+            f"{cfg.parallel.pipeline_stages}: DeepSpeed's pipeline engine supports ZeRO 0/1 only "
+            "(ZeRO-2/3 partition gradients the pipeline schedule reduces itself); use zero_stage 0 or 1, or pipeline_stages 1")
+    if cfg.optim.max_grad_norm is not None and cfg.optim.max_grad_norm <= 0:
+        raise ConfigError(f"{where}: optim.max_grad_norm must be > 0 (or unset for no clipping), got {cfg.optim.max_grad_norm}")
+
+
+def reference() -> str:
+    """Markdown table of every config key with its default and help (README's config reference)."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+
+    def walk(cls, prefix):
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("internal"):
+                continue
+            tp = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, prefix + f.name + ".")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            rows.append(f"| `{prefix}{f.name}` | `{json.dumps(default)}` | {f.metadata.get('help', '')} |")
+
+    walk(RunConfig, "")
+    return "\n".join(rows)
+
+
+def save_yaml(cfg: RunConfig, path: str) -> None:
+    with open(path, "w") as fh:
+        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)

@@ -1,0 +1,154 @@
+"""DeepSpeed JSON <-> run config: fill ``"auto"`` values, adopt concrete ones, refuse conflicts.
+
+Contract (one place, tested):
+- A key given in both the run config (explicitly, in YAML or ``--set``) and the DeepSpeed JSON
+  must agree; otherwise a one-line error names both.
+- A concrete JSON value the run config did not set explicitly is adopted into the run config,
+  so the run config saved with the run is the truth.
+- ``"auto"`` or a missing key is filled from the run config.
+- Gradient clipping belongs to mmpipe: the JSON's ``gradient_clipping`` (if concrete) becomes
+  ``optim.max_grad_norm`` and the resolved JSON always says ``gradient_clipping: 0.0``, so
+  DeepSpeed never clips a second time. mmpipe computes the true global norm across pipeline
+  stages and data-parallel/ZeRO partitions and clips once (see ``mmpipe.optim``).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+from mmpipe.config import RunConfig
+from mmpipe.errors import ConfigError
+from mmpipe.topology import Topology
+
+AUTO = "auto"
+
+# (DeepSpeed dotted key, run-config dotted key)
+LINKS = [
+    ("train_batch_size", "train.batch_size"),
+    ("train_micro_batch_size_per_gpu", "parallel.micro_batch_size"),
+    ("zero_optimization.stage", "parallel.zero_stage"),
+    ("optimizer.params.lr", "optim.lr"),
+    ("optimizer.params.weight_decay", "optim.weight_decay"),
+    ("optimizer.params.eps", "optim.eps"),
+    ("optimizer.params.betas", "optim.betas"),
+]
+
+_MISSING = object()
+
+
+def _get(d: dict, dotted: str):
+    node = d
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _put(d: dict, dotted: str, value):
+    *head, last = dotted.split(".")
+    node = d
+    for part in head:
+        node = node.setdefault(part, {})
+    node[last] = value
+
+
+def load_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"train.deepspeed_config: file not found: {path} (point it at a JSON in ds_configs/ or unset it)")
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} line {e.lineno}: not valid JSON ({e.msg})") from None
+
+
+def _conflict(path, ds_key, ds_val, key, val):
+    raise ConfigError(f"{path}: {ds_key}={json.dumps(ds_val)} disagrees with run config {key}={json.dumps(val)}; "
+                      f"set one of them, or write \"auto\" in the JSON")
+
+
+def resolve(cfg: RunConfig, world_size: int) -> tuple[dict, Topology]:
+    """Return (resolved DeepSpeed dict, topology). May adopt JSON values into ``cfg``."""
+    path = cfg.train.deepspeed_config
+    ds = copy.deepcopy(load_json(path)) if path else {}
+    where = path or "generated DeepSpeed config"
+
+    for ds_key, key in LINKS:
+        v = _get(ds, ds_key)
+        if v is _MISSING or v == AUTO:
+            continue
+        mine = cfg.get(key)
+        if isinstance(mine, (list, tuple)):
+            mine = list(mine)
+        if v != mine:
+            if key in cfg.explicit:
+                _conflict(where, ds_key, v, key, mine)
+            cfg.set(key, v)
+
+    # precision: bf16.enabled / fp16.enabled
+    for prec in ("bf16", "fp16"):
+        v = _get(ds, f"{prec}.enabled")
+        if v is _MISSING or v == AUTO:
+            continue
+        if v and cfg.train.precision != prec:
+            if "train.precision" in cfg.explicit:
+                _conflict(where, f"{prec}.enabled", v, "train.precision", cfg.train.precision)
+            cfg.train.precision = prec
+        if not v and cfg.train.precision == prec and "train.precision" in cfg.explicit:
+            _conflict(where, f"{prec}.enabled", v, "train.precision", cfg.train.precision)
+
+    clip = _get(ds, "gradient_clipping")
+    if clip is not _MISSING and clip != AUTO and clip:
+        if "optim.max_grad_norm" in cfg.explicit and cfg.optim.max_grad_norm != clip:
+            _conflict(where, "gradient_clipping", clip, "optim.max_grad_norm", cfg.optim.max_grad_norm)
+        cfg.optim.max_grad_norm = float(clip)
+
+    from mmpipe.config import validate
+    validate(cfg)  # adopted values must be valid too (e.g. ZeRO-3 with a pipeline)
+    topo = Topology.from_config(cfg, world_size)
+
+    gas = _get(ds, "gradient_accumulation_steps")
+    if gas is not _MISSING and gas != AUTO and gas != topo.accumulation_steps:
+        raise ConfigError(
+            f"{where}: gradient_accumulation_steps={gas} but train.batch_size={cfg.train.batch_size} / "
+            f"(micro_batch_size={cfg.parallel.micro_batch_size} x data_parallel={topo.data_parallel}) = "
+            f"{topo.accumulation_steps}; write \"auto\"")
+
+    # fill
+    ds["train_batch_size"] = cfg.train.batch_size
+    ds["train_micro_batch_size_per_gpu"] = cfg.parallel.micro_batch_size
+    ds["gradient_accumulation_steps"] = topo.accumulation_steps
+    ds["gradient_clipping"] = 0.0
+    zero = ds.setdefault("zero_optimization", {})
+    zero["stage"] = cfg.parallel.zero_stage
+    for prec in ("bf16", "fp16"):
+        sec = ds.setdefault(prec, {})
+        sec["enabled"] = cfg.train.precision == prec
+        if not sec["enabled"] and len(sec) == 1:
+            del ds[prec]
+    if cfg.train.precision == "bf16" and cfg.parallel.zero_stage == 1 and cfg.parallel.pipeline_stages > 1:
+        # DeepSpeed's pipeline needs fp32 gradient accumulation for bf16 + ZeRO-1 (BF16_Optimizer)
+        ds.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
+    opt = ds.setdefault("optimizer", {"type": "AdamW", "params": {"torch_adam": True}})
+    params = opt.setdefault("params", {})
+    for ds_key, key in LINKS:
+        if ds_key.startswith("optimizer.params."):
+            name = ds_key.rsplit(".", 1)[1]
+            if params.get(name, AUTO) == AUTO:
+                params[name] = cfg.get(key)
+    ds.setdefault("steps_per_print", 10 ** 9)  # mmpipe logs itself
+    ds.setdefault("wall_clock_breakdown", False)
+    leftovers = [k for k, v in _walk(ds) if v == AUTO]
+    if leftovers:
+        raise ConfigError(f"{where}: mmpipe cannot fill \"auto\" for {', '.join(leftovers)}; give a value")
+    return ds, topo
+
+
+def _walk(d, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _walk(v, prefix + k + ".")
+        else:
+            yield prefix + k, v

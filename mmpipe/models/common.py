@@ -1,0 +1,77 @@
+"""Small helpers shared by the towers: per-part seeding, init, masks, pixel normalisation."""
+from __future__ import annotations
+
+import contextlib
+import zlib
+
+import torch
+from torch import nn
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@contextlib.contextmanager
+def part_seed(seed: int, name: str):
+    """Build a part under a seed derived from (seed, part name), leaving the global RNG untouched.
+
+    This is what makes a part's initial weights identical whether the whole model is built in one
+    process or each pipeline stage builds only its own parts.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
+        yield
+
+
+def init_transformer_part(module: nn.Module, std: float = 0.02) -> None:
+    """GPT/CLIP-style init for parts built from transformers sub-modules (their own ``post_init``
+    does not run when a sub-module is built alone)."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=std)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+        for pname, p in m.named_parameters(recurse=False):
+            if pname == "class_embedding":
+                nn.init.normal_(p, std=std)
+
+
+def normalize_pixels(pixel_values: torch.Tensor, mean, std, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 (B,3,H,W) -> normalised ``dtype`` on the tensor's device; float input is taken as
+    already normalised (the transformers convention) and only cast."""
+    if pixel_values.dtype == torch.uint8:
+        x = pixel_values.float().div_(255.0)
+        m = torch.tensor(mean, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
+        s = torch.tensor(std, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
+        x = (x - m) / s
+        return x.to(dtype)
+    return pixel_values.to(dtype)
+
+
+def padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B,T) 1/0 -> additive (B,1,1,T) mask for bidirectional attention."""
+    m = attention_mask[:, None, None, :].to(torch.bool)
+    out = torch.zeros(m.shape, dtype=dtype, device=attention_mask.device)
+    return out.masked_fill_(~m, torch.finfo(dtype).min)
+
+
+def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B,T) 1/0 -> additive (B,1,T,T) causal mask that also hides padding keys."""
+    B, T = attention_mask.shape
+    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril_()
+    allowed = causal[None, None] & attention_mask[:, None, None, :].to(torch.bool)
+    out = torch.zeros((B, 1, T, T), dtype=dtype, device=attention_mask.device)
+    return out.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def param_dtype(module: nn.Module) -> torch.dtype:
+    for p in module.parameters():
+        return p.dtype
+    return torch.float32

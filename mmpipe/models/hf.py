@@ -1,0 +1,139 @@
+"""Local transformers directories: read configs and weights, map names between mmpipe and HF.
+
+Nothing here touches a hub: every call passes ``local_files_only=True`` or opens files directly.
+Weights are read lazily per tensor (safetensors ``safe_open``), so a pipeline stage reads only the
+tensors of the parts it builds.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+
+from mmpipe.errors import ConfigError
+
+# mmpipe parameter-name prefix -> transformers prefix (first match wins), per source layout
+CLIP_VISION_RULES = [("vision.embed.", "vision_model."), ("vision.blocks.", "vision_model.encoder.layers."),
+                     ("vision.head.", "vision_model.")]
+CLIP_TEXT_RULES = [("text.embed.", "text_model."), ("text.blocks.", "text_model.encoder.layers."),
+                   ("text.head.", "text_model.")]
+BERT_RULES = [("text.embed.", ""), ("text.blocks.", "encoder.layer."), ("text.head.", "")]
+CLIP_TOP_RULES = [("visual_projection.", "visual_projection."), ("text_projection.", "text_projection."),
+                  ("loss.logit_scale", "logit_scale")]
+RESNET_RULES = [("vision.embed.", "")] + [(f"vision.blocks.{i}.", f"layer{i + 1}.") for i in range(4)]
+
+
+def translate(name: str, rules) -> Optional[str]:
+    for mine, theirs in rules:
+        if name.startswith(mine):
+            return theirs + name[len(mine):]
+    return None
+
+
+def reverse_translate(name: str, rules) -> Optional[str]:
+    """HF name -> mmpipe name (ambiguous prefixes resolved by trying each rule)."""
+    out = []
+    for mine, theirs in rules:
+        if name.startswith(theirs):
+            out.append(mine + name[len(theirs):])
+    return out
+
+
+def check_dir(path: str, key: str) -> str:
+    if not os.path.isdir(path):
+        raise ConfigError(f"{key}: directory not found: {path} (give a local save_pretrained directory; "
+                          "nothing is downloaded)")
+    return path
+
+
+def load_hf_config(path: str, key: str):
+    from transformers import AutoConfig
+    check_dir(path, key)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"{key}: {path} has no config.json (expected a transformers save_pretrained directory)")
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any parse problem becomes one line
+        raise ConfigError(f"{key}: cannot read {path}/config.json: {str(e).splitlines()[0]}") from None
+
+
+def load_preprocessor_stats(path: Optional[str]):
+    """(mean, std) from a preprocessor_config.json next to the weights, if any."""
+    if not path:
+        return None
+    f = os.path.join(path, "preprocessor_config.json")
+    if not os.path.isfile(f):
+        return None
+    with open(f) as fh:
+        d = json.load(fh)
+    if "image_mean" in d and "image_std" in d:
+        return tuple(d["image_mean"]), tuple(d["image_std"])
+    return None
+
+
+class WeightSource:
+    """Lazy reader over model.safetensors / sharded safetensors / pytorch_model.bin in a directory."""
+
+    def __init__(self, path: str, key: str):
+        self.path = check_dir(path, key)
+        self.key = key
+        self._index: dict[str, str] = {}
+        self._handles = {}
+        self._torch_sd = None
+        st_index = os.path.join(path, "model.safetensors.index.json")
+        st = os.path.join(path, "model.safetensors")
+        if os.path.isfile(st_index):
+            with open(st_index) as fh:
+                wm = json.load(fh)["weight_map"]
+            self._index = {k: os.path.join(path, v) for k, v in wm.items()}
+        elif os.path.isfile(st):
+            from safetensors import safe_open
+            with safe_open(st, "pt") as fh:
+                self._index = {k: st for k in fh.keys()}
+        else:
+            for name in ("pytorch_model.bin", "model.pt", "model.pth"):
+                f = os.path.join(path, name)
+                if os.path.isfile(f):
+                    self._torch_sd = torch.load(f, map_location="cpu", weights_only=True)
+                    self._index = {k: f for k in self._torch_sd}
+                    break
+            else:
+                raise ConfigError(f"{key}: {path} holds no model.safetensors or pytorch_model.bin")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._index
+
+    def keys(self):
+        return self._index.keys()
+
+    def get(self, name: str) -> torch.Tensor:
+        if self._torch_sd is not None:
+            return self._torch_sd[name]
+        f = self._index[name]
+        if f not in self._handles:
+            from safetensors import safe_open
+            self._handles[f] = safe_open(f, "pt")
+        return self._handles[f].get_tensor(name)
+
+
+def load_part_weights(module: torch.nn.Module, part_name: str, source: WeightSource, rules) -> None:
+    """Fill ``module`` (the part called ``part_name``) from ``source`` using the name ``rules``."""
+    sd = {}
+    for k, v in module.state_dict().items():
+        full = f"{part_name}.{k}" if k else part_name
+        hf = translate(full, rules)
+        if hf is None or hf not in source:
+            # tolerate a "bert." / "model." wrapper prefix in the saved names
+            alt = next((p + hf for p in ("bert.", "model.") if hf is not None and p + hf in source), None)
+            if alt is None:
+                raise ConfigError(f"{source.key}: {source.path} has no weight '{hf}' for {full} "
+                                  "(is this the right architecture?)")
+            hf = alt
+        t = source.get(hf)
+        if t.shape != v.shape:
+            raise ConfigError(f"{source.key}: weight '{hf}' in {source.path} has shape {tuple(t.shape)}, "
+                              f"the model expects {tuple(v.shape)} for {full}")
+        sd[k] = t
+    module.load_state_dict(sd, strict=True)

@@ -1,0 +1,81 @@
+"""The one place that does rank arithmetic: pipe x data degrees and the batch equation.
+
+    global batch = micro_batch_size x accumulation_steps x data_parallel
+
+Rank layout is DeepSpeed's ``PipeDataParallelTopology`` (axes pipe, data), used as is so the
+engine and mmpipe always agree on which rank holds which stage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from mmpipe.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Topology:
+    world_size: int
+    pipeline_stages: int
+    micro_batch_size: int
+    batch_size: int
+
+    def __post_init__(self):
+        P, W = self.pipeline_stages, self.world_size
+        if W % P:
+            raise ConfigError(
+                f"parallel.pipeline_stages={P} does not divide the world size {W}: launch a multiple of {P} "
+                f"processes (e.g. deepspeed --num_gpus {P}) or change parallel.pipeline_stages")
+        per_step = self.micro_batch_size * self.data_parallel
+        if self.batch_size % per_step:
+            raise ConfigError(
+                f"train.batch_size={self.batch_size} is not a multiple of parallel.micro_batch_size="
+                f"{self.micro_batch_size} x data-parallel degree {self.data_parallel} (= {per_step}); "
+                f"use e.g. train.batch_size={max(per_step, self.batch_size // per_step * per_step)}")
+
+    @classmethod
+    def from_config(cls, cfg, world_size: int) -> "Topology":
+        return cls(world_size=world_size, pipeline_stages=cfg.parallel.pipeline_stages,
+                   micro_batch_size=cfg.parallel.micro_batch_size, batch_size=cfg.train.batch_size)
+
+    @property
+    def data_parallel(self) -> int:
+        return self.world_size // self.pipeline_stages
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.batch_size // (self.micro_batch_size * self.data_parallel)
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches in one global batch, over all data-parallel ranks."""
+        return self.batch_size // self.micro_batch_size
+
+    @cached_property
+    def _ds_topo(self):
+        from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+        return PipeDataParallelTopology(num_pp=self.pipeline_stages, num_dp=self.data_parallel)
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(pipeline stage, data-parallel rank) of a global rank."""
+        c = self._ds_topo.get_coord(rank)
+        return c.pipe, c.data
+
+    def rank_of(self, stage: int, dp_rank: int) -> int:
+        return self._ds_topo.get_rank(pipe=stage, data=dp_rank)
+
+    @property
+    def reporting_rank(self) -> int:
+        """The rank that owns the loss and writes metrics: last stage, data-parallel rank 0."""
+        return self.rank_of(self.pipeline_stages - 1, 0)
+
+    def is_first_stage(self, rank: int) -> bool:
+        return self.coords(rank)[0] == 0
+
+    def is_last_stage(self, rank: int) -> bool:
+        return self.coords(rank)[0] == self.pipeline_stages - 1
+
+    def describe(self) -> str:
+        return (f"world={self.world_size} pipeline={self.pipeline_stages} data_parallel={self.data_parallel} "
+                f"micro_batch={self.micro_batch_size} accumulation={self.accumulation_steps} "
+                f"global_batch={self.batch_size}")
