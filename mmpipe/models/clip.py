@@ -35,12 +35,14 @@ class ClipLoss(nn.Module):
 
     def __init__(self, logit_scale_init: float):
         super().__init__()
-        self.logit_scale = nn.Parameter(torch.tensor(float(logit_scale_init)))
+        # shape (1,), not 0-dim: DeepSpeed's parameter broadcast cannot view a 0-dim tensor as bytes.
+        # transformers' 0-dim ``logit_scale`` is reshaped on load (models/hf.py).
+        self.logit_scale = nn.Parameter(torch.tensor([float(logit_scale_init)]))
 
     def logits_per_text(self, image_features, text_features):
         img = l2_normalize(image_features.float())
         txt = l2_normalize(text_features.float())
-        scale = self.logit_scale.float().exp().clamp(max=100.0)
+        scale = self.logit_scale.float().exp().clamp(max=100.0).squeeze()
         return torch.matmul(txt, img.t()) * scale
 
     def forward(self, image_features, text_features):

@@ -132,6 +132,8 @@ def load_part_weights(module: torch.nn.Module, part_name: str, source: WeightSou
                                   "(is this the right architecture?)")
             hf = alt
         t = source.get(hf)
+        if t.shape != v.shape and t.numel() == v.numel() == 1:
+            t = t.reshape(v.shape)  # scalar stored 0-dim by transformers (logit_scale)
         if t.shape != v.shape:
             raise ConfigError(f"{source.key}: weight '{hf}' in {source.path} has shape {tuple(t.shape)}, "
                               f"the model expects {tuple(v.shape)} for {full}")

@@ -1,0 +1,105 @@
+"""Checkpoints: DeepSpeed's own format (resumable with ``--resume``), plus what mmpipe adds:
+the layer-name table of a pipelined run, each rank's RNG state, and the data position (the step).
+``load_model_weights`` reads any layout's checkpoint back into the plain model's names."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import shutil
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mmpipe.errors import MmpipeError
+from mmpipe.pipeline.layers import plain_state_key
+
+LAYERS_FILE = "mmpipe_layers.json"
+
+
+def tag_for(step: int) -> str:
+    return f"global_step{step}"
+
+
+def _rng_state() -> dict:
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if acc.device_name() != "cpu":
+        state["device"] = acc.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from deepspeed.accelerator import get_accelerator
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "device" in state:
+        get_accelerator().set_rng_state(state["device"])
+
+
+def save(engine, root: str, step: int, client_state: dict, layer_names: Optional[list] = None,
+         parts: Optional[list] = None, keep: int = 0) -> str:
+    tag = tag_for(step)
+    engine.save_checkpoint(root, tag=tag, client_state=dict(client_state, step=step))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    d = os.path.join(root, tag)
+    torch.save(_rng_state(), os.path.join(d, f"rng_rank{rank}.pt"))
+    if rank == 0 and layer_names is not None:
+        with open(os.path.join(d, LAYERS_FILE), "w") as fh:
+            json.dump({"layers": layer_names, "parts": parts}, fh)
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == 0 and keep > 0:
+        tags = sorted((t for t in os.listdir(root) if t.startswith("global_step")), key=lambda t: int(t[11:]))
+        for old in tags[:-keep]:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    return d
+
+
+def load(engine, root: str) -> dict:
+    """Load the latest checkpoint into ``engine``; restore this rank's RNG. Returns client state."""
+    if not os.path.isfile(os.path.join(root, "latest")):
+        raise MmpipeError(f"--resume: no checkpoint in {root} (no 'latest' file); run without --resume first")
+    path, client = engine.load_checkpoint(root, load_lr_scheduler_states=True, load_optimizer_states=True)
+    if path is None:
+        raise MmpipeError(f"--resume: DeepSpeed could not load the checkpoint in {root}")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tag_dir = os.path.join(root, open(os.path.join(root, "latest")).read().strip())
+    rng = os.path.join(tag_dir, f"rng_rank{rank}.pt")
+    if os.path.isfile(rng):
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return client or {}
+
+
+def latest_tag(root: str) -> str:
+    f = os.path.join(root, "latest")
+    if not os.path.isfile(f):
+        raise MmpipeError(f"no checkpoint in {root} (no 'latest' file)")
+    return open(f).read().strip()
+
+
+def load_model_weights(root: str, tag: Optional[str] = None) -> dict:
+    """State dict in the plain ``DualEncoder``'s names, from a checkpoint of any layout."""
+    tag = tag or latest_tag(root)
+    d = os.path.join(root, tag)
+    layers_file = os.path.join(d, LAYERS_FILE)
+    if os.path.isfile(layers_file):
+        with open(layers_file) as fh:
+            names = json.load(fh)["layers"]
+        sd = {}
+        for i, name in enumerate(names):
+            files = sorted(glob.glob(os.path.join(d, f"layer_{i:02d}-*model_states.pt")))
+            if not files:
+                raise MmpipeError(f"{d}: no weights for layer {i} ({name})")
+            for k, v in torch.load(files[0], map_location="cpu", weights_only=False).items():
+                sd[plain_state_key(name, k)] = v
+        return sd
+    files = sorted(glob.glob(os.path.join(d, "mp_rank_*_model_states.pt")))
+    if not files:
+        raise MmpipeError(f"{d}: not a DeepSpeed checkpoint")
+    return torch.load(files[0], map_location="cpu", weights_only=False)["module"]

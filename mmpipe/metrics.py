@@ -1,0 +1,99 @@
+"""Run outputs on the reporting rank: ``metrics.jsonl`` (one object per optimizer step, plus eval
+lines), optional TensorBoard, a progress bar, and ``print0``-style logging. Other ranks get a
+null writer, so the training loop has no rank checks."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Optional
+
+
+class NullWriter:
+    enabled = False
+
+    def log_step(self, record: dict) -> None: ...
+    def log_eval(self, record: dict) -> None: ...
+    def info(self, msg: str) -> None: ...
+    def progress(self, step: int, record: dict) -> None: ...
+    def close(self) -> None: ...
+
+
+class MetricsWriter(NullWriter):
+    enabled = True
+
+    def __init__(self, output_dir: str, total_steps: int, start_step: int = 0, progress: bool = True,
+                 tensorboard: bool = False, every: int = 1):
+        os.makedirs(output_dir, exist_ok=True)
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        _truncate_after(self.path, start_step)
+        self.fh = open(self.path, "a")
+        self.every = max(1, every)
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(output_dir, "tb"))
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr,
+                            dynamic_ncols=True)
+
+    def _write(self, record: dict) -> None:
+        self.fh.write(json.dumps(record) + "\n")
+        self.fh.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(f"{record.get('kind', 'train')}/{k}", v, record["step"])
+
+    def log_step(self, record: dict) -> None:
+        self._write(dict(kind="train", **record))
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_sec']:.1f}")
+        elif record["step"] % self.every == 0:
+            self.info(f"step {record['step']} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+                      f"grad_norm {record['grad_norm']:.3f} samples/s {record['samples_per_sec']:.1f}")
+
+    def log_eval(self, record: dict) -> None:
+        self._write(dict(kind="eval", **record))
+        self.info("eval step {step}: image->text R@1 {i2t_r1:.3f} R@5 {i2t_r5:.3f} | text->image R@1 {t2i_r1:.3f} "
+                  "R@5 {t2i_r5:.3f} (n={n}, chance R@1 {chance_r1:.3f})".format(**record))
+
+    def info(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(f"[mmpipe] {msg}", file=sys.stderr)
+        else:
+            print(f"[mmpipe] {msg}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        self.fh.close()
+
+
+def _truncate_after(path: str, step: int) -> None:
+    """On resume, drop records of steps after the checkpoint (they will be redone)."""
+    if not os.path.isfile(path):
+        return
+    if step == 0:
+        os.remove(path)
+        return
+    with open(path) as fh:
+        keep = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step]
+    with open(path, "w") as fh:
+        fh.writelines(keep)
+
+
+def read_metrics(path: str, kind: Optional[str] = "train") -> list[dict]:
+    out = []
+    with open(path) as fh:
+        for line in fh:
+            if line.strip():
+                r = json.loads(line)
+                if kind is None or r.get("kind") == kind:
+                    out.append(r)
+    return out

@@ -1,0 +1,316 @@
+"""One training loop for every layout: P = 1 (plain DeepSpeed engine, one process or data
+parallel) and P >= 2 (DeepSpeed pipeline engine, optionally x data parallel). Only the ``Runner``
+differs: how one optimizer step and the eval features are computed.
+
+Launch (see launch/train.py for copy-paste commands):
+    deepspeed --num_gpus 2 launch/train.py --config configs/demo.yaml
+    accelerate launch --config_file launch/accelerate/cpu_2proc.yaml launch/train.py --config configs/demo.yaml
+    python launch/train.py --config configs/demo.yaml --set parallel.pipeline_stages=1
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import socket
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from mmpipe import checkpoint
+from mmpipe.config import RunConfig, save_yaml
+from mmpipe.errors import ConfigError
+from mmpipe.metrics import MetricsWriter, NullWriter
+
+LABEL_PLACEHOLDER = torch.zeros(1)  # the last stage reads "labels"; the CLIP loss needs none
+
+
+# --------------------------------------------------------------------------------------------
+# process setup
+# --------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join (or, under plain ``python``, create) the process group with the accelerator's backend."""
+    if "RANK" not in os.environ:  # plain `python launch/train.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    os.environ.setdefault("LOCAL_RANK", "0")
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    if get_accelerator().device_name() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or dist.get_world_size())
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def prepare_tokenizer(cfg: RunConfig, rank: int):
+    from mmpipe.data.manifest import read_manifest
+    from mmpipe.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
+    if cfg.data.tokenizer:
+        tok = load_tokenizer(cfg.data.tokenizer)
+    else:
+        tok_dir = os.path.join(cfg.train.output_dir, "tokenizer")
+        if rank == 0 and not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+            texts = [s.text for s in read_manifest(cfg.data.train, "data.train")]
+            train_tokenizer(texts, cfg.data.tokenizer_vocab_size, tok_dir)
+        dist.barrier()
+        tok = load_tokenizer(tok_dir, "tokenizer in the run directory")
+    t = cfg.model.text
+    if not (t.pretrained or cfg.model.pretrained):
+        if t.vocab_size is None:
+            t.vocab_size = len(tok)
+        elif t.vocab_size < len(tok):
+            raise ConfigError(f"model.text.vocab_size={t.vocab_size} is smaller than the tokenizer's {len(tok)} tokens")
+        if t.eos_token_id is None:
+            t.eos_token_id = eos_id(tok)
+        if t.max_position_embeddings is None:
+            t.max_position_embeddings = max(cfg.data.max_length, 16)
+    return tok
+
+
+# --------------------------------------------------------------------------------------------
+# runners: the only layout-specific code
+# --------------------------------------------------------------------------------------------
+class PlainRunner:
+    """P = 1: the plain model under DeepSpeed's engine; accumulation done by calling step()."""
+
+    def __init__(self, engine, topo):
+        self.engine, self.topo = engine, topo
+
+    def _to_device(self, inputs):
+        return tuple(t.to(self.engine.device, non_blocking=True) for t in inputs)
+
+    def train_step(self, data_iter) -> float:
+        losses = []
+        for _ in range(self.topo.accumulation_steps):
+            inputs, _ = next(data_iter)
+            loss = self.engine(*self._to_device(inputs))
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(loss.detach().float())
+        mean = torch.stack(losses).mean()
+        if self.topo.data_parallel > 1:
+            dist.all_reduce(mean)
+            mean /= self.topo.data_parallel
+        return float(mean)
+
+    @torch.no_grad()
+    def features(self, batches, n_micro: int) -> Optional[torch.Tensor]:
+        module = self.engine.module
+        module.eval()
+        out = []
+        for inputs, _ in batches:
+            pix, ids, mask = self._to_device(inputs)
+            out.append(torch.cat([module.encode_image(pix).float(), module.encode_text(ids, mask).float()], -1))
+        module.train()
+        return torch.cat(out).cpu()
+
+
+class PipelineRunner:
+    """P >= 2: DeepSpeed's pipeline engine runs the 1F1B schedule over the accumulation steps."""
+
+    def __init__(self, engine, topo):
+        self.engine, self.topo = engine, topo
+
+    def train_step(self, data_iter) -> float:
+        return float(self.engine.train_batch(data_iter))
+
+    def features(self, batches, n_micro: int) -> Optional[torch.Tensor]:
+        # eval_batch() adds every forward output to total_loss, which still holds the training
+        # loss (a scalar): reset it, or the feature tensors cannot be added to it
+        self.engine.total_loss = None
+        out = self.engine.eval_batch(iter(batches) if batches is not None else None, compute_loss=False,
+                                     reduce_output=None, bcast_loss=False, num_micro_batches=n_micro)
+        if not self.engine.is_last_stage():
+            return None
+        return torch.cat([o.float() for o in out]).cpu()
+
+
+# --------------------------------------------------------------------------------------------
+# data streams per stage
+# --------------------------------------------------------------------------------------------
+class BadSamples:
+    """Counts and logs (once per file) samples the loader skipped on this rank."""
+
+    def __init__(self, log):
+        self.seen: set = set()
+        self.count = 0
+        self.log = log
+
+    def add(self, bad) -> None:
+        for path, why in bad:
+            self.count += 1
+            if path not in self.seen:
+                self.seen.add(path)
+                self.log(f"skipped bad sample {path}: {why}")
+
+
+def _as_pipe_batches(loader, bad: BadSamples):
+    for b in loader:
+        bad.add(b["bad"])
+        yield (b["pixel_values"], b["input_ids"], b["attention_mask"]), LABEL_PLACEHOLDER
+
+
+def _warn(msg: str) -> None:
+    print(f"[mmpipe] warning: {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# the loop
+# --------------------------------------------------------------------------------------------
+def run(cfg: RunConfig, resume: bool = False) -> dict:
+    rank, world = init_distributed()
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from mmpipe.data.loader import Collate, ImageTextDataset, MicroBatchSampler, eval_batches, make_loader
+    from mmpipe.data.manifest import read_manifest
+    from mmpipe.ds_config import resolve
+    from mmpipe.evaluate import retrieval_metrics
+    from mmpipe.models.clip import DualEncoder, ModelSpec
+    from mmpipe.optim import GradClipper, lr_lambda, param_groups
+
+    device_name = get_accelerator().device_name()
+    if cfg.train.precision == "fp16" and device_name == "cpu":
+        raise ConfigError("train.precision=fp16 needs a GPU: DeepSpeed refuses fp16 on the CPU accelerator; "
+                          "use bf16 or fp32 here")
+    ds_cfg, topo = resolve(cfg, world)
+    P = topo.pipeline_stages
+    stage, dp_rank = topo.coords(rank)
+    out_dir = cfg.train.output_dir
+    ckpt_dir = os.path.join(out_dir, "checkpoints")
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+    reads_data = stage == 0  # the last stage needs no data: text ids travel with the activations
+    train_samples = read_manifest(cfg.data.train, "data.train") if reads_data else None
+    # every rank reads the val manifest (no images): all stages need the eval micro-batch count
+    val_samples = read_manifest(cfg.data.val, "data.val") if cfg.data.val else None
+    tok = prepare_tokenizer(cfg, rank)
+    spec = ModelSpec(cfg.model, cfg.train.seed)
+    is_reporter = rank == topo.reporting_rank
+
+    # ---- model and engine --------------------------------------------------------------------
+    if P == 1:
+        model = DualEncoder(spec)
+        names_params = model.named_parameters()
+    else:
+        from mmpipe.pipeline.module import MMPipelineModule
+        model = MMPipelineModule(spec, P, placement=cfg.parallel.placement)
+        names_params = model.named_parameters()
+    groups = param_groups(names_params, cfg.optim)
+    scheduler = None
+    if "scheduler" not in ds_cfg:
+        f = lr_lambda(cfg.optim, cfg.train.steps)
+        scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)  # noqa: E731
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_cfg,
+                                           lr_scheduler=scheduler)
+    if P == 1:
+        runner = PlainRunner(engine, topo)
+        layer_names, parts = None, None
+    else:
+        from mmpipe.pipeline.module import fix_recv_buffer_dtype
+        fix_recv_buffer_dtype(engine)
+        runner = PipelineRunner(engine, topo)
+        layer_names, parts = model.layer_names, list(model.parts)
+    clipper = GradClipper(engine, cfg.optim.max_grad_norm)
+
+    start_step, total_bad = 0, 0
+    if resume:
+        client = checkpoint.load(engine, ckpt_dir)
+        start_step, total_bad = int(client.get("step", 0)), int(client.get("bad_samples", 0))
+
+    writer = (MetricsWriter(out_dir, cfg.train.steps, start_step, progress=cfg.log.progress,
+                            tensorboard=cfg.log.tensorboard, every=cfg.log.every) if is_reporter else NullWriter())
+    if rank == 0:
+        save_yaml(cfg, os.path.join(out_dir, "config.yaml"))
+        with open(os.path.join(out_dir, "ds_config.json"), "w") as fh:
+            json.dump(ds_cfg, fh, indent=2)
+        if layer_names is not None:
+            from mmpipe.pipeline.partition import stage_lists
+            with open(os.path.join(out_dir, "plan.json"), "w") as fh:
+                json.dump({"placement": cfg.parallel.placement, "parts": parts,
+                           "stages": stage_lists(layer_names, parts)}, fh, indent=2)
+    writer.info(f"{topo.describe()} precision={cfg.train.precision} zero={cfg.parallel.zero_stage} "
+                f"device={device_name}" + (f" resume@{start_step}" if resume else ""))
+    if layer_names is not None:
+        from mmpipe.pipeline.partition import stage_lists
+        for s, names in enumerate(stage_lists(layer_names, parts)):
+            writer.info(f"stage {s}: {names[0]} .. {names[-1]} ({len(names)} layers)")
+
+    # ---- data --------------------------------------------------------------------------------
+    bad = BadSamples(_warn)
+    collate = Collate(tok, cfg.data.max_length)
+    image_size = spec.vision.image_size
+    if reads_data:
+        sampler = MicroBatchSampler(len(train_samples), topo.micro_batch_size, topo.accumulation_steps,
+                                    topo.data_parallel, dp_rank, cfg.train.seed, start_step=start_step,
+                                    max_steps=cfg.train.steps)
+        loader = make_loader(ImageTextDataset(train_samples, image_size), sampler, collate, cfg.data,
+                             device_name == "cpu")
+        train_iter = _as_pipe_batches(loader, bad)
+    elif topo.is_last_stage(rank):
+        train_iter = itertools.repeat((None, LABEL_PLACEHOLDER))
+    else:
+        train_iter = None
+
+    def evaluate(step: int) -> Optional[dict]:
+        if not val_samples:
+            return None
+        idx, n_real = eval_batches(val_samples, topo.micro_batch_size)
+        if reads_data:
+            ds = ImageTextDataset(val_samples, image_size)
+            batches = list(_as_pipe_batches((collate([ds[i] for i in mb]) for mb in idx), bad))
+        elif topo.is_last_stage(rank):
+            batches = [(None, LABEL_PLACEHOLDER)] * len(idx)
+        else:
+            batches = None
+        feats = runner.features(batches, len(idx))
+        if feats is None or not is_reporter:
+            return None
+        feats = feats[:n_real]
+        d = feats.shape[1] // 2
+        record = {"step": step, **retrieval_metrics(feats[:, :d], feats[:, d:])}
+        writer.log_eval(record)
+        return record
+
+    # ---- train ---------------------------------------------------------------------------------
+    last_eval = None
+    step = start_step
+    stats = torch.zeros(1, dtype=torch.float64)
+    while step < cfg.train.steps:
+        lr = engine.get_lr()[0]
+        t0 = time.perf_counter()
+        loss = runner.train_step(train_iter)
+        dt = time.perf_counter() - t0
+        step += 1
+        stats[0] = bad.count
+        bad.count = 0
+        dist.all_reduce(stats)
+        total_bad += int(stats[0])
+        writer.log_step({"step": step, "loss": loss, "lr": lr, "samples_per_sec": topo.batch_size / dt,
+                         "grad_norm": clipper.last_norm, "clip_coef": clipper.last_coef, "step_time": dt,
+                         "bad_samples": total_bad})
+        if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
+            checkpoint.save(engine, ckpt_dir, step, {"bad_samples": total_bad}, layer_names, parts,
+                            keep=cfg.train.keep_checkpoints)
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+            last_eval = evaluate(step)
+    checkpoint.save(engine, ckpt_dir, step, {"bad_samples": total_bad}, layer_names, parts,
+                    keep=cfg.train.keep_checkpoints)
+    last_eval = evaluate(step) or last_eval
+    writer.close()
+    dist.barrier()
+    return {"step": step, "eval": last_eval, "bad_samples": total_bad}
+

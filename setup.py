@@ -1,0 +1,26 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="mmpipe",
+    version="0.1.0",
+    description="Pipeline-parallel training of image+text models on DeepSpeed",
+    packages=find_packages(include=["mmpipe", "mmpipe.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4,<3",
+        "torchvision>=0.19",
+        "deepspeed>=0.16",
+        "transformers>=5.0,<6",
+        "tokenizers>=0.20",
+        "accelerate>=1.0",
+        "safetensors>=0.4",
+        "pillow>=10",
+        "numpy",
+        "pyyaml>=6",
+        "tqdm",
+        "matplotlib",
+        "tensorboard",
+    ],
+    extras_require={"test": ["pytest>=8"]},
+    entry_points={"console_scripts": ["mmpipe=mmpipe.cli:main"]},
+)
