@@ -169,8 +169,11 @@ def _check_type(key: str, tp, value, where: str):
         tp = eval(tp)  # noqa: S307 - only our own annotations
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    if tp is float and isinstance(value, str) and value.lower() in ("inf", "+inf", ".inf"):
-        return float("inf")
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads "3e-3" and "inf" as strings
+        try:
+            return float(value.replace(".inf", "inf"))
+        except ValueError:
+            pass
     if tp is int and isinstance(value, bool):
         raise ConfigError(f"{where}: {key} must be {_TYPE_NAMES[int]}, got {value!r}")
     if tp in _TYPE_NAMES and not isinstance(value, tp):
@@ -291,7 +294,8 @@ def reference() -> str:
                 walk(tp, prefix + f.name + ".")
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            rows.append(f"| `{prefix}{f.name}` | `{json.dumps(default)}` | {f.metadata.get('help', '')} |")
+            helptext = f.metadata.get("help", "").replace("|", "\\|")
+            rows.append(f"| `{prefix}{f.name}` | `{json.dumps(default)}` | {helptext} |")
 
     walk(RunConfig, "")
     return "\n".join(rows)

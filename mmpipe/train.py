@@ -55,15 +55,16 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def prepare_tokenizer(cfg: RunConfig, rank: int):
-    from mmpipe.data.manifest import read_manifest
+def prepare_tokenizer(cfg: RunConfig, rank: int, train_samples=None):
+    """The run's tokenizer (trained on rank 0 from the captions if none is given); fills the text
+    tower's vocab size and EOS id from it."""
     from mmpipe.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
     if cfg.data.tokenizer:
         tok = load_tokenizer(cfg.data.tokenizer)
     else:
         tok_dir = os.path.join(cfg.train.output_dir, "tokenizer")
         if rank == 0 and not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
-            texts = [s.text for s in read_manifest(cfg.data.train, "data.train")]
+            texts = [s.text for s in train_samples]
             train_tokenizer(texts, cfg.data.tokenizer_vocab_size, tok_dir)
         dist.barrier()
         tok = load_tokenizer(tok_dir, "tokenizer in the run directory")
@@ -170,34 +171,40 @@ def _warn(msg: str) -> None:
 # --------------------------------------------------------------------------------------------
 # the loop
 # --------------------------------------------------------------------------------------------
-def run(cfg: RunConfig, resume: bool = False) -> dict:
-    rank, world = init_distributed()
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
+def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> dict:
+    """Train; ``stop_at`` ends this invocation after that step with a checkpoint (time-limited jobs)."""
     from mmpipe.data.loader import Collate, ImageTextDataset, MicroBatchSampler, eval_batches, make_loader
-    from mmpipe.data.manifest import read_manifest
+    from mmpipe.data.manifest import read_manifest, require_manifest
     from mmpipe.ds_config import resolve
     from mmpipe.evaluate import retrieval_metrics
     from mmpipe.models.clip import DualEncoder, ModelSpec
     from mmpipe.optim import GradClipper, lr_lambda, param_groups
 
+    # validate everything that needs no process group first: config mistakes end as one line
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ds_cfg, topo = resolve(cfg, world)
+    from deepspeed.accelerator import get_accelerator
     device_name = get_accelerator().device_name()
     if cfg.train.precision == "fp16" and device_name == "cpu":
         raise ConfigError("train.precision=fp16 needs a GPU: DeepSpeed refuses fp16 on the CPU accelerator; "
                           "use bf16 or fp32 here")
-    ds_cfg, topo = resolve(cfg, world)
+    rank = int(os.environ.get("RANK", "0"))
     P = topo.pipeline_stages
     stage, dp_rank = topo.coords(rank)
+    reads_data = stage == 0  # the last stage needs no data: text ids travel with the activations
+    train_samples = read_manifest(cfg.data.train, "data.train") if reads_data else None
+    if not reads_data:
+        require_manifest(cfg.data.train, "data.train")  # same one-line error on every rank
+    # every rank reads the val manifest (no images): all stages need the eval micro-batch count
+    val_samples = read_manifest(cfg.data.val, "data.val") if cfg.data.val else None
+
+    rank, world = init_distributed()
+    import deepspeed
     out_dir = cfg.train.output_dir
     ckpt_dir = os.path.join(out_dir, "checkpoints")
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
-    reads_data = stage == 0  # the last stage needs no data: text ids travel with the activations
-    train_samples = read_manifest(cfg.data.train, "data.train") if reads_data else None
-    # every rank reads the val manifest (no images): all stages need the eval micro-batch count
-    val_samples = read_manifest(cfg.data.val, "data.val") if cfg.data.val else None
-    tok = prepare_tokenizer(cfg, rank)
+    tok = prepare_tokenizer(cfg, rank, train_samples)
     spec = ModelSpec(cfg.model, cfg.train.seed)
     is_reporter = rank == topo.reporting_rank
 
@@ -289,7 +296,8 @@ def run(cfg: RunConfig, resume: bool = False) -> dict:
     last_eval = None
     step = start_step
     stats = torch.zeros(1, dtype=torch.float64)
-    while step < cfg.train.steps:
+    end = min(cfg.train.steps, stop_at) if stop_at else cfg.train.steps
+    while step < end:
         lr = engine.get_lr()[0]
         t0 = time.perf_counter()
         loss = runner.train_step(train_iter)
@@ -302,14 +310,15 @@ def run(cfg: RunConfig, resume: bool = False) -> dict:
         writer.log_step({"step": step, "loss": loss, "lr": lr, "samples_per_sec": topo.batch_size / dt,
                          "grad_norm": clipper.last_norm, "clip_coef": clipper.last_coef, "step_time": dt,
                          "bad_samples": total_bad})
-        if cfg.train.save_every and step % cfg.train.save_every == 0 and step < cfg.train.steps:
+        if cfg.train.save_every and step % cfg.train.save_every == 0 and step < end:
             checkpoint.save(engine, ckpt_dir, step, {"bad_samples": total_bad}, layer_names, parts,
                             keep=cfg.train.keep_checkpoints)
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < end:
             last_eval = evaluate(step)
     checkpoint.save(engine, ckpt_dir, step, {"bad_samples": total_bad}, layer_names, parts,
                     keep=cfg.train.keep_checkpoints)
-    last_eval = evaluate(step) or last_eval
+    if step == cfg.train.steps or not cfg.train.eval_every:
+        last_eval = evaluate(step) or last_eval
     writer.close()
     dist.barrier()
     return {"step": step, "eval": last_eval, "bad_samples": total_bad}

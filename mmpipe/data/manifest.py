@@ -27,11 +27,15 @@ def _pick(row: dict, keys, where: str, what: str):
     raise DataError(f"{where}: no {what} field (expected one of {', '.join(keys)})")
 
 
-def read_manifest(path: str, key: str = "data.train") -> list[Sample]:
+def require_manifest(path: str, key: str = "data.train") -> None:
     if not path:
         raise DataError(f"{key} is not set: point it at a .jsonl or .csv manifest (mmpipe data synth --out DIR makes one)")
     if not os.path.isfile(path):
         raise DataError(f"{key}: manifest not found: {path} (fix the path, or run mmpipe data synth --out DIR)")
+
+
+def read_manifest(path: str, key: str = "data.train") -> list[Sample]:
+    require_manifest(path, key)
     base = os.path.dirname(os.path.abspath(path))
     rows = []
     if path.endswith(".csv") or path.endswith(".tsv"):

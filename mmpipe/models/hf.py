@@ -59,6 +59,15 @@ def load_hf_config(path: str, key: str):
         raise ConfigError(f"{key}: cannot read {path}/config.json: {str(e).splitlines()[0]}") from None
 
 
+def check_fields_agree(cfg, fields, hf_config, section: str, key: str) -> None:
+    """Architecture fields set next to a pretrained directory must match its config.json."""
+    for f in fields:
+        mine, theirs = getattr(cfg, f), getattr(hf_config, f, None)
+        if mine != theirs:
+            raise ConfigError(f"{section}.{f}={mine} disagrees with {key} ({f}={theirs} in its config.json); "
+                              f"unset {section}.{f} or use a matching directory")
+
+
 def load_preprocessor_stats(path: Optional[str]):
     """(mean, std) from a preprocessor_config.json next to the weights, if any."""
     if not path:

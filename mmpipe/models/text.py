@@ -88,10 +88,9 @@ class TextSpec:
         key = "model.text.pretrained" if cfg.pretrained else "model.pretrained"
         set_fields = {f: getattr(cfg, f) for f in _HF_FIELDS if getattr(cfg, f) is not None}
         if self.weights_dir:
-            if cfg.pretrained and any(f != "vocab_size" for f in set_fields):
-                raise ConfigError(f"model.text: set either pretrained or {', '.join(set_fields)}, not both")
             c = hf.load_hf_config(self.weights_dir, key)
             c = getattr(c, "text_config", c)
+            hf.check_fields_agree(cfg, list(set_fields), c, "model.text", key)
         else:
             if cfg.arch == "clip_text":
                 from transformers import CLIPTextConfig as C

@@ -79,10 +79,10 @@ class VisionSpec:
         set_fields = [f for f in _HF_FIELDS if getattr(cfg, f) is not None]
         if self.arch == "clip_vit":
             if self.weights_dir:
-                if set_fields and cfg.pretrained:
-                    raise ConfigError(f"model.vision: set either pretrained or {', '.join(set_fields)}, not both")
-                c = hf.load_hf_config(self.weights_dir, "model.vision.pretrained" if cfg.pretrained else "model.pretrained")
+                key = "model.vision.pretrained" if cfg.pretrained else "model.pretrained"
+                c = hf.load_hf_config(self.weights_dir, key)
                 c = getattr(c, "vision_config", c)
+                hf.check_fields_agree(cfg, set_fields, c, "model.vision", key)
             else:
                 from transformers import CLIPVisionConfig
                 try:

@@ -1,0 +1,103 @@
+"""Bad input ends as one line naming the key or file (no traceback), and loses nothing."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import TINY
+from mmpipe.cli import main
+
+
+def _one_line_error(capsys, argv) -> str:
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("mmpipe: error: ")
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def _train(tiny_data, tmp_path, *sets):
+    argv = ["train", "--config", TINY, "--set", f"data.train={tiny_data['train']}",
+            "--set", f"train.output_dir={tmp_path}/out"]
+    for s in sets:
+        argv += ["--set", s]
+    return argv
+
+
+def test_unknown_config_key(capsys, tiny_data, tmp_path):
+    line = _one_line_error(capsys, _train(tiny_data, tmp_path, "model.vision.hidden_sise=64"))
+    assert "unknown key 'model.vision.hidden_sise'" in line and "hidden_size" in line
+
+
+def test_unknown_key_in_yaml_file(capsys, tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  stepz: 3\n")
+    line = _one_line_error(capsys, ["train", "--config", str(p)])
+    assert str(p) in line and "train.stepz" in line
+
+
+def test_pipeline_with_zero3_refused(capsys, tiny_data, tmp_path):
+    line = _one_line_error(capsys, _train(tiny_data, tmp_path, "parallel.pipeline_stages=2", "parallel.zero_stage=3"))
+    assert "parallel.zero_stage=3" in line and "ZeRO 0/1" in line
+
+
+def test_zero3_from_deepspeed_json_refused_too(capsys, tiny_data, tmp_path):
+    ds = tmp_path / "z3.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    line = _one_line_error(capsys, _train(tiny_data, tmp_path, f"train.deepspeed_config={ds}"))
+    assert "parallel.zero_stage=3" in line
+
+
+def test_batch_arithmetic_must_divide(capsys, tiny_data, tmp_path):
+    line = _one_line_error(capsys, _train(tiny_data, tmp_path, "parallel.pipeline_stages=1", "train.batch_size=10"))
+    assert "train.batch_size=10" in line and "parallel.micro_batch_size=4" in line
+
+
+def test_missing_manifest(capsys, tmp_path):
+    missing = tmp_path / "nope" / "train.jsonl"
+    line = _one_line_error(capsys, ["train", "--config", TINY, "--set", f"data.train={missing}",
+                                    "--set", "parallel.pipeline_stages=1"])
+    assert "data.train" in line and str(missing) in line
+
+
+def test_deepspeed_json_conflict_names_both(capsys, tiny_data, tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 64}))
+    line = _one_line_error(capsys, _train(tiny_data, tmp_path, f"train.deepspeed_config={ds}", "train.batch_size=16"))
+    assert "train_batch_size=64" in line and "train.batch_size=16" in line and str(ds) in line
+
+
+def test_wrong_type(capsys, tiny_data, tmp_path):
+    line = _one_line_error(capsys, _train(tiny_data, tmp_path, "train.steps=many"))
+    assert "train.steps" in line
+
+
+def test_fp16_on_cpu_refused(capsys, tiny_data, tmp_path):
+    line = _one_line_error(capsys, _train(tiny_data, tmp_path, "train.precision=fp16", "parallel.pipeline_stages=1"))
+    assert "fp16" in line and "bf16" in line
+
+
+@pytest.mark.parametrize("bad", ["missing", "corrupt", "truncated", "empty_caption"])
+def test_bad_samples_are_skipped_and_reported(tmp_path, bad):
+    from PIL import Image
+
+    from mmpipe.data.loader import ImageTextDataset
+    from mmpipe.data.manifest import Sample
+    good = tmp_path / "good.jpg"
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(good, quality=90)
+    target, text = tmp_path / "bad.jpg", "a caption"
+    if bad == "corrupt":
+        target.write_bytes(b"\xff\xd8garbage" * 10)
+    elif bad == "truncated":
+        target.write_bytes(good.read_bytes()[:60])
+    elif bad == "empty_caption":
+        target, text = good, "   "
+    ds = ImageTextDataset([Sample(str(target), text), Sample(str(good), "red")], 16)
+    item = ds[0]
+    assert item["index"] == 1 and item["text"] == "red"  # the next good sample stands in
+    assert item["pixel_values"].shape == (3, 16, 16)
+    assert len(item["bad"]) == 1 and item["bad"][0][0] == str(target)

@@ -1,0 +1,286 @@
+"""Fast single-process tests of the parts: config, DeepSpeed-config resolution, topology,
+partitioner, sampler, manifests, tokenizer, synthetic data, model <-> pipeline layers."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+
+import pytest
+import torch
+
+import mmpipe
+from conftest import TINY
+from mmpipe.config import load_config, reference
+from mmpipe.errors import ConfigError, DataError
+
+
+# ---- config --------------------------------------------------------------------------------
+def test_load_config_and_overrides_track_explicit_keys():
+    cfg = load_config(TINY, ["train.steps=7", "optim.lr=3e-3", "model.vision.hidden_size=64"])
+    assert cfg.train.steps == 7 and cfg.optim.lr == pytest.approx(3e-3)
+    assert cfg.model.vision.hidden_size == 64
+    assert "train.steps" in cfg.explicit and "train.batch_size" in cfg.explicit  # from the file
+    assert "train.seed" not in cfg.explicit
+
+
+def test_inf_max_grad_norm_parses():
+    assert load_config(None, ["optim.max_grad_norm=inf"]).optim.max_grad_norm == float("inf")
+
+
+def test_reference_lists_every_key_with_help():
+    ref = reference()
+    for key in ("`model.vision.arch`", "`parallel.pipeline_stages`", "`train.deepspeed_config`", "`data.tokenizer`"):
+        assert key in ref
+    import re
+    for row in ref.splitlines()[2:]:
+        cells = re.split(r"(?<!\\)\|", row)[1:-1]
+        assert len(cells) == 3 and cells[2].strip(), row
+
+
+# ---- DeepSpeed config -------------------------------------------------------------------------
+def _write(tmp_path, d):
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps(d))
+    return str(p)
+
+
+def test_auto_values_are_filled(tmp_path):
+    from mmpipe.ds_config import resolve
+    path = _write(tmp_path, json.load(open(os.path.join(os.path.dirname(TINY), "..", "ds_configs", "auto.json"))))
+    cfg = load_config(TINY, [f"train.deepspeed_config={path}", "train.precision=bf16", "optim.max_grad_norm=2.0"])
+    ds, topo = resolve(cfg, world_size=4)
+    assert ds["train_batch_size"] == 16 and ds["train_micro_batch_size_per_gpu"] == 4
+    assert ds["gradient_accumulation_steps"] == topo.accumulation_steps == 2
+    assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+    assert ds["gradient_clipping"] == 0.0  # mmpipe clips, DeepSpeed must not clip again
+    assert ds["optimizer"]["params"]["lr"] == pytest.approx(1e-3)
+    assert ds["zero_optimization"]["stage"] == 0
+
+
+def test_concrete_json_value_is_adopted_when_run_config_is_silent(tmp_path):
+    from mmpipe.ds_config import resolve
+    path = _write(tmp_path, {"gradient_clipping": 1.5, "train_micro_batch_size_per_gpu": 2})
+    cfg = load_config(None, [f"train.deepspeed_config={path}", "train.batch_size=8"])
+    ds, topo = resolve(cfg, world_size=1)
+    assert cfg.optim.max_grad_norm == 1.5 and ds["gradient_clipping"] == 0.0
+    assert cfg.parallel.micro_batch_size == 2 and topo.accumulation_steps == 4
+
+
+def test_gradient_accumulation_mismatch(tmp_path):
+    from mmpipe.ds_config import resolve
+    path = _write(tmp_path, {"gradient_accumulation_steps": 3})
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps=3"):
+        resolve(load_config(TINY, [f"train.deepspeed_config={path}"]), world_size=2)
+
+
+def test_generated_config_when_no_json():
+    from mmpipe.ds_config import resolve
+    ds, _ = resolve(load_config(TINY), world_size=2)
+    assert ds["optimizer"]["type"] == "AdamW" and ds["gradient_accumulation_steps"] == 4
+
+
+# ---- topology ----------------------------------------------------------------------------------
+def test_topology_arithmetic_and_reporting_rank():
+    from mmpipe.topology import Topology
+    t = Topology(world_size=4, pipeline_stages=2, micro_batch_size=4, batch_size=32)
+    assert (t.data_parallel, t.accumulation_steps) == (2, 4)
+    assert t.coords(t.reporting_rank) == (1, 0)
+    assert sorted(t.rank_of(s, d) for s in range(2) for d in range(2)) == [0, 1, 2, 3]
+    with pytest.raises(ConfigError, match="does not divide the world size 3"):
+        Topology(world_size=3, pipeline_stages=2, micro_batch_size=4, batch_size=32)
+
+
+# ---- partitioner -------------------------------------------------------------------------------
+def _brute(costs, P, mem=None, cap=None):
+    n, best = len(costs), None
+    for cuts in itertools.combinations(range(1, n), P - 1):
+        parts = [0, *cuts, n]
+        segs = [(sum(costs[a:b]), sum((mem or [0] * n)[a:b])) for a, b in zip(parts, parts[1:])]
+        if cap is not None and any(m > cap for _, m in segs):
+            continue
+        v = max(s for s, _ in segs)
+        best = v if best is None else min(best, v)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_min_max_partition_is_optimal(seed):
+    from mmpipe.pipeline.partition import bottleneck, min_max_partition
+    rng = random.Random(seed)
+    n, P = rng.randint(3, 9), rng.randint(1, 4)
+    if P > n:
+        P = n
+    costs = [rng.uniform(0.1, 10) for _ in range(n)]
+    mem = [rng.uniform(0, 5) for _ in range(n)]
+    cap = rng.choice([None, 8.0, 12.0])
+    expect = _brute(costs, P, mem, cap)
+    if expect is None:
+        with pytest.raises(ValueError):
+            min_max_partition(costs, P, memory=mem, memory_cap=cap)
+        return
+    parts = min_max_partition(costs, P, memory=mem, memory_cap=cap)
+    assert parts[0] == 0 and parts[-1] == n and len(parts) == P + 1
+    assert all(a < b for a, b in zip(parts, parts[1:]))
+    assert bottleneck(costs, parts) == pytest.approx(expect)
+    if cap is not None:
+        assert all(sum(mem[a:b]) <= cap for a, b in zip(parts, parts[1:]))
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_modality_partition_never_mixes(P):
+    from mmpipe.pipeline.partition import modality_partition
+    costs = [5, 3, 3, 3, 3, 1, 1, 1, 1, 1]
+    branches = ["image"] * 5 + ["text"] * 5
+    parts = modality_partition(costs, branches, P)
+    for a, b in zip(parts, parts[1:]):
+        assert len(set(branches[a:b])) == 1
+    # the costlier image branch gets at least as many stages as the text branch
+    image_stages = sum(1 for a in parts[:-1] if branches[a] == "image")
+    assert image_stages >= P - image_stages
+
+
+# ---- sampler -----------------------------------------------------------------------------------
+def test_micro_batches_are_layout_independent_and_resumable():
+    from mmpipe.data.loader import MicroBatchSampler
+    single = MicroBatchSampler(100, 4, 8, 1, 0, seed=3)
+    for step in (0, 1, 5, 12):  # 12 crosses an epoch (3 steps per epoch)
+        ref = single.micro_batches(step)
+        dp = [MicroBatchSampler(100, 4, 4, 2, r, seed=3).micro_batches(step) for r in range(2)]
+        assert dp[0] + dp[1] == ref
+        assert len({i for mb in ref for i in mb}) == 32
+    resumed = list(itertools.islice(iter(MicroBatchSampler(100, 4, 8, 1, 0, seed=3, start_step=5)), 8))
+    assert resumed == single.micro_batches(5)
+
+
+def test_eval_batches_pad_to_full_micro_batches():
+    from mmpipe.data.loader import eval_batches
+    mbs, n = eval_batches(list(range(10)), 4)
+    assert n == 10 and len(mbs) == 3 and all(len(mb) == 4 for mb in mbs) and mbs[-1][-1] == 9
+
+
+# ---- manifests, tokenizer, synthetic data -------------------------------------------------------
+def test_manifest_jsonl_and_csv_with_alias_keys(tmp_path):
+    from mmpipe.data.manifest import read_manifest
+    (tmp_path / "a.jsonl").write_text('{"image_path": "x/1.jpg", "caption": "one"}\n\n{"image": "/abs/2.jpg", "text": "two"}\n')
+    s = read_manifest(str(tmp_path / "a.jsonl"))
+    assert s[0].image == str(tmp_path / "x" / "1.jpg") and s[0].text == "one" and s[1].image == "/abs/2.jpg"
+    (tmp_path / "b.csv").write_text('image,text\nimg.jpg,"a, caption"\n')
+    assert read_manifest(str(tmp_path / "b.csv"))[0].text == "a, caption"
+    (tmp_path / "c.jsonl").write_text('{"picture": "x.jpg"}\n')
+    with pytest.raises(DataError, match="c.jsonl line 1"):
+        read_manifest(str(tmp_path / "c.jsonl"))
+
+
+def test_synth_writes_learnable_pairs_and_tokenizer_trains(tmp_path):
+    from PIL import Image
+
+    from mmpipe.data.manifest import read_manifest
+    from mmpipe.data.synth import COLORS, SHAPES, synth
+    from mmpipe.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
+    info = synth(str(tmp_path), 30, size=40, progress=False)
+    train = read_manifest(info["train"])
+    assert len(train) == 27 and len(read_manifest(info["val"])) == 3
+    for s in train[:5]:
+        with Image.open(s.image) as im:
+            assert im.format == "JPEG" and im.size == (40, 40)
+        assert any(c in s.text for c in COLORS) and any(sh in s.text for sh in SHAPES)
+    tok = train_tokenizer([s.text for s in train], 120, str(tmp_path / "tok"))
+    tok2 = load_tokenizer(str(tmp_path / "tok"))
+    enc = tok2(["a large red circle"], padding="max_length", max_length=10)
+    ids = enc["input_ids"][0]
+    assert ids[0] == tok.cls_token_id and eos_id(tok2) in ids and ids[-1] == tok2.pad_token_id
+    assert tok2.unk_token_id not in ids[1:ids.index(eos_id(tok2))]
+
+
+# ---- model and pipeline layers -----------------------------------------------------------------
+def _tiny_cfg():
+    return load_config(TINY, ["model.text.vocab_size=50", "model.text.eos_token_id=3",
+                              "model.text.max_position_embeddings=16"])
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pix = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8, generator=g)
+    ids = torch.randint(5, 50, (4, 16), generator=g)
+    mask = torch.ones(4, 16, dtype=torch.int64)
+    for i, n in enumerate((5, 9, 16, 3)):
+        ids[i, n - 1] = 3
+        ids[i, n:] = 0
+        mask[i, n:] = 0
+    return pix, ids, mask
+
+
+def test_pipeline_layers_compute_the_plain_model():
+    from mmpipe.models.clip import ModelSpec
+    from mmpipe.pipeline.layers import PipeLayer, plain_state_key, run_sequential
+    cfg = _tiny_cfg()
+    model = mmpipe.build_model(cfg)
+    spec = ModelSpec(cfg.model, cfg.train.seed)
+    layers = [PipeLayer(spec, n) for n in spec.part_names()]  # each built alone, like a stage does
+    sd = model.state_dict()
+    for layer in layers:  # same initial weights, same names
+        for k, v in layer.state_dict().items():
+            assert torch.equal(v, sd[plain_state_key(layer.name, k)])
+    assert sum(len(layer.state_dict()) for layer in layers) == len(sd)
+    pix, ids, mask = _batch()
+    loss = run_sequential(layers, (pix, ids, mask))
+    torch.testing.assert_close(loss, model(pix, ids, mask), rtol=0, atol=0)
+    for layer in layers:
+        layer.eval()
+    with torch.no_grad():
+        feats = run_sequential(layers, (pix, ids, mask))
+        d = feats.shape[1] // 2
+        torch.testing.assert_close(feats[:, :d], model.encode_image(pix))
+        torch.testing.assert_close(feats[:, d:], model.encode_text(ids, mask))
+
+
+def test_padding_does_not_change_text_features():
+    model = mmpipe.build_model(_tiny_cfg()).eval()
+    _, ids, mask = _batch()
+    with torch.no_grad():
+        a = model.encode_text(ids, mask)
+        ids2 = ids.clone()
+        ids2[mask == 0] = 7  # garbage in padded positions must be ignored
+        b = model.encode_text(ids2, mask)
+    torch.testing.assert_close(a, b)
+
+
+def test_uint8_pixels_are_normalised_on_device():
+    from mmpipe.models.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, normalize_pixels
+    model = mmpipe.build_model(_tiny_cfg()).eval()
+    pix, _, _ = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(model.encode_image(pix), model.encode_image(
+            normalize_pixels(pix, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, torch.float32)))
+
+
+def test_bert_and_resnet_towers_build_and_train_a_step():
+    cfg = load_config(None, ["model.vision.arch=resnet", "model.vision.image_size=32", "model.text.arch=bert",
+                             "model.text.hidden_size=32", "model.text.num_hidden_layers=1",
+                             "model.text.num_attention_heads=2", "model.text.intermediate_size=64",
+                             "model.text.vocab_size=50", "model.text.max_position_embeddings=16",
+                             "model.projection_dim=16"])
+    model = mmpipe.build_model(cfg)
+    names = [n for n, _ in model.named_parameters()]
+    assert "vision.blocks.3.1.conv2.weight" in names and any(n.startswith("text.blocks.0.attention") for n in names)
+    pix, ids, mask = _batch()
+    loss = model(pix, ids, mask)
+    loss.backward()
+    assert torch.isfinite(loss) and model.vision.embed.conv1.weight.grad is not None
+
+
+def test_bad_tower_config_is_one_line():
+    with pytest.raises(ConfigError, match="model.vision: .*attention heads"):
+        mmpipe.build_model(load_config(None, ["model.vision.hidden_size=30", "model.vision.num_attention_heads=4",
+                                              "model.text.vocab_size=10"]))
+
+
+def test_retrieval_metrics():
+    from mmpipe.evaluate import retrieval_metrics
+    x = torch.eye(5)
+    m = retrieval_metrics(x, x)
+    assert m["i2t_r1"] == 1.0 and m["t2i_r1"] == 1.0 and m["chance_r1"] == 0.2
+    m = retrieval_metrics(x, x.roll(1, dims=0))
+    assert m["i2t_r1"] == 0.0 and m["i2t_r5"] == 1.0
