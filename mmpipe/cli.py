@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--size", type=int, default=96, help="image side in pixels")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=cmd_data_synth)
+    from mmpipe.bench import add_parser as add_bench
+    add_bench(sub)
     c = sub.add_parser("config", help="print the resolved run config, or --reference for every key")
     c.add_argument("--config", "-c")
     c.add_argument("--set", dest="overrides", action="append", default=[])

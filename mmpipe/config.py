@@ -11,7 +11,7 @@ import json
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import yaml
 
@@ -79,9 +79,33 @@ class DataConfig:
 @dataclass
 class ParallelConfig:
     pipeline_stages: int = _f(1, "P: pipeline stages; the data-parallel degree is world_size / P")
-    placement: str = _f("modality", "modality (image layers first, text+loss last), uniform, parameters or type:REGEX")
+    placement: str = _f("modality", "modality (stages never mix branches; image first, text+loss last), balanced "
+                        "(boundaries anywhere), or DeepSpeed's uniform, parameters, type:REGEX")
+    plan: Optional[str] = _f(None, "JSON file with \"stages\": per-stage lists of layer names (e.g. a run's plan.json); overrides placement")
     micro_batch_size: int = _f(8, "samples per micro-batch per data-parallel rank")
     zero_stage: int = _f(0, "ZeRO stage (0 or 1 with a pipeline; up to 3 with P = 1)")
+
+
+@dataclass
+class GroupConfig:
+    """A named parameter group: its own lr, weight decay, gradient-norm limit, or frozen."""
+    patterns: list = _f([], "regexes matched (re.search) against the plain model's parameter names")
+    lr: Optional[float] = _f(None, "learning rate; unset = optim.lr")
+    weight_decay: Optional[float] = _f(None, "weight decay (matrices only); unset = optim.weight_decay")
+    max_grad_norm: Optional[float] = _f(None, "clip this group's gradient norm (over all stages/ranks) to this; unset = no clip")
+    freeze: bool = _f(False, "no gradients, no optimizer state, excluded from norms")
+
+
+DEFAULT_GROUPS = {
+    "vision": [r"^vision\."],
+    "projector": [r"^visual_projection\.", r"^text_projection\."],
+    "text": [r"^text\."],
+    "logit_scale": [r"^loss\.logit_scale$"],
+}
+
+
+def _default_groups() -> dict:
+    return {name: GroupConfig(patterns=list(p)) for name, p in DEFAULT_GROUPS.items()}
 
 
 @dataclass
@@ -93,7 +117,13 @@ class OptimConfig:
     warmup_steps: int = _f(0, "linear warm-up steps")
     schedule: str = _f("cosine", "cosine or constant after warm-up")
     min_lr_ratio: float = _f(0.0, "final lr as a fraction of the peak (cosine)")
-    max_grad_norm: Optional[float] = _f(None, "global gradient-norm clip, applied by mmpipe across all stages/ranks; unset = no clip")
+    max_grad_norm: Optional[float] = _f(None, "global gradient-norm clip, applied by mmpipe across all stages/ranks after the group clips; unset = no clip")
+    groups: Dict[str, GroupConfig] = field(default_factory=_default_groups, metadata={
+        "help": "named parameter groups (defaults vision, projector, text, logit_scale); each key: patterns, lr, "
+                "weight_decay, max_grad_norm, freeze"})
+    freeze_vision: bool = _f(False, "shortcut: freeze the vision group (open_clip --lock-image, ms-swift freeze_vit)")
+    freeze_projector: bool = _f(False, "shortcut: freeze the projector group (ms-swift freeze_aligner)")
+    freeze_text: bool = _f(False, "shortcut: freeze the text group (open_clip --lock-text, ms-swift freeze_llm)")
 
 
 @dataclass
@@ -114,6 +144,8 @@ class LogConfig:
     progress: bool = _f(True, "progress bar on the reporting rank")
     every: int = _f(1, "print a log line every N steps")
     tensorboard: bool = _f(False, "also write TensorBoard events into output_dir/tb")
+    grad_norm: bool = _f(True, "log global and per-group gradient norms every step (one small all-reduce); "
+                               "false skips it when nothing is clipped")
 
 
 @dataclass
@@ -151,7 +183,11 @@ def _to_dict(obj) -> dict:
         if f.metadata.get("internal"):
             continue
         v = getattr(obj, f.name)
-        out[f.name] = _to_dict(v) if dataclasses.is_dataclass(v) else v
+        if dataclasses.is_dataclass(v):
+            v = _to_dict(v)
+        elif isinstance(v, dict) and v and all(dataclasses.is_dataclass(x) for x in v.values()):
+            v = {k: _to_dict(x) for k, x in v.items()}
+        out[f.name] = v
     return out
 
 
@@ -196,6 +232,22 @@ def _build(cls, data: dict, prefix: str, where: str, explicit: set):
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value or {}, dotted + ".", where, explicit)
+        elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+            vcls = typing.get_args(tp)[1]
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: {dotted} must be a mapping of name -> settings")
+            merged = {k: dataclasses.asdict(v) for k, v in getattr(cls(), key).items()}  # defaults stay
+            for name, sub in value.items():
+                if sub is None:  # `name: null` removes a default group
+                    merged.pop(name, None)
+                    continue
+                if not isinstance(sub, dict):
+                    raise ConfigError(f"{where}: {dotted}.{name} must be a mapping (patterns, lr, ...), got {sub!r}")
+                merged.setdefault(name, {}).update(sub)
+            kwargs[key] = {name: _build(vcls, sub, f"{dotted}.{name}.", where, explicit)
+                           for name, sub in merged.items()}
+            explicit -= {f"{dotted}.{n}.{k}" for n, sub in merged.items() for k in sub
+                         if not (isinstance(value.get(n), dict) and k in value[n])}
         else:
             kwargs[key] = _check_type(dotted, tp, value, where)
             explicit.add(dotted)
@@ -264,8 +316,9 @@ def validate(cfg: RunConfig) -> None:
         if cfg.get(key) not in choices:
             raise ConfigError(f"{where}: {key}={cfg.get(key)!r} is not one of {', '.join(choices)}")
     placement = cfg.parallel.placement
-    if placement not in ("modality", "uniform", "parameters") and not placement.startswith("type:"):
-        raise ConfigError(f"{where}: parallel.placement={placement!r} is not one of modality, uniform, parameters, type:REGEX")
+    if placement not in ("modality", "balanced", "uniform", "parameters") and not placement.startswith("type:"):
+        raise ConfigError(f"{where}: parallel.placement={placement!r} is not one of modality, balanced, uniform, "
+                          "parameters, type:REGEX")
     for key in ("parallel.pipeline_stages", "parallel.micro_batch_size", "train.batch_size", "train.steps",
                 "data.max_length"):
         if cfg.get(key) < 1:
@@ -294,6 +347,8 @@ def reference() -> str:
                 walk(tp, prefix + f.name + ".")
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if isinstance(default, dict):
+                default = {k: dataclasses.asdict(v)["patterns"] for k, v in default.items()}
             helptext = f.metadata.get("help", "").replace("|", "\\|")
             rows.append(f"| `{prefix}{f.name}` | `{json.dumps(default)}` | {helptext} |")
 

@@ -123,6 +123,11 @@ def resolve(cfg: RunConfig, world_size: int) -> tuple[dict, Topology]:
     ds["gradient_clipping"] = 0.0
     zero = ds.setdefault("zero_optimization", {})
     zero["stage"] = cfg.parallel.zero_stage
+    if cfg.parallel.zero_stage >= 1 and cfg.train.precision != "bf16":
+        # DeepSpeed's ZeRO optimizer all-reduces one norm *per param group* over the pipeline group;
+        # with per-branch groups the stages hold different groups, so those collectives would not
+        # pair up (a hang). mmpipe computes and applies the norms itself; DeepSpeed's are unused.
+        zero["compute_grad_norm"] = False
     for prec in ("bf16", "fp16"):
         sec = ds.setdefault(prec, {})
         sec["enabled"] = cfg.train.precision == prec

@@ -53,8 +53,10 @@ class MetricsWriter(NullWriter):
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_sec']:.1f}")
         elif record["step"] % self.every == 0:
+            gn = record.get("grad_norm")
             self.info(f"step {record['step']} loss {record['loss']:.4f} lr {record['lr']:.2e} "
-                      f"grad_norm {record['grad_norm']:.3f} samples/s {record['samples_per_sec']:.1f}")
+                      + (f"grad_norm {gn:.3f} " if gn is not None else "")
+                      + f"samples/s {record['samples_per_sec']:.1f}")
 
     def log_eval(self, record: dict) -> None:
         self._write(dict(kind="eval", **record))

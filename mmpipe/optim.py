@@ -1,47 +1,143 @@
-"""Parameter groups, the learning-rate schedule, and gradient-norm measurement/clipping that is
-correct across pipeline stages and data-parallel / ZeRO partitions.
+"""Named parameter groups (per-branch lr, weight decay, gradient-norm limit, freezing), the
+learning-rate schedule, and grouped gradient clipping that is exact across pipeline stages and
+data-parallel / ZeRO partitions.
 
-Clipping contract: DeepSpeed's ``gradient_clipping`` is always 0 in the resolved config;
-``GradClipper`` hooks the innermost torch optimizer (``register_step_pre_hook``), where DeepSpeed
-has already reduced, accumulated and unscaled the gradients (fp32 ZeRO-0: the model's own
-parameters, replicated over data-parallel ranks; ZeRO-1 and bf16: flat fp32 partitions spread
-over data-parallel ranks). It sums squares per parameter group, all-reduces once over exactly the
-ranks that hold distinct pieces (pipeline stages, plus data-parallel ranks when partitioned),
-records the norms and scales the gradients before the update. An fp16 overflow step never reaches
-the inner optimizer, so it is skipped, not clipped.
+Clipping contract: DeepSpeed's ``gradient_clipping`` is always 0 in the resolved config (see
+``ds_config``). ``GradClipper`` hooks the innermost torch optimizer (``register_step_pre_hook``),
+where DeepSpeed has already reduced, accumulated and unscaled the gradients: with fp32 ZeRO-0
+those are the model's own parameters, replicated over data-parallel ranks; with ZeRO-1 and with
+bf16 they are flat fp32 partitions spread over the data-parallel ranks, one per torch param group
+(the groups keep their ``name`` key). The hook sums squares per named group, all-reduces one small
+vector over exactly the ranks that hold distinct pieces (the pipeline stages, plus the
+data-parallel ranks when partitioned), clips each group to its own ``max_grad_norm`` (the same
+arithmetic as ``torch.nn.utils.clip_grad_norm_``), then applies the optional global
+``optim.max_grad_norm`` to the result, and scales the gradients once before the update. An fp16
+overflow step never reaches the inner optimizer: it is skipped, not clipped.
 """
 from __future__ import annotations
 
 import math
+import re
+import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-NO_DECAY_HINTS = ("bias", "norm", "embedding", "logit_scale", "class_embedding", "bn", "ln_")
-GROUP_NAMES = ("decay", "no_decay")
+from mmpipe.errors import ConfigError
 
 
-def wants_decay(name: str, param: torch.nn.Parameter) -> bool:
-    lname = name.lower()
-    return param.ndim >= 2 and not any(h in lname for h in NO_DECAY_HINTS)
+# --------------------------------------------------------------------------------------------
+# groups
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Group:
+    name: str
+    patterns: tuple
+    lr: float
+    weight_decay: float
+    max_grad_norm: Optional[float]
+    frozen: bool
 
 
-def param_groups(named_params, optim_cfg) -> list[dict]:
-    """AdamW groups: weight decay on matrices only (open_clip's rule). Empty groups are dropped."""
-    groups = {"decay": [], "no_decay": []}
-    for name, p in named_params:
-        if not p.requires_grad:
-            continue
-        groups["decay" if wants_decay(name, p) else "no_decay"].append(p)
+def resolve_groups(optim_cfg) -> list[Group]:
+    shortcuts = {"vision": optim_cfg.freeze_vision, "projector": optim_cfg.freeze_projector,
+                 "text": optim_cfg.freeze_text}
     out = []
-    for gname in GROUP_NAMES:
-        if groups[gname]:
-            out.append({"name": gname, "params": groups[gname],
-                        "weight_decay": optim_cfg.weight_decay if gname == "decay" else 0.0})
+    for name, g in optim_cfg.groups.items():
+        for p in g.patterns:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise ConfigError(f"optim.groups.{name}.patterns: {p!r} is not a valid regex ({e})") from None
+        if not g.patterns:
+            raise ConfigError(f"optim.groups.{name}: no patterns; give patterns or remove the group ({name}: null)")
+        if g.max_grad_norm is not None and g.max_grad_norm <= 0:
+            raise ConfigError(f"optim.groups.{name}.max_grad_norm must be > 0 (inf = no clip), got {g.max_grad_norm}")
+        out.append(Group(name, tuple(g.patterns), optim_cfg.lr if g.lr is None else g.lr,
+                         optim_cfg.weight_decay if g.weight_decay is None else g.weight_decay,
+                         g.max_grad_norm, bool(g.freeze or shortcuts.get(name, False))))
+    for name, on in shortcuts.items():
+        if on and name not in optim_cfg.groups:
+            raise ConfigError(f"optim.freeze_{name} is set but there is no optim.groups.{name}")
     return out
 
 
+def assign_groups(names, groups: list[Group]) -> dict:
+    """parameter name -> group name; every parameter must match exactly one group."""
+    compiled = [(g.name, [re.compile(p) for p in g.patterns]) for g in groups]
+    out = {}
+    for n in names:
+        hits = [gname for gname, pats in compiled if any(p.search(n) for p in pats)]
+        if not hits:
+            raise ConfigError(f"optim.groups: parameter '{n}' matches no group; add a pattern for it "
+                              f"(groups: {', '.join(g.name for g in groups)})")
+        if len(hits) > 1:
+            raise ConfigError(f"optim.groups: parameter '{n}' matches both '{hits[0]}' and '{hits[1]}'; "
+                              "make the patterns exclusive")
+        out[n] = hits[0]
+    return out
+
+
+def wants_decay(name: str, param: torch.Tensor) -> bool:
+    """Decay matrices and conv kernels; not biases, norms, embeddings, logit_scale (open_clip's rule)."""
+    return param.ndim >= 2 and "embedding" not in name.lower()
+
+
+def apply_freeze(named_params, groups: list[Group]) -> None:
+    by_name = {g.name: g for g in groups}
+    named_params = list(named_params)
+    assignment = assign_groups([n for n, _ in named_params], groups)
+    for n, p in named_params:
+        if by_name[assignment[n]].frozen:
+            p.requires_grad_(False)
+
+
+def param_groups(named_params, groups: list[Group]) -> list[dict]:
+    """torch param groups: per named group, a decayed and an undecayed part (both carry ``name``).
+    Frozen parameters are left out entirely (no optimizer state). Stages hold different groups;
+    nothing in DeepSpeed may depend on the group count matching across stages (see ds_config)."""
+    named_params = list(named_params)
+    assignment = assign_groups([n for n, _ in named_params], groups)
+    by_name = {g.name: g for g in groups}
+    buckets: dict = {}
+    for n, p in named_params:
+        g = by_name[assignment[n]]
+        if g.frozen or not p.requires_grad:
+            continue
+        buckets.setdefault((g.name, wants_decay(n, p)), []).append(p)
+    out = []
+    for g in groups:
+        for decay in (True, False):
+            params = buckets.get((g.name, decay))
+            if params:
+                out.append({"name": g.name, "params": params, "lr": g.lr,
+                            "weight_decay": g.weight_decay if decay else 0.0})
+    return out
+
+
+def forward_only_parts(part_params: dict, branch_of, groups: list[Group]) -> set:
+    """Parts that can run without autograd: all their parameters are frozen and so is every earlier
+    part of the same branch (nothing upstream needs a gradient through them).
+    ``part_params``: ordered {part name: [parameter names]}."""
+    assignment = assign_groups([n for names in part_params.values() for n in names], groups)
+    frozen = {g.name for g in groups if g.frozen}
+    seen_trainable: dict = {}
+    out = set()
+    for part, names in part_params.items():
+        b = branch_of(part)
+        trainable = any(assignment[n] not in frozen for n in names)
+        if trainable:
+            seen_trainable[b] = True
+        elif not seen_trainable.get(b) and part != "loss":
+            out.add(part)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# schedule
+# --------------------------------------------------------------------------------------------
 def lr_lambda(optim_cfg, total_steps: int):
     warm = optim_cfg.warmup_steps
 
@@ -56,21 +152,42 @@ def lr_lambda(optim_cfg, total_steps: int):
     return f
 
 
+# --------------------------------------------------------------------------------------------
+# clipping
+# --------------------------------------------------------------------------------------------
 def innermost_optimizer(opt):
     while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):
         opt = opt.optimizer
     return opt
 
 
-class GradClipper:
-    """Measures the global (and per-group) gradient norm at the optimizer step; clips if asked."""
+def clip_coef(norm: float, limit: Optional[float]) -> float:
+    """``torch.nn.utils.clip_grad_norm_``'s coefficient: min(1, limit / (norm + 1e-6))."""
+    if limit is None or not math.isfinite(limit) or not math.isfinite(norm):
+        return 1.0
+    return min(1.0, limit / (norm + 1e-6))
 
-    def __init__(self, engine, max_norm: Optional[float], group_names=GROUP_NAMES):
+
+class GradClipper:
+    """Per-group and global gradient norms at the optimizer step, clipped to the configured limits.
+
+    Where the hook sits depends on how DeepSpeed wrapped the optimizer:
+    - client optimizer (fp32, ZeRO-0), ``FP16_Optimizer``, ``BF16_Optimizer``: they call the inner
+      torch optimizer's ``step()`` once with every group's (unscaled) gradient in place, so a
+      step pre-hook on the inner optimizer sees them all;
+    - ``DeepSpeedZeroOptimizer`` (ZeRO-1/2 without bf16) steps the inner optimizer once *per group*
+      and builds each group's gradient just before it, so mmpipe wraps its ``step()`` instead and
+      reads the reduced partitions (``averaged_gradients``) of all groups first.
+    """
+
+    def __init__(self, engine, groups: list[Group], max_norm: Optional[float], enabled: bool = True):
         self.engine = engine
         self.max_norm = max_norm
-        self.group_names = list(group_names)
+        self.groups = [g for g in groups if not g.frozen]
+        self.names = [g.name for g in self.groups]
+        self.limits = {g.name: g.max_grad_norm for g in self.groups}
         self.inner = innermost_optimizer(engine.optimizer)
-        self.partitioned = self.inner is not engine.optimizer
+        self.partitioned = self.inner is not engine.optimizer and not type(engine.optimizer).__name__.startswith("FP16")
         grid = getattr(engine, "grid", None)
         if not dist.is_initialized() or dist.get_world_size() == 1:
             self.reduce_group, self.needs_reduce = None, False
@@ -81,43 +198,74 @@ class GradClipper:
         else:
             self.reduce_group, self.needs_reduce = None, False  # replicated over data-parallel ranks
         self.last_norm: Optional[float] = None
-        self.last_group_norms: dict[str, float] = {}
         self.last_coef: float = 1.0
-        self._handle = self.inner.register_step_pre_hook(self._hook)
+        self.group_norms: dict = {}
+        self.group_coefs: dict = {}
+        self.seconds = 0.0  # time spent measuring/clipping this step (benchmarks)
+        self._handle = None
+        self._zero = None
+        if not enabled and max_norm is None and all(v is None for v in self.limits.values()):
+            return  # nothing to clip and norms not wanted: no hook, no extra collective
+        if type(engine.optimizer).__name__ == "DeepSpeedZeroOptimizer":
+            self._zero = engine.optimizer
+            original = self._zero.step
 
+            def step(*args, **kwargs):
+                self._zero_pre_step()
+                return original(*args, **kwargs)
+
+            self._zero.step = step
+        else:
+            self._handle = self.inner.register_step_pre_hook(self._hook)
+
+    # -- where the gradients are -----------------------------------------------------------------
     def _hook(self, optimizer, args, kwargs):
-        groups = optimizer.param_groups
-        sq = torch.zeros(len(self.group_names), dtype=torch.float64)
-        grads_by_group = []
-        for i, g in enumerate(groups):
-            name = g.get("name", self.group_names[min(i, len(self.group_names) - 1)])
-            slot = self.group_names.index(name) if name in self.group_names else len(self.group_names) - 1
-            grads = [p.grad for p in g["params"] if p.grad is not None]
-            grads_by_group.append(grads)
-            if grads:
-                norms = torch._foreach_norm(grads, 2.0)
-                sq[slot] += float(sum(n.double() ** 2 for n in norms))
+        named = [(g.get("name"), [p.grad for p in g["params"] if p.grad is not None]) for g in optimizer.param_groups]
+        self._clip(named, scale=1.0)
+        return None
+
+    def _zero_pre_step(self):
+        zo = self._zero
+        named = []
+        for i, group in enumerate(zo.optimizer.param_groups):
+            flat = zo._get_preflattened_grad_partition(i)
+            grads = [flat] if flat is not None else [t for t in (zo.averaged_gradients.get(i) or []) if t is not None]
+            named.append((group.get("name"), grads))
+        self._clip(named, scale=float(getattr(zo, "loss_scale", 1.0) or 1.0))
+
+    # -- the arithmetic --------------------------------------------------------------------------
+    def _clip(self, named_grads, scale: float) -> None:
+        t0 = time.perf_counter()
+        sq = torch.zeros(max(1, len(self.names)), dtype=torch.float64)
+        grads: dict = {}
+        for name, gs in named_grads:
+            if name not in self.names or not gs:
+                continue
+            grads.setdefault(name, []).extend(gs)
+            sq[self.names.index(name)] += float(sum(n.double() ** 2 for n in torch._foreach_norm(gs, 2.0)))
         if self.needs_reduce:
-            dev = self._device(grads_by_group)
+            dev = next((x.device for gs in grads.values() for x in gs), self.engine.device)
             t = sq.to(dev)
             dist.all_reduce(t, group=self.reduce_group)
             sq = t.cpu()
-        self.last_group_norms = {n: float(math.sqrt(v)) for n, v in zip(self.group_names, sq.tolist())}
-        total = float(math.sqrt(sq.sum().item()))
-        self.last_norm = total
-        self.last_coef = 1.0
-        if self.max_norm is not None and math.isfinite(total) and total > self.max_norm:
-            self.last_coef = self.max_norm / (total + 1e-6)
-            for grads in grads_by_group:
-                if grads:
-                    torch._foreach_mul_(grads, self.last_coef)
-        return None
+        norms = {n: math.sqrt(v) / scale for n, v in zip(self.names, sq.tolist())}  # of unscaled gradients
+        coefs = {n: clip_coef(norms[n], self.limits[n]) for n in self.names}
+        total = math.sqrt(sum(v * v for v in norms.values()))
+        clipped_total = math.sqrt(sum((norms[n] * coefs[n]) ** 2 for n in self.names))
+        global_coef = clip_coef(clipped_total, self.max_norm)
+        for n, gs in grads.items():
+            c = coefs[n] * global_coef
+            if c != 1.0:
+                torch._foreach_mul_(gs, c)
+        self.group_norms, self.group_coefs = norms, coefs
+        self.last_norm, self.last_coef = total, global_coef
+        self.seconds += time.perf_counter() - t0
 
-    def _device(self, grads_by_group):
-        for grads in grads_by_group:
-            for g in grads:
-                return g.device
-        return self.engine.device
-
-    def remove(self):
-        self._handle.remove()
+    def record(self) -> dict:
+        """Metrics for this step: global pre-clip norm and coefficient, and each group's."""
+        out = {"grad_norm": self.last_norm, "clip_coef": self.last_coef, "clip_time": self.seconds}
+        for n in self.names:
+            out[f"grad_norm.{n}"] = self.group_norms.get(n)
+            out[f"clip_coef.{n}"] = self.group_coefs.get(n)
+        self.seconds = 0.0
+        return out

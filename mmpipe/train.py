@@ -158,6 +158,25 @@ class BadSamples:
                 self.log(f"skipped bad sample {path}: {why}")
 
 
+def memory_summary(engine, inner_optimizer, rank: int, stage: int) -> str:
+    """One line per rank after the first step: what this rank holds (frozen groups show here)."""
+    import resource
+
+    from deepspeed.accelerator import get_accelerator
+    params = list(engine.module.parameters())
+    total = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    state = sum(t.numel() * t.element_size() for s in inner_optimizer.state.values() for t in s.values()
+                if torch.is_tensor(t))
+    acc = get_accelerator()
+    if acc.device_name() == "cpu":
+        peak = f"max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB"
+    else:
+        peak = f"peak device memory {acc.max_memory_allocated() / 2**20:.0f} MB"
+    return (f"rank {rank} stage {stage}: params {total / 1e6:.2f}M (trainable {trainable / 1e6:.2f}M), "
+            f"optimizer state {state / 2**20:.1f} MB, {peak}")
+
+
 def _as_pipe_batches(loader, bad: BadSamples):
     for b in loader:
         bad.add(b["bad"])
@@ -178,7 +197,9 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     from mmpipe.ds_config import resolve
     from mmpipe.evaluate import retrieval_metrics
     from mmpipe.models.clip import DualEncoder, ModelSpec
-    from mmpipe.optim import GradClipper, lr_lambda, param_groups
+    from mmpipe.optim import (GradClipper, apply_freeze, assign_groups, forward_only_parts, lr_lambda, param_groups,
+                              resolve_groups)
+    from mmpipe.pipeline.module import meta_parts
 
     # validate everything that needs no process group first: config mistakes end as one line
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -198,6 +219,8 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     # every rank reads the val manifest (no images): all stages need the eval micro-batch count
     val_samples = read_manifest(cfg.data.val, "data.val") if cfg.data.val else None
 
+    groups = resolve_groups(cfg.optim)
+
     rank, world = init_distributed()
     import deepspeed
     out_dir = cfg.train.output_dir
@@ -207,21 +230,39 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     tok = prepare_tokenizer(cfg, rank, train_samples)
     spec = ModelSpec(cfg.model, cfg.train.seed)
     is_reporter = rank == topo.reporting_rank
+    # every parameter of the whole model must land in exactly one group (checked on the meta device)
+    part_params = {part: list(params) for part, params in meta_parts(spec).items()}
+    assignment = assign_groups([n for names in part_params.values() for n in names], groups)
+    frozen_names = frozenset(n for n, g in assignment.items() if next(x for x in groups if x.name == g).frozen)
+    forward_only = frozenset(forward_only_parts(part_params, spec.branch, groups))
 
     # ---- model and engine --------------------------------------------------------------------
     if P == 1:
         model = DualEncoder(spec)
-        names_params = model.named_parameters()
+        model.forward_only = forward_only
+        named = lambda: model.named_parameters()  # noqa: E731
     else:
-        from mmpipe.pipeline.module import MMPipelineModule
-        model = MMPipelineModule(spec, P, placement=cfg.parallel.placement)
-        names_params = model.named_parameters()
-    groups = param_groups(names_params, cfg.optim)
+        from mmpipe.pipeline.module import MMPipelineModule, plan_parts
+        parts = plan_parts(spec, P, cfg.parallel.placement, cfg.parallel.plan, frozen_names)
+        if parts is not None and (cfg.parallel.zero_stage > 0 or cfg.train.precision != "fp32"):
+            names = spec.part_names()
+            for s_, (a, b) in enumerate(zip(parts, parts[1:])):
+                if all(pn in frozen_names for part in names[a:b] for pn in part_params[part]):
+                    raise ConfigError(
+                        f"pipeline stage {s_} ({names[a]} .. {names[b - 1]}) holds only frozen parameters, which "
+                        f"DeepSpeed's ZeRO-{cfg.parallel.zero_stage}/{cfg.train.precision} optimizer cannot hold; "
+                        "use zero_stage 0 with fp32, or a parallel.plan that gives every stage a trainable layer")
+        model = MMPipelineModule(spec, P, placement=cfg.parallel.placement, parts=parts, forward_only=forward_only)
+        named = model.plain_named_parameters
+    apply_freeze(named(), groups)
+    torch_groups = param_groups(named(), groups)
+    if not torch_groups:  # every layer of this stage is frozen: it still runs, forward only
+        torch_groups = [{"name": "none", "params": []}]
     scheduler = None
     if "scheduler" not in ds_cfg:
         f = lr_lambda(cfg.optim, cfg.train.steps)
         scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)  # noqa: E731
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_cfg,
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=torch_groups, config=ds_cfg,
                                            lr_scheduler=scheduler)
     if P == 1:
         runner = PlainRunner(engine, topo)
@@ -231,7 +272,7 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
         fix_recv_buffer_dtype(engine)
         runner = PipelineRunner(engine, topo)
         layer_names, parts = model.layer_names, list(model.parts)
-    clipper = GradClipper(engine, cfg.optim.max_grad_norm)
+    clipper = GradClipper(engine, groups, cfg.optim.max_grad_norm, enabled=cfg.log.grad_norm)
 
     start_step, total_bad = 0, 0
     if resume:
@@ -298,7 +339,8 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     stats = torch.zeros(1, dtype=torch.float64)
     end = min(cfg.train.steps, stop_at) if stop_at else cfg.train.steps
     while step < end:
-        lr = engine.get_lr()[0]
+        lrs = engine.get_lr()
+        lr = lrs[0] if lrs else 0.0  # an all-frozen stage has no lr
         t0 = time.perf_counter()
         loss = runner.train_step(train_iter)
         dt = time.perf_counter() - t0
@@ -308,8 +350,9 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
         dist.all_reduce(stats)
         total_bad += int(stats[0])
         writer.log_step({"step": step, "loss": loss, "lr": lr, "samples_per_sec": topo.batch_size / dt,
-                         "grad_norm": clipper.last_norm, "clip_coef": clipper.last_coef, "step_time": dt,
-                         "bad_samples": total_bad})
+                         **clipper.record(), "step_time": dt, "bad_samples": total_bad})
+        if step == start_step + 1:
+            print(f"[mmpipe] {memory_summary(engine, clipper.inner, rank, stage)}", flush=True)
         if cfg.train.save_every and step % cfg.train.save_every == 0 and step < end:
             checkpoint.save(engine, ckpt_dir, step, {"bad_samples": total_bad}, layer_names, parts,
                             keep=cfg.train.keep_checkpoints)

@@ -284,3 +284,17 @@ def test_retrieval_metrics():
     assert m["i2t_r1"] == 1.0 and m["t2i_r1"] == 1.0 and m["chance_r1"] == 0.2
     m = retrieval_metrics(x, x.roll(1, dims=0))
     assert m["i2t_r1"] == 0.0 and m["i2t_r5"] == 1.0
+
+
+def test_tokenizer_ids_are_the_same_in_every_process(tmp_path, tiny_data):
+    """Each run (and each layout) trains its own tokenizer: the ids must not depend on the process."""
+    import subprocess
+    import sys
+    code = ("import sys, json; from mmpipe.data.manifest import read_manifest; "
+            "from mmpipe.data.tokenizer import train_tokenizer; "
+            "t = train_tokenizer([s.text for s in read_manifest(sys.argv[1])], 300, sys.argv[2]); "
+            "print(json.dumps(sorted(t.get_vocab().items())))")
+    outs = [subprocess.run([sys.executable, "-c", code, tiny_data["train"], str(tmp_path / f"t{i}")],
+                           capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+            for i in range(2)]
+    assert outs[0] == outs[1] and len(json.loads(outs[0])) > 20

@@ -26,16 +26,36 @@ def load_tokenizer(path: str, key: str = "data.tokenizer"):
 
 
 def train_tokenizer(texts, vocab_size: int, out_dir: str):
-    """Train a lower-casing WordPiece tokenizer ([CLS] text [SEP]) and save it to ``out_dir``."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    """Build a lower-casing WordPiece tokenizer ([CLS] text [SEP]) from the captions and save it.
+
+    The vocabulary is chosen deterministically (special tokens, every character seen, with its
+    ``##`` continuation form, then whole words by descending count, ties by spelling), so the same
+    captions give the same token ids in every process: ``tokenizers``' own WordPiece trainer does
+    not (its tie-breaking follows a per-process hash order), which would give each run of the same
+    config different embeddings.
+    """
+    from collections import Counter
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, min_frequency=1)
-    tok.train_from_iterator(texts, trainer=trainer)
-    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    norm = normalizers.BertNormalizer(lowercase=True)
+    pre = pre_tokenizers.BertPreTokenizer()
+    counts: Counter = Counter()
+    chars: set = set()
+    for text in texts:
+        for word, _ in pre.pre_tokenize_str(norm.normalize_str(text)):
+            counts[word] += 1
+            chars.update(word)
+    alphabet = sorted(chars)
+    base = SPECIALS + alphabet + ["##" + c for c in alphabet]
+    taken = set(base)
+    words = [w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if w not in taken]
+    vocab = {t: i for i, t in enumerate(base + words[:max(0, vocab_size - len(base))])}
+    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+    tok.normalizer = norm
+    tok.pre_tokenizer = pre
+    cls_id, sep_id = vocab["[CLS]"], vocab["[SEP]"]
     tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
                                                        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
     tok.decoder = decoders.WordPiece()

@@ -138,18 +138,29 @@ class DualEncoder(nn.Module):
                           parts["text.head"])
         self.text_projection = parts["text_projection"]
         self.loss = parts["loss"]
+        # parts that may run without autograd (frozen, with nothing trainable upstream in their
+        # branch); set by the trainer after freezing, empty by default
+        self.forward_only: frozenset = frozenset()
+
+    def _run(self, name: str, module: nn.Module, *args):
+        if name in self.forward_only and torch.is_grad_enabled():
+            with torch.no_grad():
+                return module(*args)
+        return module(*args)
 
     def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        h = self.vision.embed(pixel_values)
-        for block in self.vision.blocks:
-            h = block(h)
-        return self.visual_projection(self.vision.head(h))
+        h = self._run("vision.embed", self.vision.embed, pixel_values)
+        for i, block in enumerate(self.vision.blocks):
+            h = self._run(f"vision.blocks.{i}", block, h)
+        h = self._run("vision.head", self.vision.head, h)
+        return self._run("visual_projection", self.visual_projection, h)
 
     def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        h = self.text.embed(input_ids)
-        for block in self.text.blocks:
-            h = block(h, attention_mask)
-        return self.text_projection(self.text.head(h, input_ids, attention_mask))
+        h = self._run("text.embed", self.text.embed, input_ids)
+        for i, block in enumerate(self.text.blocks):
+            h = self._run(f"text.blocks.{i}", block, h, attention_mask)
+        h = self._run("text.head", self.text.head, h, input_ids, attention_mask)
+        return self._run("text_projection", self.text_projection, h)
 
     def forward(self, pixel_values, input_ids, attention_mask):
         return self.loss(self.encode_image(pixel_values), self.encode_text(input_ids, attention_mask))

@@ -77,14 +77,22 @@ def role_of(name: str):
 class PipeLayer(nn.Module):
     """One part of the plain model, adapted to the tuple contract. Built per stage via LayerSpec."""
 
-    def __init__(self, spec, name: str):
+    def __init__(self, spec, name: str, forward_only: bool = False):
         super().__init__()
         self.name = name
         self.part = spec.build_part(name)
         self._role = role_of(name)
+        # frozen, and nothing upstream in its branch trains: run without autograd
+        self.forward_only = forward_only
 
     def forward(self, acts):
-        return self._role(self.part, acts)
+        if not (self.forward_only and torch.is_grad_enabled()):
+            return self._role(self.part, acts)
+        with torch.no_grad():
+            out = self._role(self.part, acts)
+        # DeepSpeed runs backward on every float tensor a stage sends: make the no-grad outputs
+        # leaves that accept (and drop) that gradient, so an all-frozen stage still runs
+        return tuple(t.requires_grad_(True) if t.is_floating_point() and not t.requires_grad else t for t in out)
 
     def extra_repr(self) -> str:
         return self.name

@@ -13,39 +13,58 @@ from typing import Optional
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
 
-from mmpipe.pipeline.layers import PipeLayer
-from mmpipe.pipeline.partition import modality_partition, stage_lists
+from mmpipe.pipeline.layers import PipeLayer, plain_state_key
+from mmpipe.pipeline.partition import min_max_partition, modality_partition, parts_from_lists, stage_lists
 
-LAYERS_FILE = "mmpipe_layers.json"
-
-
-def param_counts(spec) -> list[int]:
-    """Trainable parameters per layer, counted on the meta device (no memory, no weights read)."""
-    counts = []
+def meta_parts(spec) -> dict:
+    """{part name: {plain parameter name: numel}}, built on the meta device (no memory, no I/O)."""
+    out = {}
     for name in spec.part_names():
         with torch.device("meta"):
             m = spec._build_unseeded(name)
-        counts.append(sum(p.numel() for p in m.parameters() if p.requires_grad))
-    return counts
+        out[name] = {f"{name}.{k}": p.numel() for k, p in m.named_parameters()}
+    return out
 
 
-def plan_parts(spec, num_stages: int, placement: str) -> Optional[list[int]]:
-    """Explicit parts for mmpipe placements; None means "let DeepSpeed partition"."""
+def plan_parts(spec, num_stages: int, placement: str, plan_file: Optional[str] = None,
+               frozen_params: frozenset = frozenset()) -> Optional[list[int]]:
+    """Explicit parts for mmpipe placements; None means "let DeepSpeed partition".
+
+    Cost model until the profiler exists: trainable parameters per layer, plus one so that
+    parameter-free layers still count (frozen parameters cost no gradient or optimizer work)."""
     names = spec.part_names()
+    if plan_file:
+        return parts_from_plan_file(plan_file, names, num_stages)
+    if placement not in ("modality", "balanced"):
+        return None
+    costs = [1 + sum(n for pname, n in params.items() if pname not in frozen_params)
+             for params in meta_parts(spec).values()]
     if placement == "modality":
-        # cost model until the profiler exists: trainable parameters (plus one, so empty layers count)
-        costs = [c + 1 for c in param_counts(spec)]
         return modality_partition(costs, [spec.branch(n) for n in names], num_stages)
-    return None
+    return min_max_partition(costs, num_stages)
+
+
+def parts_from_plan_file(path: str, names: list, num_stages: int) -> list[int]:
+    from mmpipe.errors import ConfigError
+    if not os.path.isfile(path):
+        raise ConfigError(f"parallel.plan: file not found: {path} (a plan.json from a run, or {{\"stages\": [[layer names]...]}})")
+    with open(path) as fh:
+        stages = json.load(fh).get("stages")
+    if not isinstance(stages, list) or len(stages) != num_stages:
+        raise ConfigError(f"parallel.plan: {path} must hold \"stages\": a list of {num_stages} lists of layer names")
+    try:
+        return parts_from_lists(names, stages)
+    except ValueError as e:
+        raise ConfigError(f"parallel.plan: {path}: {e} (layers: {', '.join(names)})") from None
 
 
 class MMPipelineModule(PipelineModule):
     def __init__(self, spec, num_stages: int, placement: str = "modality", parts: Optional[list[int]] = None,
-                 topology=None, **kwargs):
+                 topology=None, forward_only: frozenset = frozenset(), **kwargs):
         self.layer_names = spec.part_names()
         self.mm_parts = parts if parts is not None else plan_parts(spec, num_stages, placement)
         method = placement if self.mm_parts is None else "uniform"
-        layers = [LayerSpec(PipeLayer, spec, name) for name in self.layer_names]
+        layers = [LayerSpec(PipeLayer, spec, name, name in forward_only) for name in self.layer_names]
         super().__init__(layers=layers, num_stages=None if topology else num_stages, topology=topology,
                          loss_fn=None, partition_method=method, **kwargs)
 
@@ -59,13 +78,15 @@ class MMPipelineModule(PipelineModule):
         stage = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
+    def plain_named_parameters(self):
+        """This stage's parameters under the plain model's names (for groups and freezing)."""
+        for layer in self.forward_funcs:
+            if isinstance(layer, PipeLayer):
+                for k, p in layer.named_parameters():
+                    yield plain_state_key(layer.name, k), p
+
     def stage_layer_names(self) -> list[list[str]]:
         return stage_lists(self.layer_names, self.parts)
-
-    def save_layer_names(self, ckpt_dir: str) -> None:
-        os.makedirs(ckpt_dir, exist_ok=True)
-        with open(os.path.join(ckpt_dir, LAYERS_FILE), "w") as fh:
-            json.dump({"layers": self.layer_names, "parts": self.parts}, fh)
 
 
 def fix_recv_buffer_dtype(engine) -> None:
