@@ -187,12 +187,21 @@ def test_grouped_clipping_bf16_within_bf16_tolerance(runs, plan_file, reference)
     for g in LIMITS:  # first-step group norms: same weights, bf16 arithmetic
         assert rec[f"grad_norm.{g}"] == pytest.approx(ref_norms[0][g], rel=3e-2)
     sd = load_model_weights(os.path.join(out, "checkpoints"), "global_step3")
-    for k in ref_sd:  # the update each tensor received points the same way as in fp32
+    ds_, ds_ref = [], []
+    for k in ref_sd:  # the updates point the same way as in fp32 ...
         d_ref = (ref_sd[k] - init[k]).flatten()
         d = (sd[k].float() - init[k].to(torch.bfloat16).float()).flatten()
-        if d_ref.norm() > 1e-3:
-            cos = float(torch.nn.functional.cosine_similarity(d, d_ref, dim=0))
-            assert cos > 0.9, (k, cos)
+        # ... where bf16 can represent them: the saved module weights are bf16, so an update smaller
+        # than the weight's bf16 spacing (|w| * 2^-7, e.g. LayerNorm gains at 1.0) does not show
+        visible = d_ref.abs() > init[k].flatten().abs() * 2 ** -7 * 2
+        ds_.append(d[visible])
+        ds_ref.append(d_ref[visible])
+    d, d_ref = torch.cat(ds_), torch.cat(ds_ref)
+    assert d.numel() > 10_000
+    # Adam moves every weight by ~lr: elements whose gradient is ~0 (e.g. key biases) move by sign
+    # noise in both runs, so compare the whole update vector, not tensor by tensor
+    assert float(torch.nn.functional.cosine_similarity(d, d_ref, dim=0)) > 0.9
+    assert float((d - d_ref).norm() / d_ref.norm()) < 0.5
 
 
 # ---- limits: inf = off; one group's limit moves only that group --------------------------------------------
