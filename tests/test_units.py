@@ -298,3 +298,10 @@ def test_tokenizer_ids_are_the_same_in_every_process(tmp_path, tiny_data):
                            capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
             for i in range(2)]
     assert outs[0] == outs[1] and len(json.loads(outs[0])) > 20
+
+
+def test_readme_config_reference_is_in_sync():
+    readme = open(os.path.join(os.path.dirname(TINY), "..", "README.md")).read()
+    a = readme.index("<!-- config-reference:start")
+    table = readme[readme.index("\n", a) + 1:readme.index("<!-- config-reference:end -->")].strip()
+    assert table == reference().strip(), "README config reference is stale: regenerate with mmpipe config --reference"
