@@ -7,9 +7,10 @@ Contract (one place, tested):
   so the run config saved with the run is the truth.
 - ``"auto"`` or a missing key is filled from the run config.
 - Gradient clipping belongs to mmpipe: the JSON's ``gradient_clipping`` (if concrete) becomes
-  ``optim.max_grad_norm`` and the resolved JSON always says ``gradient_clipping: 0.0``, so
-  DeepSpeed never clips a second time. mmpipe computes the true global norm across pipeline
-  stages and data-parallel/ZeRO partitions and clips once (see ``mmpipe.optim``).
+  ``optim.max_grad_norm`` and the resolved JSON says ``gradient_clipping: 0.0``, so DeepSpeed
+  never clips a second time. mmpipe computes the true global and per-group norms across pipeline
+  stages and data-parallel/ZeRO partitions and clips once (see ``mmpipe.optim``). Exception:
+  ZeRO-2/3 (P = 1 only), where DeepSpeed clips globally and per-group limits are refused.
 """
 from __future__ import annotations
 
@@ -120,7 +121,8 @@ def resolve(cfg: RunConfig, world_size: int) -> tuple[dict, Topology]:
     ds["train_batch_size"] = cfg.train.batch_size
     ds["train_micro_batch_size_per_gpu"] = cfg.parallel.micro_batch_size
     ds["gradient_accumulation_steps"] = topo.accumulation_steps
-    ds["gradient_clipping"] = 0.0
+    # mmpipe clips (ZeRO 0/1, every layout); under ZeRO-2/3 (P = 1 only) DeepSpeed clips globally
+    ds["gradient_clipping"] = 0.0 if cfg.parallel.zero_stage < 2 else float(cfg.optim.max_grad_norm or 0.0)
     zero = ds.setdefault("zero_optimization", {})
     zero["stage"] = cfg.parallel.zero_stage
     if cfg.parallel.zero_stage >= 1 and cfg.train.precision != "bf16":

@@ -220,6 +220,10 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     val_samples = read_manifest(cfg.data.val, "data.val") if cfg.data.val else None
 
     groups = resolve_groups(cfg.optim)
+    if cfg.parallel.zero_stage >= 2 and any(g.max_grad_norm is not None for g in groups):
+        raise ConfigError(f"per-group clipping (optim.groups.*.max_grad_norm) supports ZeRO 0/1, not "
+                          f"parallel.zero_stage={cfg.parallel.zero_stage}: use zero_stage 1, or only optim.max_grad_norm "
+                          "(DeepSpeed clips globally under ZeRO-2/3)")
 
     rank, world = init_distributed()
     import deepspeed
@@ -272,7 +276,10 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
         fix_recv_buffer_dtype(engine)
         runner = PipelineRunner(engine, topo)
         layer_names, parts = model.layer_names, list(model.parts)
-    clipper = GradClipper(engine, groups, cfg.optim.max_grad_norm, enabled=cfg.log.grad_norm)
+    # ZeRO-2/3 keep reduced gradients in buckets mmpipe does not read (yet): DeepSpeed clips there
+    own_clip = cfg.parallel.zero_stage < 2
+    clipper = GradClipper(engine, groups, cfg.optim.max_grad_norm if own_clip else None,
+                          enabled=cfg.log.grad_norm and own_clip)
 
     start_step, total_bad = 0, 0
     if resume:
@@ -351,8 +358,11 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
         total_bad += int(stats[0])
         writer.log_step({"step": step, "loss": loss, "lr": lr, "samples_per_sec": topo.batch_size / dt,
                          **clipper.record(), "step_time": dt, "bad_samples": total_bad})
-        if step == start_step + 1:
-            print(f"[mmpipe] {memory_summary(engine, clipper.inner, rank, stage)}", flush=True)
+        if step == start_step + 1:  # what each rank holds (frozen groups show here), printed by the reporter
+            lines = [None] * world
+            dist.all_gather_object(lines, memory_summary(engine, clipper.inner, rank, stage))
+            for line in lines:
+                writer.info(line)
         if cfg.train.save_every and step % cfg.train.save_every == 0 and step < end:
             checkpoint.save(engine, ckpt_dir, step, {"bad_samples": total_bad}, layer_names, parts,
                             keep=cfg.train.keep_checkpoints)
