@@ -201,7 +201,8 @@ class GradClipper:
         self.last_coef: float = 1.0
         self.group_norms: dict = {}
         self.group_coefs: dict = {}
-        self.seconds = 0.0  # time spent measuring/clipping this step (benchmarks)
+        self.seconds = 0.0  # time computing norms and scaling this step (benchmarks)
+        self.wait_seconds = 0.0  # time in the norm all-reduce, including waiting for other stages
         self._handle = None
         self._zero = None
         if not enabled and max_norm is None and all(v is None for v in self.limits.values()):
@@ -246,8 +247,13 @@ class GradClipper:
         if self.needs_reduce:
             dev = next((x.device for gs in grads.values() for x in gs), self.engine.device)
             t = sq.to(dev)
+            t1 = time.perf_counter()
             dist.all_reduce(t, group=self.reduce_group)
             sq = t.cpu()
+            # the all-reduce also absorbs the wait for the slowest stage (pipeline skew that would
+            # otherwise show at the next step's first receive): counted apart from the compute
+            self.wait_seconds += time.perf_counter() - t1
+            t0 += time.perf_counter() - t1
         norms = {n: math.sqrt(v) / scale for n, v in zip(self.names, sq.tolist())}  # of unscaled gradients
         coefs = {n: clip_coef(norms[n], self.limits[n]) for n in self.names}
         total = math.sqrt(sum(v * v for v in norms.values()))
@@ -263,9 +269,10 @@ class GradClipper:
 
     def record(self) -> dict:
         """Metrics for this step: global pre-clip norm and coefficient, and each group's."""
-        out = {"grad_norm": self.last_norm, "clip_coef": self.last_coef, "clip_time": self.seconds}
+        out = {"grad_norm": self.last_norm, "clip_coef": self.last_coef, "clip_time": self.seconds,
+               "clip_wait": self.wait_seconds}
         for n in self.names:
             out[f"grad_norm.{n}"] = self.group_norms.get(n)
             out[f"clip_coef.{n}"] = self.group_coefs.get(n)
-        self.seconds = 0.0
+        self.seconds = self.wait_seconds = 0.0
         return out
