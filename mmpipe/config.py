@@ -74,6 +74,7 @@ class DataConfig:
     pin_memory: bool = _f(True, "pin host memory (used only when the device is not the CPU)")
     prefetch_factor: int = _f(2, "batches prefetched per worker")
     persistent_workers: bool = _f(True, "keep workers alive across epochs")
+    max_bad_fraction: float = _f(0.05, "stop with an error when more than this fraction of samples is unusable")
 
 
 @dataclass

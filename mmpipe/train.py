@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from mmpipe import checkpoint
 from mmpipe.config import RunConfig, save_yaml
-from mmpipe.errors import ConfigError
+from mmpipe.errors import ConfigError, DataError
 from mmpipe.metrics import MetricsWriter, NullWriter
 
 LABEL_PLACEHOLDER = torch.zeros(1)  # the last stage reads "labels"; the CLIP loss needs none
@@ -142,19 +142,26 @@ class PipelineRunner:
 # --------------------------------------------------------------------------------------------
 # data streams per stage
 # --------------------------------------------------------------------------------------------
-class BadSamples:
-    """Counts and logs (once per file) samples the loader skipped on this rank."""
+class DataStats:
+    """Per-rank data counters for the current step: bad samples skipped (logged once per file),
+    samples delivered, and seconds the training loop waited for the loader."""
 
     def __init__(self, log):
         self.seen: set = set()
-        self.count = 0
         self.log = log
+        self.first_bad: Optional[str] = None
+        self.reset()
 
-    def add(self, bad) -> None:
-        for path, why in bad:
-            self.count += 1
+    def reset(self) -> None:
+        self.bad, self.delivered, self.wait = 0, 0, 0.0
+
+    def add(self, batch) -> None:
+        self.delivered += len(batch["index"])
+        for path, why in batch["bad"]:
+            self.bad += 1
             if path not in self.seen:
                 self.seen.add(path)
+                self.first_bad = self.first_bad or f"{path} ({why})"
                 self.log(f"skipped bad sample {path}: {why}")
 
 
@@ -177,9 +184,16 @@ def memory_summary(engine, inner_optimizer, rank: int, stage: int) -> str:
             f"optimizer state {state / 2**20:.1f} MB, {peak}")
 
 
-def _as_pipe_batches(loader, bad: BadSamples):
-    for b in loader:
-        bad.add(b["bad"])
+def _as_pipe_batches(loader, stats: DataStats):
+    it = iter(loader)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            b = next(it)
+        except StopIteration:
+            return
+        stats.wait += time.perf_counter() - t0
+        stats.add(b)
         yield (b["pixel_values"], b["input_ids"], b["attention_mask"]), LABEL_PLACEHOLDER
 
 
@@ -305,7 +319,7 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
             writer.info(f"stage {s}: {names[0]} .. {names[-1]} ({len(names)} layers)")
 
     # ---- data --------------------------------------------------------------------------------
-    bad = BadSamples(_warn)
+    bad = DataStats(_warn)
     collate = Collate(tok, cfg.data.max_length)
     image_size = spec.vision.image_size
     if reads_data:
@@ -343,7 +357,8 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     # ---- train ---------------------------------------------------------------------------------
     last_eval = None
     step = start_step
-    stats = torch.zeros(1, dtype=torch.float64)
+    stats = torch.zeros(3, dtype=torch.float64)
+    total_delivered = 0
     end = min(cfg.train.steps, stop_at) if stop_at else cfg.train.steps
     while step < end:
         lrs = engine.get_lr()
@@ -352,12 +367,21 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
         loss = runner.train_step(train_iter)
         dt = time.perf_counter() - t0
         step += 1
-        stats[0] = bad.count
-        bad.count = 0
-        dist.all_reduce(stats)
+        stats[0], stats[1], stats[2] = bad.bad, bad.delivered, bad.wait
+        bad.reset()
+        dist.all_reduce(stats)  # summed over the data-reading (first-stage) ranks
         total_bad += int(stats[0])
+        total_delivered += int(stats[1])
+        wait = float(stats[2]) / topo.data_parallel  # mean over the first-stage ranks
         writer.log_step({"step": step, "loss": loss, "lr": lr, "samples_per_sec": topo.batch_size / dt,
-                         **clipper.record(), "step_time": dt, "bad_samples": total_bad})
+                         **clipper.record(), "step_time": dt, "loader_wait": wait,
+                         "loader_wait_frac": wait / dt, "bad_samples": total_bad})
+        attempted = total_bad + total_delivered
+        if total_bad and total_bad > cfg.data.max_bad_fraction * attempted and attempted >= topo.batch_size:
+            raise DataError(f"data.max_bad_fraction={cfg.data.max_bad_fraction} exceeded: {total_bad} of {attempted} "
+                            f"samples could not be used ({100 * total_bad / attempted:.1f}%)"
+                            + (f", e.g. {bad.first_bad}" if bad.first_bad else "")
+                            + "; fix the data (see the skipped-sample warnings) or raise the limit")
         if step == start_step + 1:  # what each rank holds (frozen groups show here), printed by the reporter
             lines = [None] * world
             dist.all_gather_object(lines, memory_summary(engine, clipper.inner, rank, stage))

@@ -101,3 +101,18 @@ def test_bad_samples_are_skipped_and_reported(tmp_path, bad):
     assert item["index"] == 1 and item["text"] == "red"  # the next good sample stands in
     assert item["pixel_values"].shape == (3, 16, 16)
     assert len(item["bad"]) == 1 and item["bad"][0][0] == str(target)
+
+
+def test_bad_fraction_limit_stops_the_run(tiny_data, tmp_path):
+    """2 of 74 training samples are unusable: over a 1% limit the run stops with one line naming it."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, TRAIN_PY, _env
+    proc = subprocess.run([sys.executable, TRAIN_PY, "--config", TINY, "--set", f"data.train={tiny_data['train']}",
+                           "--set", f"train.output_dir={tmp_path}/out", "--set", "parallel.pipeline_stages=1",
+                           "--set", "data.max_bad_fraction=0.01", "--set", "train.steps=8"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("mmpipe: error:")]
+    assert len(lines) == 1 and "data.max_bad_fraction=0.01 exceeded" in lines[0] and "Traceback" not in proc.stderr

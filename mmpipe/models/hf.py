@@ -32,15 +32,6 @@ def translate(name: str, rules) -> Optional[str]:
     return None
 
 
-def reverse_translate(name: str, rules) -> Optional[str]:
-    """HF name -> mmpipe name (ambiguous prefixes resolved by trying each rule)."""
-    out = []
-    for mine, theirs in rules:
-        if name.startswith(theirs):
-            out.append(mine + name[len(theirs):])
-    return out
-
-
 def check_dir(path: str, key: str) -> str:
     if not os.path.isdir(path):
         raise ConfigError(f"{key}: directory not found: {path} (give a local save_pretrained directory; "
