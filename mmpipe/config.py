@@ -293,8 +293,7 @@ def load_config(path: Optional[str] = None, overrides=()) -> RunConfig:
     cfg = _build(RunConfig, data, "", where + (" (+ --set)" if overrides else ""), explicit)
     cfg.explicit = frozenset(explicit)
     cfg.source = path
-    # paths in the config are relative to the config file's directory? No: relative to the CWD,
-    # like every launcher users know (deepspeed, accelerate, torchrun).
+    # paths in the config are relative to the working directory, as with deepspeed/accelerate/torchrun
     validate(cfg)
     return cfg
 
