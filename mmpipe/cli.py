@@ -75,7 +75,8 @@ def run_guarded(func, args) -> int:
         return func(args)
     except MmpipeError as e:
         rank = os.environ.get("RANK", "0")
-        if rank == "0" or not isinstance(e, ConfigError):
+        everywhere = getattr(e, "everywhere", isinstance(e, ConfigError))  # raised alike on every rank
+        if rank == "0" or not everywhere:
             prefix = "" if rank == "0" else f"[rank {rank}] "
             print(f"mmpipe: error: {prefix}{e}", file=sys.stderr, flush=True)
         return 2

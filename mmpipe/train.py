@@ -143,8 +143,9 @@ class PipelineRunner:
 # data streams per stage
 # --------------------------------------------------------------------------------------------
 class DataStats:
-    """Per-rank data counters for the current step: bad samples skipped (logged once per file),
-    samples delivered, and seconds the training loop waited for the loader."""
+    """Per-rank data counters for the current step: newly found bad samples (distinct files, each
+    logged once; a bad file met again in a later epoch is not counted again), samples delivered,
+    and seconds the training loop waited for the loader."""
 
     def __init__(self, log):
         self.seen: set = set()
@@ -158,8 +159,8 @@ class DataStats:
     def add(self, batch) -> None:
         self.delivered += len(batch["index"])
         for path, why in batch["bad"]:
-            self.bad += 1
             if path not in self.seen:
+                self.bad += 1
                 self.seen.add(path)
                 self.first_bad = self.first_bad or f"{path} ({why})"
                 self.log(f"skipped bad sample {path}: {why}")
@@ -358,7 +359,9 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     last_eval = None
     step = start_step
     stats = torch.zeros(3, dtype=torch.float64)
-    total_delivered = 0
+    n_train = torch.tensor([len(train_samples) if reads_data else 0], dtype=torch.int64)
+    dist.all_reduce(n_train, op=dist.ReduceOp.MAX)  # every rank needs it for the bad-fraction check
+    n_train = int(n_train)
     end = min(cfg.train.steps, stop_at) if stop_at else cfg.train.steps
     while step < end:
         lrs = engine.get_lr()
@@ -371,17 +374,17 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
         bad.reset()
         dist.all_reduce(stats)  # summed over the data-reading (first-stage) ranks
         total_bad += int(stats[0])
-        total_delivered += int(stats[1])
         wait = float(stats[2]) / topo.data_parallel  # mean over the first-stage ranks
         writer.log_step({"step": step, "loss": loss, "lr": lr, "samples_per_sec": topo.batch_size / dt,
                          **clipper.record(), "step_time": dt, "loader_wait": wait,
                          "loader_wait_frac": wait / dt, "bad_samples": total_bad})
-        attempted = total_bad + total_delivered
-        if total_bad and total_bad > cfg.data.max_bad_fraction * attempted and attempted >= topo.batch_size:
-            raise DataError(f"data.max_bad_fraction={cfg.data.max_bad_fraction} exceeded: {total_bad} of {attempted} "
-                            f"samples could not be used ({100 * total_bad / attempted:.1f}%)"
+        if total_bad > cfg.data.max_bad_fraction * n_train:
+            err = DataError(f"data.max_bad_fraction={cfg.data.max_bad_fraction} exceeded: {total_bad} of the {n_train} "
+                            f"training samples are unusable ({100 * total_bad / n_train:.1f}%)"
                             + (f", e.g. {bad.first_bad}" if bad.first_bad else "")
                             + "; fix the data (see the skipped-sample warnings) or raise the limit")
+            err.everywhere = True  # every rank knows it: printed once
+            raise err
         if step == start_step + 1:  # what each rank holds (frozen groups show here), printed by the reporter
             lines = [None] * world
             dist.all_gather_object(lines, memory_summary(engine, clipper.inner, rank, stage))
