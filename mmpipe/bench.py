@@ -103,6 +103,95 @@ def bench_groups(args) -> int:
     return 0
 
 
+def make_photos(out: str, n: int, width: int = 640, height: int = 480, seed: int = 0) -> list:
+    """Photographic-ish JPEGs (smooth gradients, blobs and sensor-like noise), quality 90."""
+    import numpy as np
+    from PIL import Image
+    os.makedirs(out, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    paths = []
+    for i in range(n):
+        c = rng.uniform(0, 255, (3, 3))
+        img = (c[:, 0] * (x / width)[..., None] + c[:, 1] * (y / height)[..., None] + c[:, 2]) / 2
+        for _ in range(4):
+            cx, cy, r = rng.uniform(0, width), rng.uniform(0, height), rng.uniform(30, 150)
+            img += rng.uniform(-80, 80, 3) * np.exp(-((x - cx) ** 2 + (y - cy) ** 2) / (2 * r * r))[..., None]
+        img += rng.normal(0, 12, img.shape)
+        p = os.path.join(out, f"{i:05d}.jpg")
+        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(p, quality=90)
+        paths.append(p)
+    return paths
+
+
+class _NaiveDataset:
+    """The baseline users write first: full decode, resize to 224, ToTensor, normalize, pad to 512."""
+
+    def __init__(self, samples, tokenizer):
+        from torchvision import transforms
+        self.samples, self.tok = samples, tokenizer
+        self.tf = transforms.Compose([transforms.Resize(224), transforms.CenterCrop(224), transforms.ToTensor(),
+                                      transforms.Normalize((0.481, 0.458, 0.408), (0.269, 0.261, 0.276))])
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, i):
+        from PIL import Image
+        s = self.samples[i]
+        with Image.open(s.image) as im:
+            x = self.tf(im.convert("RGB"))
+        ids = self.tok(s.text, padding="max_length", max_length=512, truncation=True, return_tensors="pt")
+        return x, ids["input_ids"][0]
+
+
+def _images_per_sec(loader, n: int) -> float:
+    import time
+    t0 = time.perf_counter()
+    seen = 0
+    for batch in loader:
+        seen += len(batch["index"]) if isinstance(batch, dict) else len(batch[0])
+    assert seen == n, (seen, n)
+    return n / (time.perf_counter() - t0)
+
+
+def bench_data(args) -> int:
+    """(a) naive per-sample path vs (b) mmpipe's direct path, images/s through a DataLoader."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from mmpipe.data.loader import Collate, ImageTextDataset
+    from mmpipe.data.manifest import Sample
+    from mmpipe.data.tokenizer import train_tokenizer
+    torch.set_num_threads(1)
+    tmp = tempfile.mkdtemp(prefix="mmpipe-bench-data-")
+    print(f"[bench] writing {args.n} JPEGs of {args.width}x{args.height} ...", flush=True)
+    paths = make_photos(os.path.join(tmp, "img"), args.n, args.width, args.height)
+    words = ["a", "photo", "of", "red", "blue", "gradient", "sky", "over", "the", "hills", "with", "soft", "light"]
+    samples = [Sample(p, " ".join(words[j % len(words)] for j in range(i % 20 + 3))) for i, p in enumerate(paths)]
+    tok = train_tokenizer([s.text for s in samples], 200, os.path.join(tmp, "tok"))
+    kw = dict(batch_size=32, num_workers=args.workers, persistent_workers=False)
+    naive = DataLoader(_NaiveDataset(samples, tok), **kw)
+    direct = DataLoader(ImageTextDataset(samples, 224), collate_fn=Collate(tok, 32), **kw)
+    results = {"(a) naive: full decode, Resize/ToTensor/Normalize, pad to 512": [],
+               "(b) mmpipe direct: reduced-size JPEG decode, uint8, pad to 32": []}
+    for _ in range(args.repeats):  # alternate, keep the best: less exposed to the shared machine's noise
+        for name, loader in zip(results, (naive, direct)):
+            results[name].append(_images_per_sec(loader, args.n))
+    base = max(next(iter(results.values())))
+    lines = ["| path | images/s (best of %d) | vs (a) |" % args.repeats, "|---|---|---|"]
+    for name, vals in results.items():
+        lines.append(f"| {name} | {max(vals):.1f} | {max(vals) / base:.2f}x |")
+    table = "\n".join(lines)
+    print(table)
+    notes = (f"{args.n} JPEGs {args.width}x{args.height}, quality 90 (gradients, blobs, noise), target 224x224, "
+             f"batch 32, {args.workers} loader workers, 1 torch thread. (c), the preprocessed cache, is not built yet.")
+    if not args.no_append:
+        cmd = "mmpipe bench data " + " ".join(shlex.quote(a) for a in sys.argv[3:])
+        append_benchmarks("Data path: images/s", cmd, table, notes)
+    return 0
+
+
 def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks: print a table and append it to BENCHMARKS.md")
     bs = b.add_subparsers(dest="bench_cmd", required=True)
@@ -113,3 +202,11 @@ def add_parser(sub) -> None:
     g.add_argument("--nproc", type=int, default=2)
     g.add_argument("--no-append", action="store_true", help="print only; do not write BENCHMARKS.md")
     g.set_defaults(func=bench_groups)
+    d = bs.add_parser("data", help="image/text loading: naive per-sample path vs mmpipe's direct path")
+    d.add_argument("--n", type=int, default=320)
+    d.add_argument("--width", type=int, default=640)
+    d.add_argument("--height", type=int, default=480)
+    d.add_argument("--workers", type=int, default=2)
+    d.add_argument("--repeats", type=int, default=2)
+    d.add_argument("--no-append", action="store_true")
+    d.set_defaults(func=bench_data)

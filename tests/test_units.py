@@ -305,3 +305,20 @@ def test_readme_config_reference_is_in_sync():
     a = readme.index("<!-- config-reference:start")
     table = readme[readme.index("\n", a) + 1:readme.index("<!-- config-reference:end -->")].strip()
     assert table == reference().strip(), "README config reference is stale: regenerate with mmpipe config --reference"
+
+
+def test_reduced_size_jpeg_decode_stays_close_to_full_decode(tmp_path):
+    """load_image decodes a large JPEG at 1/2 scale (draft); the result must match a full decode +
+    the same resize/crop to within a few grey levels on average."""
+    import numpy as np
+    from PIL import Image
+
+    from mmpipe.bench import make_photos
+    from mmpipe.data.loader import load_image
+    path = make_photos(str(tmp_path), 1, 640, 480, seed=3)[0]
+    fast = load_image(path, 224)
+    with Image.open(path) as im:
+        im = im.convert("RGB").resize((299, 224), Image.BICUBIC).crop((37, 0, 261, 224))
+    full = torch.from_numpy(np.asarray(im).copy()).permute(2, 0, 1)
+    assert fast.shape == full.shape == (3, 224, 224) and fast.dtype == torch.uint8
+    assert (fast.float() - full.float()).abs().mean() < 4.0
