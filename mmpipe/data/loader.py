@@ -1,7 +1,7 @@
 """Image-caption batches for every layout.
 
-- Images are decoded with Pillow, resized (shorter side) and centre-cropped to the tower's input
-  size and shipped as **uint8** (3,H,W): the first pipeline stage normalises on the device.
+- Images are decoded with Pillow (at reduced size when the JPEG allows), centre-cropped and resized
+  to the tower's input size and shipped as **uint8** (3,H,W): the first pipeline stage normalises on the device.
 - ``MicroBatchSampler`` cuts each global batch into micro-batches *the same way in every layout*
   (P, DP, accumulation): data-parallel rank r takes micro-batches r*A .. r*A+A-1 of each global
   batch. Because the contrastive loss is per micro-batch, this is what makes losses identical
@@ -26,22 +26,21 @@ from mmpipe.errors import DataError
 
 
 def load_image(path: str, size: int) -> torch.Tensor:
-    """Decode -> RGB -> resize shorter side to ``size`` (bicubic) -> centre crop -> uint8 (3,size,size).
+    """Decode -> RGB -> centre square -> ``size`` x ``size`` uint8 (3, size, size).
 
     A JPEG at least twice the target is decoded straight to a reduced size (libjpeg's DCT scaling
     via Pillow's ``draft``: 1/2, 1/4 or 1/8, never below the target), which skips most of the
-    decode work; the bicubic resize then finishes the job."""
+    decode work. The centre crop is folded into one antialiased bilinear resize (``box``), the
+    filter torchvision's ``Resize`` uses."""
     with Image.open(path) as im:
         if im.format == "JPEG" and min(im.size) >= 2 * size:
             im.draft("RGB", (size, size))
-        im = im.convert("RGB")
+        if im.mode != "RGB":
+            im = im.convert("RGB")
         w, h = im.size
-        scale = size / min(w, h)
-        nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
-        im = im.resize((nw, nh), Image.BICUBIC)
-        left, top = (nw - size) // 2, (nh - size) // 2
-        im = im.crop((left, top, left + size, top + size))
-        arr = np.asarray(im, dtype=np.uint8)
+        s = min(w, h)
+        box = ((w - s) / 2, (h - s) / 2, (w + s) / 2, (h + s) / 2)
+        arr = np.asarray(im.resize((size, size), Image.BILINEAR, box=box), dtype=np.uint8)
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
 
 
