@@ -144,8 +144,8 @@ class PipelineRunner:
 # --------------------------------------------------------------------------------------------
 class DataStats:
     """Per-rank data counters for the current step: newly found bad samples (distinct files, each
-    logged once; a bad file met again in a later epoch is not counted again), samples delivered,
-    and seconds the training loop waited for the loader."""
+    logged once; a bad file met again in a later epoch is not counted again) and seconds the
+    training loop waited for the loader."""
 
     def __init__(self, log):
         self.seen: set = set()
@@ -154,10 +154,9 @@ class DataStats:
         self.reset()
 
     def reset(self) -> None:
-        self.bad, self.delivered, self.wait = 0, 0, 0.0
+        self.bad, self.wait = 0, 0.0
 
     def add(self, batch) -> None:
-        self.delivered += len(batch["index"])
         for path, why in batch["bad"]:
             if path not in self.seen:
                 self.bad += 1
@@ -341,7 +340,9 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
         idx, n_real = eval_batches(val_samples, topo.micro_batch_size)
         if reads_data:
             ds = ImageTextDataset(val_samples, image_size)
-            batches = list(_as_pipe_batches((collate([ds[i] for i in mb]) for mb in idx), bad))
+            # separate counters: val samples must not count against the training set's bad fraction,
+            # nor their decode time as training loader wait
+            batches = list(_as_pipe_batches((collate([ds[i] for i in mb]) for mb in idx), DataStats(_warn)))
         elif topo.is_last_stage(rank):
             batches = [(None, LABEL_PLACEHOLDER)] * len(idx)
         else:
@@ -358,7 +359,7 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     # ---- train ---------------------------------------------------------------------------------
     last_eval = None
     step = start_step
-    stats = torch.zeros(3, dtype=torch.float64)
+    stats = torch.zeros(2, dtype=torch.float64)
     n_train = torch.tensor([len(train_samples) if reads_data else 0], dtype=torch.int64)
     dist.all_reduce(n_train, op=dist.ReduceOp.MAX)  # every rank needs it for the bad-fraction check
     n_train = int(n_train)
@@ -370,11 +371,11 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
         loss = runner.train_step(train_iter)
         dt = time.perf_counter() - t0
         step += 1
-        stats[0], stats[1], stats[2] = bad.bad, bad.delivered, bad.wait
+        stats[0], stats[1] = bad.bad, bad.wait
         bad.reset()
         dist.all_reduce(stats)  # summed over the data-reading (first-stage) ranks
         total_bad += int(stats[0])
-        wait = float(stats[2]) / topo.data_parallel  # mean over the first-stage ranks
+        wait = float(stats[1]) / topo.data_parallel  # mean over the first-stage ranks
         writer.log_step({"step": step, "loss": loss, "lr": lr, "samples_per_sec": topo.batch_size / dt,
                          **clipper.record(), "step_time": dt, "loader_wait": wait,
                          "loader_wait_frac": wait / dt, "bad_samples": total_bad})
