@@ -11,7 +11,7 @@ import json
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 import yaml
 
@@ -75,6 +75,21 @@ class DataConfig:
     prefetch_factor: int = _f(2, "batches prefetched per worker")
     persistent_workers: bool = _f(True, "keep workers alive across epochs")
     max_bad_fraction: float = _f(0.05, "stop with an error when more than this fraction of samples is unusable")
+    cache: Optional[str] = _f(None, "preprocessed cache dir from `mmpipe data prepare` (uint8 images + token ids); "
+                              "replaces decoding data.train")
+    decode_size: Optional[int] = _f(None, "square size images are decoded (or cached) at before augmentation; unset = "
+                                    "the model's image size")
+    augment: str = _f("none", "none, crop (RandomResizedCrop) or crop_flip (+ RandomHorizontalFlip); applied after "
+                      "decode or cache, seeded by (seed, epoch, sample)")
+    crop_scale: list = _f([0.9, 1.0], "RandomResizedCrop scale range (open_clip's default)")
+    padding: str = _f("batch", "batch: pad captions to the micro-batch's longest (rounded up to data.pad_multiple); "
+                      "max_length: always pad to data.max_length")
+    pad_multiple: int = _f(4, "with padding=batch, round the padded length up to this multiple (fewer distinct shapes)")
+    group_by_length: bool = _f(False, "sort captions by token length within windows of data.group_window micro-batches "
+                               "(less padding; batches then share caption lengths, which changes the negatives)")
+    group_window: int = _f(64, "micro-batches per length-grouping window (or, for shards, samples per window / micro-batch)")
+    shuffle_buffer: int = _f(1000, "shards: samples in the streaming shuffle buffer of each loader worker")
+    log_samples: bool = _f(False, "write the sample ids each data-reading rank trains on to OUTPUT/samples/rank*.txt")
 
 
 @dataclass
@@ -83,7 +98,10 @@ class ParallelConfig:
     placement: str = _f("modality", "modality (stages never mix branches; image first, text+loss last), balanced "
                         "(boundaries anywhere), or DeepSpeed's uniform, parameters, type:REGEX")
     plan: Optional[str] = _f(None, "JSON file with \"stages\": per-stage lists of layer names (e.g. a run's plan.json); overrides placement")
-    micro_batch_size: int = _f(8, "samples per micro-batch per data-parallel rank")
+    micro_batch_size: Union[int, str] = _f(8, "samples per micro-batch per data-parallel rank, or auto: the largest "
+                                            "divisor of the per-rank batch whose probed peak memory fits memory_budget_gb")
+    memory_budget_gb: Optional[float] = _f(None, "per-device memory budget for micro_batch_size=auto; unset = the "
+                                           "device's total memory")
     zero_stage: int = _f(0, "ZeRO stage (0 or 1 with a pipeline; up to 3 with P = 1)")
 
 
@@ -197,10 +215,14 @@ _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "tru
 
 def _check_type(key: str, tp, value, where: str):
     origin = typing.get_origin(tp)
-    if origin is typing.Union:  # Optional[X]
+    if origin is typing.Union:  # Optional[X] or Union[X, Y]
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
+        if value is None and len(args) < len(typing.get_args(tp)):
             return None
+        if len(args) > 1:
+            if any(isinstance(value, a) and not (a is int and isinstance(value, bool)) for a in args):
+                return value
+            raise ConfigError(f"{where}: {key} must be {' or '.join(_TYPE_NAMES[a] for a in args)}, got {value!r}")
         tp = args[0]
     if isinstance(tp, str):
         tp = eval(tp)  # noqa: S307 - only our own annotations
@@ -319,8 +341,17 @@ def validate(cfg: RunConfig) -> None:
     if placement not in ("modality", "balanced", "uniform", "parameters") and not placement.startswith("type:"):
         raise ConfigError(f"{where}: parallel.placement={placement!r} is not one of modality, balanced, uniform, "
                           "parameters, type:REGEX")
-    for key in ("parallel.pipeline_stages", "parallel.micro_batch_size", "train.batch_size", "train.steps",
-                "data.max_length"):
+    mbs = cfg.parallel.micro_batch_size
+    if isinstance(mbs, str) and mbs != "auto":
+        raise ConfigError(f"{where}: parallel.micro_batch_size must be a positive integer or auto, got {mbs!r}")
+    for key, choices in (("data.augment", ("none", "crop", "crop_flip")), ("data.padding", ("batch", "max_length"))):
+        if cfg.get(key) not in choices:
+            raise ConfigError(f"{where}: {key}={cfg.get(key)!r} is not one of {', '.join(choices)}")
+    lo_hi = cfg.data.crop_scale
+    if not (isinstance(lo_hi, list) and len(lo_hi) == 2 and 0 < lo_hi[0] <= lo_hi[1] <= 1):
+        raise ConfigError(f"{where}: data.crop_scale must be [low, high] with 0 < low <= high <= 1, got {lo_hi!r}")
+    for key in ("parallel.pipeline_stages", "train.batch_size", "train.steps", "data.max_length", "data.pad_multiple",
+                "data.group_window") + (("parallel.micro_batch_size",) if mbs != "auto" else ()):
         if cfg.get(key) < 1:
             raise ConfigError(f"{where}: {key} must be >= 1, got {cfg.get(key)}")
     if cfg.parallel.zero_stage not in (0, 1, 2, 3):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import logging
 import os
 import socket
@@ -55,17 +56,20 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def prepare_tokenizer(cfg: RunConfig, rank: int, train_samples=None):
-    """The run's tokenizer (trained on rank 0 from the captions if none is given); fills the text
-    tower's vocab size and EOS id from it."""
+def prepare_tokenizer(cfg: RunConfig, rank: int, source=None):
+    """The run's tokenizer: ``data.tokenizer``, else the cache's, else one trained on rank 0 from the
+    captions; fills the text tower's vocab size and EOS id from it."""
+    from mmpipe.data.source import check_cache_tokenizer, tokenizer_dir
     from mmpipe.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
     if cfg.data.tokenizer:
         tok = load_tokenizer(cfg.data.tokenizer)
+        check_cache_tokenizer(cfg, tok)
+    elif tokenizer_dir(cfg):
+        tok = load_tokenizer(tokenizer_dir(cfg), "data.cache tokenizer")
     else:
         tok_dir = os.path.join(cfg.train.output_dir, "tokenizer")
         if rank == 0 and not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
-            texts = [s.text for s in train_samples]
-            train_tokenizer(texts, cfg.data.tokenizer_vocab_size, tok_dir)
+            train_tokenizer(source.captions(), cfg.data.tokenizer_vocab_size, tok_dir)
         dist.barrier()
         tok = load_tokenizer(tok_dir, "tokenizer in the run directory")
     t = cfg.model.text
@@ -147,16 +151,21 @@ class DataStats:
     logged once; a bad file met again in a later epoch is not counted again) and seconds the
     training loop waited for the loader."""
 
-    def __init__(self, log):
+    def __init__(self, log, sample_log: Optional[str] = None):
         self.seen: set = set()
         self.log = log
         self.first_bad: Optional[str] = None
+        self.sample_log = open(sample_log, "a") if sample_log else None
         self.reset()
 
     def reset(self) -> None:
-        self.bad, self.wait = 0, 0.0
+        self.bad, self.wait, self.drawn = 0, 0.0, 0
 
     def add(self, batch) -> None:
+        self.drawn += len(batch["keys"]) + len(batch["bad"])
+        if self.sample_log is not None:
+            self.sample_log.write(" ".join(batch["keys"]) + "\n")
+            self.sample_log.flush()
         for path, why in batch["bad"]:
             if path not in self.seen:
                 self.bad += 1
@@ -206,8 +215,9 @@ def _warn(msg: str) -> None:
 # --------------------------------------------------------------------------------------------
 def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> dict:
     """Train; ``stop_at`` ends this invocation after that step with a checkpoint (time-limited jobs)."""
-    from mmpipe.data.loader import Collate, ImageTextDataset, MicroBatchSampler, eval_batches, make_loader
-    from mmpipe.data.manifest import read_manifest, require_manifest
+    from mmpipe.data.loader import Collate, ImageTextDataset, eval_batches
+    from mmpipe.data.manifest import read_manifest
+    from mmpipe.data.source import build_train_loader, open_source
     from mmpipe.ds_config import resolve
     from mmpipe.evaluate import retrieval_metrics
     from mmpipe.models.clip import DualEncoder, ModelSpec
@@ -227,9 +237,9 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     P = topo.pipeline_stages
     stage, dp_rank = topo.coords(rank)
     reads_data = stage == 0  # the last stage needs no data: text ids travel with the activations
-    train_samples = read_manifest(cfg.data.train, "data.train") if reads_data else None
-    if not reads_data:
-        require_manifest(cfg.data.train, "data.train")  # same one-line error on every rank
+    from mmpipe.models.clip import vision_image_size
+    image_size = vision_image_size(cfg.model)
+    source = open_source(cfg, image_size, read=reads_data or rank == 0)  # same one-line error on every rank
     # every rank reads the val manifest (no images): all stages need the eval micro-batch count
     val_samples = read_manifest(cfg.data.val, "data.val") if cfg.data.val else None
 
@@ -245,7 +255,7 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     ckpt_dir = os.path.join(out_dir, "checkpoints")
     if rank == 0:
         os.makedirs(out_dir, exist_ok=True)
-    tok = prepare_tokenizer(cfg, rank, train_samples)
+    tok = prepare_tokenizer(cfg, rank, source)
     spec = ModelSpec(cfg.model, cfg.train.seed)
     is_reporter = rank == topo.reporting_rank
     # every parameter of the whole model must land in exactly one group (checked on the meta device)
@@ -270,7 +280,10 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
                         f"pipeline stage {s_} ({names[a]} .. {names[b - 1]}) holds only frozen parameters, which "
                         f"DeepSpeed's ZeRO-{cfg.parallel.zero_stage}/{cfg.train.precision} optimizer cannot hold; "
                         "use zero_stage 0 with fp32, or a parallel.plan that gives every stage a trainable layer")
-        model = MMPipelineModule(spec, P, placement=cfg.parallel.placement, parts=parts, forward_only=forward_only)
+        # captions padded per micro-batch change the text activations' shape: the engine then
+        # sends tensor shapes with every activation (DeepSpeed's dynamic_shape)
+        model = MMPipelineModule(spec, P, placement=cfg.parallel.placement, parts=parts, forward_only=forward_only,
+                                 dynamic_shape=cfg.data.padding == "batch")
         named = model.plain_named_parameters
     apply_freeze(named(), groups)
     torch_groups = param_groups(named(), groups)
@@ -319,15 +332,16 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
             writer.info(f"stage {s}: {names[0]} .. {names[-1]} ({len(names)} layers)")
 
     # ---- data --------------------------------------------------------------------------------
-    bad = DataStats(_warn)
-    collate = Collate(tok, cfg.data.max_length)
-    image_size = spec.vision.image_size
+    sample_log = None
+    if cfg.data.log_samples and reads_data:
+        os.makedirs(os.path.join(out_dir, "samples"), exist_ok=True)
+        sample_log = os.path.join(out_dir, "samples", f"rank{rank}.txt")
+    bad = DataStats(_warn, sample_log)
+    collate = Collate(tok, cfg.data.max_length, cfg.data.padding, cfg.data.pad_multiple)
+    assert image_size == spec.vision.image_size
     if reads_data:
-        sampler = MicroBatchSampler(len(train_samples), topo.micro_batch_size, topo.accumulation_steps,
-                                    topo.data_parallel, dp_rank, cfg.train.seed, start_step=start_step,
-                                    max_steps=cfg.train.steps)
-        loader = make_loader(ImageTextDataset(train_samples, image_size), sampler, collate, cfg.data,
-                             device_name == "cpu")
+        loader = build_train_loader(cfg, source, tok, collate, topo, dp_rank, start_step, image_size,
+                                    device_name == "cpu")
         train_iter = _as_pipe_batches(loader, bad)
     elif topo.is_last_stage(rank):
         train_iter = itertools.repeat((None, LABEL_PLACEHOLDER))
@@ -339,7 +353,7 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
             return None
         idx, n_real = eval_batches(val_samples, topo.micro_batch_size)
         if reads_data:
-            ds = ImageTextDataset(val_samples, image_size)
+            ds = ImageTextDataset(val_samples, image_size, decode_size=cfg.data.decode_size)
             # separate counters: val samples must not count against the training set's bad fraction,
             # nor their decode time as training loader wait
             batches = list(_as_pipe_batches((collate([ds[i] for i in mb]) for mb in idx), DataStats(_warn)))
@@ -359,10 +373,13 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     # ---- train ---------------------------------------------------------------------------------
     last_eval = None
     step = start_step
-    stats = torch.zeros(2, dtype=torch.float64)
-    n_train = torch.tensor([len(train_samples) if reads_data else 0], dtype=torch.int64)
+    stats = torch.zeros(3, dtype=torch.float64)
+    n_train = torch.tensor([source.size or 0 if reads_data else 0], dtype=torch.int64)
     dist.all_reduce(n_train, op=dist.ReduceOp.MAX)  # every rank needs it for the bad-fraction check
     n_train = int(n_train)
+    # a stream (shards) has no known size: the limit applies to the samples drawn so far, once
+    # enough have been drawn for the fraction to mean something
+    drawn, min_drawn = 0, math.ceil(20 / max(cfg.data.max_bad_fraction, 1e-9))
     end = min(cfg.train.steps, stop_at) if stop_at else cfg.train.steps
     while step < end:
         lrs = engine.get_lr()
@@ -371,17 +388,20 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
         loss = runner.train_step(train_iter)
         dt = time.perf_counter() - t0
         step += 1
-        stats[0], stats[1] = bad.bad, bad.wait
+        stats[0], stats[1], stats[2] = bad.bad, bad.wait, bad.drawn
         bad.reset()
         dist.all_reduce(stats)  # summed over the data-reading (first-stage) ranks
         total_bad += int(stats[0])
+        drawn += int(stats[2])
         wait = float(stats[1]) / topo.data_parallel  # mean over the first-stage ranks
         writer.log_step({"step": step, "loss": loss, "lr": lr, "samples_per_sec": topo.batch_size / dt,
                          **clipper.record(), "step_time": dt, "loader_wait": wait,
                          "loader_wait_frac": wait / dt, "bad_samples": total_bad})
-        if total_bad > cfg.data.max_bad_fraction * n_train:
-            err = DataError(f"data.max_bad_fraction={cfg.data.max_bad_fraction} exceeded: {total_bad} of the {n_train} "
-                            f"training samples are unusable ({100 * total_bad / n_train:.1f}%)"
+        denom = n_train or (drawn if drawn >= min_drawn else None)
+        if denom and total_bad > cfg.data.max_bad_fraction * denom:
+            what = f"the {n_train} training samples" if n_train else f"the {drawn} samples drawn so far"
+            err = DataError(f"data.max_bad_fraction={cfg.data.max_bad_fraction} exceeded: {total_bad} of {what} "
+                            f"are unusable ({100 * total_bad / denom:.1f}%)"
                             + (f", e.g. {bad.first_bad}" if bad.first_bad else "")
                             + "; fix the data (see the skipped-sample warnings) or raise the limit")
             err.everywhere = True  # every rank knows it: printed once

@@ -151,7 +151,8 @@ def test_micro_batches_are_layout_independent_and_resumable():
         assert dp[0] + dp[1] == ref
         assert len({i for mb in ref for i in mb}) == 32
     resumed = list(itertools.islice(iter(MicroBatchSampler(100, 4, 8, 1, 0, seed=3, start_step=5)), 8))
-    assert resumed == single.micro_batches(5)
+    assert [[i for i, _ in mb] for mb in resumed] == single.micro_batches(5)
+    assert all(epoch == 1 for mb in resumed for _, epoch in mb)  # step 5 is in epoch 1: it seeds augmentation
 
 
 def test_eval_batches_pad_to_full_micro_batches():

@@ -44,64 +44,154 @@ def load_image(path: str, size: int) -> torch.Tensor:
     return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
 
 
+def decode_sample(path, text: str, size: int) -> tuple[Optional[torch.Tensor], Optional[str]]:
+    """(uint8 image, None), or (None, why the sample is unusable). ``path`` may be a file-like object."""
+    if not text.strip():
+        return None, "empty caption"
+    try:
+        return load_image(path, size), None
+    except FileNotFoundError:
+        return None, "missing file"
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        return None, f"cannot decode ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+
+
+def _item_key(item) -> tuple[int, int]:
+    """Sampler items are ``index`` or ``(index, epoch)``; the epoch seeds augmentation."""
+    return (item, 0) if isinstance(item, int) else (int(item[0]), int(item[1]))
+
+
+class Augment:
+    """Random augmentation applied to the uint8 image *after* decode or cache, so a cache never
+    freezes it: torchvision's ``RandomResizedCrop`` (scale ``crop_scale``) and, with ``crop_flip``,
+    ``RandomHorizontalFlip``. The draws are seeded by (seed, epoch, sample index): the same in every
+    layout, loader worker and after a resume."""
+
+    def __init__(self, mode: str, image_size: int, crop_scale, seed: int):
+        from torchvision.transforms import v2
+        self.mode, self.seed = mode, seed
+        tfs = [v2.RandomResizedCrop(image_size, scale=tuple(crop_scale), antialias=True)]
+        if mode == "crop_flip":
+            tfs.append(v2.RandomHorizontalFlip())
+        self.tf = v2.Compose(tfs)
+
+    def __call__(self, pixels: torch.Tensor, index: int, epoch: int) -> torch.Tensor:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((self.seed * 1_000_003 + epoch) * 10_000_019 + index)
+            return self.tf(pixels)
+
+
+def make_augment(data_cfg, image_size: int, seed: int) -> Optional[Augment]:
+    if data_cfg.augment == "none":
+        return None
+    return Augment(data_cfg.augment, image_size, data_cfg.crop_scale, seed)
+
+
 class ImageTextDataset(Dataset):
-    def __init__(self, samples: list[Sample], image_size: int):
+    """Samples of a manifest, decoded on the fly to ``decode_size`` (then augmented to
+    ``image_size`` if ``augment``)."""
+
+    def __init__(self, samples: list[Sample], image_size: int, augment: Optional[Augment] = None,
+                 decode_size: Optional[int] = None):
         self.samples = samples
         self.image_size = image_size
+        self.decode_size = decode_size or image_size
+        self.augment = augment
 
     def __len__(self):
         return len(self.samples)
 
     def _try(self, idx: int):
         s = self.samples[idx]
-        if not s.text.strip():
-            return None, "empty caption"
-        try:
-            return load_image(s.image, self.image_size), None
-        except FileNotFoundError:
-            return None, "missing file"
-        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
-            return None, f"cannot decode ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        return decode_sample(s.image, s.text, self.decode_size)
 
-    def __getitem__(self, idx: int) -> dict:
+    def _finish(self, pixels: torch.Tensor, j: int, epoch: int) -> torch.Tensor:
+        if self.augment is not None:
+            return self.augment(pixels, j, epoch)
+        if pixels.shape[-1] != self.image_size:
+            from torchvision.transforms.v2 import functional as F
+            pixels = F.resize(pixels, [self.image_size, self.image_size], antialias=True)
+        return pixels
+
+    def __getitem__(self, item) -> dict:
+        idx, epoch = _item_key(item)
         bad = []
         n = len(self.samples)
         for step in range(n):
             j = (idx + step) % n
             pixels, why = self._try(j)
             if pixels is not None:
-                return {"pixel_values": pixels, "text": self.samples[j].text, "index": j, "bad": bad}
+                return {"pixel_values": self._finish(pixels, j, epoch), "text": self.samples[j].text, "index": j,
+                        "bad": bad}
             bad.append((self.samples[j].image, why))
         raise DataError(f"no readable sample in the manifest (first failure: {bad[0][0]}: {bad[0][1]})")
 
 
+def padded_length(lengths, max_length: int, multiple: int) -> int:
+    """The batch's longest caption rounded up to ``multiple``, never above ``max_length``."""
+    longest = max(lengths)
+    return min(max_length, -(-longest // multiple) * multiple)
+
+
 class Collate:
-    def __init__(self, tokenizer, max_length: int):
+    """Stack images; tokenize captions (or take pre-tokenized ``ids`` from the cache) and pad them
+    to the batch's longest rounded up to ``pad_multiple`` (``padding="batch"``), or to
+    ``max_length`` (``padding="max_length"``)."""
+
+    def __init__(self, tokenizer, max_length: int, padding: str = "batch", pad_multiple: int = 4):
         self.tokenizer = tokenizer
         self.max_length = max_length
+        self.padding = padding
+        self.pad_multiple = pad_multiple
+        self.pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+
+    def token_ids(self, items: list[dict]) -> list[list[int]]:
+        if "ids" in items[0]:
+            return [list(it["ids"]) for it in items]
+        enc = self.tokenizer([it["text"] for it in items], truncation=True, max_length=self.max_length)
+        return enc["input_ids"]
 
     def __call__(self, items: list[dict]) -> dict:
-        enc = self.tokenizer([it["text"] for it in items], padding="max_length", truncation=True,
-                             max_length=self.max_length, return_tensors="pt")
+        ids = self.token_ids(items)
+        lengths = [len(x) for x in ids]
+        n = self.max_length if self.padding == "max_length" else padded_length(lengths, self.max_length,
+                                                                              self.pad_multiple)
+        input_ids = torch.full((len(ids), n), self.pad_id, dtype=torch.int64)
+        mask = torch.zeros((len(ids), n), dtype=torch.int64)
+        for i, x in enumerate(ids):
+            input_ids[i, :len(x)] = torch.as_tensor(x, dtype=torch.int64)
+            mask[i, :len(x)] = 1
         return {
             "pixel_values": torch.stack([it["pixel_values"] for it in items]),
-            "input_ids": enc["input_ids"].to(torch.int64),
-            "attention_mask": enc["attention_mask"].to(torch.int64),
+            "input_ids": input_ids,
+            "attention_mask": mask,
             "index": torch.tensor([it["index"] for it in items]),
+            "keys": [it.get("key", str(it["index"])) for it in items],
             "bad": [b for it in items for b in it["bad"]],
         }
 
 
 class MicroBatchSampler(Sampler):
-    """Yields this data-parallel rank's micro-batches (lists of indices), step after step, forever
-    (epochs reshuffle with ``seed + epoch``), starting at global step ``start_step``."""
+    """Yields this data-parallel rank's micro-batches (lists of ``(index, epoch)``), step after
+    step, forever (epochs reshuffle with ``seed + epoch``), starting at global step ``start_step``.
+
+    Each epoch is one stream of micro-batches, defined by the micro-batch size alone: a seeded
+    permutation cut into micro-batches; with ``lengths`` (caption token counts) every window of
+    ``group_window`` micro-batches is sorted by length before it is cut, and the window's
+    micro-batches are shuffled (HF's ``LengthGroupedSampler`` idea). Global step k takes the next
+    ``accumulation x dp`` micro-batches and data-parallel rank r the r-th run of ``accumulation``
+    of them, so every layout (P, DP, accumulation) sees the same micro-batches."""
 
     def __init__(self, num_samples: int, micro_batch_size: int, accumulation: int, dp_size: int, dp_rank: int,
-                 seed: int, start_step: int = 0, shuffle: bool = True, max_steps: Optional[int] = None):
+                 seed: int, start_step: int = 0, shuffle: bool = True, max_steps: Optional[int] = None,
+                 lengths=None, group_window: int = 64):
         self.n, self.mb, self.acc, self.dp, self.rank = num_samples, micro_batch_size, accumulation, dp_size, dp_rank
         self.seed, self.start_step, self.shuffle, self.max_steps = seed, start_step, shuffle, max_steps
+        self.lengths = None if lengths is None else np.asarray(lengths)
+        self.group_window = group_window
         self.global_batch = micro_batch_size * accumulation * dp_size
         self.steps_per_epoch = num_samples // self.global_batch
+        self._cache: tuple = (None, None)
         if self.steps_per_epoch < 1:
             raise DataError(f"the data set has {num_samples} samples, fewer than one global batch "
                             f"({self.global_batch}): lower train.batch_size or add data")
@@ -112,20 +202,40 @@ class MicroBatchSampler(Sampler):
         g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
         return torch.randperm(self.n, generator=g)
 
+    def epoch_micro_batches(self, epoch: int) -> list[list[int]]:
+        if self._cache[0] == epoch:
+            return self._cache[1]
+        perm = self._perm(epoch).numpy()
+        mbs = []
+        if self.lengths is None:
+            mbs = [perm[i:i + self.mb].tolist() for i in range(0, len(perm) - self.mb + 1, self.mb)]
+        else:
+            g = torch.Generator().manual_seed(self.seed * 100_003 + epoch + 7_777)
+            w = self.group_window * self.mb
+            for start in range(0, len(perm), w):
+                win = perm[start:start + w]
+                win = win[np.argsort(-self.lengths[win], kind="stable")]
+                chunk = [win[i:i + self.mb].tolist() for i in range(0, len(win) - self.mb + 1, self.mb)]
+                order = torch.randperm(len(chunk), generator=g).tolist() if self.shuffle else range(len(chunk))
+                mbs.extend(chunk[i] for i in order)
+        self._cache = (epoch, mbs)
+        return mbs
+
     def global_batch_indices(self, step: int) -> list[int]:
+        return [i for mb in self.micro_batches(step, all_ranks=True) for i in mb]
+
+    def micro_batches(self, step: int, all_ranks: bool = False) -> list[list[int]]:
         epoch, k = divmod(step, self.steps_per_epoch)
-        perm = self._perm(epoch)
-        return perm[k * self.global_batch:(k + 1) * self.global_batch].tolist()
+        per_step = self.acc * self.dp
+        mbs = self.epoch_micro_batches(epoch)[k * per_step:(k + 1) * per_step]
+        return mbs if all_ranks else mbs[self.rank * self.acc:(self.rank + 1) * self.acc]
 
-    def micro_batches(self, step: int) -> list[list[int]]:
-        g = self.global_batch_indices(step)
-        first = self.rank * self.acc
-        return [g[(first + i) * self.mb:(first + i + 1) * self.mb] for i in range(self.acc)]
-
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list]:
         step = self.start_step
         while self.max_steps is None or step < self.max_steps:
-            yield from self.micro_batches(step)
+            epoch = step // self.steps_per_epoch
+            for mb in self.micro_batches(step):
+                yield [(i, epoch) for i in mb]
             step += 1
 
     def __len__(self):

@@ -179,3 +179,9 @@ def build_model(config, seed: int | None = None) -> DualEncoder:
 
 
 __all__ = ["ClipLoss", "DualEncoder", "ModelSpec", "build_model", "l2_normalize"]
+
+
+def vision_image_size(cfg) -> int:
+    """The image tower's input size (from a pretrained config if there is one), without building
+    the text spec (which needs the tokenizer)."""
+    return VisionSpec(cfg.vision, cfg.pretrained).image_size

@@ -1,0 +1,118 @@
+"""Which training data source a run reads, and the loader built on it.
+
+Three sources share one batch contract (uint8 images, padded ids + mask, sample keys, bad list):
+- a manifest (``data.train: x.jsonl|x.csv``): decoded on the fly (``ImageTextDataset``);
+- a preprocessed cache (``data.cache: DIR`` from ``mmpipe data prepare``): ``CachedDataset``;
+- WebDataset tar shards (``data.train: "dir/{00000..00099}.tar"``): ``ShardStream``.
+Manifest and cache are indexable and go through ``MicroBatchSampler`` (the same micro-batches in
+every layout, exact resume); shards stream, split by data-parallel rank and loader worker.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from mmpipe.errors import ConfigError
+
+
+@dataclass
+class TrainSource:
+    kind: str  # manifest | cache | shards
+    samples: Optional[list] = None  # manifest rows
+    cache_meta: Optional[dict] = None
+    shard_urls: Optional[list] = None
+
+    @property
+    def size(self) -> Optional[int]:
+        """Number of training rows, or None for a stream (the bad fraction then counts drawn samples)."""
+        if self.kind == "manifest":
+            return len(self.samples)
+        if self.kind == "cache":
+            return self.cache_meta["n"]
+        return None
+
+    def captions(self, limit: int = 100_000) -> list[str]:
+        """Captions to train a tokenizer on."""
+        if self.kind == "manifest":
+            return [s.text for s in self.samples]
+        from mmpipe.data.shards import iter_tar
+        out = []
+        for url in self.shard_urls:
+            out.extend(t for _, _, t in iter_tar(url) if t)
+            if len(out) >= limit:
+                break
+        return out[:limit]
+
+
+def decode_size(cfg, image_size: int) -> int:
+    return cfg.data.decode_size or image_size
+
+
+def open_source(cfg, image_size: int, read: bool) -> TrainSource:
+    """Check the configured source exists (every rank: the same one-line error everywhere) and, with
+    ``read``, load what the data-reading rank needs."""
+    from mmpipe.data.manifest import read_manifest, require_manifest
+    from mmpipe.data.shards import expand, is_shard_spec
+    d = cfg.data
+    if d.cache:
+        from mmpipe.data.cache import check_compatible, open_meta
+        meta = open_meta(d.cache)
+        check_compatible(meta, d.cache, decode_size(cfg, image_size), d.max_length, d.train)
+        return TrainSource("cache", cache_meta=meta)
+    if is_shard_spec(d.train):
+        return TrainSource("shards", shard_urls=expand(d.train))
+    if not read:
+        require_manifest(d.train, "data.train")
+        return TrainSource("manifest", samples=[])
+    return TrainSource("manifest", samples=read_manifest(d.train, "data.train"))
+
+
+def tokenizer_dir(cfg) -> Optional[str]:
+    """A tokenizer fixed by the data: the cache's (its ids were made with it)."""
+    if cfg.data.cache:
+        return os.path.join(cfg.data.cache, "tokenizer")
+    return None
+
+
+def check_cache_tokenizer(cfg, tok) -> None:
+    if cfg.data.cache and cfg.data.tokenizer:
+        from mmpipe.data.cache import _tokenizer_digest, open_meta
+        if _tokenizer_digest(tok) != open_meta(cfg.data.cache)["tokenizer_sha1"]:
+            raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} is not the tokenizer data.cache={cfg.data.cache} "
+                              "was built with; unset data.tokenizer (the cache's is used) or re-run prepare with it")
+
+
+def train_lengths(source: TrainSource, tok, max_length: int) -> list[int]:
+    """Caption token counts per manifest row (for length grouping; the cache stores its own)."""
+    enc = tok([s.text for s in source.samples], truncation=True, max_length=max_length)["input_ids"]
+    return [len(x) for x in enc]
+
+
+def build_train_loader(cfg, source: TrainSource, tok, collate, topo, dp_rank: int, start_step: int,
+                       image_size: int, device_is_cpu: bool):
+    from torch.utils.data import DataLoader
+
+    from mmpipe.data.loader import ImageTextDataset, MicroBatchSampler, make_augment, make_loader
+    d = cfg.data
+    augment = make_augment(d, image_size, cfg.train.seed)
+    size = decode_size(cfg, image_size)
+    if source.kind == "shards":
+        from mmpipe.data.shards import ShardStream
+        stream = ShardStream(source.shard_urls, topo.data_parallel, dp_rank, d.num_workers, topo.micro_batch_size,
+                             collate, size, image_size, augment, cfg.train.seed, start_step, d.shuffle_buffer,
+                             d.group_by_length, d.group_window)
+        kw = {"prefetch_factor": d.prefetch_factor, "persistent_workers": d.persistent_workers} if d.num_workers else {}
+        return DataLoader(stream, batch_size=None, num_workers=stream.workers if d.num_workers else 0,
+                          pin_memory=d.pin_memory and not device_is_cpu, **kw)
+    if source.kind == "cache":
+        from mmpipe.data.cache import CachedDataset
+        dataset = CachedDataset(d.cache, image_size, augment)
+        lengths = dataset.lengths if d.group_by_length else None
+    else:
+        dataset = ImageTextDataset(source.samples, image_size, augment, size)
+        lengths = train_lengths(source, tok, d.max_length) if d.group_by_length else None
+    sampler = MicroBatchSampler(len(dataset), topo.micro_batch_size, topo.accumulation_steps, topo.data_parallel,
+                                dp_rank, cfg.train.seed, start_step=start_step, max_steps=cfg.train.steps,
+                                lengths=lengths, group_window=d.group_window)
+    return make_loader(dataset, sampler, collate, d, device_is_cpu)

@@ -1,0 +1,191 @@
+"""The data path: length-aware batches, the preprocessed cache, WebDataset shards, augmentation
+(single-process tests; the multi-process shard run is in test_parity.py's shared launches)."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+from mmpipe.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_data, tmp_path_factory):
+    from mmpipe.data.manifest import read_manifest
+    from mmpipe.data.tokenizer import train_tokenizer
+    words = ["red", "blue", "green", "circle", "square", "small", "large", "a", "the", "on", "left", "right"]
+    texts = [s.text for s in read_manifest(tiny_data["train"])] + [" ".join(words)]
+    return train_tokenizer(texts, 300, str(tmp_path_factory.mktemp("tok")))
+
+
+def _word_captions(n, lo, hi, seed=0):
+    rng = random.Random(seed)
+    words = ["red", "blue", "green", "circle", "square", "small", "large", "a", "the", "on", "left", "right"]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(lo, hi))) for _ in range(n)]
+
+
+# ---- length-aware batches --------------------------------------------------------------------------
+def test_collate_pads_to_the_batch_longest_rounded_up(tok):
+    from mmpipe.data.loader import Collate
+    items = [{"pixel_values": torch.zeros(3, 4, 4, dtype=torch.uint8), "text": t, "index": i, "bad": []}
+             for i, t in enumerate(["red", "a small red circle on the left"])]
+    b = Collate(tok, 32, "batch", 4)(items)
+    longest = int(b["attention_mask"].sum(1).max())
+    assert b["input_ids"].shape[1] == -(-longest // 4) * 4 < 32
+    assert Collate(tok, 32, "max_length")(items)["input_ids"].shape[1] == 32
+    assert Collate(tok, 6, "batch", 4)(items)["input_ids"].shape[1] == 6  # never above max_length
+
+
+def test_length_grouping_keeps_padding_under_10_percent_and_layouts_equal(tok):
+    from mmpipe.data.loader import Collate, MicroBatchSampler
+    caps = _word_captions(4096, 3, 60)
+    lengths = [len(x) for x in tok(caps, truncation=True, max_length=77)["input_ids"]]
+    collate = Collate(tok, 77, "batch", 4)
+
+    def waste(sampler, steps):
+        pad = real = 0
+        for step in range(steps):
+            for mb in sampler.micro_batches(step):
+                items = [{"pixel_values": torch.zeros(1), "ids": [1] * lengths[i], "index": i, "bad": []} for i in mb]
+                m = collate(items)["attention_mask"]
+                pad, real = pad + int((m == 0).sum()), real + int(m.sum())
+        return pad / (pad + real)
+
+    grouped = MicroBatchSampler(4096, 16, 8, 1, 0, seed=0, lengths=lengths)
+    plain = MicroBatchSampler(4096, 16, 8, 1, 0, seed=0)
+    w_grouped, w_plain = waste(grouped, 30), waste(plain, 30)
+    print(f"padding waste: grouped {w_grouped:.3f}, ungrouped {w_plain:.3f}")
+    assert w_grouped < 0.10 < w_plain, (w_grouped, w_plain)
+    # grouping still gives every layout the same micro-batches, and each sample once per epoch
+    for step in (0, 3, 31):
+        dp = [MicroBatchSampler(4096, 16, 4, 2, r, seed=0, lengths=lengths).micro_batches(step) for r in range(2)]
+        assert dp[0] + dp[1] == grouped.micro_batches(step)
+    epoch = [i for s in range(grouped.steps_per_epoch) for mb in grouped.micro_batches(s) for i in mb]
+    assert len(epoch) == len(set(epoch)) == 4096
+
+
+# ---- cache --------------------------------------------------------------------------------------
+def test_cache_matches_the_direct_path_and_prepare_resumes(tiny_data, tmp_path, tok):
+    from mmpipe.data.cache import CachedDataset, open_meta, prepare
+    from mmpipe.data.loader import Collate, ImageTextDataset
+    from mmpipe.data.manifest import read_manifest
+    tok_dir = str(tmp_path / "tok")
+    tok.save_pretrained(tok_dir)
+    out = str(tmp_path / "cache")
+    first = prepare(tiny_data["train"], out, 32, 16, tokenizer=tok_dir, workers=2, chunk=8, max_items=20,
+                    progress=False)
+    assert first["done_now"] == 20 and first["remaining"] > 0
+    with pytest.raises(ConfigError, match="incomplete"):
+        open_meta(out)
+    second = prepare(tiny_data["train"], out, 32, 16, tokenizer=tok_dir, workers=2, chunk=8, progress=False)
+    samples = read_manifest(tiny_data["train"])
+    assert second["done_now"] == len(samples) - 20 and second["remaining"] == 0
+    assert second["bad"] == 2  # the missing and the corrupt image
+    open_meta(out)
+    # the same rows as a cache built in one go
+    oneshot = str(tmp_path / "oneshot")
+    prepare(tiny_data["train"], oneshot, 32, 16, tokenizer=tok_dir, workers=1, progress=False)
+    for f in ("images.u8", "tokens.npy", "status.u8"):
+        assert open(os.path.join(out, f), "rb").read() == open(os.path.join(oneshot, f), "rb").read(), f
+
+    direct, cached = ImageTextDataset(samples, 32), CachedDataset(out, 32)
+    collate = Collate(tok, 16)
+    for mb in ([0, 1, 2, 3], [len(samples) - 3, len(samples) - 2, len(samples) - 1, 5]):  # incl. bad rows
+        a, b = collate([direct[i] for i in mb]), collate([cached[i] for i in mb])
+        diff = (a["pixel_values"].int() - b["pixel_values"].int()).abs().max()
+        assert diff <= 1, diff  # within 1/255 per pixel
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["index"], b["index"])
+        assert [p for p, _ in a["bad"]] == [p for p, _ in b["bad"]]
+    assert any(b for i in range(len(samples)) for b in cached[i]["bad"])
+
+
+def test_cache_refuses_a_mismatched_run(tiny_data, tmp_path):
+    from mmpipe.data.cache import check_compatible, open_meta, prepare
+    out = str(tmp_path / "c")
+    prepare(tiny_data["train"], out, 32, 16, workers=1, progress=False)
+    meta = open_meta(out)
+    with pytest.raises(ConfigError, match="data.decode_size=32"):
+        check_compatible(meta, out, 48, 16, None)
+    with pytest.raises(ConfigError, match="--max-length 20"):
+        check_compatible(meta, out, 32, 20, None)
+    with pytest.raises(ConfigError, match="another build"):
+        prepare(tiny_data["train"], out, 48, 16, workers=1, progress=False)
+
+
+def test_augmentation_runs_after_the_cache_and_is_seeded(tiny_data, tmp_path):
+    from mmpipe.data.cache import CachedDataset, prepare
+    from mmpipe.data.loader import Augment
+    out = str(tmp_path / "c")
+    prepare(tiny_data["train"], out, 48, 16, workers=1, progress=False)
+    aug = Augment("crop_flip", 32, [0.5, 1.0], seed=0)
+    ds = CachedDataset(out, 32, aug)
+    a, a2, b = ds[(3, 0)]["pixel_values"], ds[(3, 0)]["pixel_values"], ds[(3, 1)]["pixel_values"]
+    assert a.shape == (3, 32, 32) and a.dtype == torch.uint8
+    assert torch.equal(a, a2)  # same (seed, epoch, sample): same crop, in any worker or layout
+    assert not torch.equal(a, b)  # a new epoch draws a new crop: the cache does not freeze it
+
+
+# ---- shards -------------------------------------------------------------------------------------
+def write_shards(out_dir, samples, per_shard, bad_every=0):
+    """img2dataset layout: KEY.jpg + KEY.txt (odd keys use KEY.json {"caption"})."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for s in range(0, len(samples), per_shard):
+        path = os.path.join(out_dir, f"{s // per_shard:05d}.tar")
+        with tarfile.open(path, "w") as tar:
+            for k, (img, text) in enumerate(samples[s:s + per_shard]):
+                key = f"{s + k:06d}"
+                data = open(img, "rb").read() if not (bad_every and (s + k) % bad_every == 0) else b"not a jpeg"
+                if (s + k) % 2:
+                    members = [(f"{key}.jpg", data), (f"{key}.json", json.dumps({"caption": text}).encode())]
+                else:
+                    members = [(f"{key}.jpg", data), (f"{key}.txt", text.encode())]
+                for name, payload in members:
+                    info = tarfile.TarInfo(name)
+                    info.size = len(payload)
+                    tar.addfile(info, io.BytesIO(payload))
+        paths.append(path)
+    return paths
+
+
+def test_shards_split_by_rank_and_worker(tiny_data, tmp_path, tok):
+    from torch.utils.data import DataLoader
+
+    from mmpipe.data.loader import Collate
+    from mmpipe.data.manifest import read_manifest
+    from mmpipe.data.shards import ShardStream, expand, iter_tar
+    good = [(s.image, s.text) for s in read_manifest(tiny_data["train"]) if os.path.isfile(s.image)][:64]
+    write_shards(str(tmp_path / "sh"), good, 8, bad_every=16)
+    urls = expand(str(tmp_path / "sh" / "{00000..00007}.tar"))
+    assert [k for k, _, _ in iter_tar(urls[1])] == [f"{i:06d}" for i in range(8, 16)]
+    assert all(t for _, _, t in iter_tar(urls[1]))  # .txt and .json captions both read
+    seen = {}
+    for rank in range(2):
+        stream = ShardStream(urls, 2, rank, 2, 4, Collate(tok, 16), 32, 32, shuffle_buffer=5)
+        keys, bad = [], []
+        for i, b in enumerate(DataLoader(stream, batch_size=None, num_workers=2)):
+            assert b["pixel_values"].shape == (4, 3, 32, 32)
+            keys += b["keys"]
+            bad += [p for p, _ in b["bad"]]
+            if i == 5:
+                break
+        seen[rank] = keys
+        shards = {k.split("/")[0] for k in keys}
+        assert shards <= {os.path.basename(u) for u in urls[rank::2]}  # only this rank's shards
+        assert len(shards) >= 2  # both workers contributed
+        assert all(int(p.split("/")[1]) % 16 == 0 for p in bad)
+    assert not set(seen[0]) & set(seen[1])
+    with pytest.raises(ConfigError, match="fewer than the data-parallel degree"):
+        ShardStream(urls[:1], 2, 1, 2, 4, Collate(tok, 16), 32, 32)
+
+
+def test_missing_shard_is_one_line(tmp_path):
+    from mmpipe.data.shards import expand
+    with pytest.raises(ConfigError, match=r"2 of 2 shards not found"):
+        expand(str(tmp_path / "{0..1}.tar"))
