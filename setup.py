@@ -18,6 +18,8 @@ setup(
         "numpy",
         "pyyaml>=6",
         "tqdm",
+        "braceexpand>=0.1.7",
+        "simplejpeg>=1.7",
         "matplotlib",
         "tensorboard",
     ],

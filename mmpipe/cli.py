@@ -37,6 +37,24 @@ def cmd_data_synth(args) -> int:
     return 0
 
 
+def cmd_data_prepare(args) -> int:
+    from mmpipe.config import load_config
+    from mmpipe.data.cache import prepare
+    cfg = load_config(args.config, args.overrides)  # defaults for whatever the flags leave open
+    from mmpipe.models.clip import vision_image_size
+    manifest = args.manifest or cfg.data.train
+    if not manifest:
+        raise ConfigError("mmpipe data prepare: give --manifest (or a --config with data.train)")
+    size = args.size or cfg.data.decode_size or vision_image_size(cfg.model)
+    r = prepare(manifest, args.out, size, args.max_length or cfg.data.max_length,
+                tokenizer=args.tokenizer or cfg.data.tokenizer, vocab_size=cfg.data.tokenizer_vocab_size,
+                workers=args.workers, max_items=args.max_items)
+    state = "complete" if r["remaining"] == 0 else f"{r['remaining']} rows left: run the same command again"
+    print(f"{args.out}: {r['done_now']} rows done now; {r['ok']} usable, {r['bad']} unusable (see {args.out}/bad.jsonl);"
+          f" {state}. Train with --set data.cache={args.out}")
+    return 0
+
+
 def cmd_config(args) -> int:
     from mmpipe.config import load_config, reference, save_yaml
     if args.reference:
@@ -60,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--size", type=int, default=96, help="image side in pixels")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=cmd_data_synth)
+    pr = d.add_parser("prepare", help="preprocess a manifest into a cache (uint8 images + token ids) for data.cache")
+    pr.add_argument("--manifest", help="manifest to cache (default: the config's data.train)")
+    pr.add_argument("--out", required=True, help="cache directory (re-run the same command to resume)")
+    pr.add_argument("--config", "-c", help="run config supplying size, max_length and tokenizer defaults")
+    pr.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    pr.add_argument("--size", type=int, help="cached image side (default: data.decode_size or the model's image size)")
+    pr.add_argument("--max-length", type=int, help="tokens per caption (default: data.max_length)")
+    pr.add_argument("--tokenizer", help="local tokenizer dir (default: data.tokenizer, else trained on the captions)")
+    pr.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="decoding processes")
+    pr.add_argument("--max-items", type=int, help="stop after this many rows (continue later with the same command)")
+    pr.set_defaults(func=cmd_data_prepare)
     from mmpipe.bench import add_parser as add_bench
     add_bench(sub)
     c = sub.add_parser("config", help="print the resolved run config, or --reference for every key")

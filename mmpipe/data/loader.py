@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import io
 import math
 from typing import Iterator, Optional
 
@@ -25,23 +26,50 @@ from mmpipe.data.manifest import Sample
 from mmpipe.errors import DataError
 
 
-def load_image(path: str, size: int) -> torch.Tensor:
-    """Decode -> RGB -> centre square -> ``size`` x ``size`` uint8 (3, size, size).
+try:  # libjpeg-turbo with DCT-domain scaling, ~15% faster than Pillow's JPEG decode here (BENCHMARKS.md)
+    import simplejpeg
+except ImportError:  # pragma: no cover - Pillow does the same, a little slower
+    simplejpeg = None
 
-    A JPEG at least twice the target is decoded straight to a reduced size (libjpeg's DCT scaling
-    via Pillow's ``draft``: 1/2, 1/4 or 1/8, never below the target), which skips most of the
-    decode work. The centre crop is folded into one antialiased bilinear resize (``box``), the
-    filter torchvision's ``Resize`` uses."""
-    with Image.open(path) as im:
+
+def _decode_rgb(data: bytes, size: int) -> np.ndarray:
+    """RGB uint8 (H, W, 3). A JPEG at least twice the target is decoded straight to a reduced size
+    (libjpeg's DCT scaling, never below ``size``): most of the decode work is skipped."""
+    if simplejpeg is not None and data[:2] == b"\xff\xd8":
+        try:
+            h, w, _, _ = simplejpeg.decode_jpeg_header(data)
+            m = size if min(h, w) >= 2 * size else 0
+            return simplejpeg.decode_jpeg(data, "RGB", min_height=m, min_width=m)
+        except ValueError:
+            pass  # CMYK, truncated, ...: Pillow decides (and raises for what it cannot read)
+    with Image.open(io.BytesIO(data)) as im:
         if im.format == "JPEG" and min(im.size) >= 2 * size:
             im.draft("RGB", (size, size))
         if im.mode != "RGB":
             im = im.convert("RGB")
-        w, h = im.size
-        s = min(w, h)
-        box = ((w - s) / 2, (h - s) / 2, (w + s) / 2, (h + s) / 2)
-        arr = np.asarray(im.resize((size, size), Image.BILINEAR, box=box), dtype=np.uint8)
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1).contiguous()
+        return np.array(im)  # writable: torch.from_numpy needs it
+
+
+def load_image(path, size: int) -> torch.Tensor:
+    """Decode -> RGB -> centre square -> ``size`` x ``size`` uint8 (3, size, size).
+
+    ``path`` is a file name or a binary file object. The resize is torchvision's antialiased
+    bilinear resize on the uint8 tensor (the filter of ``transforms.Resize``; its uint8 kernel is
+    about twice as fast as Pillow's here)."""
+    if hasattr(path, "read"):
+        data = path.read()
+    else:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    arr = _decode_rgb(data, size)
+    h, w = arr.shape[:2]
+    s = min(h, w)
+    top, left = (h - s) // 2, (w - s) // 2
+    x = torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1)[:, top:top + s, left:left + s]
+    if s != size:
+        from torchvision.transforms.v2 import functional as F
+        return F.resize(x, [size, size], antialias=True).contiguous()
+    return x.contiguous()
 
 
 def decode_sample(path, text: str, size: int) -> tuple[Optional[torch.Tensor], Optional[str]]:
