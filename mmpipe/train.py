@@ -210,6 +210,39 @@ def _warn(msg: str) -> None:
     print(f"[mmpipe] warning: {msg}", flush=True)
 
 
+def check_auto_micro_batch(cfg: RunConfig) -> None:
+    if cfg.train.deepspeed_config:
+        from mmpipe.ds_config import AUTO, load_json
+        v = load_json(cfg.train.deepspeed_config).get("train_micro_batch_size_per_gpu", AUTO)
+        if v != AUTO:
+            raise ConfigError(f"{cfg.train.deepspeed_config}: train_micro_batch_size_per_gpu={v} disagrees with "
+                              "parallel.micro_batch_size=auto; write \"auto\" in the JSON or give a size")
+
+
+def _probe_micro_batch(cfg, spec, source, tok, image_size, topo, parts, forward_only, frozen, rank) -> int:
+    """Rank 0 probes real batches (``mmpipe.plan.auto_micro_batch``); every rank gets the size (or
+    the same one-line error)."""
+    from deepspeed.accelerator import get_accelerator
+    result = [None]
+    if rank == 0:
+        from mmpipe.plan import auto_micro_batch
+        acc = get_accelerator()
+        budget = int((cfg.parallel.memory_budget_gb or acc.total_memory() / 2**30) * 2**30)
+        try:
+            m, _ = auto_micro_batch(cfg, spec, source, tok, image_size, topo.pipeline_stages, topo.data_parallel,
+                                    parts, forward_only, frozen, budget, torch.device(acc.device_name()),
+                                    log=lambda s: print(f"[mmpipe] {s}", flush=True))
+            result = [m]
+        except ConfigError as e:
+            result = [str(e)]
+    dist.broadcast_object_list(result, src=0)
+    if isinstance(result[0], str):
+        err = ConfigError(result[0])
+        err.everywhere = True
+        raise err
+    return int(result[0])
+
+
 # --------------------------------------------------------------------------------------------
 # the loop
 # --------------------------------------------------------------------------------------------
@@ -227,6 +260,10 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
 
     # validate everything that needs no process group first: config mistakes end as one line
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    auto_mbs = cfg.parallel.micro_batch_size == "auto"
+    if auto_mbs:  # validate the rest now with a stand-in; the size is probed once the model exists
+        check_auto_micro_batch(cfg)
+        cfg.parallel.micro_batch_size = 1
     ds_cfg, topo = resolve(cfg, world)
     from deepspeed.accelerator import get_accelerator
     device_name = get_accelerator().device_name()
@@ -264,14 +301,24 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     frozen_names = frozenset(n for n, g in assignment.items() if next(x for x in groups if x.name == g).frozen)
     forward_only = frozenset(forward_only_parts(part_params, spec.branch, groups))
 
+    parts = None
+    if P > 1:
+        from mmpipe.pipeline.module import plan_parts
+        parts = plan_parts(spec, P, cfg.parallel.placement, cfg.parallel.plan, frozen_names)
+    if auto_mbs:
+        m = _probe_micro_batch(cfg, spec, source, tok, image_size, topo, parts, forward_only, frozen_names, rank)
+        cfg.parallel.micro_batch_size = m
+        ds_cfg, topo = resolve(cfg, world)
+        if rank == 0:
+            _warn(f"parallel.micro_batch_size=auto -> {m} (accumulation {topo.accumulation_steps})")
+
     # ---- model and engine --------------------------------------------------------------------
     if P == 1:
         model = DualEncoder(spec)
         model.forward_only = forward_only
         named = lambda: model.named_parameters()  # noqa: E731
     else:
-        from mmpipe.pipeline.module import MMPipelineModule, plan_parts
-        parts = plan_parts(spec, P, cfg.parallel.placement, cfg.parallel.plan, frozen_names)
+        from mmpipe.pipeline.module import MMPipelineModule
         if parts is not None and (cfg.parallel.zero_stage > 0 or cfg.train.precision != "fp32"):
             names = spec.part_names()
             for s_, (a, b) in enumerate(zip(parts, parts[1:])):

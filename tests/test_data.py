@@ -189,3 +189,60 @@ def test_missing_shard_is_one_line(tmp_path):
     from mmpipe.data.shards import expand
     with pytest.raises(ConfigError, match=r"2 of 2 shards not found"):
         expand(str(tmp_path / "{0..1}.tar"))
+
+
+# ---- micro_batch_size: auto ------------------------------------------------------------------------
+def test_auto_micro_batch_picks_the_largest_size_that_fits(tiny_data, tok):
+    from mmpipe.config import load_config
+    from mmpipe.data.manifest import read_manifest
+    from mmpipe.data.source import TrainSource
+    from mmpipe.models.clip import ModelSpec
+    from mmpipe.plan import auto_micro_batch, build_layers, probe_batch
+    from mmpipe.profile import profile_layers, stage_memory
+    from conftest import TINY
+    cfg = load_config(TINY, [f"model.text.vocab_size={len(tok)}", "model.text.eos_token_id=3",
+                             "model.text.max_position_embeddings=16", "train.batch_size=48"])
+    spec = ModelSpec(cfg.model, 0)
+    source = TrainSource("manifest", samples=read_manifest(tiny_data["train"]))
+    parts = [0, 5, len(spec.part_names())]
+    layers = build_layers(spec)
+    dev = torch.device("cpu")
+
+    def peak(m):  # measured independently of the search: every stage of the 2-stage layout
+        costs = profile_layers(layers, probe_batch(cfg, source, tok, m, 32, dev), timed=False)
+        return max(stage_memory(costs, parts, 48 // m, "fp32"))
+
+    peaks = {m: peak(m) for m in (4, 6, 8)}
+    assert peaks[4] < peaks[6] < peaks[8]  # activations grow with the micro-batch
+    budget = (peaks[6] + peaks[8]) // 2  # 6 fits, 8 does not
+    m, probed = auto_micro_batch(cfg, spec, source, tok, 32, 2, 1, parts, frozenset(), frozenset(), budget, dev)
+    assert m == 6, (m, probed)
+    assert probed[m] <= budget and all(p > budget for mm, p in probed.items() if mm > m)
+    with pytest.raises(ConfigError, match="even a micro-batch of 1"):
+        auto_micro_batch(cfg, spec, source, tok, 32, 2, 1, parts, frozenset(), frozenset(), 1000, dev)
+
+
+def test_profile_counts_activations_and_frozen_layers_run_forward_only(tok):
+    from mmpipe.config import load_config
+    from mmpipe.models.clip import ModelSpec
+    from mmpipe.plan import build_layers
+    from mmpipe.profile import profile_layers
+    from conftest import TINY
+    cfg = load_config(TINY, [f"model.text.vocab_size={len(tok)}", "model.text.eos_token_id=3",
+                             "model.text.max_position_embeddings=16"])
+    spec = ModelSpec(cfg.model, 0)
+    names = spec.part_names()
+    vision = frozenset(n for n in names if n.startswith("vision."))
+    x = (torch.randint(0, 255, (4, 3, 32, 32), dtype=torch.uint8), torch.randint(5, 50, (4, 16)),
+         torch.ones(4, 16, dtype=torch.int64))
+    full = profile_layers(build_layers(spec), x, repeats=2, warmup=1)
+    frozen = profile_layers(build_layers(spec, forward_only=vision), x, repeats=2, warmup=1)
+    for a, b in zip(full, frozen):
+        assert a.name == b.name and a.out_bytes == b.out_bytes > 0
+        if a.name in vision:
+            assert b.act_bytes < a.act_bytes and b.bwd_ms < a.bwd_ms  # no autograd graph, no backward
+    blocks = [c for c in full if c.name.startswith("vision.blocks.")]
+    assert blocks[0].act_bytes > 4 * blocks[0].out_bytes  # a transformer block keeps several activations
+    x8 = tuple(torch.cat([t, t]) for t in x)
+    full8 = profile_layers(build_layers(spec), x8, timed=False)
+    assert abs(full8[2].act_bytes / full[2].act_bytes - 2) < 0.1  # linear in the micro-batch

@@ -50,3 +50,38 @@ def test_shards_give_each_data_parallel_rank_disjoint_samples(runs, tiny_data, t
         seen[dp] = set(keys)
     assert not seen[0] & seen[1]
     assert recs[-1]["bad_samples"] >= 1 and "cannot decode" in proc.stdout + proc.stderr
+
+
+def test_auto_micro_batch_in_a_pipelined_run(runs, tiny_data, tmp_path_factory):
+    """micro_batch_size: auto on a budget between the peaks of micro-batches 4 and 8 picks 4
+    (accumulation 4) on every rank, and the run trains with it."""
+    import torch
+
+    from mmpipe.config import load_config
+    from mmpipe.data.manifest import read_manifest
+    from mmpipe.data.source import TrainSource
+    from mmpipe.data.tokenizer import eos_id, train_tokenizer
+    from mmpipe.models.clip import ModelSpec
+    from mmpipe.pipeline.module import plan_parts
+    from mmpipe.plan import build_layers, probe_batch
+    from mmpipe.profile import profile_layers, stage_memory
+    samples = read_manifest(tiny_data["train"])
+    tok_dir = str(tmp_path_factory.mktemp("tok_auto"))
+    tok = train_tokenizer([s.text for s in samples], 300, tok_dir)
+    cfg = load_config(TINY, [f"model.text.vocab_size={len(tok)}", f"model.text.eos_token_id={eos_id(tok)}",
+                             "model.text.max_position_embeddings=16", f"data.tokenizer={tok_dir}"])
+    spec = ModelSpec(cfg.model, 0)
+    parts = plan_parts(spec, 2, "modality")
+    layers = build_layers(spec)
+    source = TrainSource("manifest", samples=samples)
+    peaks = {m: max(stage_memory(profile_layers(layers, probe_batch(cfg, source, tok, m, 32, torch.device("cpu")),
+                                                timed=False), parts, 16 // m, "fp32")) for m in (4, 8)}
+    budget_gb = (peaks[4] + peaks[8]) / 2 / 2**30
+    out, proc = runs.get("p2_auto", 2, ["parallel.pipeline_stages=2", "parallel.micro_batch_size=auto",
+                                        f"parallel.memory_budget_gb={budget_gb}", f"data.tokenizer={tok_dir}",
+                                        "train.steps=2", "train.eval_every=0"])
+    log = proc.stdout + proc.stderr
+    assert "parallel.micro_batch_size=auto -> 4 (accumulation 4)" in log
+    assert len(train_losses(out)) == 2
+    import yaml
+    assert yaml.safe_load(open(os.path.join(out, "config.yaml")))["parallel"]["micro_batch_size"] == 4

@@ -1,0 +1,217 @@
+"""Per-layer costs of the pipeline layers, measured on real batches in one process.
+
+Every pipeline layer is run the way a pipeline stage runs it: its float inputs detached (as if
+received from the previous stage), forward, then backward from the gradient of its outputs. That
+gives, per layer and micro-batch shape:
+- ``fwd_ms`` / ``bwd_ms``: median wall time after warm-up (synchronised on accelerators);
+  a frozen layer with nothing trainable upstream runs forward only (no autograd graph at all),
+  a frozen layer after a trainable one still pays the backward through its activations;
+- ``act_bytes``: memory autograd keeps for backward (saved tensors, counted once per storage,
+  parameters excluded) plus the layer's inputs (a stage keeps them per micro-batch in flight);
+- ``out_bytes``: size of what the layer hands on (the send/receive volume at a stage boundary);
+- ``param_bytes`` / ``trainable``: weights held, and how many of them train.
+
+``stage_memory`` turns these into a per-stage peak for a layout (weights, gradients, optimizer
+state, activations times the micro-batches in flight under 1F1B). It backs
+``parallel.micro_batch_size: auto`` and the stage planner.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass
+class LayerCost:
+    name: str
+    fwd_ms: float
+    bwd_ms: float
+    act_bytes: int
+    out_bytes: int
+    param_bytes: int
+    params: int
+    trainable: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _sync(device) -> None:
+    if device.type != "cpu":
+        from deepspeed.accelerator import get_accelerator
+        get_accelerator().synchronize()
+
+
+def _nbytes(acts) -> int:
+    if torch.is_tensor(acts):
+        return acts.numel() * acts.element_size()
+    return sum(t.numel() * t.element_size() for t in acts if torch.is_tensor(t))
+
+
+def _detach(acts):
+    if torch.is_tensor(acts):
+        return acts.detach().requires_grad_(acts.is_floating_point())
+    return tuple(t.detach().requires_grad_(t.is_floating_point()) for t in acts)
+
+
+class _SavedBytes:
+    """Bytes autograd saves for backward inside the context, once per storage, parameters excluded."""
+
+    def __init__(self, exclude_ptrs: set, already_counted: set):
+        self.exclude, self.seen, self.total = exclude_ptrs, set(already_counted), 0
+
+    def pack(self, t):
+        try:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr not in self.exclude and ptr not in self.seen:
+                self.seen.add(ptr)
+                self.total += st.nbytes()
+        except (RuntimeError, NotImplementedError):  # e.g. sparse / meta tensors
+            pass
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+
+def profile_layers(layers: list, inputs: tuple, repeats: int = 5, warmup: int = 2,
+                   timed: bool = True) -> list[LayerCost]:
+    """Costs of ``layers`` (PipeLayers, on their device and dtype) for one micro-batch ``inputs``."""
+    device = inputs[0].device
+    rounds = (warmup + repeats) if timed else 1
+    fwd = [[] for _ in layers]
+    bwd = [[] for _ in layers]
+    act = [0] * len(layers)
+    out_b = [0] * len(layers)
+    for r in range(rounds):
+        acts_in, acts_out = [], []
+        x = inputs
+        for i, layer in enumerate(layers):
+            x_in = _detach(x)
+            ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+            _sync(device)
+            t0 = time.perf_counter()
+            in_ptrs = {t.untyped_storage().data_ptr() for t in ([x_in] if torch.is_tensor(x_in) else x_in)}
+            with _SavedBytes(ptrs, in_ptrs) as saved:
+                y = layer(x_in)
+            _sync(device)
+            fwd[i].append(time.perf_counter() - t0)
+            if r == 0:
+                act[i] = saved.total + _nbytes(x_in)
+                out_b[i] = _nbytes(y)
+            acts_in.append(x_in)
+            acts_out.append(y)
+            x = y
+        # backward, last layer first, each from the gradient its successor produced
+        grad = None
+        for i in range(len(layers) - 1, -1, -1):
+            y = acts_out[i]
+            outs = [y] if torch.is_tensor(y) else list(y)
+            pairs = [(o, g) for o, g in zip(outs, grad if grad is not None else [None] * len(outs))
+                     if torch.is_tensor(o) and o.is_floating_point() and o.requires_grad]
+            if grad is None:  # the loss
+                pairs = [(outs[0], torch.ones_like(outs[0]))]
+            _sync(device)
+            t0 = time.perf_counter()
+            if pairs and any(o.grad_fn is not None for o, _ in pairs):
+                torch.autograd.backward([o for o, _ in pairs],
+                                        [g if g is not None else torch.zeros_like(o) for o, g in pairs])
+            _sync(device)
+            bwd[i].append(time.perf_counter() - t0)
+            x_in = acts_in[i]
+            ins = [x_in] if torch.is_tensor(x_in) else list(x_in)
+            grad = [t.grad if torch.is_tensor(t) and t.is_floating_point() else None for t in ins]
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+    costs = []
+    for i, layer in enumerate(layers):
+        params = list(layer.parameters())
+        keep = slice(warmup, None) if timed else slice(0, None)
+        costs.append(LayerCost(
+            name=getattr(layer, "name", str(i)),
+            fwd_ms=1e3 * statistics.median(fwd[i][keep]), bwd_ms=1e3 * statistics.median(bwd[i][keep]),
+            act_bytes=act[i], out_bytes=out_b[i],
+            param_bytes=sum(p.numel() * p.element_size() for p in params),
+            params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad)))
+    return costs
+
+
+# ---- memory model --------------------------------------------------------------------------------
+def bytes_per_param(precision: str, zero_stage: int, data_parallel: int) -> tuple[float, float]:
+    """(bytes per trainable parameter, bytes per frozen parameter) held by one rank: weights,
+    gradients, and AdamW state (plus fp32 master weights and gradient accumulation under bf16/fp16),
+    the optimizer part divided over data-parallel ranks under ZeRO-1."""
+    shard = data_parallel if zero_stage >= 1 else 1
+    if precision == "fp32":
+        return 4 + 4 + 8 / shard, 4
+    return 2 + 2 + (4 + 4 + 8) / shard, 2
+
+
+def in_flight(stage: int, stages: int, micro_batches: int) -> int:
+    """Micro-batches whose activations a stage holds at once under DeepSpeed's 1F1B schedule."""
+    return max(1, min(stages - stage, micro_batches))
+
+
+def stage_memory(costs: list[LayerCost], parts: list[int], micro_batches: int, precision: str,
+                 zero_stage: int = 0, data_parallel: int = 1) -> list[int]:
+    """Peak bytes per stage: weights + gradients + optimizer state + activations kept for backward
+    (times the micro-batches in flight) + one received input and one outgoing output buffer."""
+    per_train, per_frozen = bytes_per_param(precision, zero_stage, data_parallel)
+    P = len(parts) - 1
+    out = []
+    for s in range(P):
+        layers = costs[parts[s]:parts[s + 1]]
+        static = sum(c.trainable * per_train + (c.params - c.trainable) * per_frozen for c in layers)
+        acts = sum(c.act_bytes for c in layers)
+        buffers = layers[-1].out_bytes
+        out.append(int(static + in_flight(s, P, micro_batches) * acts + buffers))
+    return out
+
+
+# ---- micro_batch_size: auto --------------------------------------------------------------------
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def pick_micro_batch(per_rank_batch: int, peak_of: Callable[[int], int], budget: int,
+                     log: Optional[Callable[[str], None]] = None) -> tuple[int, dict]:
+    """Largest divisor m of the per-rank batch with ``peak_of(m) <= budget``; peak memory grows with
+    m, so this is a binary search over the divisors (a probe per step). Returns (m, {m: peak})."""
+    cands = divisors(per_rank_batch)
+    probed: dict = {}
+
+    def fits(i):
+        m = cands[i]
+        if m not in probed:
+            probed[m] = peak_of(m)
+            if log:
+                log(f"micro_batch_size probe {m}: peak {probed[m] / 2**20:.1f} MB of {budget / 2**20:.1f} MB")
+        return probed[m] <= budget
+
+    if not fits(0):
+        from mmpipe.errors import ConfigError
+        raise ConfigError(f"parallel.micro_batch_size=auto: even a micro-batch of 1 needs {probed[1] / 2**30:.2f} GB, "
+                          f"over parallel.memory_budget_gb={budget / 2**30:.2f}; raise the budget, use more pipeline "
+                          "stages, or freeze/shrink the model")
+    lo, hi = 0, len(cands) - 1  # cands[lo] fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return cands[lo], probed
