@@ -116,3 +116,29 @@ def test_bad_fraction_limit_stops_the_run(tiny_data, tmp_path):
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("mmpipe: error:")]
     assert len(lines) == 1 and "data.max_bad_fraction=0.01 exceeded" in lines[0] and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("setting,expect", [
+    ("data.augment=rotate", "data.augment='rotate' is not one of none, crop, crop_flip"),
+    ("data.crop_scale=[0.9]", "data.crop_scale must be [low, high]"),
+    ("parallel.micro_batch_size=big", "parallel.micro_batch_size must be a positive integer or auto"),
+    ("data.cache=/nonexistent/cache", "mmpipe data prepare --manifest TRAIN.jsonl --out /nonexistent/cache"),
+    ("data.train=/nonexistent/{0..3}.tar", "4 of 4 shards not found"),
+])
+def test_data_config_mistakes_are_one_line(capsys, tiny_data, tmp_path, setting, expect):
+    line = _one_line_error(capsys, _train(tiny_data, tmp_path, setting, "parallel.pipeline_stages=1"))
+    assert expect in line, line
+
+
+def test_auto_micro_batch_conflicting_with_the_json_is_one_line(capsys, tiny_data, tmp_path):
+    ds = tmp_path / "mb.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 8}))
+    line = _one_line_error(capsys, _train(tiny_data, tmp_path, "parallel.micro_batch_size=auto",
+                                          f"train.deepspeed_config={ds}", "parallel.pipeline_stages=1"))
+    assert "train_micro_batch_size_per_gpu=8" in line and "auto" in line
+
+
+def test_prepare_needs_a_manifest_and_names_it(capsys, tmp_path):
+    line = _one_line_error(capsys, ["data", "prepare", "--manifest", str(tmp_path / "nope.jsonl"), "--out",
+                                    str(tmp_path / "c")])
+    assert "nope.jsonl" in line
