@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=cmd_data_prepare)
     from mmpipe.bench import add_parser as add_bench
     add_bench(sub)
+    from mmpipe.plan import add_parser as add_plan
+    add_plan(sub)
     c = sub.add_parser("config", help="print the resolved run config, or --reference for every key")
     c.add_argument("--config", "-c")
     c.add_argument("--set", dest="overrides", action="append", default=[])

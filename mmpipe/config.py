@@ -95,8 +95,11 @@ class DataConfig:
 @dataclass
 class ParallelConfig:
     pipeline_stages: int = _f(1, "P: pipeline stages; the data-parallel degree is world_size / P")
-    placement: str = _f("modality", "modality (stages never mix branches; image first, text+loss last), balanced "
-                        "(boundaries anywhere), or DeepSpeed's uniform, parameters, type:REGEX")
+    placement: str = _f("modality", "modality (stages never mix branches, split between branches by measured cost), "
+                        "balanced (boundaries anywhere), auto (whichever the simulator predicts faster), or "
+                        "DeepSpeed's uniform, parameters, type:REGEX")
+    profile: bool = _f(True, "cost layers by measured forward/backward time (rank 0 profiles at start, cached in "
+                       "~/.cache/mmpipe or $MMPIPE_CACHE); false: by trainable parameter count")
     plan: Optional[str] = _f(None, "JSON file with \"stages\": per-stage lists of layer names (e.g. a run's plan.json); overrides placement")
     micro_batch_size: Union[int, str] = _f(8, "samples per micro-batch per data-parallel rank, or auto: the largest "
                                             "divisor of the per-rank batch whose probed peak memory fits memory_budget_gb")
@@ -165,6 +168,10 @@ class LogConfig:
     tensorboard: bool = _f(False, "also write TensorBoard events into output_dir/tb")
     grad_norm: bool = _f(True, "log global and per-group gradient norms every step (one small all-reduce); "
                                "false skips it when nothing is clipped")
+    stage_timing: bool = _f(True, "time every pipeline instruction per stage; busy/data/idle fractions per stage in "
+                            "metrics.jsonl")
+    trace: Optional[list] = _f(None, "[first, last] steps to record as OUTPUT/trace.json (Perfetto/Chrome) and "
+                               "OUTPUT/timeline.png, e.g. [5, 6]")
 
 
 @dataclass
@@ -338,8 +345,8 @@ def validate(cfg: RunConfig) -> None:
         if cfg.get(key) not in choices:
             raise ConfigError(f"{where}: {key}={cfg.get(key)!r} is not one of {', '.join(choices)}")
     placement = cfg.parallel.placement
-    if placement not in ("modality", "balanced", "uniform", "parameters") and not placement.startswith("type:"):
-        raise ConfigError(f"{where}: parallel.placement={placement!r} is not one of modality, balanced, uniform, "
+    if placement not in ("modality", "balanced", "auto", "uniform", "parameters") and not placement.startswith("type:"):
+        raise ConfigError(f"{where}: parallel.placement={placement!r} is not one of modality, balanced, auto, uniform, "
                           "parameters, type:REGEX")
     mbs = cfg.parallel.micro_batch_size
     if isinstance(mbs, str) and mbs != "auto":
@@ -347,6 +354,10 @@ def validate(cfg: RunConfig) -> None:
     for key, choices in (("data.augment", ("none", "crop", "crop_flip")), ("data.padding", ("batch", "max_length"))):
         if cfg.get(key) not in choices:
             raise ConfigError(f"{where}: {key}={cfg.get(key)!r} is not one of {', '.join(choices)}")
+    tr = cfg.log.trace
+    if tr is not None and not (isinstance(tr, list) and len(tr) == 2 and all(isinstance(x, int) for x in tr)
+                               and 1 <= tr[0] <= tr[1]):
+        raise ConfigError(f"{where}: log.trace must be [first, last] step numbers (1-based), got {tr!r}")
     lo_hi = cfg.data.crop_scale
     if not (isinstance(lo_hi, list) and len(lo_hi) == 2 and 0 < lo_hi[0] <= lo_hi[1] <= 1):
         raise ConfigError(f"{where}: data.crop_scale must be [low, high] with 0 < low <= high <= 1, got {lo_hi!r}")

@@ -77,3 +77,372 @@ def auto_micro_batch(cfg, spec, source, tok, image_size: int, pipeline_stages: i
                                 data_parallel))
 
     return pick_micro_batch(per_rank, peak, budget_bytes, log)
+
+
+# ---- profiles for planning ----------------------------------------------------------------------
+def profile_key(cfg, spec, micro_batch_size: int, threads: int, device: str, forward_only, frozen) -> dict:
+    import deepspeed
+    return {"model": cfg.to_dict()["model"], "vocab": spec.text.hf_config.vocab_size,
+            "micro_batch_size": micro_batch_size, "max_length": cfg.data.max_length, "precision": cfg.train.precision,
+            "device": device, "threads": threads, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "forward_only": sorted(forward_only), "frozen": len(frozen), "version": 2}
+
+
+def cache_dir() -> str:
+    import os
+    return os.environ.get("MMPIPE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "mmpipe", "profiles"))
+
+
+def synthetic_batch(spec, m: int, max_length: int, device) -> tuple:
+    """A micro-batch of the configured shape (timing does not depend on the pixels or words)."""
+    g = torch.Generator().manual_seed(0)
+    size = spec.vision.image_size
+    vocab = spec.text.hf_config.vocab_size
+    pix = torch.randint(0, 256, (m, 3, size, size), dtype=torch.uint8, generator=g)
+    ids = torch.randint(5, max(6, vocab), (m, min(max_length, spec.text.max_length)), generator=g)
+    mask = torch.ones_like(ids)
+    return pix.to(device), ids.to(device), mask.to(device)
+    mask = torch.ones(m, max_length, dtype=torch.int64)
+    return pix.to(device), ids.to(device), mask.to(device)
+
+
+def get_profile(cfg, spec, micro_batch_size: int, forward_only: frozenset = frozenset(),
+                frozen: frozenset = frozenset(), threads: Optional[int] = None, repeats: int = 5,
+                use_cache: bool = True, measure_comm: bool = True, log: Optional[Callable[[str], None]] = None) -> dict:
+    """Per-layer costs at the run's micro-batch shape, precision, device and threads per rank, plus
+    the stage-to-stage transfer model; cached as JSON keyed by all of these."""
+    import hashlib
+    import json
+    import os
+
+    from deepspeed.accelerator import get_accelerator
+    from mmpipe.profile import fit_comm, measure_p2p
+    device = torch.device(get_accelerator().device_name())
+    threads = threads or torch.get_num_threads()
+    key = profile_key(cfg, spec, micro_batch_size, threads, device.type, forward_only, frozen)
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir(), f"{digest}.json")
+    if use_cache and os.path.isfile(path):
+        with open(path) as fh:
+            prof = json.load(fh)
+        if log:
+            log(f"layer profile from cache {path}")
+        return prof
+    if log:
+        log(f"profiling {len(spec.part_names())} layers (micro-batch {micro_batch_size}, {cfg.train.precision}, "
+            f"{device.type}, {threads} thread(s)) ...")
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision, torch.float32)
+        layers = build_layers(spec, forward_only, frozen, device, dtype)
+        costs = profile_layers(layers, synthetic_batch(spec, micro_batch_size, cfg.data.max_length, device),
+                               repeats=repeats)
+    finally:
+        torch.set_num_threads(old)
+    comm = {"latency_s": 0.0, "s_per_byte": 0.0, "samples": {}}
+    if measure_comm:
+        sizes = sorted({c.out_bytes for c in costs[:-1]} | {4096})
+        samples = measure_p2p(sizes)
+        lat, spb = fit_comm(samples)
+        comm = {"latency_s": lat, "s_per_byte": spb, "samples": {str(k): v for k, v in samples.items()}}
+    prof = {"key": key, "layers": [c.to_dict() for c in costs], "comm": comm}
+    if use_cache:
+        os.makedirs(cache_dir(), exist_ok=True)
+        tmp = path + f".{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(prof, fh, indent=1)
+        os.replace(tmp, path)
+    return prof
+
+
+# ---- placements -----------------------------------------------------------------------------------
+def layer_costs(prof: dict) -> list:
+    from mmpipe.profile import LayerCost
+    return [LayerCost(**d) for d in prof["layers"]]
+
+
+def stage_times(prof: dict, parts: list) -> dict:
+    """Per-stage forward, backward, optimizer seconds per micro-batch, and boundary transfer seconds."""
+    costs = layer_costs(prof)
+    P = len(parts) - 1
+    F = [sum(c.fwd_ms for c in costs[parts[s]:parts[s + 1]]) / 1e3 for s in range(P)]
+    B = [sum(c.bwd_ms for c in costs[parts[s]:parts[s + 1]]) / 1e3 for s in range(P)]
+    opt = [sum(c.opt_ms for c in costs[parts[s]:parts[s + 1]]) / 1e3 for s in range(P)]
+    lat, spb = prof["comm"]["latency_s"], prof["comm"]["s_per_byte"]
+    comm = [lat + spb * costs[parts[s + 1] - 1].out_bytes for s in range(P - 1)]
+    return {"F": F, "B": B, "opt": opt, "comm": comm}
+
+
+def predict(prof: dict, parts: list, micro_batches: int, schedule: str = "1f1b"):
+    from mmpipe.pipeline.simulate import simulate
+    t = stage_times(prof, parts)
+    r = simulate(t["F"], t["B"], micro_batches, t["comm"], t["opt"], schedule=schedule)
+    r.parts = list(parts)
+    return r
+
+
+def ds_parts(prof: dict, num_stages: int, method: str, names: list) -> list:
+    """What DeepSpeed's own partition_method gives for these layers (parameters: DeepSpeed counts
+    the layers' parameters as built, before mmpipe applies freezing; type:REGEX matches layer names)."""
+    import re
+
+    from deepspeed.runtime import utils as ds_utils
+    if method == "uniform":
+        return list(ds_utils.partition_uniform(num_items=len(names), num_parts=num_stages))
+    if method == "parameters":
+        return list(ds_utils.partition_balanced(weights=[c["params"] for c in prof["layers"]], num_parts=num_stages))
+    if method.startswith("type:"):
+        rx = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        return list(ds_utils.partition_balanced(weights=[1 if rx.search(n) else 0 for n in names],
+                                                num_parts=num_stages))
+    raise ValueError(method)
+
+
+def place(prof: dict, names: list, branches: list, num_stages: int, placement: str, micro_batches: int,
+          memory_cap: Optional[int] = None, precision: str = "fp32", zero_stage: int = 0,
+          data_parallel: int = 1) -> tuple[list, dict]:
+    """Stage boundaries for ``placement`` from measured costs (forward + backward per layer; a frozen
+    forward-only layer costs its forward alone). Returns (parts, {placement: predicted SimResult})."""
+    from mmpipe.pipeline.partition import min_max_partition, modality_partition
+    costs = layer_costs(prof)
+    work = [c.fwd_ms + c.bwd_ms for c in costs]
+    predictions = {}
+    candidates = {}
+    if placement in ("modality", "auto"):
+        candidates["modality"] = modality_partition(work, branches, num_stages)
+    if placement in ("balanced", "auto"):
+        mem = None
+        if memory_cap is not None:
+            from mmpipe.profile import bytes_per_param, in_flight
+            per_t, per_f = bytes_per_param(precision, zero_stage, data_parallel)
+            # worst case in flight (stage 0) for every stage: conservative, keeps the DP additive
+            k = in_flight(0, num_stages, micro_batches)
+            mem = [c.trainable * per_t + (c.params - c.trainable) * per_f + k * c.act_bytes for c in costs]
+        candidates["balanced"] = min_max_partition(work, num_stages, memory=mem, memory_cap=memory_cap)
+    for name, parts in candidates.items():
+        predictions[name] = predict(prof, parts, micro_batches)
+        predictions[name].parts = list(parts)
+    if placement == "auto":
+        best = min(candidates, key=lambda n: predictions[n].step_time)
+        return candidates[best], predictions
+    return candidates[placement], predictions
+
+
+# ---- mmpipe plan ----------------------------------------------------------------------------------
+PLACEMENTS = ("modality", "balanced", "auto", "parameters", "uniform")
+
+
+def _spec_for_plan(cfg):
+    """The model spec without a training run: vocabulary from data.tokenizer if given, else the
+    configured size (only the embedding table depends on it)."""
+    from mmpipe.models.clip import ModelSpec
+    t = cfg.model.text
+    if not (t.pretrained or cfg.model.pretrained):
+        if t.vocab_size is None:
+            if cfg.data.tokenizer:
+                from mmpipe.data.tokenizer import load_tokenizer
+                t.vocab_size = len(load_tokenizer(cfg.data.tokenizer))
+            else:
+                t.vocab_size = cfg.data.tokenizer_vocab_size
+        if t.eos_token_id is None:
+            t.eos_token_id = 3
+        if t.max_position_embeddings is None:
+            t.max_position_embeddings = max(cfg.data.max_length, 16)
+    return ModelSpec(cfg.model, cfg.train.seed)
+
+
+def _groups(cfg, spec):
+    from mmpipe.optim import assign_groups, forward_only_parts, resolve_groups
+    from mmpipe.pipeline.module import meta_parts
+    groups = resolve_groups(cfg.optim)
+    part_params = {part: list(params) for part, params in meta_parts(spec).items()}
+    assignment = assign_groups([n for names in part_params.values() for n in names], groups)
+    frozen = frozenset(n for n, g in assignment.items() if next(x for x in groups if x.name == g).frozen)
+    return frozenset(forward_only_parts(part_params, spec.branch, groups)), frozen
+
+
+def plan_all(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = None, use_cache: bool = True,
+             log=print) -> dict:
+    """Profile, then place and simulate every placement for ``stages`` stages."""
+    import os
+
+    from mmpipe.pipeline.partition import stage_lists
+    from mmpipe.profile import stage_memory
+    spec = _spec_for_plan(cfg)
+    forward_only, frozen = _groups(cfg, spec)
+    mbs = cfg.parallel.micro_batch_size
+    if mbs == "auto":
+        from mmpipe.errors import ConfigError
+        raise ConfigError("mmpipe plan: parallel.micro_batch_size=auto; give the size a run chose (its config.yaml)")
+    M = cfg.train.batch_size // (mbs * data_parallel)
+    threads = threads or max(1, (os.cpu_count() or 1) // (stages * data_parallel))
+    prof = get_profile(cfg, spec, mbs, forward_only, frozen, threads=threads, use_cache=use_cache, log=log)
+    names = spec.part_names()
+    branches = [spec.branch(n) for n in names]
+    costs = layer_costs(prof)
+    out = {"names": names, "micro_batches": M, "micro_batch_size": mbs, "threads": threads, "profile": prof,
+           "placements": {}}
+    cap = int(cfg.parallel.memory_budget_gb * 2**30) if cfg.parallel.memory_budget_gb else None
+    for pl in PLACEMENTS + ((cfg.parallel.placement,) if cfg.parallel.placement.startswith("type:") else ()):
+        if pl in ("modality", "balanced", "auto"):
+            parts, _ = place(prof, names, branches, stages, pl, M, cap, cfg.train.precision, cfg.parallel.zero_stage,
+                             data_parallel)
+        else:
+            parts = ds_parts(prof, stages, pl, names)
+        parts = [int(x) for x in parts]
+        sim = predict(prof, parts, M)
+        mem = stage_memory(costs, parts, M, cfg.train.precision, cfg.parallel.zero_stage, data_parallel)
+        out["placements"][pl] = {"parts": parts, "stages": stage_lists(names, parts), "sim": sim.to_dict(),
+                                 "stage_times": stage_times(prof, parts), "memory": mem}
+    return out
+
+
+def single_process_time(prof: dict, micro_batches: int) -> float:
+    """Predicted step of the whole model on one process (one thread per rank's share)."""
+    costs = layer_costs(prof)
+    return micro_batches * sum(c.fwd_ms + c.bwd_ms for c in costs) / 1e3 + sum(c.opt_ms for c in costs) / 1e3
+
+
+def format_plan(plan: dict, chosen: str, batch: int) -> str:
+    lines = [f"micro-batch {plan['micro_batch_size']} x {plan['micro_batches']} per step, "
+             f"{plan['threads']} thread(s) per rank; predicted (DeepSpeed 1F1B, simulated):",
+             "| placement | step ms | samples/s | bubble | stage layers |", "|---|---|---|---|---|"]
+    for name, p in plan["placements"].items():
+        sizes = "+".join(str(len(s)) for s in p["stages"])
+        lines.append(f"| {name}{' (configured)' if name == chosen else ''} | {1e3 * p['sim']['step_time']:.1f} | "
+                     f"{batch / p['sim']['step_time']:.1f} | {p['sim']['bubble']:.0%} | {sizes} |")
+    p = plan["placements"][chosen]
+    lines += ["", f"{chosen}, per stage:", "| stage | layers | fwd+bwd ms per micro-batch | memory MB | idle |",
+              "|---|---|---|---|---|"]
+    t = p["stage_times"]
+    for s, names in enumerate(p["stages"]):
+        lines.append(f"| {s} | {names[0]} .. {names[-1]} ({len(names)}) | {1e3 * (t['F'][s] + t['B'][s]):.2f} | "
+                     f"{p['memory'][s] / 2**20:.1f} | {p['sim']['idle_frac'][s]:.0%} |")
+    return "\n".join(lines)
+
+
+def write_plan_png(path: str, plan: dict, measured: Optional[dict] = None) -> None:
+    """Per placement, per stage: predicted busy and idle milliseconds per step (and measured, if given)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(plan["placements"])
+    P = len(plan["placements"][names[0]]["stages"])
+    fig, ax = plt.subplots(figsize=(2 + 1.6 * len(names), 4))
+    width = 0.8 / P
+    for s in range(P):
+        xs = [i + s * width for i in range(len(names))]
+        busy = [1e3 * plan["placements"][n]["sim"]["busy"][s] for n in names]
+        step = [1e3 * plan["placements"][n]["sim"]["step_time"] for n in names]
+        ax.bar(xs, busy, width * 0.9, color=f"C{s}", label=f"stage {s} busy")
+        ax.bar(xs, [a - b for a, b in zip(step, busy)], width * 0.9, bottom=busy, color=f"C{s}", alpha=0.25,
+               label=f"stage {s} idle")
+    if measured:
+        for i, n in enumerate(names):
+            if n in measured:
+                ax.plot([i - 0.05, i + 0.8], [1e3 * measured[n]] * 2, "k--", lw=1)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))])
+    ax.set_xticklabels(names)
+    ax.set_ylabel("ms per step (predicted)")
+    ax.set_title("stage balance per placement" + (" (dashed: measured step)" if measured else ""))
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def measured_from_run(run_dir: str, skip: int = 3) -> dict:
+    """Median step time and mean per-stage idle/busy fractions of a run's metrics.jsonl."""
+    import os
+    import statistics
+
+    from mmpipe.metrics import read_metrics
+    recs = read_metrics(os.path.join(run_dir, "metrics.jsonl"))[skip:]
+    if not recs:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no steps after the first {skip}")
+    P = sum(1 for k in recs[0] if k.startswith("stage") and k.endswith(".idle"))
+    return {"step_time": statistics.median(r["step_time"] for r in recs),
+            "idle_frac": [statistics.mean(r[f"stage{s}.idle"] for r in recs) for s in range(P)],
+            "busy_frac": [statistics.mean(r[f"stage{s}.busy"] for r in recs) for s in range(P)],
+            "steps": len(recs)}
+
+
+def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> str:
+    """Predicted (from the profile, for the run's own parts) beside measured (its metrics)."""
+    import json
+    import os
+    with open(os.path.join(run_dir, "plan.json")) as fh:
+        run_plan = json.load(fh)
+    parts, M = run_plan["parts"], run_plan.get("micro_batches")
+    spec = _spec_for_plan(cfg)
+    forward_only, frozen = _groups(cfg, spec)
+    P = len(parts) - 1
+    threads = max(1, (os.cpu_count() or 1) // P)
+    prof = get_profile(cfg, spec, cfg.parallel.micro_batch_size, forward_only, frozen, threads=threads,
+                       use_cache=use_cache, log=log)
+    sim = predict(prof, parts, M)
+    meas = measured_from_run(run_dir)
+    lines = [f"{run_dir}: {P} stages, {M} micro-batches per step, parts {parts}",
+             "| | predicted | measured | error |", "|---|---|---|---|",
+             f"| step ms | {1e3 * sim.step_time:.1f} | {1e3 * meas['step_time']:.1f} | "
+             f"{100 * (sim.step_time / meas['step_time'] - 1):+.0f}% |"]
+    for s in range(P):
+        lines.append(f"| stage {s} idle | {sim.idle_frac[s]:.0%} | {meas['idle_frac'][s]:.0%} | "
+                     f"{100 * (sim.idle_frac[s] - meas['idle_frac'][s]):+.0f} pts |")
+    return "\n".join(lines)
+
+
+def cmd_plan(args) -> int:
+    import json
+    import os
+
+    from mmpipe.config import load_config
+    cfg = load_config(args.config, args.overrides)
+    log = lambda s: print(f"[plan] {s}", flush=True)  # noqa: E731
+    if args.run:
+        print(compare_with_run(cfg, args.run, use_cache=not args.no_cache, log=log))
+        return 0
+    stages = args.stages or cfg.parallel.pipeline_stages
+    if stages < 2:
+        from mmpipe.errors import ConfigError
+        raise ConfigError("mmpipe plan: parallel.pipeline_stages is 1; give --stages P (P >= 2) to plan a pipeline")
+    plan = plan_all(cfg, stages, args.dp, args.threads, use_cache=not args.no_cache, log=log)
+    chosen = cfg.parallel.placement if cfg.parallel.placement in plan["placements"] else "auto"
+    print(format_plan(plan, chosen, cfg.train.batch_size))
+    from mmpipe.pipeline.simulate import recommend_micro_batches
+    t = plan["placements"][chosen]["stage_times"]
+    per_rank = cfg.train.batch_size // args.dp
+    M = plan["micro_batches"]
+    scale = M  # stage times are per micro-batch of the configured size; rescale to the whole per-rank batch
+    rec = recommend_micro_batches([f * scale for f in t["F"]], [b * scale for b in t["B"]],
+                                  [c * scale for c in t["comm"]], t["opt"], per_rank, args.target_bubble)
+    if rec["best"]:
+        b = rec["best"]
+        print(f"\nrecommended: {b['micro_batches']} micro-batches of {b['micro_batch_size']} "
+              f"(bubble {b['bubble']:.0%} <= {args.target_bubble:.0%}, by the simulator with linearly scaled times)")
+    else:
+        print("\n" + rec["why"])
+    out = args.out or os.path.join(cfg.train.output_dir, "plan")
+    os.makedirs(out, exist_ok=True)
+    p = plan["placements"][chosen]
+    with open(os.path.join(out, "plan.json"), "w") as fh:
+        json.dump({"placement": chosen, "parts": p["parts"], "stages": p["stages"], "micro_batches": M,
+                   "predicted": {k: v["sim"] for k, v in plan["placements"].items()}}, fh, indent=2)
+    write_plan_png(os.path.join(out, "plan.png"), plan)
+    print(f"\nwrote {out}/plan.json (train with --set parallel.plan={out}/plan.json) and {out}/plan.png")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="profile the layers, place the pipeline stages, predict the schedule")
+    p.add_argument("--config", "-c")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--stages", type=int, help="P (default: parallel.pipeline_stages)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree the run will use")
+    p.add_argument("--threads", type=int, help="threads per rank (default: cores / ranks, as training sets)")
+    p.add_argument("--target-bubble", type=float, default=0.15, help="bubble the micro-batch recommendation aims under")
+    p.add_argument("--run", help="a finished run's output dir: print predicted beside measured")
+    p.add_argument("--out", help="where plan.json and plan.png go (default: OUTPUT_DIR/plan)")
+    p.add_argument("--no-cache", action="store_true", help="profile again even if a cached profile matches")
+    p.set_defaults(func=cmd_plan)

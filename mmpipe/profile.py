@@ -35,6 +35,7 @@ class LayerCost:
     param_bytes: int
     params: int
     trainable: int
+    opt_ms: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -137,17 +138,99 @@ def profile_layers(layers: list, inputs: tuple, repeats: int = 5, warmup: int = 
             grad = [t.grad if torch.is_tensor(t) and t.is_floating_point() else None for t in ins]
         for layer in layers:
             layer.zero_grad(set_to_none=True)
+    opt = [optimizer_ms(layer, repeats if timed else 0) for layer in layers]
     costs = []
     for i, layer in enumerate(layers):
         params = list(layer.parameters())
         keep = slice(warmup, None) if timed else slice(0, None)
-        costs.append(LayerCost(
+        costs.append(LayerCost(opt_ms=opt[i], 
             name=getattr(layer, "name", str(i)),
             fwd_ms=1e3 * statistics.median(fwd[i][keep]), bwd_ms=1e3 * statistics.median(bwd[i][keep]),
             act_bytes=act[i], out_bytes=out_b[i],
             param_bytes=sum(p.numel() * p.element_size() for p in params),
             params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad)))
     return costs
+
+
+def optimizer_ms(layer, repeats: int) -> float:
+    """Median time of one AdamW step over the layer's trainable parameters (0 if none, or untimed)."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+    if not params or repeats <= 0:
+        return 0.0
+    master = [p.detach().float().clone().requires_grad_(True) for p in params]  # the fp32 copy an optimizer steps
+    for m in master:
+        m.grad = torch.randn_like(m) * 1e-3
+    opt = torch.optim.AdamW(master, lr=1e-4)
+    times = []
+    for _ in range(repeats + 1):
+        _sync(master[0].device)
+        t0 = time.perf_counter()
+        opt.step()
+        _sync(master[0].device)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[1:])
+
+
+# ---- stage-to-stage transfers ------------------------------------------------------------------------
+def _p2p_worker(rank: int, port: int, sizes: list, repeats: int, backend: str, device: str, out) -> None:
+    import os
+
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, rank=rank, world_size=2)
+    res = {}
+    for n in sizes:
+        buf = torch.zeros(max(1, n // 4), dtype=torch.float32, device=device)
+        times = []
+        for _ in range(repeats + 2):  # ping-pong: half a round trip is one transfer
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            times.append((time.perf_counter() - t0) / 2)
+        res[n] = statistics.median(times[2:])
+    if rank == 0:
+        out.put(res)
+    dist.destroy_process_group()
+
+
+def measure_p2p(sizes: list, repeats: int = 10) -> dict:
+    """{bytes: seconds} for one send/recv between two processes with the accelerator's backend."""
+    import socket
+
+    import torch.multiprocessing as mp
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    device = acc.device_name() if acc.device_name() == "cpu" else f"{acc.device_name()}:0"
+    procs = [ctx.Process(target=_p2p_worker, args=(r, port, sorted(set(sizes)), repeats,
+                                                    acc.communication_backend_name(), device, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    res = q.get(timeout=300)
+    for p in procs:
+        p.join()
+    return res
+
+
+def fit_comm(samples: dict) -> tuple[float, float]:
+    """Least-squares (latency seconds, seconds per byte) from ``measure_p2p``'s result."""
+    xs, ys = list(samples), [samples[k] for k in samples]
+    if len(xs) == 1:
+        return ys[0], 0.0
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var) if var else 0.0
+    return max(0.0, my - slope * mx), slope
 
 
 # ---- memory model --------------------------------------------------------------------------------

@@ -97,7 +97,9 @@ class PlainRunner:
     def _to_device(self, inputs):
         return tuple(t.to(self.engine.device, non_blocking=True) for t in inputs)
 
-    def train_step(self, data_iter) -> float:
+    clock = None
+
+    def train_step(self, data_iter, step: int = 0, trace: bool = False) -> float:
         losses = []
         for _ in range(self.topo.accumulation_steps):
             inputs, _ = next(data_iter)
@@ -126,11 +128,20 @@ class PlainRunner:
 class PipelineRunner:
     """P >= 2: DeepSpeed's pipeline engine runs the 1F1B schedule over the accumulation steps."""
 
-    def __init__(self, engine, topo):
+    def __init__(self, engine, topo, stage_timing: bool = True):
         self.engine, self.topo = engine, topo
+        self.clock = None
+        if stage_timing:
+            from mmpipe.pipeline.instrument import StageClock
+            self.clock = StageClock(engine)
 
-    def train_step(self, data_iter) -> float:
-        return float(self.engine.train_batch(data_iter))
+    def train_step(self, data_iter, step: int = 0, trace: bool = False) -> float:
+        if self.clock is None:
+            return float(self.engine.train_batch(data_iter))
+        self.clock.begin_step(step, trace)
+        loss = float(self.engine.train_batch(data_iter))
+        self.timings = self.clock.end_step()
+        return loss
 
     def features(self, batches, n_micro: int) -> Optional[torch.Tensor]:
         # eval_batch() adds every forward output to total_loss, which still holds the training
@@ -208,6 +219,31 @@ def _as_pipe_batches(loader, stats: DataStats):
 
 def _warn(msg: str) -> None:
     print(f"[mmpipe] warning: {msg}", flush=True)
+
+
+def _measured_parts(cfg, spec, topo, forward_only, frozen, rank) -> tuple[list, dict]:
+    """Rank 0 profiles the layers (or reads the cached profile) and places the stages; every rank
+    gets the same parts. Returns (parts, predicted step per placement considered)."""
+    result = [None]
+    if rank == 0:
+        from mmpipe.plan import get_profile, place
+        prof = get_profile(cfg, spec, topo.micro_batch_size, forward_only, frozen, threads=torch.get_num_threads(),
+                           measure_comm=cfg.parallel.placement == "auto", log=lambda s: print(f"[mmpipe] {s}", flush=True))
+        names = spec.part_names()
+        cap = int(cfg.parallel.memory_budget_gb * 2**30) if cfg.parallel.memory_budget_gb else None
+        try:
+            parts, preds = place(prof, names, [spec.branch(n) for n in names], topo.pipeline_stages,
+                                 cfg.parallel.placement, topo.accumulation_steps, cap, cfg.train.precision,
+                                 cfg.parallel.zero_stage, topo.data_parallel)
+            result = [(parts, {k: v.to_dict() for k, v in preds.items()})]
+        except ValueError as e:
+            result = [f"parallel.placement={cfg.parallel.placement}: {e}"]
+    dist.broadcast_object_list(result, src=0)
+    if isinstance(result[0], str):
+        err = ConfigError(result[0] + "; raise parallel.memory_budget_gb or use more stages")
+        err.everywhere = True
+        raise err
+    return result[0]
 
 
 def check_auto_micro_batch(cfg: RunConfig) -> None:
@@ -311,6 +347,10 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
         ds_cfg, topo = resolve(cfg, world)
         if rank == 0:
             _warn(f"parallel.micro_batch_size=auto -> {m} (accumulation {topo.accumulation_steps})")
+    predicted = None
+    if P > 1 and cfg.parallel.profile and not cfg.parallel.plan and cfg.parallel.placement in ("modality", "balanced",
+                                                                                              "auto"):
+        parts, predicted = _measured_parts(cfg, spec, topo, forward_only, frozen_names, rank)
 
     # ---- model and engine --------------------------------------------------------------------
     if P == 1:
@@ -348,7 +388,7 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     else:
         from mmpipe.pipeline.module import fix_recv_buffer_dtype
         fix_recv_buffer_dtype(engine)
-        runner = PipelineRunner(engine, topo)
+        runner = PipelineRunner(engine, topo, cfg.log.stage_timing)
         layer_names, parts = model.layer_names, list(model.parts)
     # ZeRO-2/3 keep reduced gradients in buckets mmpipe does not read (yet): DeepSpeed clips there
     own_clip = cfg.parallel.zero_stage < 2
@@ -370,7 +410,8 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
             from mmpipe.pipeline.partition import stage_lists
             with open(os.path.join(out_dir, "plan.json"), "w") as fh:
                 json.dump({"placement": cfg.parallel.placement, "parts": parts,
-                           "stages": stage_lists(layer_names, parts)}, fh, indent=2)
+                           "stages": stage_lists(layer_names, parts), "micro_batches": topo.accumulation_steps,
+                           "predicted": predicted}, fh, indent=2)
     writer.info(f"{topo.describe()} precision={cfg.train.precision} zero={cfg.parallel.zero_stage} "
                 f"device={device_name}" + (f" resume@{start_step}" if resume else ""))
     if layer_names is not None:
@@ -420,7 +461,10 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     # ---- train ---------------------------------------------------------------------------------
     last_eval = None
     step = start_step
-    stats = torch.zeros(3, dtype=torch.float64)
+    from mmpipe.pipeline.instrument import FIELDS, stage_record, write_timeline_png, write_trace
+    timed = runner.clock is not None
+    trace = cfg.log.trace
+    trace_offset = time.time() - time.perf_counter()
     n_train = torch.tensor([source.size or 0 if reads_data else 0], dtype=torch.int64)
     dist.all_reduce(n_train, op=dist.ReduceOp.MAX)  # every rank needs it for the bad-fraction check
     n_train = int(n_train)
@@ -431,19 +475,38 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     while step < end:
         lrs = engine.get_lr()
         lr = lrs[0] if lrs else 0.0  # an all-frozen stage has no lr
+        tracing = trace is not None and trace[0] <= step + 1 <= trace[1]
         t0 = time.perf_counter()
-        loss = runner.train_step(train_iter)
+        loss = runner.train_step(train_iter, step + 1, tracing)
         dt = time.perf_counter() - t0
         step += 1
-        stats[0], stats[1], stats[2] = bad.bad, bad.wait, bad.drawn
+        # one small gather per step: data counters (summed over the reading ranks) and stage timings
+        mine = torch.tensor([bad.bad, bad.wait, bad.drawn] + (runner.timings if timed else []), dtype=torch.float64)
         bad.reset()
-        dist.all_reduce(stats)  # summed over the data-reading (first-stage) ranks
-        total_bad += int(stats[0])
-        drawn += int(stats[2])
-        wait = float(stats[1]) / topo.data_parallel  # mean over the first-stage ranks
+        everyone = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+        stats = torch.stack(everyone)
+        total_bad += int(stats[:, 0].sum())
+        drawn += int(stats[:, 2].sum())
+        wait = float(stats[:, 1].sum()) / topo.data_parallel  # mean over the first-stage ranks
+        stage_fields = {}
+        if timed:
+            per_stage = {s: (stats[[r for r in range(world) if topo.coords(r)[0] == s], 3:].mean(0)).tolist()
+                         for s in range(P)}
+            stage_fields = stage_record(per_stage, P)
         writer.log_step({"step": step, "loss": loss, "lr": lr, "samples_per_sec": topo.batch_size / dt,
                          **clipper.record(), "step_time": dt, "loader_wait": wait,
-                         "loader_wait_frac": wait / dt, "bad_samples": total_bad})
+                         "loader_wait_frac": wait / dt, "bad_samples": total_bad, **stage_fields})
+        if trace is not None and step == min(trace[1], end) and timed:
+            events = [None] * world
+            dist.all_gather_object(events, (runner.clock.events, trace_offset))
+            runner.clock.events = []
+            if is_reporter:
+                coords = [topo.coords(r) for r in range(world)]
+                write_trace(os.path.join(out_dir, "trace.json"), events, coords)
+                write_timeline_png(os.path.join(out_dir, "timeline.png"), events, coords,
+                                   f"steps {trace[0]}-{trace[1]}, {topo.describe()}")
+                writer.info(f"wrote {out_dir}/trace.json (open in ui.perfetto.dev) and {out_dir}/timeline.png")
         denom = n_train or (drawn if drawn >= min_drawn else None)
         if denom and total_bad > cfg.data.max_bad_fraction * denom:
             what = f"the {n_train} training samples" if n_train else f"the {drawn} samples drawn so far"

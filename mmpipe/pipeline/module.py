@@ -35,7 +35,7 @@ def plan_parts(spec, num_stages: int, placement: str, plan_file: Optional[str] =
     names = spec.part_names()
     if plan_file:
         return parts_from_plan_file(plan_file, names, num_stages)
-    if placement not in ("modality", "balanced"):
+    if placement not in ("modality", "balanced", "auto"):
         return None
     costs = [1 + sum(n for pname, n in params.items() if pname not in frozen_params)
              for params in meta_parts(spec).values()]

@@ -1,0 +1,161 @@
+"""Pipeline schedule simulator: predicts step time, per-stage busy/idle and the bubble.
+
+It replays DeepSpeed's own instruction streams (``deepspeed.runtime.pipe.schedule.TrainSchedule``,
+one per stage, so DeepSpeed's deferred activation sends are modelled as they run) with given
+durations: ``ForwardPass`` = F[s], ``BackwardPass`` = B[s], ``OptimizerStep`` = opt[s],
+``LoadMicroBatch`` = load[s]. Sends and receives are blocking rendezvous between neighbours (as
+``torch.distributed.send/recv`` are): a pair starts when both sides reach it and takes the
+boundary's transfer time. ``schedule="gpipe"`` replays all forwards, then all backwards
+(same instruction kinds), for comparison.
+
+Busy = forward + backward + optimizer + load; everything else in the step (waiting in a
+send/receive, transfers) is idle. ``bubble`` is the mean idle fraction over stages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class SimResult:
+    step_time: float
+    busy: list  # seconds per stage
+    idle_frac: list  # per stage
+    bubble: float
+    timeline: list = field(default_factory=list)  # (stage, kind, micro_batch, start, end)
+    parts: Optional[list] = None  # the partition simulated, when known
+
+    def to_dict(self) -> dict:
+        return {"step_time": self.step_time, "busy": self.busy, "idle_frac": self.idle_frac, "bubble": self.bubble,
+                "parts": self.parts}
+
+
+def _ds_streams(stages: int, micro_batches: int) -> list[list[tuple[str, Optional[int]]]]:
+    """Per stage: DeepSpeed's TrainSchedule flattened to (instruction name, buffer id)."""
+    from deepspeed.runtime.pipe import schedule as S
+    out = []
+    for s in range(stages):
+        cmds = []
+        for step in S.TrainSchedule(micro_batches=micro_batches, stages=stages, stage_id=s).steps():
+            for c in step:
+                cmds.append((type(c).__name__, c.kwargs.get("buffer_id")))
+        out.append(cmds)
+    return out
+
+
+def _gpipe_streams(stages: int, micro_batches: int) -> list[list[tuple[str, Optional[int]]]]:
+    out = []
+    for s in range(stages):
+        first, last = s == 0, s == stages - 1
+        cmds = []
+        for m in range(micro_batches):
+            if not first:
+                cmds.append(("RecvActivation", m))
+            if first or last:
+                cmds.append(("LoadMicroBatch", m))
+            cmds.append(("ForwardPass", m))
+            if not last:
+                cmds.append(("SendActivation", m))
+        for m in reversed(range(micro_batches)):
+            if not last:
+                cmds.append(("RecvGrad", m))
+            cmds.append(("BackwardPass", m))
+            if not first:
+                cmds.append(("SendGrad", m))
+        cmds += [("ReduceTiedGrads", None), ("ReduceGrads", None), ("OptimizerStep", None)]
+        out.append(cmds)
+    return out
+
+
+_PARTNER = {"SendActivation": (1, "RecvActivation"), "RecvActivation": (-1, "SendActivation"),
+            "SendGrad": (-1, "RecvGrad"), "RecvGrad": (1, "SendGrad")}
+BUSY_KINDS = ("ForwardPass", "BackwardPass", "OptimizerStep", "LoadMicroBatch")
+
+
+def simulate(F: list, B: list, micro_batches: int, comm: Optional[list] = None, opt: Optional[list] = None,
+             load: Optional[list] = None, schedule: str = "1f1b") -> SimResult:
+    """``F``, ``B``, ``opt``, ``load``: seconds per stage; ``comm[s]``: seconds to move one
+    micro-batch's activations (or gradients) across the boundary between stage s and s+1."""
+    P, M = len(F), micro_batches
+    comm = comm if comm is not None else [0.0] * max(0, P - 1)
+    opt = opt if opt is not None else [0.0] * P
+    load = load if load is not None else [0.0] * P
+    streams = _ds_streams(P, M) if schedule == "1f1b" else _gpipe_streams(P, M)
+    ptr, clock = [0] * P, [0.0] * P
+    busy = [0.0] * P
+    timeline = []
+    done = 0
+    total = sum(len(s) for s in streams)
+    while done < total:
+        progressed = False
+        for s in range(P):
+            while ptr[s] < len(streams[s]):
+                kind, _ = streams[s][ptr[s]]
+                if kind in _PARTNER:
+                    d, other = _PARTNER[kind]
+                    t = s + d
+                    if ptr[t] >= len(streams[t]) or streams[t][ptr[t]][0] != other:
+                        break  # blocked until the neighbour reaches the matching instruction
+                    boundary = min(s, t)
+                    start = max(clock[s], clock[t])
+                    end = start + comm[boundary]
+                    for x in (s, t):
+                        timeline.append((x, streams[x][ptr[x]][0], streams[x][ptr[x]][1], start, end))
+                        clock[x] = end
+                        ptr[x] += 1
+                    done += 2
+                    progressed = True
+                    continue
+                dur = {"ForwardPass": F[s], "BackwardPass": B[s], "OptimizerStep": opt[s],
+                       "LoadMicroBatch": load[s]}.get(kind, 0.0)
+                timeline.append((s, kind, streams[s][ptr[s]][1], clock[s], clock[s] + dur))
+                clock[s] += dur
+                if kind in BUSY_KINDS:
+                    busy[s] += dur
+                ptr[s] += 1
+                done += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule deadlock at {[streams[s][ptr[s]] if ptr[s] < len(streams[s]) else None for s in range(P)]}")
+    step = max(clock)
+    idle = [1.0 - b / step if step > 0 else 0.0 for b in busy]
+    return SimResult(step, busy, idle, sum(idle) / P, timeline)
+
+
+def bubble_formula(stages: int, micro_batches: int) -> float:
+    """Idle share of an ideal 1F1B/GPipe step with equal stages and free transfers."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def recommend_micro_batches(F: list, B: list, comm: list, opt: list, per_rank_batch: int, target_bubble: float,
+                            stage_peak_bytes=None, budget_bytes: Optional[int] = None) -> dict:
+    """The fewest micro-batches per step (a divisor of the per-rank batch, so the global batch
+    holds) whose simulated bubble is under ``target_bubble``. ``F``/``B`` are per micro-batch of
+    the *current* size; a count M means micro-batches of per_rank_batch / M samples, with times
+    scaled linearly (a lower bound on small micro-batches, which run less efficiently).
+    ``stage_peak_bytes(M)`` (optional) gives the fullest stage's peak memory for M."""
+    from mmpipe.profile import divisors
+    rows = []
+    for M in divisors(per_rank_batch):
+        scale = 1.0 / M
+        r = simulate([f * scale for f in F], [b * scale for b in B], M, [c * scale for c in comm], opt)
+        fits = budget_bytes is None or stage_peak_bytes is None or stage_peak_bytes(M) <= budget_bytes
+        rows.append({"micro_batches": M, "micro_batch_size": per_rank_batch // M, "bubble": r.bubble,
+                     "step_time": r.step_time, "fits": fits})
+    ok = [r for r in rows if r["bubble"] <= target_bubble and r["fits"]]
+    best = ok[0] if ok else None
+    why = None
+    if best is None:
+        feasible = [r for r in rows if r["fits"]]
+        lowest = min(feasible, key=lambda r: r["bubble"]) if feasible else None
+        # the bubble left with (nearly) unlimited micro-batches is the stages' imbalance
+        big = 1024
+        floor = simulate([f / big for f in F], [b / big for b in B], big, [c / big for c in comm], opt).bubble
+        cause = (f"the stages are unbalanced: even unlimited micro-batches leave a {floor:.0%} bubble; balance them "
+                 "(parallel.placement=auto)" if floor > target_bubble else
+                 f"the per-rank batch of {per_rank_batch} allows at most {rows[-1]['micro_batches']} micro-batches; "
+                 "raise train.batch_size")
+        why = (f"no micro-batch count gets the bubble under {target_bubble:.0%}"
+               + (f" (best: {lowest['micro_batches']} with {lowest['bubble']:.0%})" if lowest else "") + f": {cause}")
+    return {"rows": rows, "best": best, "why": why}
