@@ -398,11 +398,16 @@ def cmd_plan(args) -> int:
     import os
 
     from mmpipe.config import load_config
-    cfg = load_config(args.config, args.overrides)
     log = lambda s: print(f"[plan] {s}", flush=True)  # noqa: E731
-    if args.run:
+    if args.run:  # the run's own resolved config: its model, micro-batch, precision
+        saved = os.path.join(args.run, "config.yaml")
+        if not os.path.isfile(saved) or not os.path.isfile(os.path.join(args.run, "plan.json")):
+            from mmpipe.errors import ConfigError
+            raise ConfigError(f"mmpipe plan --run {args.run}: no config.yaml/plan.json there (a pipelined run's output_dir)")
+        cfg = load_config(args.config or saved, args.overrides)
         print(compare_with_run(cfg, args.run, use_cache=not args.no_cache, log=log))
         return 0
+    cfg = load_config(args.config, args.overrides)
     stages = args.stages or cfg.parallel.pipeline_stages
     if stages < 2:
         from mmpipe.errors import ConfigError

@@ -389,7 +389,7 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
         from mmpipe.pipeline.module import fix_recv_buffer_dtype
         fix_recv_buffer_dtype(engine)
         runner = PipelineRunner(engine, topo, cfg.log.stage_timing)
-        layer_names, parts = model.layer_names, list(model.parts)
+        layer_names, parts = model.layer_names, [int(x) for x in model.parts]  # DeepSpeed gives numpy ints
     # ZeRO-2/3 keep reduced gradients in buckets mmpipe does not read (yet): DeepSpeed clips there
     own_clip = cfg.parallel.zero_stage < 2
     clipper = GradClipper(engine, groups, cfg.optim.max_grad_norm if own_clip else None,

@@ -42,3 +42,68 @@ def test_micro_batch_recommendation_and_its_limit():
     assert rec["best"] is None and "at most 4 micro-batches" in rec["why"]
     rec = recommend_micro_batches([1.0, 3.0], [2.0, 6.0], [0.0], [0.0, 0.0], per_rank_batch=64, target_bubble=0.1)
     assert rec["best"] is None and "unbalanced" in rec["why"]
+
+
+# ---- placements from measured costs ----------------------------------------------------------------
+def _profile(vision_fwd, vision_bwd, text_fwd=1.0, text_bwd=2.0, n_vision=6, n_text=4):
+    from mmpipe.profile import LayerCost
+    names = ([f"vision.blocks.{i}" for i in range(n_vision)] + [f"text.blocks.{i}" for i in range(n_text)])
+    layers = []
+    for n in names:
+        f, b = (vision_fwd, vision_bwd) if n.startswith("vision") else (text_fwd, text_bwd)
+        layers.append(LayerCost(n, f, b, act_bytes=1000, out_bytes=100, param_bytes=400, params=100,
+                                trainable=0 if (n.startswith("vision") and b == 0) else 100).to_dict())
+    prof = {"layers": layers, "comm": {"latency_s": 0.0, "s_per_byte": 0.0}}
+    return prof, names, ["image" if n.startswith("vision") else "text" for n in names]
+
+
+def test_modality_splits_stages_in_proportion_to_branch_cost():
+    from mmpipe.plan import place
+    prof, names, branches = _profile(3.0, 6.0, n_vision=6, n_text=6)  # vision tower 3x the text tower
+    parts, _ = place(prof, names, branches, 4, "modality", micro_batches=8)
+    kinds = [{branches[i] for i in range(a, b)} for a, b in zip(parts, parts[1:])]
+    assert kinds == [{"image"}, {"image"}, {"image"}, {"text"}]
+
+
+def test_frozen_tower_is_costed_forward_only_and_the_plan_shifts():
+    from mmpipe.plan import place
+    trainable, names, branches = _profile(2.0, 4.0)
+    frozen, _, _ = _profile(2.0, 0.0)  # frozen vision: forward only (what the profiler measures)
+    p_train, _ = place(trainable, names, branches, 2, "balanced", micro_batches=8)
+    p_frozen, preds = place(frozen, names, branches, 2, "balanced", micro_batches=8)
+    # vision costs 36 units trained (of 48): the boundary sits inside the vision tower; frozen it
+    # costs 12 (of 24): the boundary moves to the branch border
+    assert p_train == [0, 4, 10] and p_frozen == [0, 6, 10]
+    auto, preds = place(frozen, names, branches, 2, "auto", micro_batches=8)
+    assert set(preds) == {"modality", "balanced"} and auto == preds[min(preds, key=lambda k: preds[k].step_time)].parts
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_auto_takes_the_placement_the_simulator_predicts_faster(seed):
+    from mmpipe.plan import place
+    rng = random.Random(seed)
+    prof, names, branches = _profile(1.0, 2.0, n_vision=rng.randint(2, 8), n_text=rng.randint(2, 8))
+    for layer in prof["layers"]:
+        layer["fwd_ms"], layer["bwd_ms"] = rng.uniform(0.5, 3), rng.uniform(0.5, 6)
+    P = rng.randint(2, 4)
+    chosen, preds = place(prof, names, branches, P, "auto", micro_batches=rng.choice([2, 4, 8]))
+    assert chosen == min(preds.values(), key=lambda p: p.step_time).parts
+    mod = preds["modality"].parts
+    assert all(len({branches[i] for i in range(a, b)}) == 1 for a, b in zip(mod, mod[1:]))
+
+
+# ---- trace outputs ---------------------------------------------------------------------------------
+def test_trace_json_and_png_are_written(tmp_path):
+    import json
+
+    from mmpipe.pipeline.instrument import write_timeline_png, write_trace
+    events0 = [("ForwardPass", 0, 1.0, 1.5, 1), ("SendActivation", 0, 1.5, 1.6, 1), ("BackwardPass", 0, 2.0, 3.0, 1)]
+    events1 = [("RecvActivation", 0, 1.5, 1.6, 1), ("ForwardPass", 0, 1.6, 1.8, 1), ("BackwardPass", 0, 1.8, 2.0, 1)]
+    trace = write_trace(str(tmp_path / "t.json"), [(events0, 100.0), (events1, 100.0)], [(0, 0), (1, 0)])
+    loaded = json.load(open(tmp_path / "t.json"))
+    assert loaded == trace
+    xs = [e for e in loaded["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) == 6 and min(e["ts"] for e in xs) == 0.0
+    assert all({"name", "ts", "dur", "pid", "tid"} <= set(e) and e["dur"] >= 0 for e in xs)
+    write_timeline_png(str(tmp_path / "t.png"), [(events0, 100.0), (events1, 100.0)], [(0, 0), (1, 0)])
+    assert open(tmp_path / "t.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"

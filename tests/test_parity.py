@@ -16,7 +16,7 @@ import torch
 from conftest import train_losses
 from mmpipe.checkpoint import load_model_weights
 
-REF = ("p2_ref", 2, ["parallel.pipeline_stages=2", "train.save_every=2"])
+REF = ("p2_ref", 2, ["parallel.pipeline_stages=2", "train.save_every=2", "log.trace=[2,3]"])
 
 
 def reference(runs):
@@ -37,6 +37,7 @@ def assert_weights_close(a: dict, b: dict, rtol=1e-4, atol=1e-6):
     ("p1", 1, "python", ["parallel.pipeline_stages=1"]),
     ("p3", 3, "deepspeed", ["parallel.pipeline_stages=3"]),
     ("p2dp2", 4, "deepspeed", ["parallel.pipeline_stages=2"]),
+    ("p2_parameters", 2, "deepspeed", ["parallel.pipeline_stages=2", "parallel.placement=parameters"]),
 ])
 def test_layout_parity(runs, key, nprocs, launcher, sets):
     ref = reference(runs)

@@ -1,0 +1,67 @@
+"""Stage balance in real pipelined runs: measured placements keep training exact, every stage's
+time is accounted in metrics.jsonl, and the trace and timeline are written."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from conftest import train_losses
+from test_parity import REF, _weights, assert_weights_close
+
+
+def test_measured_auto_placement_trains_exactly_like_the_reference(runs):
+    ref = runs.get(*REF)[0]
+    out, proc = runs.get("p2_auto", 2, ["parallel.pipeline_stages=2", "parallel.placement=auto",
+                                        "parallel.profile=true"], flags=["--stop-at", "4"])
+    np.testing.assert_allclose(train_losses(out), train_losses(ref)[:4], rtol=1e-4)
+    assert_weights_close(_weights(out, 4), _weights(ref, 4))
+    plan = json.load(open(os.path.join(out, "plan.json")))
+    assert plan["placement"] == "auto" and set(plan["predicted"]) == {"modality", "balanced"}
+    chosen = min(plan["predicted"].values(), key=lambda p: p["step_time"])
+    assert chosen["parts"] == plan["parts"]
+
+
+def test_stage_time_is_accounted_and_the_trace_is_written(runs):
+    from mmpipe.metrics import read_metrics
+    out, _ = runs.get(*REF)
+    recs = read_metrics(os.path.join(out, "metrics.jsonl"))
+    for r in recs:
+        for s in (0, 1):
+            parts = [r[f"stage{s}.busy"], r[f"stage{s}.data"], r[f"stage{s}.idle"]]
+            assert all(0 <= x <= 1 for x in parts) and abs(sum(parts) - 1) < 1e-6
+            assert r[f"stage{s}.fwd_ms"] > 0 and r[f"stage{s}.bwd_ms"] > 0
+        assert r["stage0.data_ms"] > 0  # the first stage loads the micro-batches
+    trace = json.load(open(os.path.join(out, "trace.json")))
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["args"]["step"] for e in xs} == {2, 3}
+    for stage in (0, 1):
+        kinds = {e["name"] for e in xs if e["pid"] == stage}
+        assert {"ForwardPass", "BackwardPass", "OptimizerStep"} <= kinds
+    assert {"SendActivation", "RecvGrad"} <= {e["name"] for e in xs if e["pid"] == 0}
+    # 4 micro-batches per step: 4 forwards per stage per step
+    assert sum(1 for e in xs if e["pid"] == 1 and e["name"] == "ForwardPass") == 8
+    assert open(os.path.join(out, "timeline.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mmpipe_plan_reports_every_placement_and_compares_with_a_run(runs, capsys, tmp_path, monkeypatch):
+    from conftest import TINY
+    from mmpipe.cli import main
+    monkeypatch.setenv("MMPIPE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "plan"
+    assert main(["plan", "--config", TINY, "--set", "model.text.vocab_size=300", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    for pl in ("modality", "balanced", "auto", "parameters", "uniform"):
+        assert f"| {pl}" in text
+    assert "| 0 | vision.embed .." in text and "memory MB" in text
+    plan = json.load(open(out / "plan.json"))
+    assert len(plan["stages"]) == 2 and plan["placement"] == "modality"
+    assert open(out / "plan.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert len(os.listdir(tmp_path / "cache")) == 1  # the profile is cached ...
+    assert main(["plan", "--config", TINY, "--set", "model.text.vocab_size=300", "--out", str(out)]) == 0
+    assert "layer profile from cache" in capsys.readouterr().out  # ... and reused
+    ref, _ = runs.get(*REF)
+    assert main(["plan", "--run", ref]) == 0
+    text = capsys.readouterr().out
+    assert "| step ms |" in text and "| stage 1 idle |" in text
