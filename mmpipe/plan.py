@@ -13,18 +13,23 @@ import torch
 from mmpipe.profile import pick_micro_batch, profile_layers, stage_memory
 
 
-def build_layers(spec, forward_only: frozenset = frozenset(), frozen_params: frozenset = frozenset(),
-                 device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32) -> list:
-    """Every pipeline layer of the model, in one process (seeded per part: the pipeline's weights)."""
+def iter_layers(spec, forward_only: frozenset = frozenset(), frozen_params: frozenset = frozenset(),
+                device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32):
+    """The model's pipeline layers, built one at a time (seeded per part: the pipeline's weights),
+    in training mode, with frozen parameters marked."""
     from mmpipe.pipeline.layers import PipeLayer, plain_state_key
-    layers = []
     for name in spec.part_names():
         layer = PipeLayer(spec, name, name in forward_only).to(device=device, dtype=dtype)
         for k, p in layer.named_parameters():
             if plain_state_key(name, k) in frozen_params:
                 p.requires_grad_(False)
-        layers.append(layer.train())
-    return layers
+        yield layer.train()
+
+
+def build_layers(spec, forward_only: frozenset = frozenset(), frozen_params: frozenset = frozenset(),
+                 device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32) -> list:
+    """Every pipeline layer of the model at once, in one process."""
+    return list(iter_layers(spec, forward_only, frozen_params, device, dtype))
 
 
 def probe_batch(cfg, source, tok, m: int, image_size: int, device) -> tuple:
@@ -64,13 +69,13 @@ def auto_micro_batch(cfg, spec, source, tok, image_size: int, pipeline_stages: i
                      device, log: Optional[Callable[[str], None]] = None) -> tuple[int, dict]:
     """(micro-batch size, {probed size: peak bytes of the fullest stage})."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision, torch.float32)
-    layers = build_layers(spec, forward_only, frozen_params, device, dtype)
     if parts is None:  # DeepSpeed partitions (uniform/parameters/type:): costed as one stage per P-th
-        n = len(layers)
+        n = len(spec.part_names())
         parts = [round(i * n / pipeline_stages) for i in range(pipeline_stages + 1)]
     per_rank = cfg.train.batch_size // data_parallel
 
     def peak(m: int) -> int:
+        layers = iter_layers(spec, forward_only, frozen_params, device, dtype)  # one layer alive at a time
         costs = profile_layers(layers, probe_batch(cfg, source, tok, m, image_size, device), timed=False)
         micro_batches = per_rank // m
         return max(stage_memory(costs, parts, micro_batches, cfg.train.precision, cfg.parallel.zero_stage,
@@ -108,7 +113,8 @@ def synthetic_batch(spec, m: int, max_length: int, device) -> tuple:
 
 def get_profile(cfg, spec, micro_batch_size: int, forward_only: frozenset = frozenset(),
                 frozen: frozenset = frozenset(), threads: Optional[int] = None, repeats: int = 5,
-                use_cache: bool = True, measure_comm: bool = True, log: Optional[Callable[[str], None]] = None) -> dict:
+                use_cache: bool = True, measure_comm: bool = True, log: Optional[Callable[[str], None]] = None,
+                refresh: bool = False) -> dict:
     """Per-layer costs at the run's micro-batch shape, precision, device and threads per rank, plus
     the stage-to-stage transfer model; cached as JSON keyed by all of these."""
     import hashlib
@@ -122,7 +128,7 @@ def get_profile(cfg, spec, micro_batch_size: int, forward_only: frozenset = froz
     key = profile_key(cfg, spec, micro_batch_size, threads, device.type, forward_only, frozen)
     digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"{digest}.json")
-    if use_cache and os.path.isfile(path):
+    if use_cache and not refresh and os.path.isfile(path):
         with open(path) as fh:
             prof = json.load(fh)
         if log:
@@ -135,7 +141,7 @@ def get_profile(cfg, spec, micro_batch_size: int, forward_only: frozenset = froz
     torch.set_num_threads(threads)
     try:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision, torch.float32)
-        layers = build_layers(spec, forward_only, frozen, device, dtype)
+        layers = iter_layers(spec, forward_only, frozen, device, dtype)  # one layer alive at a time
         costs = profile_layers(layers, synthetic_batch(spec, micro_batch_size, cfg.data.max_length, device),
                                repeats=repeats)
     finally:
@@ -263,7 +269,7 @@ def _groups(cfg, spec):
 
 
 def plan_all(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = None, use_cache: bool = True,
-             log=print) -> dict:
+             log=print, refresh: bool = False, repeats: int = 5) -> dict:
     """Profile, then place and simulate every placement for ``stages`` stages."""
     import os
 
@@ -277,7 +283,8 @@ def plan_all(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = 
         raise ConfigError("mmpipe plan: parallel.micro_batch_size=auto; give the size a run chose (its config.yaml)")
     M = cfg.train.batch_size // (mbs * data_parallel)
     threads = threads or max(1, (os.cpu_count() or 1) // (stages * data_parallel))
-    prof = get_profile(cfg, spec, mbs, forward_only, frozen, threads=threads, use_cache=use_cache, log=log)
+    prof = get_profile(cfg, spec, mbs, forward_only, frozen, threads=threads, use_cache=use_cache, log=log,
+                       refresh=refresh, repeats=repeats)
     names = spec.part_names()
     branches = [spec.branch(n) for n in names]
     costs = layer_costs(prof)

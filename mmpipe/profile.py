@@ -89,66 +89,56 @@ class _SavedBytes:
         self._ctx.__exit__(*exc)
 
 
-def profile_layers(layers: list, inputs: tuple, repeats: int = 5, warmup: int = 2,
+def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
                    timed: bool = True) -> list[LayerCost]:
-    """Costs of ``layers`` (PipeLayers, on their device and dtype) for one micro-batch ``inputs``."""
+    """Costs of ``layers`` (PipeLayers on their device and dtype; a list, or an iterator that builds
+    them one at a time) for one micro-batch ``inputs``.
+
+    Layers are profiled one after another: a layer's forward and backward (from an all-ones
+    gradient on its float outputs - the time does not depend on the values) run on the previous
+    layer's detached output, so only one layer's weights and activations are alive at a time and a
+    model larger than one device can still be profiled layer by layer."""
     device = inputs[0].device
     rounds = (warmup + repeats) if timed else 1
-    fwd = [[] for _ in layers]
-    bwd = [[] for _ in layers]
-    act = [0] * len(layers)
-    out_b = [0] * len(layers)
-    for r in range(rounds):
-        acts_in, acts_out = [], []
-        x = inputs
-        for i, layer in enumerate(layers):
+    keep = slice(warmup, None) if timed else slice(0, None)
+    costs = []
+    x = inputs
+    for i, layer in enumerate(layers):
+        ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        fwd, bwd = [], []
+        act = out_b = 0
+        y = None
+        for r in range(rounds):
+            y = None  # free the previous round's graph first
             x_in = _detach(x)
-            ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+            in_ptrs = {t.untyped_storage().data_ptr() for t in ([x_in] if torch.is_tensor(x_in) else x_in)}
             _sync(device)
             t0 = time.perf_counter()
-            in_ptrs = {t.untyped_storage().data_ptr() for t in ([x_in] if torch.is_tensor(x_in) else x_in)}
             with _SavedBytes(ptrs, in_ptrs) as saved:
                 y = layer(x_in)
             _sync(device)
-            fwd[i].append(time.perf_counter() - t0)
+            fwd.append(time.perf_counter() - t0)
             if r == 0:
-                act[i] = saved.total + _nbytes(x_in)
-                out_b[i] = _nbytes(y)
-            acts_in.append(x_in)
-            acts_out.append(y)
-            x = y
-        # backward, last layer first, each from the gradient its successor produced
-        grad = None
-        for i in range(len(layers) - 1, -1, -1):
-            y = acts_out[i]
-            outs = [y] if torch.is_tensor(y) else list(y)
-            pairs = [(o, g) for o, g in zip(outs, grad if grad is not None else [None] * len(outs))
-                     if torch.is_tensor(o) and o.is_floating_point() and o.requires_grad]
-            if grad is None:  # the loss
-                pairs = [(outs[0], torch.ones_like(outs[0]))]
+                act, out_b = saved.total + _nbytes(x_in), _nbytes(y)
+            outs = [o for o in ([y] if torch.is_tensor(y) else y)
+                    if torch.is_tensor(o) and o.is_floating_point() and o.grad_fn is not None]
             _sync(device)
             t0 = time.perf_counter()
-            if pairs and any(o.grad_fn is not None for o, _ in pairs):
-                torch.autograd.backward([o for o, _ in pairs],
-                                        [g if g is not None else torch.zeros_like(o) for o, g in pairs])
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
             _sync(device)
-            bwd[i].append(time.perf_counter() - t0)
-            x_in = acts_in[i]
-            ins = [x_in] if torch.is_tensor(x_in) else list(x_in)
-            grad = [t.grad if torch.is_tensor(t) and t.is_floating_point() else None for t in ins]
-        for layer in layers:
-            layer.zero_grad(set_to_none=True)
-    opt = [optimizer_ms(layer, repeats if timed else 0) for layer in layers]
-    costs = []
-    for i, layer in enumerate(layers):
+            bwd.append(time.perf_counter() - t0)
+        layer.zero_grad(set_to_none=True)
         params = list(layer.parameters())
-        keep = slice(warmup, None) if timed else slice(0, None)
-        costs.append(LayerCost(opt_ms=opt[i], 
+        costs.append(LayerCost(
             name=getattr(layer, "name", str(i)),
-            fwd_ms=1e3 * statistics.median(fwd[i][keep]), bwd_ms=1e3 * statistics.median(bwd[i][keep]),
-            act_bytes=act[i], out_bytes=out_b[i],
+            fwd_ms=1e3 * statistics.median(fwd[keep]), bwd_ms=1e3 * statistics.median(bwd[keep]),
+            act_bytes=act, out_bytes=out_b,
             param_bytes=sum(p.numel() * p.element_size() for p in params),
-            params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad)))
+            params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
+            opt_ms=optimizer_ms(layer, repeats if timed else 0)))
+        x = tuple(t.detach() for t in y) if not torch.is_tensor(y) else y.detach()
+        del layer, y, params
     return costs
 
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+
+import numpy as np
 import os
 
 import pytest
 import torch
 
 import mmpipe
-from conftest import TINY
+from conftest import TINY, train_losses
 from mmpipe.checkpoint import load_model_weights
 from mmpipe.config import load_config
 from mmpipe.errors import ConfigError
@@ -249,3 +251,19 @@ def test_frozen_vision_tower_bit_identical_and_no_optimizer_state(runs, tiny_dat
     n_trainable = sum(v.numel() for k, v in sd.items() if k.startswith(("text.", "loss.")))
     assert n_state == 2 * n_trainable  # exp_avg + exp_avg_sq for the trainable text side only
     assert math.isfinite(read_metrics(os.path.join(out, "metrics.jsonl"))[-1]["loss"])
+
+
+def test_stage_boundary_inside_a_frozen_tower_trains_like_one_process(runs):
+    """DeepSpeed's `parameters` split puts the boundary inside the frozen vision tower: stage 1 starts
+    with forward-only layers and must still hand a (zero) gradient back to stage 0."""
+    p2, _ = runs.get("frozen_split", 2, ["parallel.pipeline_stages=2", "optim.freeze_vision=true",
+                                         "parallel.placement=parameters"], flags=["--stop-at", "3"])
+    p1, _ = runs.get("frozen_p1", 1, ["parallel.pipeline_stages=1", "optim.freeze_vision=true"], "python",
+                     flags=["--stop-at", "3"])
+    stages = json.load(open(os.path.join(p2, "plan.json")))["stages"]
+    assert stages[1][0].startswith("vision.")  # the case under test
+    np.testing.assert_allclose(train_losses(p2), train_losses(p1), rtol=1e-5)
+    a = load_model_weights(os.path.join(p2, "checkpoints"), "global_step3")
+    b = load_model_weights(os.path.join(p1, "checkpoints"), "global_step3")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)

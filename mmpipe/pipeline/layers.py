@@ -90,9 +90,20 @@ class PipeLayer(nn.Module):
             return self._role(self.part, acts)
         with torch.no_grad():
             out = self._role(self.part, acts)
-        # DeepSpeed runs backward on every float tensor a stage sends: make the no-grad outputs
-        # leaves that accept (and drop) that gradient, so an all-frozen stage still runs
-        return tuple(t.requires_grad_(True) if t.is_floating_point() and not t.requires_grad else t for t in out)
+        # DeepSpeed runs backward on every float tensor a stage sends, and sends a gradient back
+        # for every float tensor a stage received. Outputs are tied to the float inputs that
+        # want a gradient by a zero-weight scalar: backward through it is a sum and a zero fill,
+        # not the layer's backward, and a stage that starts inside a frozen tower still hands its
+        # (zero) input gradient back. Without such inputs, outputs become leaves that accept (and
+        # drop) their gradient, so an all-frozen first stage still runs.
+        anchors = [t for t in acts if torch.is_tensor(t) and t.is_floating_point() and t.requires_grad]
+        tie = sum(a.reshape(-1)[:1].sum() for a in anchors) * 0.0 if anchors else None
+        res = []
+        for t in out:
+            if t.is_floating_point() and not t.requires_grad:
+                t = t + tie.to(t.dtype) if tie is not None else t.requires_grad_(True)
+            res.append(t)
+        return tuple(res)
 
     def extra_repr(self) -> str:
         return self.name
