@@ -148,7 +148,7 @@ def write_timeline_png(path: str, per_rank: list, coords: list, title: str = "")
     shown = ["ForwardPass", "BackwardPass", "OptimizerStep", "LoadMicroBatch", "RecvActivation", "RecvGrad",
              "ReduceGrads"]
     ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in shown], loc="upper center",
-              bbox_to_anchor=(0.5, -0.25), ncol=len(shown), fontsize=7, frameon=False)
+              bbox_to_anchor=(0.5, -0.45), ncol=len(shown), fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
