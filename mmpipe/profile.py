@@ -53,10 +53,13 @@ def _nbytes(acts) -> int:
     return sum(t.numel() * t.element_size() for t in acts if torch.is_tensor(t))
 
 
-def _detach(acts):
-    if torch.is_tensor(acts):
-        return acts.detach().requires_grad_(acts.is_floating_point())
-    return tuple(t.detach().requires_grad_(t.is_floating_point()) for t in acts)
+def _detach(acts, grad_flags=None):
+    """Inputs as a stage receives them: detached; float ones require a gradient unless the layer
+    that made them was a forward-only layer's sink (then, as in a run, nothing upstream trains)."""
+    ts = [acts] if torch.is_tensor(acts) else list(acts)
+    flags = grad_flags or [t.is_floating_point() for t in ts]
+    out = [t.detach().requires_grad_(bool(f) and t.is_floating_point()) for t, f in zip(ts, flags)]
+    return out[0] if torch.is_tensor(acts) else tuple(out)
 
 
 class _SavedBytes:
@@ -101,8 +104,10 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
     device = inputs[0].device
     rounds = (warmup + repeats) if timed else 1
     keep = slice(warmup, None) if timed else slice(0, None)
+    from mmpipe.pipeline.layers import wants_grad
     costs = []
     x = inputs
+    flags = None  # which float inputs want a gradient (all, unless the previous layer was forward-only)
     for i, layer in enumerate(layers):
         ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
         fwd, bwd = [], []
@@ -110,7 +115,7 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
         y = None
         for r in range(rounds):
             y = None  # free the previous round's graph first
-            x_in = _detach(x)
+            x_in = _detach(x, flags)
             in_ptrs = {t.untyped_storage().data_ptr() for t in ([x_in] if torch.is_tensor(x_in) else x_in)}
             _sync(device)
             t0 = time.perf_counter()
@@ -137,8 +142,10 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
             param_bytes=sum(p.numel() * p.element_size() for p in params),
             params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
             opt_ms=optimizer_ms(layer, repeats if timed else 0)))
-        x = tuple(t.detach() for t in y) if not torch.is_tensor(y) else y.detach()
-        del layer, y, params
+        ys = [y] if torch.is_tensor(y) else list(y)
+        flags = [wants_grad(t) for t in ys]
+        x = ys[0].detach() if torch.is_tensor(y) else tuple(t.detach() for t in ys)
+        del layer, y, ys, params
     return costs
 
 

@@ -77,7 +77,7 @@ def test_auto_micro_batch_in_a_pipelined_run(runs, tiny_data, tmp_path_factory):
     peaks = {m: max(stage_memory(profile_layers(layers, probe_batch(cfg, source, tok, m, 32, torch.device("cpu")),
                                                 timed=False), parts, 16 // m, "fp32")) for m in (4, 8)}
     budget_gb = (peaks[4] + peaks[8]) / 2 / 2**30
-    out, proc = runs.get("p2_auto", 2, ["parallel.pipeline_stages=2", "parallel.micro_batch_size=auto",
+    out, proc = runs.get("p2_mbs_auto", 2, ["parallel.pipeline_stages=2", "parallel.micro_batch_size=auto",
                                         f"parallel.memory_budget_gb={budget_gb}", f"data.tokenizer={tok_dir}",
                                         "train.steps=2", "train.eval_every=0"])
     log = proc.stdout + proc.stderr

@@ -96,17 +96,27 @@ class PipeLayer(nn.Module):
         # not the layer's backward, and a stage that starts inside a frozen tower still hands its
         # (zero) input gradient back. Without such inputs, outputs become leaves that accept (and
         # drop) their gradient, so an all-frozen first stage still runs.
-        anchors = [t for t in acts if torch.is_tensor(t) and t.is_floating_point() and t.requires_grad]
+        anchors = [t for t in acts if wants_grad(t)]
         tie = sum(a.reshape(-1)[:1].sum() for a in anchors) * 0.0 if anchors else None
         res = []
         for t in out:
             if t.is_floating_point() and not t.requires_grad:
-                t = t + tie.to(t.dtype) if tie is not None else t.requires_grad_(True)
+                if tie is not None:
+                    t = t + tie.to(t.dtype)
+                else:
+                    t.requires_grad_(True)
+                    t._mmpipe_sink = True  # a gradient sink, not a path back to a stage input
             res.append(t)
         return tuple(res)
 
     def extra_repr(self) -> str:
         return self.name
+
+
+def wants_grad(t) -> bool:
+    """A float tensor whose gradient someone needs: not a forward-only layer's gradient sink."""
+    return (torch.is_tensor(t) and t.is_floating_point() and t.requires_grad
+            and not getattr(t, "_mmpipe_sink", False))
 
 
 def plain_state_key(layer_name: str, key: str) -> str:
