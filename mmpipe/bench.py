@@ -1,7 +1,9 @@
 """``mmpipe bench ...``: measured comparisons, printed as a table and appended to BENCHMARKS.md
 with the exact command, the machine, and ratios against a baseline measured in the same run.
 
-    mmpipe bench groups   # grouped clipping cost and frozen-tower memory, P = 2 demo model
+    mmpipe bench groups    # grouped clipping cost and frozen-tower memory, P = 2 demo model
+    mmpipe bench data      # images/s: naive loading vs mmpipe's direct path vs its preprocessed cache
+    mmpipe bench balance   # samples/s of every stage placement vs the single-process baseline
 """
 from __future__ import annotations
 

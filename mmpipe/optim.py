@@ -135,6 +135,17 @@ def forward_only_parts(part_params: dict, branch_of, groups: list[Group]) -> set
     return out
 
 
+def frozen_layout(spec, groups: list[Group]) -> tuple[dict, frozenset, frozenset]:
+    """For the whole model, checked on the meta device (every parameter must land in exactly one
+    group): ({part: [its plain parameter names]}, frozen parameter names, forward-only parts)."""
+    from mmpipe.pipeline.module import meta_parts
+    part_params = {part: list(params) for part, params in meta_parts(spec).items()}
+    assignment = assign_groups([n for names in part_params.values() for n in names], groups)
+    frozen_groups = {g.name for g in groups if g.frozen}
+    frozen = frozenset(n for n, g in assignment.items() if g in frozen_groups)
+    return part_params, frozen, frozenset(forward_only_parts(part_params, spec.branch, groups))
+
+
 # --------------------------------------------------------------------------------------------
 # schedule
 # --------------------------------------------------------------------------------------------

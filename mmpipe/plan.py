@@ -6,11 +6,16 @@
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 import torch
 
 from mmpipe.profile import pick_micro_batch, profile_layers, stage_memory
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
 
 def iter_layers(spec, forward_only: frozenset = frozenset(), frozen_params: frozenset = frozenset(),
@@ -35,31 +40,25 @@ def build_layers(spec, forward_only: frozenset = frozenset(), frozen_params: fro
 def probe_batch(cfg, source, tok, m: int, image_size: int, device) -> tuple:
     """A real micro-batch of ``m`` samples from the training source, captions padded to
     ``data.max_length`` (the largest shape a run can meet)."""
-    from mmpipe.data.loader import Collate, ImageTextDataset
+    from mmpipe.data.loader import Collate
     collate = Collate(tok, cfg.data.max_length, "max_length")
-    size = cfg.data.decode_size or image_size
-    if source.kind == "cache":
-        from mmpipe.data.cache import CachedDataset
-        ds = CachedDataset(cfg.data.cache, image_size)
-        items = [ds[i % len(ds)] for i in range(m)]
-    elif source.kind == "manifest":
-        ds = ImageTextDataset(source.samples, image_size, decode_size=size)
-        items = [ds[i % len(ds)] for i in range(m)]
-    else:
+    if source.kind == "shards":
         import io
 
         from mmpipe.data.loader import decode_sample
         from mmpipe.data.shards import iter_tar
         items = []
-        while len(items) < m:
-            for _, image, text in iter_tar(source.shard_urls[0]):
-                px, _ = decode_sample(io.BytesIO(image or b""), text or "", image_size) if image else (None, None)
-                if px is not None:
-                    items.append({"pixel_values": px, "text": text, "index": -1, "bad": []})
-                if len(items) == m:
-                    break
-            if not items:
-                raise RuntimeError(f"no usable sample in {source.shard_urls[0]}")
+        for _, image, text in iter_tar(source.shard_urls[0]):
+            px, _ = decode_sample(io.BytesIO(image), text or "", image_size) if image else (None, None)
+            if px is not None:
+                items.append({"pixel_values": px, "text": text, "index": -1, "bad": []})
+        if not items:
+            from mmpipe.errors import DataError
+            raise DataError(f"no usable sample in {source.shard_urls[0]}")
+        items = [items[i % len(items)] for i in range(m)]
+    else:
+        ds = source.dataset(cfg, image_size)
+        items = [ds[i % len(ds)] for i in range(m)]
     b = collate(items)
     return tuple(t.to(device) for t in (b["pixel_values"], b["input_ids"], b["attention_mask"]))
 
@@ -68,7 +67,7 @@ def auto_micro_batch(cfg, spec, source, tok, image_size: int, pipeline_stages: i
                      parts: Optional[list], forward_only: frozenset, frozen_params: frozenset, budget_bytes: int,
                      device, log: Optional[Callable[[str], None]] = None) -> tuple[int, dict]:
     """(micro-batch size, {probed size: peak bytes of the fullest stage})."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision, torch.float32)
+    dtype = precision_dtype(cfg.train.precision)
     if parts is None:  # DeepSpeed partitions (uniform/parameters/type:): costed as one stage per P-th
         n = len(spec.part_names())
         parts = [round(i * n / pipeline_stages) for i in range(pipeline_stages + 1)]
@@ -86,15 +85,17 @@ def auto_micro_batch(cfg, spec, source, tok, image_size: int, pipeline_stages: i
 
 # ---- profiles for planning ----------------------------------------------------------------------
 def profile_key(cfg, spec, micro_batch_size: int, threads: int, device: str, forward_only, frozen) -> dict:
+    import hashlib
+
     import deepspeed
     return {"model": cfg.to_dict()["model"], "vocab": spec.text.hf_config.vocab_size,
             "micro_batch_size": micro_batch_size, "max_length": cfg.data.max_length, "precision": cfg.train.precision,
             "device": device, "threads": threads, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-            "forward_only": sorted(forward_only), "frozen": len(frozen), "version": 2}
+            "forward_only": sorted(forward_only),
+            "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 2}
 
 
 def cache_dir() -> str:
-    import os
     return os.environ.get("MMPIPE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "mmpipe", "profiles"))
 
 
@@ -107,8 +108,6 @@ def synthetic_batch(spec, m: int, max_length: int, device) -> tuple:
     ids = torch.randint(5, max(6, vocab), (m, min(max_length, spec.text.max_length)), generator=g)
     mask = torch.ones_like(ids)
     return pix.to(device), ids.to(device), mask.to(device)
-    mask = torch.ones(m, max_length, dtype=torch.int64)
-    return pix.to(device), ids.to(device), mask.to(device)
 
 
 def get_profile(cfg, spec, micro_batch_size: int, forward_only: frozenset = frozenset(),
@@ -119,7 +118,6 @@ def get_profile(cfg, spec, micro_batch_size: int, forward_only: frozenset = froz
     the stage-to-stage transfer model; cached as JSON keyed by all of these."""
     import hashlib
     import json
-    import os
 
     from deepspeed.accelerator import get_accelerator
     from mmpipe.profile import fit_comm, measure_p2p
@@ -140,8 +138,7 @@ def get_profile(cfg, spec, micro_batch_size: int, forward_only: frozenset = froz
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision, torch.float32)
-        layers = iter_layers(spec, forward_only, frozen, device, dtype)  # one layer alive at a time
+        layers = iter_layers(spec, forward_only, frozen, device, precision_dtype(cfg.train.precision))  # one layer alive at a time
         costs = profile_layers(layers, synthetic_batch(spec, micro_batch_size, cfg.data.max_length, device),
                                repeats=repeats)
     finally:
@@ -224,11 +221,10 @@ def place(prof: dict, names: list, branches: list, num_stages: int, placement: s
             per_t, per_f = bytes_per_param(precision, zero_stage, data_parallel)
             # worst case in flight (stage 0) for every stage: conservative, keeps the DP additive
             k = in_flight(0, num_stages, micro_batches)
-            mem = [c.trainable * per_t + (c.params - c.trainable) * per_f + k * c.act_bytes for c in costs]
+            mem = [c.static_bytes(per_t, per_f) + k * c.act_bytes for c in costs]
         candidates["balanced"] = min_max_partition(work, num_stages, memory=mem, memory_cap=memory_cap)
     for name, parts in candidates.items():
         predictions[name] = predict(prof, parts, micro_batches)
-        predictions[name].parts = list(parts)
     if placement == "auto":
         best = min(candidates, key=lambda n: predictions[n].step_time)
         return candidates[best], predictions
@@ -243,48 +239,41 @@ def _spec_for_plan(cfg):
     """The model spec without a training run: vocabulary from data.tokenizer if given, else the
     configured size (only the embedding table depends on it)."""
     from mmpipe.models.clip import ModelSpec
-    t = cfg.model.text
-    if not (t.pretrained or cfg.model.pretrained):
-        if t.vocab_size is None:
-            if cfg.data.tokenizer:
-                from mmpipe.data.tokenizer import load_tokenizer
-                t.vocab_size = len(load_tokenizer(cfg.data.tokenizer))
-            else:
-                t.vocab_size = cfg.data.tokenizer_vocab_size
-        if t.eos_token_id is None:
-            t.eos_token_id = 3
-        if t.max_position_embeddings is None:
-            t.max_position_embeddings = max(cfg.data.max_length, 16)
+    from mmpipe.train import fill_text_fields
+    if cfg.data.tokenizer:
+        from mmpipe.data.tokenizer import eos_id, load_tokenizer
+        tok = load_tokenizer(cfg.data.tokenizer)
+        fill_text_fields(cfg, len(tok), eos_id(tok))
+    else:  # [SEP], the EOS id of the WordPiece tokenizer mmpipe trains
+        fill_text_fields(cfg, cfg.model.text.vocab_size or cfg.data.tokenizer_vocab_size, 3)
     return ModelSpec(cfg.model, cfg.train.seed)
 
 
-def _groups(cfg, spec):
-    from mmpipe.optim import assign_groups, forward_only_parts, resolve_groups
-    from mmpipe.pipeline.module import meta_parts
-    groups = resolve_groups(cfg.optim)
-    part_params = {part: list(params) for part, params in meta_parts(spec).items()}
-    assignment = assign_groups([n for names in part_params.values() for n in names], groups)
-    frozen = frozenset(n for n, g in assignment.items() if next(x for x in groups if x.name == g).frozen)
-    return frozenset(forward_only_parts(part_params, spec.branch, groups)), frozen
+def _profile_for(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = None, log=print,
+                 **profile_kw) -> tuple:
+    """(spec, profile) for a run of ``stages`` x ``data_parallel`` ranks on this machine."""
+    from mmpipe.optim import frozen_layout, resolve_groups
+    from mmpipe.topology import threads_per_rank
+    mbs = cfg.parallel.micro_batch_size
+    if mbs == "auto":
+        from mmpipe.errors import ConfigError
+        raise ConfigError("mmpipe plan: parallel.micro_batch_size=auto; give the size a run chose (its config.yaml)")
+    spec = _spec_for_plan(cfg)
+    _, frozen, forward_only = frozen_layout(spec, resolve_groups(cfg.optim))
+    threads = threads or threads_per_rank(stages * data_parallel)
+    return spec, get_profile(cfg, spec, mbs, forward_only, frozen, threads=threads, log=log, **profile_kw)
 
 
 def plan_all(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = None, use_cache: bool = True,
              log=print, refresh: bool = False, repeats: int = 5) -> dict:
     """Profile, then place and simulate every placement for ``stages`` stages."""
-    import os
-
     from mmpipe.pipeline.partition import stage_lists
     from mmpipe.profile import stage_memory
-    spec = _spec_for_plan(cfg)
-    forward_only, frozen = _groups(cfg, spec)
+    spec, prof = _profile_for(cfg, stages, data_parallel, threads, log, use_cache=use_cache, refresh=refresh,
+                              repeats=repeats)
     mbs = cfg.parallel.micro_batch_size
-    if mbs == "auto":
-        from mmpipe.errors import ConfigError
-        raise ConfigError("mmpipe plan: parallel.micro_batch_size=auto; give the size a run chose (its config.yaml)")
     M = cfg.train.batch_size // (mbs * data_parallel)
-    threads = threads or max(1, (os.cpu_count() or 1) // (stages * data_parallel))
-    prof = get_profile(cfg, spec, mbs, forward_only, frozen, threads=threads, use_cache=use_cache, log=log,
-                       refresh=refresh, repeats=repeats)
+    threads = prof["key"]["threads"]
     names = spec.part_names()
     branches = [spec.branch(n) for n in names]
     costs = layer_costs(prof)
@@ -361,7 +350,6 @@ def write_plan_png(path: str, plan: dict, measured: Optional[dict] = None) -> No
 
 def measured_from_run(run_dir: str, skip: int = 3) -> dict:
     """Median step time and mean per-stage idle/busy fractions of a run's metrics.jsonl."""
-    import os
     import statistics
 
     from mmpipe.metrics import read_metrics
@@ -378,16 +366,11 @@ def measured_from_run(run_dir: str, skip: int = 3) -> dict:
 def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> str:
     """Predicted (from the profile, for the run's own parts) beside measured (its metrics)."""
     import json
-    import os
     with open(os.path.join(run_dir, "plan.json")) as fh:
         run_plan = json.load(fh)
     parts, M = run_plan["parts"], run_plan.get("micro_batches")
-    spec = _spec_for_plan(cfg)
-    forward_only, frozen = _groups(cfg, spec)
     P = len(parts) - 1
-    threads = max(1, (os.cpu_count() or 1) // P)
-    prof = get_profile(cfg, spec, cfg.parallel.micro_batch_size, forward_only, frozen, threads=threads,
-                       use_cache=use_cache, log=log)
+    _, prof = _profile_for(cfg, P, log=log, use_cache=use_cache)
     sim = predict(prof, parts, M)
     meas = measured_from_run(run_dir)
     lines = [f"{run_dir}: {P} stages, {M} micro-batches per step, parts {parts}",
@@ -402,7 +385,6 @@ def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> st
 
 def cmd_plan(args) -> int:
     import json
-    import os
 
     from mmpipe.config import load_config
     log = lambda s: print(f"[plan] {s}", flush=True)  # noqa: E731

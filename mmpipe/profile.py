@@ -40,6 +40,10 @@ class LayerCost:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def static_bytes(self, per_trainable: float, per_frozen: float) -> float:
+        """Weights, gradients and optimizer state this layer holds (see ``bytes_per_param``)."""
+        return self.trainable * per_trainable + (self.params - self.trainable) * per_frozen
+
 
 def _sync(device) -> None:
     if device.type != "cpu":
@@ -255,7 +259,7 @@ def stage_memory(costs: list[LayerCost], parts: list[int], micro_batches: int, p
     out = []
     for s in range(P):
         layers = costs[parts[s]:parts[s + 1]]
-        static = sum(c.trainable * per_train + (c.params - c.trainable) * per_frozen for c in layers)
+        static = sum(c.static_bytes(per_train, per_frozen) for c in layers)
         acts = sum(c.act_bytes for c in layers)
         buffers = layers[-1].out_bytes
         out.append(int(static + in_flight(s, P, micro_batches) * acts + buffers))

@@ -13,6 +13,12 @@ from functools import cached_property
 from mmpipe.errors import ConfigError
 
 
+def threads_per_rank(local_ranks: int) -> int:
+    """CPU threads each rank computes with when ``local_ranks`` ranks share this machine's cores."""
+    import os
+    return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+
+
 @dataclass(frozen=True)
 class Topology:
     world_size: int

@@ -52,7 +52,8 @@ def init_distributed() -> tuple[int, int]:
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     if get_accelerator().device_name() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or dist.get_world_size())
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+        from mmpipe.topology import threads_per_rank
+        torch.set_num_threads(threads_per_rank(local))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -72,17 +73,23 @@ def prepare_tokenizer(cfg: RunConfig, rank: int, source=None):
             train_tokenizer(source.captions(), cfg.data.tokenizer_vocab_size, tok_dir)
         dist.barrier()
         tok = load_tokenizer(tok_dir, "tokenizer in the run directory")
-    t = cfg.model.text
-    if not (t.pretrained or cfg.model.pretrained):
-        if t.vocab_size is None:
-            t.vocab_size = len(tok)
-        elif t.vocab_size < len(tok):
-            raise ConfigError(f"model.text.vocab_size={t.vocab_size} is smaller than the tokenizer's {len(tok)} tokens")
-        if t.eos_token_id is None:
-            t.eos_token_id = eos_id(tok)
-        if t.max_position_embeddings is None:
-            t.max_position_embeddings = max(cfg.data.max_length, 16)
+    fill_text_fields(cfg, len(tok), eos_id(tok))
     return tok
+
+
+def fill_text_fields(cfg: RunConfig, num_tokens: int, eos: int) -> None:
+    """Text-tower fields a config may leave to the tokenizer (unless weights come from a directory)."""
+    t = cfg.model.text
+    if t.pretrained or cfg.model.pretrained:
+        return
+    if t.vocab_size is None:
+        t.vocab_size = num_tokens
+    elif t.vocab_size < num_tokens:
+        raise ConfigError(f"model.text.vocab_size={t.vocab_size} is smaller than the tokenizer's {num_tokens} tokens")
+    if t.eos_token_id is None:
+        t.eos_token_id = eos
+    if t.max_position_embeddings is None:
+        t.max_position_embeddings = max(cfg.data.max_length, 16)
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,29 +228,39 @@ def _warn(msg: str) -> None:
     print(f"[mmpipe] warning: {msg}", flush=True)
 
 
-def _measured_parts(cfg, spec, topo, forward_only, frozen, rank) -> tuple[list, dict]:
-    """Rank 0 profiles the layers (or reads the cached profile) and places the stages; every rank
-    gets the same parts. Returns (parts, predicted step per placement considered)."""
+def _rank0_decides(rank: int, decide):
+    """Run ``decide()`` on rank 0 and hand its result to every rank; a ConfigError it raises is
+    raised on every rank (and printed once)."""
     result = [None]
     if rank == 0:
-        from mmpipe.plan import get_profile, place
-        prof = get_profile(cfg, spec, topo.micro_batch_size, forward_only, frozen, threads=torch.get_num_threads(),
-                           measure_comm=cfg.parallel.placement == "auto", log=lambda s: print(f"[mmpipe] {s}", flush=True))
-        names = spec.part_names()
-        cap = int(cfg.parallel.memory_budget_gb * 2**30) if cfg.parallel.memory_budget_gb else None
         try:
-            parts, preds = place(prof, names, [spec.branch(n) for n in names], topo.pipeline_stages,
-                                 cfg.parallel.placement, topo.accumulation_steps, cap, cfg.train.precision,
-                                 cfg.parallel.zero_stage, topo.data_parallel)
-            result = [(parts, {k: v.to_dict() for k, v in preds.items()})]
-        except ValueError as e:
-            result = [f"parallel.placement={cfg.parallel.placement}: {e}"]
+            result = [decide()]
+        except ConfigError as e:
+            result = [e]
     dist.broadcast_object_list(result, src=0)
-    if isinstance(result[0], str):
-        err = ConfigError(result[0] + "; raise parallel.memory_budget_gb or use more stages")
+    if isinstance(result[0], ConfigError):
+        err = ConfigError(str(result[0]))
         err.everywhere = True
         raise err
     return result[0]
+
+
+def _measured_parts(cfg, spec, topo, forward_only, frozen) -> tuple[list, dict]:
+    """Profile the layers (or read the cached profile) and place the stages. Returns (parts,
+    predicted step per placement considered)."""
+    from mmpipe.plan import get_profile, place
+    prof = get_profile(cfg, spec, topo.micro_batch_size, forward_only, frozen, threads=torch.get_num_threads(),
+                       measure_comm=cfg.parallel.placement == "auto", log=lambda s: print(f"[mmpipe] {s}", flush=True))
+    names = spec.part_names()
+    cap = int(cfg.parallel.memory_budget_gb * 2**30) if cfg.parallel.memory_budget_gb else None
+    try:
+        parts, preds = place(prof, names, [spec.branch(n) for n in names], topo.pipeline_stages,
+                             cfg.parallel.placement, topo.accumulation_steps, cap, cfg.train.precision,
+                             cfg.parallel.zero_stage, topo.data_parallel)
+    except ValueError as e:
+        raise ConfigError(f"parallel.placement={cfg.parallel.placement}: {e}; raise parallel.memory_budget_gb or "
+                          "use more stages") from None
+    return parts, {k: v.to_dict() for k, v in preds.items()}
 
 
 def check_auto_micro_batch(cfg: RunConfig) -> None:
@@ -255,28 +272,17 @@ def check_auto_micro_batch(cfg: RunConfig) -> None:
                               "parallel.micro_batch_size=auto; write \"auto\" in the JSON or give a size")
 
 
-def _probe_micro_batch(cfg, spec, source, tok, image_size, topo, parts, forward_only, frozen, rank) -> int:
-    """Rank 0 probes real batches (``mmpipe.plan.auto_micro_batch``); every rank gets the size (or
-    the same one-line error)."""
+def _probe_micro_batch(cfg, spec, source, tok, image_size, topo, parts, forward_only, frozen) -> int:
+    """Probe real batches for the largest micro-batch that fits (``mmpipe.plan.auto_micro_batch``)."""
     from deepspeed.accelerator import get_accelerator
-    result = [None]
-    if rank == 0:
-        from mmpipe.plan import auto_micro_batch
-        acc = get_accelerator()
-        budget = int((cfg.parallel.memory_budget_gb or acc.total_memory() / 2**30) * 2**30)
-        try:
-            m, _ = auto_micro_batch(cfg, spec, source, tok, image_size, topo.pipeline_stages, topo.data_parallel,
-                                    parts, forward_only, frozen, budget, torch.device(acc.device_name()),
-                                    log=lambda s: print(f"[mmpipe] {s}", flush=True))
-            result = [m]
-        except ConfigError as e:
-            result = [str(e)]
-    dist.broadcast_object_list(result, src=0)
-    if isinstance(result[0], str):
-        err = ConfigError(result[0])
-        err.everywhere = True
-        raise err
-    return int(result[0])
+
+    from mmpipe.plan import auto_micro_batch
+    acc = get_accelerator()
+    budget = int((cfg.parallel.memory_budget_gb or acc.total_memory() / 2**30) * 2**30)
+    m, _ = auto_micro_batch(cfg, spec, source, tok, image_size, topo.pipeline_stages, topo.data_parallel,
+                            parts, forward_only, frozen, budget, torch.device(acc.device_name()),
+                            log=lambda s: print(f"[mmpipe] {s}", flush=True))
+    return m
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,9 +296,7 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     from mmpipe.ds_config import resolve
     from mmpipe.evaluate import retrieval_metrics
     from mmpipe.models.clip import DualEncoder, ModelSpec
-    from mmpipe.optim import (GradClipper, apply_freeze, assign_groups, forward_only_parts, lr_lambda, param_groups,
-                              resolve_groups)
-    from mmpipe.pipeline.module import meta_parts
+    from mmpipe.optim import GradClipper, apply_freeze, frozen_layout, lr_lambda, param_groups, resolve_groups
 
     # validate everything that needs no process group first: config mistakes end as one line
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -331,18 +335,15 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     tok = prepare_tokenizer(cfg, rank, source)
     spec = ModelSpec(cfg.model, cfg.train.seed)
     is_reporter = rank == topo.reporting_rank
-    # every parameter of the whole model must land in exactly one group (checked on the meta device)
-    part_params = {part: list(params) for part, params in meta_parts(spec).items()}
-    assignment = assign_groups([n for names in part_params.values() for n in names], groups)
-    frozen_names = frozenset(n for n, g in assignment.items() if next(x for x in groups if x.name == g).frozen)
-    forward_only = frozenset(forward_only_parts(part_params, spec.branch, groups))
+    part_params, frozen_names, forward_only = frozen_layout(spec, groups)
 
     parts = None
     if P > 1:
         from mmpipe.pipeline.module import plan_parts
         parts = plan_parts(spec, P, cfg.parallel.placement, cfg.parallel.plan, frozen_names)
     if auto_mbs:
-        m = _probe_micro_batch(cfg, spec, source, tok, image_size, topo, parts, forward_only, frozen_names, rank)
+        m = _rank0_decides(rank, lambda: _probe_micro_batch(cfg, spec, source, tok, image_size, topo, parts,
+                                                             forward_only, frozen_names))
         cfg.parallel.micro_batch_size = m
         ds_cfg, topo = resolve(cfg, world)
         if rank == 0:
@@ -350,7 +351,7 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     predicted = None
     if P > 1 and cfg.parallel.profile and not cfg.parallel.plan and cfg.parallel.placement in ("modality", "balanced",
                                                                                               "auto"):
-        parts, predicted = _measured_parts(cfg, spec, topo, forward_only, frozen_names, rank)
+        parts, predicted = _rank0_decides(rank, lambda: _measured_parts(cfg, spec, topo, forward_only, frozen_names))
 
     # ---- model and engine --------------------------------------------------------------------
     if P == 1:
@@ -426,7 +427,6 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
         sample_log = os.path.join(out_dir, "samples", f"rank{rank}.txt")
     bad = DataStats(_warn, sample_log)
     collate = Collate(tok, cfg.data.max_length, cfg.data.padding, cfg.data.pad_multiple)
-    assert image_size == spec.vision.image_size
     if reads_data:
         loader = build_train_loader(cfg, source, tok, collate, topo, dp_rank, start_step, image_size,
                                     device_name == "cpu")

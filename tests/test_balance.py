@@ -1,7 +1,6 @@
 """Stage balancing: the schedule simulator, cost-based placements, frozen towers costed forward-only."""
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest

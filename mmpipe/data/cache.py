@@ -24,9 +24,9 @@ from typing import Optional
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
-from mmpipe.errors import ConfigError, DataError
+from mmpipe.data.loader import SubstitutingDataset
+from mmpipe.errors import ConfigError
 
 VERSION = 1
 TODO, OK, BAD = 0, 1, 2
@@ -40,7 +40,7 @@ def _sha1_file(path: str) -> str:
     return h.hexdigest()
 
 
-def _tokenizer_digest(tok) -> str:
+def tokenizer_digest(tok) -> str:
     vocab = sorted(tok.get_vocab().items())
     return hashlib.sha1(json.dumps([vocab, tok.__class__.__name__]).encode()).hexdigest()
 
@@ -110,7 +110,7 @@ def prepare(manifest: str, out: str, size: int, max_length: int, tokenizer: Opti
         np.memmap(os.path.join(out, "images.u8"), dtype=np.uint8, mode="w+", shape=(n, 3, size, size)).flush()
         np.memmap(os.path.join(out, "status.u8"), dtype=np.uint8, mode="w+", shape=(n,)).flush()
         open(os.path.join(out, "bad.jsonl"), "w").close()
-        meta = {**fingerprint, "tokenizer": tokenizer, "tokenizer_sha1": _tokenizer_digest(tok), "complete": False}
+        meta = {**fingerprint, "tokenizer": tokenizer, "tokenizer_sha1": tokenizer_digest(tok), "complete": False}
         _write_json(meta_path, meta)
 
     status = np.memmap(os.path.join(out, "status.u8"), dtype=np.uint8, mode="r+", shape=(n,))
@@ -177,11 +177,12 @@ def check_compatible(meta: dict, cache_dir: str, decode_size: int, max_length: i
                           "re-run prepare on it, or unset data.train")
 
 
-class CachedDataset(Dataset):
+class CachedDataset(SubstitutingDataset):
     """The cache as a dataset with ``ImageTextDataset``'s item contract (``ids`` instead of ``text``)."""
 
     def __init__(self, cache_dir: str, image_size: int, augment=None):
         self.dir = cache_dir
+        self.what = f"the cache {cache_dir}"
         with open(os.path.join(cache_dir, "meta.json")) as fh:
             self.meta = json.load(fh)
         self.n, self.size = self.meta["n"], self.meta["size"]
@@ -209,19 +210,8 @@ class CachedDataset(Dataset):
     def __len__(self):
         return self.n
 
-    def __getitem__(self, item) -> dict:
-        from mmpipe.data.loader import _item_key
-        idx, epoch = _item_key(item)
-        bad = []
-        for step in range(self.n):
-            j = (idx + step) % self.n
-            if self.status[j] == OK:
-                pixels = torch.from_numpy(np.array(self.images[j]))
-                if self.augment is not None:
-                    pixels = self.augment(pixels, j, epoch)
-                elif self.size != self.image_size:
-                    from torchvision.transforms.v2 import functional as F
-                    pixels = F.resize(pixels, [self.image_size, self.image_size], antialias=True)
-                return {"pixel_values": pixels, "ids": self.tokens[j, :self.lengths[j]], "index": j, "bad": bad}
-            bad.append(self.bad_why.get(j, (f"{self.dir}[{j}]", "not in cache")))
-        raise DataError(f"no usable sample in the cache {self.dir}")
+    def _load(self, j: int):
+        if self.status[j] != OK:
+            return None, self.bad_why.get(j, (f"{self.dir}[{j}]", "not in cache"))
+        return {"pixel_values": torch.from_numpy(np.array(self.images[j])),
+                "ids": self.tokens[j, :self.lengths[j]]}, None

@@ -1,7 +1,8 @@
 """Image-caption batches for every layout.
 
-- Images are decoded with Pillow (at reduced size when the JPEG allows), centre-cropped and resized
-  to the tower's input size and shipped as **uint8** (3,H,W): the first pipeline stage normalises on the device.
+- Images are decoded (JPEGs with libjpeg-turbo's DCT scaling via simplejpeg, at reduced size when
+  the source allows; other formats with Pillow), centre-cropped and resized to the tower's input
+  size and shipped as **uint8** (3,H,W): the first pipeline stage normalises on the device.
 - ``MicroBatchSampler`` cuts each global batch into micro-batches *the same way in every layout*
   (P, DP, accumulation): data-parallel rank r takes micro-batches r*A .. r*A+A-1 of each global
   batch. Because the contrastive loss is per micro-batch, this is what makes losses identical
@@ -115,9 +116,49 @@ def make_augment(data_cfg, image_size: int, seed: int) -> Optional[Augment]:
     return Augment(data_cfg.augment, image_size, data_cfg.crop_scale, seed)
 
 
-class ImageTextDataset(Dataset):
+def finish_pixels(pixels: torch.Tensor, image_size: int, augment: Optional[Augment], sample_id: int,
+                  epoch: int) -> torch.Tensor:
+    """A decoded or cached uint8 image -> the tower's input: augmented (crop to ``image_size``), or
+    resized when it was decoded/cached at another size."""
+    if augment is not None:
+        return augment(pixels, sample_id, epoch)
+    if pixels.shape[-1] != image_size:
+        from torchvision.transforms.v2 import functional as F
+        pixels = F.resize(pixels, [image_size, image_size], antialias=True)
+    return pixels
+
+
+class SubstitutingDataset(Dataset):
+    """Indexable samples where an unusable row is replaced by the next usable one (deterministically,
+    so every stage and layout agrees) and reported in the item's ``bad`` list. Subclasses load a
+    row: ``_load(j)`` -> ({"pixel_values": uint8, and "text" or "ids"}, None) or (None, (name, why))."""
+
+    image_size: int
+    augment: Optional[Augment] = None
+    what = "the data set"
+
+    def _load(self, j: int) -> tuple[Optional[dict], Optional[tuple]]:
+        raise NotImplementedError
+
+    def __getitem__(self, item) -> dict:
+        idx, epoch = _item_key(item)
+        bad = []
+        n = len(self)
+        for step in range(n):
+            j = (idx + step) % n
+            fields, why = self._load(j)
+            if fields is not None:
+                fields["pixel_values"] = finish_pixels(fields["pixel_values"], self.image_size, self.augment, j, epoch)
+                return {**fields, "index": j, "bad": bad}
+            bad.append(why)
+        raise DataError(f"no usable sample in {self.what} (first failure: {bad[0][0]}: {bad[0][1]})")
+
+
+class ImageTextDataset(SubstitutingDataset):
     """Samples of a manifest, decoded on the fly to ``decode_size`` (then augmented to
     ``image_size`` if ``augment``)."""
+
+    what = "the manifest"
 
     def __init__(self, samples: list[Sample], image_size: int, augment: Optional[Augment] = None,
                  decode_size: Optional[int] = None):
@@ -129,30 +170,12 @@ class ImageTextDataset(Dataset):
     def __len__(self):
         return len(self.samples)
 
-    def _try(self, idx: int):
-        s = self.samples[idx]
-        return decode_sample(s.image, s.text, self.decode_size)
-
-    def _finish(self, pixels: torch.Tensor, j: int, epoch: int) -> torch.Tensor:
-        if self.augment is not None:
-            return self.augment(pixels, j, epoch)
-        if pixels.shape[-1] != self.image_size:
-            from torchvision.transforms.v2 import functional as F
-            pixels = F.resize(pixels, [self.image_size, self.image_size], antialias=True)
-        return pixels
-
-    def __getitem__(self, item) -> dict:
-        idx, epoch = _item_key(item)
-        bad = []
-        n = len(self.samples)
-        for step in range(n):
-            j = (idx + step) % n
-            pixels, why = self._try(j)
-            if pixels is not None:
-                return {"pixel_values": self._finish(pixels, j, epoch), "text": self.samples[j].text, "index": j,
-                        "bad": bad}
-            bad.append((self.samples[j].image, why))
-        raise DataError(f"no readable sample in the manifest (first failure: {bad[0][0]}: {bad[0][1]})")
+    def _load(self, j: int):
+        s = self.samples[j]
+        pixels, why = decode_sample(s.image, s.text, self.decode_size)
+        if pixels is None:
+            return None, (s.image, why)
+        return {"pixel_values": pixels, "text": s.text}, None
 
 
 def padded_length(lengths, max_length: int, multiple: int) -> int:

@@ -118,12 +118,9 @@ class ShardStream(IterableDataset):
         pixels, why = decode_sample(io.BytesIO(image), text or "", self.decode_size)
         if pixels is None:
             return {"bad": (name, why)}
+        from mmpipe.data.loader import finish_pixels
         sid = zlib.crc32(name.encode()) & 0x7FFFFFFF  # str hash() differs per process
-        if self.augment is not None:
-            pixels = self.augment(pixels, sid, epoch)
-        elif pixels.shape[-1] != self.image_size:
-            from torchvision.transforms.v2 import functional as F
-            pixels = F.resize(pixels, [self.image_size, self.image_size], antialias=True)
+        pixels = finish_pixels(pixels, self.image_size, self.augment, sid, epoch)
         return {"pixel_values": pixels, "text": text, "index": -1, "key": name, "bad": []}
 
     def _micro_batches(self, worker: int) -> Iterator[list]:
@@ -139,9 +136,10 @@ class ShardStream(IterableDataset):
             items.append(s)
             if len(items) < window:
                 continue
-            if self.group_by_length:
-                lens = [len(x) for x in self.collate.token_ids(items)]
-                items = [items[i] for i in sorted(range(len(items)), key=lambda i: -lens[i])]
+            if self.group_by_length:  # tokenize once: the collate then takes the ids as they are
+                for it, ids in zip(items, self.collate.token_ids(items)):
+                    it["ids"] = ids
+                items.sort(key=lambda it: -len(it["ids"]))
             chunks = [items[i:i + self.mb] for i in range(0, len(items), self.mb)]
             order_rng.shuffle(chunks)
             yield from chunks

@@ -32,6 +32,16 @@ class TrainSource:
             return self.cache_meta["n"]
         return None
 
+    def dataset(self, cfg, image_size: int, augment=None):
+        """The indexable dataset of a manifest or cache source."""
+        if self.kind == "cache":
+            from mmpipe.data.cache import CachedDataset
+            return CachedDataset(cfg.data.cache, image_size, augment)
+        if self.kind == "manifest":
+            from mmpipe.data.loader import ImageTextDataset
+            return ImageTextDataset(self.samples, image_size, augment, decode_size(cfg, image_size))
+        raise TypeError("shards are a stream, not an indexable dataset")
+
     def captions(self, limit: int = 100_000) -> list[str]:
         """Captions to train a tokenizer on."""
         if self.kind == "manifest":
@@ -77,8 +87,8 @@ def tokenizer_dir(cfg) -> Optional[str]:
 
 def check_cache_tokenizer(cfg, tok) -> None:
     if cfg.data.cache and cfg.data.tokenizer:
-        from mmpipe.data.cache import _tokenizer_digest, open_meta
-        if _tokenizer_digest(tok) != open_meta(cfg.data.cache)["tokenizer_sha1"]:
+        from mmpipe.data.cache import open_meta, tokenizer_digest
+        if tokenizer_digest(tok) != open_meta(cfg.data.cache)["tokenizer_sha1"]:
             raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} is not the tokenizer data.cache={cfg.data.cache} "
                               "was built with; unset data.tokenizer (the cache's is used) or re-run prepare with it")
 
@@ -93,7 +103,7 @@ def build_train_loader(cfg, source: TrainSource, tok, collate, topo, dp_rank: in
                        image_size: int, device_is_cpu: bool):
     from torch.utils.data import DataLoader
 
-    from mmpipe.data.loader import ImageTextDataset, MicroBatchSampler, make_augment, make_loader
+    from mmpipe.data.loader import MicroBatchSampler, make_augment, make_loader
     d = cfg.data
     augment = make_augment(d, image_size, cfg.train.seed)
     size = decode_size(cfg, image_size)
@@ -105,13 +115,10 @@ def build_train_loader(cfg, source: TrainSource, tok, collate, topo, dp_rank: in
         kw = {"prefetch_factor": d.prefetch_factor, "persistent_workers": d.persistent_workers} if d.num_workers else {}
         return DataLoader(stream, batch_size=None, num_workers=stream.workers if d.num_workers else 0,
                           pin_memory=d.pin_memory and not device_is_cpu, **kw)
-    if source.kind == "cache":
-        from mmpipe.data.cache import CachedDataset
-        dataset = CachedDataset(d.cache, image_size, augment)
-        lengths = dataset.lengths if d.group_by_length else None
-    else:
-        dataset = ImageTextDataset(source.samples, image_size, augment, size)
-        lengths = train_lengths(source, tok, d.max_length) if d.group_by_length else None
+    dataset = source.dataset(cfg, image_size, augment)
+    lengths = None
+    if d.group_by_length:  # the cache stores its token counts; a manifest's are counted here
+        lengths = dataset.lengths if source.kind == "cache" else train_lengths(source, tok, d.max_length)
     sampler = MicroBatchSampler(len(dataset), topo.micro_batch_size, topo.accumulation_steps, topo.data_parallel,
                                 dp_rank, cfg.train.seed, start_step=start_step, max_steps=cfg.train.steps,
                                 lengths=lengths, group_window=d.group_window)

@@ -15,8 +15,6 @@ tracing on it keeps every instruction as an event for a Chrome/Perfetto trace.
 from __future__ import annotations
 
 import time
-from types import MethodType
-from typing import Optional
 
 CATEGORY = {"ForwardPass": "fwd", "BackwardPass": "bwd", "OptimizerStep": "opt", "LoadMicroBatch": "data",
             "SendActivation": "comm", "RecvActivation": "comm", "SendGrad": "comm", "RecvGrad": "comm",
@@ -153,9 +151,3 @@ def write_timeline_png(path: str, per_rank: list, coords: list, title: str = "")
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-
-def parse_trace_steps(spec) -> Optional[tuple[int, int]]:
-    if not spec:
-        return None
-    a, b = spec
-    return int(a), int(b)
