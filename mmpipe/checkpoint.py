@@ -18,6 +18,34 @@ from mmpipe.errors import MmpipeError
 from mmpipe.pipeline.layers import plain_state_key
 
 LAYERS_FILE = "mmpipe_layers.json"
+LAYOUT_FILE = "mmpipe_layout.json"
+
+
+def layout_record(topo, cfg, layer_names: Optional[list], parts: Optional[list]) -> dict:
+    """What a checkpoint's DeepSpeed files are tied to: stages, their layers, data-parallel degree
+    (with ZeRO, optimizer state is partitioned over it) and ZeRO stage."""
+    from mmpipe.pipeline.partition import stage_lists
+    return {"pipeline_stages": topo.pipeline_stages, "data_parallel": topo.data_parallel,
+            "zero_stage": cfg.parallel.zero_stage, "placement": cfg.parallel.placement,
+            "stages": stage_lists(layer_names, parts) if layer_names is not None else None}
+
+
+def _describe(layout: dict) -> str:
+    s = f"pipeline_stages={layout['pipeline_stages']} data_parallel={layout['data_parallel']} " \
+        f"zero_stage={layout['zero_stage']}"
+    if layout.get("stages"):
+        s += " stages " + " | ".join(f"{st[0]}..{st[-1]}" for st in layout["stages"])
+    return s
+
+
+def check_layout(saved: dict, current: dict, where: str) -> None:
+    """Same-layout resume only (DeepSpeed's per-stage files): say what the checkpoint holds."""
+    keys = ["pipeline_stages", "zero_stage", "stages"] + (["data_parallel"] if saved["zero_stage"] > 0 else [])
+    if any(saved.get(k) != current.get(k) for k in keys):
+        raise MmpipeError(f"--resume: {where} was saved with {_describe(saved)} (placement {saved['placement']}); "
+                          f"this run has {_describe(current)}: resume with the checkpoint's layout "
+                          "(parallel.pipeline_stages, parallel.placement or parallel.plan, parallel.zero_stage and the "
+                          "number of ranks); resuming on another layout is not supported yet")
 
 
 def tag_for(step: int) -> str:
@@ -43,7 +71,7 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save(engine, root: str, step: int, client_state: dict, layer_names: Optional[list] = None,
-         parts: Optional[list] = None, keep: int = 0) -> str:
+         parts: Optional[list] = None, keep: int = 0, layout: Optional[dict] = None) -> str:
     tag = tag_for(step)
     engine.save_checkpoint(root, tag=tag, client_state=dict(client_state, step=step))
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -52,6 +80,9 @@ def save(engine, root: str, step: int, client_state: dict, layer_names: Optional
     if rank == 0 and layer_names is not None:
         with open(os.path.join(d, LAYERS_FILE), "w") as fh:
             json.dump({"layers": layer_names, "parts": parts}, fh)
+    if rank == 0 and layout is not None:
+        with open(os.path.join(d, LAYOUT_FILE), "w") as fh:
+            json.dump(layout, fh)
     if dist.is_initialized():
         dist.barrier()
     if rank == 0 and keep > 0:
@@ -61,10 +92,15 @@ def save(engine, root: str, step: int, client_state: dict, layer_names: Optional
     return d
 
 
-def load(engine, root: str) -> dict:
-    """Load the latest checkpoint into ``engine``; restore this rank's RNG. Returns client state."""
+def load(engine, root: str, layout: Optional[dict] = None) -> dict:
+    """Load the latest checkpoint into ``engine`` (after checking it was saved in ``layout``);
+    restore this rank's RNG. Returns client state."""
     if not os.path.isfile(os.path.join(root, "latest")):
         raise MmpipeError(f"--resume: no checkpoint in {root} (no 'latest' file); run without --resume first")
+    saved = os.path.join(root, open(os.path.join(root, "latest")).read().strip(), LAYOUT_FILE)
+    if layout is not None and os.path.isfile(saved):
+        with open(saved) as fh:
+            check_layout(json.load(fh), layout, os.path.dirname(saved))
     path, client = engine.load_checkpoint(root, load_lr_scheduler_states=True, load_optimizer_states=True)
     if path is None:
         raise MmpipeError(f"--resume: DeepSpeed could not load the checkpoint in {root}")
@@ -101,5 +137,19 @@ def load_model_weights(root: str, tag: Optional[str] = None) -> dict:
         return sd
     files = sorted(glob.glob(os.path.join(d, "mp_rank_*_model_states.pt")))
     if not files:
+        if glob.glob(os.path.join(d, "zero_pp_rank_*_mp_rank_*_model_states.pt")):
+            return _zero3_weights(root, tag)
         raise MmpipeError(f"{d}: not a DeepSpeed checkpoint")
     return torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+
+
+def _zero3_weights(root: str, tag: str) -> dict:
+    """ZeRO-3 (P = 1): each data-parallel rank saved only its partition of every parameter
+    (``zero_pp_rank_*``); DeepSpeed's engine-free ``zero_to_fp32`` merges the fp32 partitions from
+    the optimizer files, the buffers and any frozen parameters into one plain state dict."""
+    import contextlib
+    import io
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    with contextlib.redirect_stdout(io.StringIO()):  # it reports every stage of the merge
+        return dict(get_fp32_state_dict_from_zero_checkpoint(root, tag))

@@ -18,6 +18,8 @@ def _train_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.output_dir")
     p.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                    help="save a checkpoint and exit after STEP (continue later with --resume)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in train.output_dir (without it, a fresh run there is refused)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
@@ -26,7 +28,7 @@ def cmd_train(args) -> int:
     from mmpipe.config import load_config
     from mmpipe.train import run
     cfg = load_config(args.config, args.overrides)
-    run(cfg, resume=args.resume, stop_at=args.stop_at)
+    run(cfg, resume=args.resume, stop_at=args.stop_at, overwrite=args.overwrite)
     return 0
 
 
@@ -102,15 +104,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_guarded(func, args) -> int:
+    rank = os.environ.get("RANK", "0")
     try:
         return func(args)
     except MmpipeError as e:
-        rank = os.environ.get("RANK", "0")
         everywhere = getattr(e, "everywhere", isinstance(e, ConfigError))  # raised alike on every rank
         if rank == "0" or not everywhere:
-            prefix = "" if rank == "0" else f"[rank {rank}] "
+            prefix = "" if rank == "0" or everywhere else f"[rank {rank}] "
             print(f"mmpipe: error: {prefix}{e}", file=sys.stderr, flush=True)
         return 2
+    except RuntimeError as e:  # torch.distributed's DistBackendError is one
+        if not _peer_lost(e):
+            raise
+        # another rank exited (its own error line is printed by it): one line here, no traceback
+        print(f"mmpipe: [rank {rank}] stopped: lost contact with another rank ({_first_line(e)})",
+              file=sys.stderr, flush=True)
+        return 3
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def _peer_lost(e: BaseException) -> bool:
+    """A collective failed because a peer process went away (gloo/NCCL wording)."""
+    msg = str(e)
+    return os.environ.get("WORLD_SIZE", "1") != "1" and any(
+        s in msg for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                           "NCCL communicator was aborted", "socket timeout", "Timed out", "timed out"))
 
 
 def main(argv=None) -> int:

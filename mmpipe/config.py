@@ -247,6 +247,13 @@ def _check_type(key: str, tp, value, where: str):
     return value
 
 
+def _hint(key: str, known) -> str:
+    """`` (did you mean 'x'?)`` for the closest known key (difflib's ratio), else the known keys."""
+    import difflib
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6) if key else []
+    return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"
+
+
 def _build(cls, data: dict, prefix: str, where: str, explicit: set):
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: section '{prefix.rstrip('.') or '<top>'}' must be a mapping, got {data!r}")
@@ -256,9 +263,7 @@ def _build(cls, data: dict, prefix: str, where: str, explicit: set):
     for key, value in data.items():
         dotted = prefix + str(key)
         if key not in known:
-            close = [k for k in known if k.startswith(str(key)[:3])]
-            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"
-            raise ConfigError(f"{where}: unknown key '{dotted}'{hint}")
+            raise ConfigError(f"{where}: unknown key '{dotted}'{_hint(str(key), known)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value or {}, dotted + ".", where, explicit)
@@ -288,6 +293,8 @@ def _parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set train.steps=10")
     key, raw = item.split("=", 1)
+    if not key.strip() or any(not part for part in key.strip().split(".")):
+        raise ConfigError(f"--set {item!r}: no key before '=' (expected section.key=value, e.g. --set train.steps=10)")
     try:
         value = yaml.safe_load(raw) if raw != "" else None
     except yaml.YAMLError:
@@ -327,6 +334,9 @@ def load_config(path: Optional[str] = None, overrides=()) -> RunConfig:
     return cfg
 
 
+# the smallest micro-batch a family's loss is defined on (contrastive: a sample needs negatives)
+MIN_MICRO_BATCH = {"clip": 2}
+
 _CHOICES = {
     "model.type": ("clip",),
     "model.vision.arch": ("clip_vit", "resnet"),
@@ -365,6 +375,12 @@ def validate(cfg: RunConfig) -> None:
                 "data.group_window") + (("parallel.micro_batch_size",) if mbs != "auto" else ()):
         if cfg.get(key) < 1:
             raise ConfigError(f"{where}: {key} must be >= 1, got {cfg.get(key)}")
+    low = MIN_MICRO_BATCH.get(cfg.model.type, 1)
+    if mbs != "auto" and mbs < low:
+        raise ConfigError(f"{where}: parallel.micro_batch_size={mbs}: model.type={cfg.model.type} needs at least {low} "
+                          "samples per micro-batch (its contrastive loss has no negatives with 1 and is identically 0); "
+                          f"use {low} or more, or auto")
+    _check_numbers(cfg, where)
     if cfg.parallel.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"{where}: parallel.zero_stage must be 0, 1, 2 or 3, got {cfg.parallel.zero_stage}")
     if cfg.parallel.pipeline_stages > 1 and cfg.parallel.zero_stage >= 2:
@@ -374,6 +390,33 @@ def validate(cfg: RunConfig) -> None:
             "(ZeRO-2/3 partition gradients the pipeline schedule reduces itself); use zero_stage 0 or 1, or pipeline_stages 1")
     if cfg.optim.max_grad_norm is not None and cfg.optim.max_grad_norm <= 0:
         raise ConfigError(f"{where}: optim.max_grad_norm must be > 0 (or unset for no clipping), got {cfg.optim.max_grad_norm}")
+
+
+def _check_numbers(cfg: RunConfig, where: str) -> None:
+    """Ranges of the optimizer, schedule and loader numbers (a sign or length mistake is one line)."""
+    o = cfg.optim
+    betas = o.betas
+    if not (isinstance(betas, list) and len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1
+                                                                for b in betas)):
+        raise ConfigError(f"{where}: optim.betas must be [beta1, beta2] with 0 <= beta < 1, got {betas!r}")
+    checks = [("optim.lr", o.lr, o.lr >= 0, ">= 0"), ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+              ("optim.eps", o.eps, o.eps > 0, "> 0"), ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0"),
+              ("optim.min_lr_ratio", o.min_lr_ratio, 0 <= o.min_lr_ratio <= 1, "between 0 and 1"),
+              ("data.num_workers", cfg.data.num_workers, cfg.data.num_workers >= 0, ">= 0 (0 = load in the main process)"),
+              ("data.prefetch_factor", cfg.data.prefetch_factor, cfg.data.prefetch_factor >= 1, ">= 1"),
+              ("data.max_bad_fraction", cfg.data.max_bad_fraction, 0 <= cfg.data.max_bad_fraction <= 1, "between 0 and 1"),
+              ("train.save_every", cfg.train.save_every, cfg.train.save_every >= 0, ">= 0 (0 = only at the end)"),
+              ("train.eval_every", cfg.train.eval_every, cfg.train.eval_every >= 0, ">= 0 (0 = only at the end)"),
+              ("train.keep_checkpoints", cfg.train.keep_checkpoints, cfg.train.keep_checkpoints >= 0, ">= 0 (0 = all)")]
+    for name, group in o.groups.items():
+        for field_name in ("lr", "weight_decay", "max_grad_norm"):
+            v = getattr(group, field_name)
+            if v is not None:
+                ok = v > 0 if field_name == "max_grad_norm" else v >= 0
+                checks.append((f"optim.groups.{name}.{field_name}", v, ok, "> 0" if field_name == "max_grad_norm" else ">= 0"))
+    for key, value, ok, want in checks:
+        if not ok:
+            raise ConfigError(f"{where}: {key} must be {want}, got {value}")
 
 
 def reference() -> str:

@@ -61,7 +61,9 @@ class MetricsWriter(NullWriter):
     def log_eval(self, record: dict) -> None:
         self._write(dict(kind="eval", **record))
         self.info("eval step {step}: image->text R@1 {i2t_r1:.3f} R@5 {i2t_r5:.3f} | text->image R@1 {t2i_r1:.3f} "
-                  "R@5 {t2i_r5:.3f} (n={n}, chance R@1 {chance_r1:.3f})".format(**record))
+                  "R@5 {t2i_r5:.3f} (n={n}, chance R@1 {chance_r1:.3f})".format(**record)
+                  + ("" if record.get("finite", True) else
+                     f" -- NOT FINITE: {record['nonfinite']} feature rows hold NaN/inf (scored as misses)"))
 
     def info(self, msg: str) -> None:
         if self.bar is not None:

@@ -80,7 +80,8 @@ def auto_micro_batch(cfg, spec, source, tok, image_size: int, pipeline_stages: i
         return max(stage_memory(costs, parts, micro_batches, cfg.train.precision, cfg.parallel.zero_stage,
                                 data_parallel))
 
-    return pick_micro_batch(per_rank, peak, budget_bytes, log)
+    from mmpipe.config import MIN_MICRO_BATCH
+    return pick_micro_batch(per_rank, peak, budget_bytes, log, min_size=MIN_MICRO_BATCH.get(cfg.model.type, 1))
 
 
 # ---- profiles for planning ----------------------------------------------------------------------
@@ -120,7 +121,6 @@ def get_profile(cfg, spec, micro_batch_size: int, forward_only: frozenset = froz
     import json
 
     from deepspeed.accelerator import get_accelerator
-    from mmpipe.profile import fit_comm, measure_p2p
     device = torch.device(get_accelerator().device_name())
     threads = threads or torch.get_num_threads()
     key = profile_key(cfg, spec, micro_batch_size, threads, device.type, forward_only, frozen)
@@ -131,6 +131,9 @@ def get_profile(cfg, spec, micro_batch_size: int, forward_only: frozenset = froz
             prof = json.load(fh)
         if log:
             log(f"layer profile from cache {path}")
+        if measure_comm and not prof["comm"].get("measured"):  # cached without transfers: measure them now
+            prof["comm"] = _measure_comm(layer_costs(prof))
+            _write_json(path, prof)
         return prof
     if log:
         log(f"profiling {len(spec.part_names())} layers (micro-batch {micro_batch_size}, {cfg.train.precision}, "
@@ -143,20 +146,31 @@ def get_profile(cfg, spec, micro_batch_size: int, forward_only: frozenset = froz
                                repeats=repeats)
     finally:
         torch.set_num_threads(old)
-    comm = {"latency_s": 0.0, "s_per_byte": 0.0, "samples": {}}
-    if measure_comm:
-        sizes = sorted({c.out_bytes for c in costs[:-1]} | {4096})
-        samples = measure_p2p(sizes)
-        lat, spb = fit_comm(samples)
-        comm = {"latency_s": lat, "s_per_byte": spb, "samples": {str(k): v for k, v in samples.items()}}
+    comm = _measure_comm(costs) if measure_comm else {"latency_s": 0.0, "s_per_byte": 0.0, "samples": {},
+                                                       "measured": False}
     prof = {"key": key, "layers": [c.to_dict() for c in costs], "comm": comm}
     if use_cache:
-        os.makedirs(cache_dir(), exist_ok=True)
-        tmp = path + f".{os.getpid()}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump(prof, fh, indent=1)
-        os.replace(tmp, path)
+        _write_json(path, prof)
     return prof
+
+
+def _measure_comm(costs) -> dict:
+    """Stage-to-stage transfer model (latency + bytes / bandwidth) fitted to p2p timings at the
+    sizes the layers hand on; ``measured`` marks it, so a profile cached without it is completed."""
+    from mmpipe.profile import fit_comm, measure_p2p
+    sizes = sorted({c.out_bytes for c in costs[:-1]} | {4096})
+    samples = measure_p2p(sizes)
+    lat, spb = fit_comm(samples)
+    return {"latency_s": lat, "s_per_byte": spb, "samples": {str(k): v for k, v in samples.items()}, "measured": True}
+
+
+def _write_json(path: str, obj: dict) -> None:
+    import json
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + f".{os.getpid()}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=1)
+    os.replace(tmp, path)
 
 
 # ---- placements -----------------------------------------------------------------------------------

@@ -272,10 +272,15 @@ def divisors(n: int) -> list[int]:
 
 
 def pick_micro_batch(per_rank_batch: int, peak_of: Callable[[int], int], budget: int,
-                     log: Optional[Callable[[str], None]] = None) -> tuple[int, dict]:
-    """Largest divisor m of the per-rank batch with ``peak_of(m) <= budget``; peak memory grows with
-    m, so this is a binary search over the divisors (a probe per step). Returns (m, {m: peak})."""
-    cands = divisors(per_rank_batch)
+                     log: Optional[Callable[[str], None]] = None, min_size: int = 1) -> tuple[int, dict]:
+    """Largest divisor m >= ``min_size`` of the per-rank batch with ``peak_of(m) <= budget``; peak
+    memory grows with m, so this is a binary search over the divisors (a probe per step). Returns
+    (m, {m: peak}). ``min_size``: the smallest micro-batch the loss is defined on (contrastive: 2)."""
+    from mmpipe.errors import ConfigError
+    cands = [m for m in divisors(per_rank_batch) if m >= min_size]
+    if not cands:
+        raise ConfigError(f"parallel.micro_batch_size=auto: the per-rank batch of {per_rank_batch} has no divisor >= "
+                          f"{min_size}, the smallest micro-batch this model's loss is defined on; raise train.batch_size")
     probed: dict = {}
 
     def fits(i):
@@ -287,8 +292,8 @@ def pick_micro_batch(per_rank_batch: int, peak_of: Callable[[int], int], budget:
         return probed[m] <= budget
 
     if not fits(0):
-        from mmpipe.errors import ConfigError
-        raise ConfigError(f"parallel.micro_batch_size=auto: even a micro-batch of 1 needs {probed[1] / 2**30:.2f} GB, "
+        raise ConfigError(f"parallel.micro_batch_size=auto: even a micro-batch of {cands[0]} needs "
+                          f"{probed[cands[0]] / 2**30:.2f} GB, "
                           f"over parallel.memory_budget_gb={budget / 2**30:.2f}; raise the budget, use more pipeline "
                           "stages, or freeze/shrink the model")
     lo, hi = 0, len(cands) - 1  # cands[lo] fits

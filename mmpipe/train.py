@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import logging
 import os
 import socket
 import time
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from mmpipe import checkpoint
 from mmpipe.config import RunConfig, save_yaml
-from mmpipe.errors import ConfigError, DataError
+from mmpipe.errors import ConfigError, DataError, MmpipeError
 from mmpipe.metrics import MetricsWriter, NullWriter
 
 LABEL_PLACEHOLDER = torch.zeros(1)  # the last stage reads "labels"; the CLIP loss needs none
@@ -58,38 +58,63 @@ def init_distributed() -> tuple[int, int]:
 
 
 def prepare_tokenizer(cfg: RunConfig, rank: int, source=None):
-    """The run's tokenizer: ``data.tokenizer``, else the cache's, else one trained on rank 0 from the
-    captions; fills the text tower's vocab size and EOS id from it."""
+    """The run's tokenizer: ``data.tokenizer``, else the cache's, else the text weights' own (a
+    pretrained directory's tokenizer files), else one trained on rank 0 from the captions; fills the
+    text tower's vocab size and EOS id from it."""
     from mmpipe.data.source import check_cache_tokenizer, tokenizer_dir
-    from mmpipe.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
+    from mmpipe.data.tokenizer import eos_id, has_tokenizer, load_tokenizer, train_tokenizer
+    weights_key, weights_dir = pretrained_text_dir(cfg)
     if cfg.data.tokenizer:
         tok = load_tokenizer(cfg.data.tokenizer)
         check_cache_tokenizer(cfg, tok)
     elif tokenizer_dir(cfg):
         tok = load_tokenizer(tokenizer_dir(cfg), "data.cache tokenizer")
+    elif weights_dir:
+        if not has_tokenizer(weights_dir):
+            raise ConfigError(f"{weights_key}={weights_dir} holds pretrained text weights but no tokenizer, and "
+                              "data.tokenizer is unset: a tokenizer trained on the captions would feed those weights "
+                              "ids they never saw; set data.tokenizer to the tokenizer the weights were trained with")
+        tok = load_tokenizer(weights_dir, f"{weights_key} tokenizer")
     else:
         tok_dir = os.path.join(cfg.train.output_dir, "tokenizer")
-        if rank == 0 and not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
-            train_tokenizer(source.captions(), cfg.data.tokenizer_vocab_size, tok_dir)
-        dist.barrier()
+        _rank0_decides(rank, lambda: None if os.path.isfile(os.path.join(tok_dir, "tokenizer.json")) else
+                       bool(train_tokenizer(source.captions(), cfg.data.tokenizer_vocab_size, tok_dir)))
         tok = load_tokenizer(tok_dir, "tokenizer in the run directory")
     fill_text_fields(cfg, len(tok), eos_id(tok))
     return tok
 
 
+def pretrained_text_dir(cfg: RunConfig) -> tuple[Optional[str], Optional[str]]:
+    """(config key, directory) the text tower's weights come from, or (None, None)."""
+    if cfg.model.text.pretrained:
+        return "model.text.pretrained", cfg.model.text.pretrained
+    if cfg.model.pretrained:
+        return "model.pretrained", cfg.model.pretrained
+    return None, None
+
+
 def fill_text_fields(cfg: RunConfig, num_tokens: int, eos: int) -> None:
-    """Text-tower fields a config may leave to the tokenizer (unless weights come from a directory)."""
+    """Text-tower fields a config may leave to the tokenizer. With pretrained text weights the
+    tokenizer must fit their vocabulary, and pooling reads the EOS of the tokenizer actually used."""
     t = cfg.model.text
-    if t.pretrained or cfg.model.pretrained:
-        return
-    if t.vocab_size is None:
-        t.vocab_size = num_tokens
-    elif t.vocab_size < num_tokens:
-        raise ConfigError(f"model.text.vocab_size={t.vocab_size} is smaller than the tokenizer's {num_tokens} tokens")
+    key, weights_dir = pretrained_text_dir(cfg)
+    if weights_dir:
+        from mmpipe.models import hf
+        c = hf.load_hf_config(weights_dir, key)
+        c = getattr(c, "text_config", c)
+        if num_tokens > c.vocab_size:
+            raise ConfigError(f"the tokenizer has {num_tokens} tokens but the text weights in {key}={weights_dir} "
+                              f"embed {c.vocab_size}: it is not their tokenizer; set data.tokenizer to the one they "
+                              "were trained with")
+    else:
+        if t.vocab_size is None:
+            t.vocab_size = num_tokens
+        elif t.vocab_size < num_tokens:
+            raise ConfigError(f"model.text.vocab_size={t.vocab_size} is smaller than the tokenizer's {num_tokens} tokens")
+        if t.max_position_embeddings is None:
+            t.max_position_embeddings = max(cfg.data.max_length, 16)
     if t.eos_token_id is None:
         t.eos_token_id = eos
-    if t.max_position_embeddings is None:
-        t.max_position_embeddings = max(cfg.data.max_length, 16)
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,31 +190,23 @@ class PipelineRunner:
 # data streams per stage
 # --------------------------------------------------------------------------------------------
 class DataStats:
-    """Per-rank data counters for the current step: newly found bad samples (distinct files, each
-    logged once; a bad file met again in a later epoch is not counted again) and seconds the
-    training loop waited for the loader."""
+    """Per-rank data counters for the current step: the bad-file reports of the micro-batches this
+    rank consumed (merged over all ranks by the trainer into the run's ``BadSampleLedger``),
+    samples drawn, and seconds the training loop waited for the loader."""
 
-    def __init__(self, log, sample_log: Optional[str] = None):
-        self.seen: set = set()
-        self.log = log
-        self.first_bad: Optional[str] = None
+    def __init__(self, sample_log: Optional[str] = None):
         self.sample_log = open(sample_log, "a") if sample_log else None
         self.reset()
 
     def reset(self) -> None:
-        self.bad, self.wait, self.drawn = 0, 0.0, 0
+        self.reports, self.wait, self.drawn = [], 0.0, 0
 
     def add(self, batch) -> None:
         self.drawn += len(batch["keys"]) + len(batch["bad"])
         if self.sample_log is not None:
             self.sample_log.write(" ".join(batch["keys"]) + "\n")
             self.sample_log.flush()
-        for path, why in batch["bad"]:
-            if path not in self.seen:
-                self.bad += 1
-                self.seen.add(path)
-                self.first_bad = self.first_bad or f"{path} ({why})"
-                self.log(f"skipped bad sample {path}: {why}")
+        self.reports.extend((str(path), str(why)) for path, why in batch["bad"])
 
 
 def memory_summary(engine, inner_optimizer, rank: int, stage: int) -> str:
@@ -229,20 +246,96 @@ def _warn(msg: str) -> None:
 
 
 def _rank0_decides(rank: int, decide):
-    """Run ``decide()`` on rank 0 and hand its result to every rank; a ConfigError it raises is
+    """Run ``decide()`` on rank 0 and hand its result to every rank; an mmpipe error it raises is
     raised on every rank (and printed once)."""
     result = [None]
     if rank == 0:
         try:
             result = [decide()]
-        except ConfigError as e:
+        except MmpipeError as e:
             result = [e]
     dist.broadcast_object_list(result, src=0)
-    if isinstance(result[0], ConfigError):
-        err = ConfigError(str(result[0]))
-        err.everywhere = True
-        raise err
+    if isinstance(result[0], MmpipeError):
+        raise _everywhere(type(result[0]), str(result[0]))
     return result[0]
+
+
+def _everywhere(cls, msg: str) -> MmpipeError:
+    err = cls(msg)
+    err.everywhere = True  # every rank raises it: printed once (by rank 0)
+    return err
+
+
+def agree(rank: int, work):
+    """Run ``work()`` on every rank; if it raised an mmpipe error on any rank, raise that error on
+    every rank (printed once, naming the rank it came from), so no rank is left waiting in a
+    collective for one that has already exited."""
+    err = None
+    try:
+        result = work()
+    except MmpipeError as e:
+        err, result = (type(e).__name__, str(e)), None
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, err)
+    for r, e in enumerate(errors):
+        if e is not None:
+            cls = DataError if e[0] == "DataError" else ConfigError
+            raise _everywhere(cls, e[1] if r == 0 else f"[rank {r}] {e[1]}")
+    return result
+
+
+def check_run_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
+    """A fresh run never mixes with an earlier run's files: a run directory that already holds a run
+    is continued (--resume), replaced (--overwrite) or refused in one line."""
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite contradict each other: --resume continues the run in "
+                          f"train.output_dir={out_dir}, --overwrite deletes it")
+    if resume or overwrite or not os.path.isdir(out_dir):
+        return
+    held = [f for f in RUN_FILES if os.path.exists(os.path.join(out_dir, f))]
+    if held:
+        latest = os.path.join(out_dir, "checkpoints", "latest")
+        what = f"checkpoint {open(latest).read().strip()}" if os.path.isfile(latest) else ", ".join(held)
+        raise ConfigError(f"train.output_dir={out_dir} already holds a run ({what}): continue it with --resume, "
+                          "replace it with --overwrite, or set another train.output_dir")
+
+
+# what a run writes into its directory (--overwrite removes exactly these)
+RUN_FILES = ("checkpoints", "metrics.jsonl", "tokenizer", "config.yaml", "ds_config.json", "plan.json", "samples",
+             "trace.json", "timeline.png", "tb")
+
+
+def clear_run_dir(out_dir: str) -> None:
+    import shutil
+    for f in RUN_FILES:
+        path = os.path.join(out_dir, f)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+
+
+def eval_due(step: int, eval_every: int, total_steps: int) -> bool:
+    """Eval steps: every ``eval_every`` steps and the last step, whether or not a run stops
+    (--stop-at) and resumes in between."""
+    return step == total_steps or bool(eval_every and step % eval_every == 0)
+
+
+def lr_fields(inner_optimizer, groups) -> list:
+    """This rank's current lr of every configured group (NaN where the group is not on this rank),
+    in config order: the trainer gathers them so every group's lr is logged in every layout."""
+    current = {g.get("name"): g["lr"] for g in inner_optimizer.param_groups}
+    return [current.get(g.name, float("nan")) for g in groups]
+
+
+def lr_record(per_group: list, groups, base_lr: float) -> dict:
+    """``lr.<group>`` for every trainable group, and ``lr``: the schedule applied to ``optim.lr``
+    (the same in every layout, whichever groups the reporting rank holds)."""
+    import math as _m
+    out = {f"lr.{g.name}": v for g, v in zip(groups, per_group) if _m.isfinite(v)}
+    ratio = next((v / g.lr for g, v in zip(groups, per_group) if _m.isfinite(v) and g.lr > 0), None)
+    out = {"lr": base_lr * ratio if ratio is not None else 0.0, **out}
+    return out
 
 
 def _measured_parts(cfg, spec, topo, forward_only, frozen) -> tuple[list, dict]:
@@ -288,8 +381,11 @@ def _probe_micro_batch(cfg, spec, source, tok, image_size, topo, parts, forward_
 # --------------------------------------------------------------------------------------------
 # the loop
 # --------------------------------------------------------------------------------------------
-def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> dict:
-    """Train; ``stop_at`` ends this invocation after that step with a checkpoint (time-limited jobs)."""
+def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None, overwrite: bool = False) -> dict:
+    """Train; ``stop_at`` ends this invocation after that step with a checkpoint (time-limited jobs);
+    ``overwrite`` replaces a run already in ``train.output_dir`` (without it, or ``resume``, that is
+    refused)."""
+    from mmpipe.data.badsamples import BadSampleLedger
     from mmpipe.data.loader import Collate, ImageTextDataset, eval_batches
     from mmpipe.data.manifest import read_manifest
     from mmpipe.data.source import build_train_loader, open_source
@@ -298,49 +394,59 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     from mmpipe.models.clip import DualEncoder, ModelSpec
     from mmpipe.optim import GradClipper, apply_freeze, frozen_layout, lr_lambda, param_groups, resolve_groups
 
-    # validate everything that needs no process group first: config mistakes end as one line
+    # validate everything that needs no process group first: config mistakes end as one line,
+    # raised alike on every rank (printed once)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     auto_mbs = cfg.parallel.micro_batch_size == "auto"
-    if auto_mbs:  # validate the rest now with a stand-in; the size is probed once the model exists
-        check_auto_micro_batch(cfg)
-        cfg.parallel.micro_batch_size = 1
-    ds_cfg, topo = resolve(cfg, world)
-    from deepspeed.accelerator import get_accelerator
-    device_name = get_accelerator().device_name()
-    if cfg.train.precision == "fp16" and device_name == "cpu":
-        raise ConfigError("train.precision=fp16 needs a GPU: DeepSpeed refuses fp16 on the CPU accelerator; "
-                          "use bf16 or fp32 here")
-    rank = int(os.environ.get("RANK", "0"))
-    P = topo.pipeline_stages
-    stage, dp_rank = topo.coords(rank)
-    reads_data = stage == 0  # the last stage needs no data: text ids travel with the activations
-    from mmpipe.models.clip import vision_image_size
-    image_size = vision_image_size(cfg.model)
-    source = open_source(cfg, image_size, read=reads_data or rank == 0)  # same one-line error on every rank
-    # every rank reads the val manifest (no images): all stages need the eval micro-batch count
-    val_samples = read_manifest(cfg.data.val, "data.val") if cfg.data.val else None
-
-    groups = resolve_groups(cfg.optim)
-    if cfg.parallel.zero_stage >= 2 and any(g.max_grad_norm is not None for g in groups):
-        raise ConfigError(f"per-group clipping (optim.groups.*.max_grad_norm) supports ZeRO 0/1, not "
-                          f"parallel.zero_stage={cfg.parallel.zero_stage}: use zero_stage 1, or only optim.max_grad_norm "
-                          "(DeepSpeed clips globally under ZeRO-2/3)")
+    try:
+        if stop_at is not None and stop_at < 1:
+            raise ConfigError(f"--stop-at {stop_at}: give a step >= 1 (the run stops after that step with a checkpoint)")
+        check_run_dir(cfg.train.output_dir, resume, overwrite)
+        if auto_mbs:  # validate the rest now with a stand-in (the per-rank batch); the size is probed later
+            check_auto_micro_batch(cfg)
+            cfg.parallel.micro_batch_size = max(1, cfg.train.batch_size // max(1, world // cfg.parallel.pipeline_stages))
+        ds_cfg, topo = resolve(cfg, world)
+        from deepspeed.accelerator import get_accelerator
+        device_name = get_accelerator().device_name()
+        if cfg.train.precision == "fp16" and device_name == "cpu":
+            raise ConfigError("train.precision=fp16 needs a GPU: DeepSpeed refuses fp16 on the CPU accelerator; "
+                              "use bf16 or fp32 here")
+        rank = int(os.environ.get("RANK", "0"))
+        P = topo.pipeline_stages
+        stage, dp_rank = topo.coords(rank)
+        reads_data = stage == 0  # the last stage needs no data: text ids travel with the activations
+        from mmpipe.models.clip import vision_image_size
+        image_size = vision_image_size(cfg.model)
+        source = open_source(cfg, image_size, read=reads_data or rank == 0)  # same one-line error on every rank
+        # every rank reads the val manifest (no images): all stages need the eval micro-batch count
+        val_samples = read_manifest(cfg.data.val, "data.val") if cfg.data.val else None
+        groups = resolve_groups(cfg.optim)
+        if cfg.parallel.zero_stage >= 2 and any(g.max_grad_norm is not None for g in groups):
+            raise ConfigError(f"per-group clipping (optim.groups.*.max_grad_norm) supports ZeRO 0/1, not "
+                              f"parallel.zero_stage={cfg.parallel.zero_stage}: use zero_stage 1, or only "
+                              "optim.max_grad_norm (DeepSpeed clips globally under ZeRO-2/3)")
+    except MmpipeError as e:
+        e.everywhere = True
+        raise
 
     rank, world = init_distributed()
     import deepspeed
     out_dir = cfg.train.output_dir
     ckpt_dir = os.path.join(out_dir, "checkpoints")
     if rank == 0:
+        if overwrite:
+            clear_run_dir(out_dir)
         os.makedirs(out_dir, exist_ok=True)
-    tok = prepare_tokenizer(cfg, rank, source)
-    spec = ModelSpec(cfg.model, cfg.train.seed)
+    dist.barrier()
+    tok = agree(rank, lambda: prepare_tokenizer(cfg, rank, source))
+    spec = agree(rank, lambda: ModelSpec(cfg.model, cfg.train.seed))
     is_reporter = rank == topo.reporting_rank
     part_params, frozen_names, forward_only = frozen_layout(spec, groups)
 
     parts = None
     if P > 1:
         from mmpipe.pipeline.module import plan_parts
-        parts = plan_parts(spec, P, cfg.parallel.placement, cfg.parallel.plan, frozen_names)
+        parts = agree(rank, lambda: plan_parts(spec, P, cfg.parallel.placement, cfg.parallel.plan, frozen_names))
     if auto_mbs:
         m = _rank0_decides(rank, lambda: _probe_micro_batch(cfg, spec, source, tok, image_size, topo, parts,
                                                              forward_only, frozen_names))
@@ -364,7 +470,7 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
             names = spec.part_names()
             for s_, (a, b) in enumerate(zip(parts, parts[1:])):
                 if all(pn in frozen_names for part in names[a:b] for pn in part_params[part]):
-                    raise ConfigError(
+                    raise _everywhere(ConfigError,
                         f"pipeline stage {s_} ({names[a]} .. {names[b - 1]}) holds only frozen parameters, which "
                         f"DeepSpeed's ZeRO-{cfg.parallel.zero_stage}/{cfg.train.precision} optimizer cannot hold; "
                         "use zero_stage 0 with fp32, or a parallel.plan that gives every stage a trainable layer")
@@ -395,11 +501,16 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     own_clip = cfg.parallel.zero_stage < 2
     clipper = GradClipper(engine, groups, cfg.optim.max_grad_norm if own_clip else None,
                           enabled=cfg.log.grad_norm and own_clip)
+    layout = checkpoint.layout_record(topo, cfg, layer_names, parts)
 
-    start_step, total_bad = 0, 0
+    n_train = torch.tensor([source.size or 0 if reads_data else 0], dtype=torch.int64)
+    dist.all_reduce(n_train, op=dist.ReduceOp.MAX)  # every rank needs it for the bad-fraction check
+    ledger = BadSampleLedger(cfg.data.max_bad_fraction, int(n_train))
+    start_step = 0
     if resume:
-        client = checkpoint.load(engine, ckpt_dir)
-        start_step, total_bad = int(client.get("step", 0)), int(client.get("bad_samples", 0))
+        client = agree(rank, lambda: checkpoint.load(engine, ckpt_dir, layout))
+        start_step = int(client.get("step", 0))
+        ledger.load_state_dict(client.get("data", {}))
 
     writer = (MetricsWriter(out_dir, cfg.train.steps, start_step, progress=cfg.log.progress,
                             tensorboard=cfg.log.tensorboard, every=cfg.log.every) if is_reporter else NullWriter())
@@ -425,16 +536,15 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     if cfg.data.log_samples and reads_data:
         os.makedirs(os.path.join(out_dir, "samples"), exist_ok=True)
         sample_log = os.path.join(out_dir, "samples", f"rank{rank}.txt")
-    bad = DataStats(_warn, sample_log)
+    bad = DataStats(sample_log)
     collate = Collate(tok, cfg.data.max_length, cfg.data.padding, cfg.data.pad_multiple)
     if reads_data:
-        loader = build_train_loader(cfg, source, tok, collate, topo, dp_rank, start_step, image_size,
-                                    device_name == "cpu")
+        loader = agree(rank, lambda: build_train_loader(cfg, source, tok, collate, topo, dp_rank, start_step,
+                                                        image_size, device_name == "cpu"))
         train_iter = _as_pipe_batches(loader, bad)
-    elif topo.is_last_stage(rank):
-        train_iter = itertools.repeat((None, LABEL_PLACEHOLDER))
     else:
-        train_iter = None
+        agree(rank, lambda: None)  # the data-reading ranks' loader errors reach every rank
+        train_iter = itertools.repeat((None, LABEL_PLACEHOLDER)) if topo.is_last_stage(rank) else None
 
     def evaluate(step: int) -> Optional[dict]:
         if not val_samples:
@@ -444,7 +554,7 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
             ds = ImageTextDataset(val_samples, image_size, decode_size=cfg.data.decode_size)
             # separate counters: val samples must not count against the training set's bad fraction,
             # nor their decode time as training loader wait
-            batches = list(_as_pipe_batches((collate([ds[i] for i in mb]) for mb in idx), DataStats(_warn)))
+            batches = list(_as_pipe_batches((collate([ds[i] for i in mb]) for mb in idx), DataStats()))
         elif topo.is_last_stage(rank):
             batches = [(None, LABEL_PLACEHOLDER)] * len(idx)
         else:
@@ -462,47 +572,55 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
     last_eval = None
     step = start_step
     from mmpipe.pipeline.instrument import FIELDS, stage_record, write_timeline_png, write_trace
+    from mmpipe.optim import innermost_optimizer
     timed = runner.clock is not None
     trace = cfg.log.trace
     trace_offset = time.time() - time.perf_counter()
-    n_train = torch.tensor([source.size or 0 if reads_data else 0], dtype=torch.int64)
-    dist.all_reduce(n_train, op=dist.ReduceOp.MAX)  # every rank needs it for the bad-fraction check
-    n_train = int(n_train)
-    # a stream (shards) has no known size: the limit applies to the samples drawn so far, once
-    # enough have been drawn for the fraction to mean something
-    drawn, min_drawn = 0, math.ceil(20 / max(cfg.data.max_bad_fraction, 1e-9))
+    trainable = [g for g in groups if not g.frozen]
+    inner = innermost_optimizer(engine.optimizer)
+    n_lr = len(trainable)
     end = min(cfg.train.steps, stop_at) if stop_at else cfg.train.steps
     while step < end:
-        lrs = engine.get_lr()
-        lr = lrs[0] if lrs else 0.0  # an all-frozen stage has no lr
+        lrs = lr_fields(inner, trainable)  # the lr this step uses (the scheduler moves it in the step)
         tracing = trace is not None and trace[0] <= step + 1 <= trace[1]
         t0 = time.perf_counter()
         loss = runner.train_step(train_iter, step + 1, tracing)
         dt = time.perf_counter() - t0
         step += 1
-        # one small gather per step: data counters (summed over the reading ranks) and stage timings
+        # one small gather per step: data counters (summed over the reading ranks), every group's
+        # lr (wherever it lives) and stage timings
         timings = []
         if timed:  # the gradient-norm all-reduce inside the optimizer step waits for the other stages: idle
             timings = list(runner.timings)
             w = min(clipper.wait_seconds, timings[FIELDS.index("opt")])
             timings[FIELDS.index("opt")] -= w
             timings[FIELDS.index("comm")] += w
-        mine = torch.tensor([bad.bad, bad.wait, bad.drawn] + timings, dtype=torch.float64)
-        bad.reset()
+        reports = ledger.unknown(bad.reports)
+        mine = torch.tensor([len(reports), bad.wait, bad.drawn] + lrs + timings, dtype=torch.float64)
         everyone = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(everyone, mine)
         stats = torch.stack(everyone)
-        total_bad += int(stats[:, 0].sum())
-        drawn += int(stats[:, 2].sum())
+        if stats[:, 0].sum() > 0:  # new bad files somewhere: merge every rank's, in rank order
+            per_rank = [None] * world
+            dist.all_gather_object(per_rank, reports)
+            reports = [r for rr in per_rank for r in rr]
+        new_bad = ledger.add(reports, int(stats[:, 2].sum()))
+        bad.reset()
+        if is_reporter:
+            for path, why in new_bad:
+                _warn(f"skipped bad sample {path}: {why}")
         wait = float(stats[:, 1].sum()) / topo.data_parallel  # mean over the first-stage ranks
+        lr_now = [float(np.nanmax(col)) if not np.isnan(col).all() else float("nan")
+                  for col in stats[:, 3:3 + n_lr].T.numpy()]
         stage_fields = {}
         if timed:
-            per_stage = {s: (stats[[r for r in range(world) if topo.coords(r)[0] == s], 3:].mean(0)).tolist()
+            per_stage = {s: (stats[[r for r in range(world) if topo.coords(r)[0] == s], 3 + n_lr:].mean(0)).tolist()
                          for s in range(P)}
             stage_fields = stage_record(per_stage, P)
-        writer.log_step({"step": step, "loss": loss, "lr": lr, "samples_per_sec": topo.batch_size / dt,
-                         **clipper.record(), "step_time": dt, "loader_wait": wait,
-                         "loader_wait_frac": wait / dt, "bad_samples": total_bad, **stage_fields})
+        writer.log_step({"step": step, "loss": loss, **lr_record(lr_now, trainable, cfg.optim.lr),
+                         "samples_per_sec": topo.batch_size / dt, **clipper.record(), "step_time": dt,
+                         "loader_wait": wait, "loader_wait_frac": wait / dt, "bad_samples": ledger.count,
+                         **stage_fields})
         if trace is not None and step == min(trace[1], end) and timed:
             events = [None] * world
             dist.all_gather_object(events, (runner.clock.events, trace_offset))
@@ -513,30 +631,19 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None) -> 
                 write_timeline_png(os.path.join(out_dir, "timeline.png"), events, coords,
                                    f"steps {trace[0]}-{trace[1]}, {topo.describe()}")
                 writer.info(f"wrote {out_dir}/trace.json (open in ui.perfetto.dev) and {out_dir}/timeline.png")
-        denom = n_train or (drawn if drawn >= min_drawn else None)
-        if denom and total_bad > cfg.data.max_bad_fraction * denom:
-            what = f"the {n_train} training samples" if n_train else f"the {drawn} samples drawn so far"
-            err = DataError(f"data.max_bad_fraction={cfg.data.max_bad_fraction} exceeded: {total_bad} of {what} "
-                            f"are unusable ({100 * total_bad / denom:.1f}%)"
-                            + (f", e.g. {bad.first_bad}" if bad.first_bad else "")
-                            + "; fix the data (see the skipped-sample warnings) or raise the limit")
-            err.everywhere = True  # every rank knows it: printed once
-            raise err
+        msg = ledger.error()
+        if msg:
+            raise _everywhere(DataError, msg)  # every rank knows it: printed once
         if step == start_step + 1:  # what each rank holds (frozen groups show here), printed by the reporter
             lines = [None] * world
             dist.all_gather_object(lines, memory_summary(engine, clipper.inner, rank, stage))
             for line in lines:
                 writer.info(line)
-        if cfg.train.save_every and step % cfg.train.save_every == 0 and step < end:
-            checkpoint.save(engine, ckpt_dir, step, {"bad_samples": total_bad}, layer_names, parts,
-                            keep=cfg.train.keep_checkpoints)
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < end:
-            last_eval = evaluate(step)
-    checkpoint.save(engine, ckpt_dir, step, {"bad_samples": total_bad}, layer_names, parts,
-                    keep=cfg.train.keep_checkpoints)
-    if step == cfg.train.steps or not cfg.train.eval_every:
-        last_eval = evaluate(step) or last_eval
+        if eval_due(step, cfg.train.eval_every, cfg.train.steps):  # before the save: a resume continues after it
+            last_eval = evaluate(step) or last_eval
+        if step == end or (cfg.train.save_every and step % cfg.train.save_every == 0):
+            checkpoint.save(engine, ckpt_dir, step, {"bad_samples": ledger.count, "data": ledger.state_dict()},
+                            layer_names, parts, keep=cfg.train.keep_checkpoints, layout=layout)
     writer.close()
     dist.barrier()
-    return {"step": step, "eval": last_eval, "bad_samples": total_bad}
-
+    return {"step": step, "eval": last_eval, "bad_samples": ledger.count}

@@ -68,3 +68,12 @@ def train_tokenizer(texts, vocab_size: int, out_dir: str):
 
 def eos_id(tok) -> int:
     return tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model")
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether a local directory holds a transformers tokenizer (e.g. a save_pretrained model dir)."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)

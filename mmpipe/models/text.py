@@ -26,7 +26,7 @@ def pool(hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Te
          eos_token_id: Optional[int]) -> torch.Tensor:
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     if how == "eos":
-        if eos_token_id == 2 or eos_token_id is None:  # transformers' legacy rule: highest id = EOT
+        if eos_token_id is None:  # transformers' legacy rule (config eos_token_id 2): highest id = EOT
             idx = input_ids.to(torch.int).argmax(dim=-1)
         else:
             idx = (input_ids.to(torch.int) == eos_token_id).int().argmax(dim=-1)
@@ -117,7 +117,11 @@ class TextSpec:
         if how == "auto":
             how = "eos" if cfg.arch == "clip_text" else "mean"
         self.pooling = how
-        self.eos_token_id = getattr(c, "eos_token_id", None)
+        # pooling reads the EOS of the tokenizer actually used (model.text.eos_token_id, filled from
+        # the run's tokenizer); without one, the weights' config decides as in transformers, whose
+        # legacy eos_token_id 2 means "the highest id is the EOS" (argmax)
+        eos = cfg.eos_token_id if cfg.eos_token_id is not None else getattr(c, "eos_token_id", None)
+        self.eos_token_id = None if cfg.eos_token_id is None and eos == 2 else eos
         self.rules = hf.CLIP_TEXT_RULES if cfg.arch == "clip_text" else hf.BERT_RULES
         self._weights = None
 

@@ -32,9 +32,15 @@ def plan_parts(spec, num_stages: int, placement: str, plan_file: Optional[str] =
 
     Cost model until the profiler exists: trainable parameters per layer, plus one so that
     parameter-free layers still count (frozen parameters cost no gradient or optimizer work)."""
+    from mmpipe.errors import ConfigError
     names = spec.part_names()
+    if num_stages > len(names):
+        raise ConfigError(f"parallel.pipeline_stages={num_stages} is more than the model's {len(names)} layers "
+                          f"({names[0]} .. {names[-1]}): use at most {len(names)} stages")
     if plan_file:
         return parts_from_plan_file(plan_file, names, num_stages)
+    if placement.startswith("type:"):
+        return type_partition(names, placement, num_stages)
     if placement not in ("modality", "balanced", "auto"):
         return None
     costs = [1 + sum(n for pname, n in params.items() if pname not in frozen_params)
@@ -44,12 +50,41 @@ def plan_parts(spec, num_stages: int, placement: str, plan_file: Optional[str] =
     return min_max_partition(costs, num_stages)
 
 
+def type_partition(names: list, placement: str, num_stages: int) -> list[int]:
+    """``type:REGEX``: DeepSpeed's rule (balance the layers the regex matches) over mmpipe's layer
+    names, as ``mmpipe plan`` shows it (DeepSpeed itself would match the class name, PipeLayer)."""
+    import re
+
+    from deepspeed.runtime import utils as ds_utils
+
+    from mmpipe.errors import ConfigError
+    try:
+        rx = re.compile(placement.split(":", 1)[1], re.IGNORECASE)
+    except re.error as e:
+        raise ConfigError(f"parallel.placement={placement}: not a valid regex ({e})") from None
+    weights = [1 if rx.search(n) else 0 for n in names]
+    if sum(weights) < num_stages:
+        raise ConfigError(f"parallel.placement={placement} matches {sum(weights)} layer(s), fewer than the "
+                          f"{num_stages} stages (layers: {', '.join(names)}); use a regex that matches at least one "
+                          "layer per stage, e.g. type:blocks")
+    parts = [int(x) for x in ds_utils.partition_balanced(weights=weights, num_parts=num_stages)]
+    if any(b <= a for a, b in zip(parts, parts[1:])):
+        raise ConfigError(f"parallel.placement={placement} leaves a stage empty (boundaries {parts}); use a regex "
+                          "that matches more layers, or placement balanced")
+    return parts
+
+
 def parts_from_plan_file(path: str, names: list, num_stages: int) -> list[int]:
     from mmpipe.errors import ConfigError
     if not os.path.isfile(path):
         raise ConfigError(f"parallel.plan: file not found: {path} (a plan.json from a run, or {{\"stages\": [[layer names]...]}})")
-    with open(path) as fh:
-        stages = json.load(fh).get("stages")
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"parallel.plan: {path} is not valid JSON ({e}); give a run's plan.json or "
+                          "{\"stages\": [[layer names], ...]}") from None
+    stages = doc.get("stages") if isinstance(doc, dict) else None
     if not isinstance(stages, list) or len(stages) != num_stages:
         raise ConfigError(f"parallel.plan: {path} must hold \"stages\": a list of {num_stages} lists of layer names")
     try:
