@@ -81,8 +81,11 @@ def assign_groups(names, groups: list[Group]) -> dict:
 
 
 def wants_decay(name: str, param: torch.Tensor) -> bool:
-    """Decay matrices and conv kernels; not biases, norms, embeddings, logit_scale (open_clip's rule)."""
-    return param.ndim >= 2 and "embedding" not in name.lower()
+    """Decay matrices and conv kernels (a ViT's patch_embedding is a conv kernel); not biases,
+    norms, embedding tables (token/position/class embeddings), logit_scale."""
+    if param.ndim >= 3:  # conv kernels
+        return True
+    return param.ndim == 2 and "embedding" not in name.lower()
 
 
 def apply_freeze(named_params, groups: list[Group]) -> None:
@@ -188,7 +191,12 @@ class GradClipper:
       step pre-hook on the inner optimizer sees them all;
     - ``DeepSpeedZeroOptimizer`` (ZeRO-1/2 without bf16) steps the inner optimizer once *per group*
       and builds each group's gradient just before it, so mmpipe wraps its ``step()`` instead and
-      reads the reduced partitions (``averaged_gradients``) of all groups first.
+      reads the reduced partitions (``averaged_gradients``) of all groups first;
+    - ZeRO-2/3 (P = 1 only): the reduced gradients live in DeepSpeed's buckets, so DeepSpeed clips
+      globally (``gradient_clipping`` = ``optim.max_grad_norm``, see ``ds_config``; its coefficient
+      is 1 / max(1, (norm + 1e-6) / limit), the same as ours) and mmpipe installs no hook, only
+      reports DeepSpeed's pre-clip global norm (``engine.get_global_grad_norm()``). Per-group limits
+      are refused there (``train.run``).
     """
 
     def __init__(self, engine, groups: list[Group], max_norm: Optional[float], enabled: bool = True):
@@ -216,6 +224,13 @@ class GradClipper:
         self.wait_seconds = 0.0  # time in the norm all-reduce, including waiting for other stages
         self._handle = None
         self._zero = None
+        stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
+        self.deepspeed_clips = stage >= 2
+        if self.deepspeed_clips:
+            if any(v is not None for v in self.limits.values()):
+                raise ConfigError(f"per-group clipping (optim.groups.*.max_grad_norm) supports ZeRO 0/1, not ZeRO-{stage}")
+            self.ds_limit = float(engine.gradient_clipping() or 0.0) or None
+            return
         if not enabled and max_norm is None and all(v is None for v in self.limits.values()):
             return  # nothing to clip and norms not wanted: no hook, no extra collective
         if type(engine.optimizer).__name__ == "DeepSpeedZeroOptimizer":
@@ -280,6 +295,10 @@ class GradClipper:
 
     def record(self) -> dict:
         """Metrics for this step: global pre-clip norm and coefficient, and each group's."""
+        if self.deepspeed_clips:  # DeepSpeed's global norm over all partitions (None if it computed none)
+            norm = self.engine.get_global_grad_norm()
+            self.last_norm = None if norm is None else float(norm)
+            self.last_coef = 1.0 if self.last_norm is None else clip_coef(self.last_norm, self.ds_limit)
         out = {"grad_norm": self.last_norm, "clip_coef": self.last_coef, "clip_time": self.seconds,
                "clip_wait": self.wait_seconds}
         for n in self.names:

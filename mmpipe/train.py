@@ -338,9 +338,9 @@ def lr_record(per_group: list, groups, base_lr: float) -> dict:
     return out
 
 
-def _measured_parts(cfg, spec, topo, forward_only, frozen) -> tuple[list, dict]:
+def _measured_parts(cfg, spec, topo, forward_only, frozen) -> tuple[list, dict, Optional[dict]]:
     """Profile the layers (or read the cached profile) and place the stages. Returns (parts,
-    predicted step per placement considered)."""
+    predicted step per placement considered, for ``auto`` which one it chose and why)."""
     from mmpipe.plan import get_profile, place
     prof = get_profile(cfg, spec, topo.micro_batch_size, forward_only, frozen, threads=torch.get_num_threads(),
                        measure_comm=cfg.parallel.placement == "auto", log=lambda s: print(f"[mmpipe] {s}", flush=True))
@@ -353,7 +353,14 @@ def _measured_parts(cfg, spec, topo, forward_only, frozen) -> tuple[list, dict]:
     except ValueError as e:
         raise ConfigError(f"parallel.placement={cfg.parallel.placement}: {e}; raise parallel.memory_budget_gb or "
                           "use more stages") from None
-    return parts, {k: v.to_dict() for k, v in preds.items()}
+    predicted = {k: v.to_dict() for k, v in preds.items()}
+    choice = None
+    if cfg.parallel.placement == "auto":
+        chosen = min(predicted, key=lambda k: predicted[k]["step_time"])
+        why = ", ".join(f"{k} {1e3 * v['step_time']:.1f} ms" for k, v in sorted(predicted.items(),
+                                                                               key=lambda kv: kv[1]["step_time"]))
+        choice = {"chosen": chosen, "why": f"fastest predicted step: {why}"}
+    return parts, predicted, choice
 
 
 def check_auto_micro_batch(cfg: RunConfig) -> None:
@@ -454,10 +461,13 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None, ove
         ds_cfg, topo = resolve(cfg, world)
         if rank == 0:
             _warn(f"parallel.micro_batch_size=auto -> {m} (accumulation {topo.accumulation_steps})")
-    predicted = None
+    predicted = choice = None
     if P > 1 and cfg.parallel.profile and not cfg.parallel.plan and cfg.parallel.placement in ("modality", "balanced",
                                                                                               "auto"):
-        parts, predicted = _rank0_decides(rank, lambda: _measured_parts(cfg, spec, topo, forward_only, frozen_names))
+        parts, predicted, choice = _rank0_decides(rank, lambda: _measured_parts(cfg, spec, topo, forward_only,
+                                                                                 frozen_names))
+        if choice and rank == 0:
+            _warn(f"parallel.placement=auto -> {choice['chosen']} ({choice['why']})")
 
     # ---- model and engine --------------------------------------------------------------------
     if P == 1:
@@ -523,7 +533,7 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None, ove
             with open(os.path.join(out_dir, "plan.json"), "w") as fh:
                 json.dump({"placement": cfg.parallel.placement, "parts": parts,
                            "stages": stage_lists(layer_names, parts), "micro_batches": topo.accumulation_steps,
-                           "predicted": predicted}, fh, indent=2)
+                           "predicted": predicted, **(choice or {})}, fh, indent=2)
     writer.info(f"{topo.describe()} precision={cfg.train.precision} zero={cfg.parallel.zero_stage} "
                 f"device={device_name}" + (f" resume@{start_step}" if resume else ""))
     if layer_names is not None:

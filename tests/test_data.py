@@ -240,7 +240,8 @@ def test_profile_counts_activations_and_frozen_layers_run_forward_only(tok):
     for a, b in zip(full, frozen):
         assert a.name == b.name and a.out_bytes == b.out_bytes > 0
         if a.name in vision:
-            assert b.act_bytes < a.act_bytes and b.bwd_ms < a.bwd_ms  # no autograd graph, no backward
+            # no autograd graph: nothing saved for backward (timings are for benchmarks, not tests)
+            assert b.act_bytes < a.act_bytes
     blocks = [c for c in full if c.name.startswith("vision.blocks.")]
     assert blocks[0].act_bytes > 4 * blocks[0].out_bytes  # a transformer block keeps several activations
     x8 = tuple(torch.cat([t, t]) for t in x)

@@ -97,7 +97,7 @@ def _group_of(name):
 
 def reference_run(tiny_data, tokenizer_dir, steps=3):
     """Per-group clip_grad_norm_ then AdamW with per-group lr/decay, single process, plain PyTorch."""
-    from mmpipe.data.loader import Collate, ImageTextDataset, MicroBatchSampler
+    from mmpipe.data.loader import Collate, ImageTextDataset
     from mmpipe.data.manifest import read_manifest
     from mmpipe.data.tokenizer import eos_id, load_tokenizer
     tok = load_tokenizer(tokenizer_dir)
@@ -105,18 +105,23 @@ def reference_run(tiny_data, tokenizer_dir, steps=3):
                              "model.text.max_position_embeddings=16"])
     model = mmpipe.build_model(cfg)
     init = {k: v.clone() for k, v in model.state_dict().items()}
+    # the decay rule, stated by module type: the weights of Linear and Conv2d layers decay (the ViT's
+    # patch_embedding is a Conv2d); embedding tables, norms, biases and logit_scale do not
+    decayed = {id(m.weight) for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
     buckets = {}
     for n, p in model.named_parameters():
-        decay = p.ndim >= 2 and "embedding" not in n
-        buckets.setdefault((_group_of(n), decay), []).append(p)
+        buckets.setdefault((_group_of(n), id(p) in decayed), []).append(p)
     opt = torch.optim.AdamW([{"params": ps, "lr": LRS[g], "weight_decay": WDS[g] if decay else 0.0}
                              for (g, decay), ps in buckets.items()], lr=1e-3, betas=(0.9, 0.98), eps=1e-6)
     samples = read_manifest(tiny_data["train"])
     ds, collate = ImageTextDataset(samples, 32), Collate(tok, 16)
-    sampler = MicroBatchSampler(len(samples), 4, 4, 1, 0, seed=0)
+    # the data order, stated from the documented contract: a permutation seeded by seed * 100003 +
+    # epoch, cut into micro-batches of 4; global step k takes micro-batches 4k .. 4k+3
+    perm = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist()
+    micro = [perm[i:i + 4] for i in range(0, len(perm) - 3, 4)]
     norms = []
     for step in range(steps):
-        for mb in sampler.micro_batches(step):
+        for mb in micro[4 * step:4 * step + 4]:
             b = collate([ds[i] for i in mb])
             (model(b["pixel_values"], b["input_ids"], b["attention_mask"]) / 4).backward()
         step_norms = {}

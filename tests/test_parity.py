@@ -16,7 +16,23 @@ import torch
 from conftest import train_losses
 from mmpipe.checkpoint import load_model_weights
 
-REF = ("p2_ref", 2, ["parallel.pipeline_stages=2", "train.save_every=2", "log.trace=[2,3]"])
+REF = ("p2_ref", 2, ["parallel.pipeline_stages=2", "train.save_every=2", "log.trace=[2,3]", "train.eval_every=3"])
+# metrics that must not depend on the layout (nor on a stop and resume in between)
+CARRIED = ("bad_samples", "lr", "lr.vision", "lr.projector", "lr.text", "lr.logit_scale")
+
+
+def _records(out, kind="train"):
+    from mmpipe.metrics import read_metrics
+    return read_metrics(os.path.join(out, "metrics.jsonl"), kind)
+
+
+def assert_carried_fields_equal(out, ref, steps):
+    got, want = _records(out)[:steps], _records(ref)[:steps]
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want):
+        for k in CARRIED:
+            assert k in a and k in b, (k, a)
+            assert a[k] == pytest.approx(b[k], rel=1e-9), (k, a["step"], a[k], b[k])
 
 
 def reference(runs):
@@ -45,6 +61,7 @@ def test_layout_parity(runs, key, nprocs, launcher, sets):
     losses, ref_losses = train_losses(out), train_losses(ref)[:4]
     assert len(losses) == 4
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    assert_carried_fields_equal(out, ref, 4)  # lr and bad-sample counts are the same in every layout
     w, w_ref = _weights(out, 4), _weights(ref, 4)
     assert_weights_close(w, w_ref)
     # the comparison is not vacuous: training moved the weights between step 2 and step 4
@@ -60,22 +77,34 @@ def test_layout_parity(runs, key, nprocs, launcher, sets):
             assert len(kinds) == 1, names
 
 
-def test_bad_samples_skipped_and_counted(runs):
-    out, proc = runs.get("p1", 1, ["parallel.pipeline_stages=1"], "python", flags=["--stop-at", "4"])
-    from mmpipe.metrics import read_metrics
-    recs = read_metrics(os.path.join(out, "metrics.jsonl"))
-    assert len(recs) == 4 and recs[-1]["bad_samples"] >= 1
+def test_bad_samples_counted_once_in_every_layout(runs):
+    """20 steps = 5 epochs over 74 rows, 2 of them unusable (met again every epoch): both layouts
+    count exactly 2, at the same steps; P = 1 x DP = 2 also trains like P = 1 (data-parallel parity)."""
+    single, proc = runs.get("p1_fp32_20", 1, ["parallel.pipeline_stages=1", "train.steps=20"], "python")
+    dp, _ = runs.get("p1dp2_20", 2, ["parallel.pipeline_stages=1", "train.steps=20"])
+    a, b = _records(single), _records(dp)
+    assert len(a) == len(b) == 20
+    assert a[-1]["bad_samples"] == 2 and [r["bad_samples"] for r in a] == [r["bad_samples"] for r in b]
+    np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], rtol=1e-4)
+    assert_carried_fields_equal(dp, single, 20)
     log = proc.stdout + proc.stderr
-    assert "does_not_exist.jpg" in log or "corrupt.jpg" in log
+    assert log.count("skipped bad sample") == 2  # each bad file is reported once, not once per epoch
+    assert "does_not_exist.jpg" in log and "corrupt.jpg" in log
 
 
 def test_resume_reproduces_straight_run(runs):
+    """Stop at 3 and resume: losses, weights and every carried metric (bad-sample count, lr, the
+    eval lines, including the eval due at the stop step) equal the straight run's."""
     ref = reference(runs)
-    out, proc = runs.resume("p2_resume", 2, ["parallel.pipeline_stages=2"])
+    out, proc = runs.resume("p2_resume", 2, ["parallel.pipeline_stages=2", "train.eval_every=3"])
     losses = train_losses(out)
     assert len(losses) == 6
     np.testing.assert_allclose(losses[3:], train_losses(ref)[3:], rtol=1e-6)
     assert "resume@3" in proc.stdout + proc.stderr
+    assert_carried_fields_equal(out, ref, 6)
+    evals, ref_evals = _records(out, "eval"), _records(ref, "eval")
+    assert [e["step"] for e in ref_evals] == [3, 6]
+    assert evals == ref_evals
     assert_weights_close(_weights(out, 6), _weights(ref, 6), rtol=1e-6, atol=1e-7)
 
 
