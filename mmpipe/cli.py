@@ -1,4 +1,4 @@
-"""``mmpipe`` command line: train | data synth | config.
+"""``mmpipe`` command line: train | data synth|prepare|check | config.
 
 Config mistakes and bad paths end as one line, ``mmpipe: error: ...``, exit status 2.
 """
@@ -57,6 +57,20 @@ def cmd_data_prepare(args) -> int:
     return 0
 
 
+def cmd_data_check(args) -> int:
+    from mmpipe.config import load_config
+    from mmpipe.data.check import run_check
+    from mmpipe.data.shards import is_shard_spec
+    from mmpipe.models.clip import vision_image_size
+    cfg = load_config(args.config, args.overrides)
+    manifest = args.manifest or cfg.data.train
+    if not manifest or is_shard_spec(manifest):
+        raise ConfigError("mmpipe data check: give --manifest (a .jsonl/.csv/.tsv manifest), or a --config with one "
+                          "as data.train")
+    size = cfg.data.decode_size or vision_image_size(cfg.model)
+    return run_check(manifest, size, cfg.data.max_bad_fraction, args.json, args.workers)
+
+
 def cmd_config(args) -> int:
     from mmpipe.config import load_config, reference, save_yaml
     if args.reference:
@@ -91,6 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="decoding processes")
     pr.add_argument("--max-items", type=int, help="stop after this many rows (continue later with the same command)")
     pr.set_defaults(func=cmd_data_prepare)
+    ck = d.add_parser("check", help="read every manifest row and image as training would; report the unusable ones",
+                      description="Exit status 1 when the unusable fraction exceeds data.max_bad_fraction.")
+    ck.add_argument("--manifest", help="manifest to check (default: the config's data.train)")
+    ck.add_argument("--config", "-c", help="run config: decode size (data.decode_size or the model's image size) "
+                    "and data.max_bad_fraction (default 0.05)")
+    ck.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ck.add_argument("--json", action="store_true",
+                    help="one JSON object per row on stdout: line, image, text (the caption training sees), status "
+                    "(ok/bad), why, and for decoded images width, height (upright, full resolution), mode (as in "
+                    "the file) and mean (0-255, of the RGB image at the decode size, as training gets it)")
+    ck.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="decoding processes")
+    ck.set_defaults(func=cmd_data_check)
     from mmpipe.bench import add_parser as add_bench
     add_bench(sub)
     from mmpipe.plan import add_parser as add_plan

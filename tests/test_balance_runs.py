@@ -32,17 +32,20 @@ def test_stage_time_is_accounted_and_the_trace_is_written(runs):
     out, _ = runs.get(*REF)
     recs = read_metrics(os.path.join(out, "metrics.jsonl"))
     for r in recs:
-        step_ms = 1e3 * r["step_time"]  # the trainer's own clock around the whole step
+        # the reporting stage's engine step fits in the trainer's own clock around the step (other
+        # stages start their step at their own time: each is checked against its own wall time)
+        assert r["stage1.wall_ms"] <= 1e3 * r["step_time"] + 0.5
         for s in (0, 1):
+            wall = r[f"stage{s}.wall_ms"]
             parts = [r[f"stage{s}.busy"], r[f"stage{s}.data"], r[f"stage{s}.idle"]]
             assert all(0 <= x <= 1 for x in parts)
             assert r[f"stage{s}.fwd_ms"] > 0 and r[f"stage{s}.bwd_ms"] > 0
-            # the timed instructions fit inside the step and account for most of it
+            # the timed instructions fit inside the stage's step and account for most of it
             timed = sum(r[f"stage{s}.{k}_ms"] for k in ("fwd", "bwd", "opt", "data", "comm", "reduce"))
-            assert 0.5 * step_ms < timed <= step_ms + 1.0, (s, timed, step_ms)
-            # busy is (forward + backward + optimizer) over the step
+            assert 0.5 * wall < timed <= wall + 0.5, (s, timed, wall)
+            # busy is (forward + backward + optimizer) over that wall time
             busy_ms = sum(r[f"stage{s}.{k}_ms"] for k in ("fwd", "bwd", "opt"))
-            assert r[f"stage{s}.busy"] == pytest.approx(busy_ms / step_ms, rel=0.1, abs=0.02)
+            assert r[f"stage{s}.busy"] == pytest.approx(busy_ms / wall, rel=1e-6)
         assert r["stage0.data_ms"] > 0  # the first stage loads the micro-batches
     trace = json.load(open(os.path.join(out, "trace.json")))
     xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]

@@ -5,7 +5,7 @@ Layout of DIR (all plain numpy files, memory-mapped when training):
 - ``tokens.npy``  int32 (N, L): token ids (with the tokenizer's special tokens), truncated to L
 - ``lengths.npy`` int16 (N,): ids per row
 - ``status.u8``   uint8 (N,): 0 = not done yet, 1 = ok, 2 = unusable (reason in ``bad.jsonl``)
-- ``bad.jsonl``   {"index", "path", "why"} per unusable row
+- ``bad.jsonl``   {"index", "path", "why"} per unusable row (``path``: ``FILE line N`` for a bad manifest row)
 - ``meta.json``   manifest fingerprint, S, L, tokenizer, ``complete``
 - ``tokenizer/``  the tokenizer the ids were made with
 
@@ -117,7 +117,9 @@ def prepare(manifest: str, out: str, size: int, max_length: int, tokenizer: Opti
     todo = np.flatnonzero(status == TODO)
     if max_items is not None:
         todo = todo[:max_items]
-    chunks = [[(int(i), samples[i].image, samples[i].text) for i in todo[k:k + chunk]]
+    bad_rows = [int(i) for i in todo if samples[i].error is not None]  # unusable manifest rows: nothing to decode
+    todo = [int(i) for i in todo if samples[i].error is None]
+    chunks = [[(i, samples[i].image, samples[i].text) for i in todo[k:k + chunk]]
               for k in range(0, len(todo), chunk)]
     done_now = 0
     bar = tqdm(total=n, initial=n - int((status == TODO).sum()), unit="img", desc=f"prepare {out}",
@@ -125,6 +127,12 @@ def prepare(manifest: str, out: str, size: int, max_length: int, tokenizer: Opti
     ctx = get_context("fork" if hasattr(os, "fork") else "spawn")
     with open(os.path.join(out, "bad.jsonl"), "a") as bad_fh, \
             ctx.Pool(max(1, workers), _init_worker, (os.path.join(out, "images.u8"), n, size)) as pool:
+        for idx in bad_rows:  # named "FILE line N", as the decoding path names them
+            bad_fh.write(json.dumps({"index": idx, "path": samples[idx].where, "why": samples[idx].error}) + "\n")
+            status[idx] = BAD
+        bad_fh.flush()
+        done_now += len(bad_rows)
+        bar.update(len(bad_rows))
         for results in pool.imap(_work, chunks):
             for idx, why in results:
                 if why is not None:

@@ -93,7 +93,7 @@ def stage_record(vectors: dict, num_stages: int) -> dict:
         rec[f"stage{s}.busy"] = busy / wall
         rec[f"stage{s}.data"] = v[3] / wall
         rec[f"stage{s}.idle"] = max(0.0, 1.0 - (busy + v[3]) / wall)
-        for i, k in enumerate(FIELDS[:-1]):
+        for i, k in enumerate(FIELDS):
             rec[f"stage{s}.{k}_ms"] = 1e3 * v[i]
     return rec
 
