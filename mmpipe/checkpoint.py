@@ -151,5 +151,6 @@ def _zero3_weights(root: str, tag: str) -> dict:
     import io
 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    with contextlib.redirect_stdout(io.StringIO()):  # it reports every stage of the merge
+    quiet = io.StringIO()
+    with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):  # it reports every stage
         return dict(get_fp32_state_dict_from_zero_checkpoint(root, tag))

@@ -139,7 +139,7 @@ class OptimConfig:
     warmup_steps: int = _f(0, "linear warm-up steps")
     schedule: str = _f("cosine", "cosine or constant after warm-up")
     min_lr_ratio: float = _f(0.0, "final lr as a fraction of the peak (cosine)")
-    max_grad_norm: Optional[float] = _f(None, "global gradient-norm clip, applied by mmpipe across all stages/ranks after the group clips; unset = no clip")
+    max_grad_norm: Optional[float] = _f(None, "global gradient-norm clip, applied by mmpipe across all stages/ranks after the group clips (by DeepSpeed under ZeRO-2/3); unset = no clip")
     groups: Dict[str, GroupConfig] = field(default_factory=_default_groups, metadata={
         "help": "named parameter groups (defaults vision, projector, text, logit_scale); each key: patterns, lr, "
                 "weight_decay, max_grad_norm, freeze"})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -215,8 +216,9 @@ def memory_summary(engine, inner_optimizer, rank: int, stage: int) -> str:
 
     from deepspeed.accelerator import get_accelerator
     params = list(engine.module.parameters())
-    total = sum(p.numel() for p in params)
-    trainable = sum(p.numel() for p in params if p.requires_grad)
+    numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731 - ZeRO-3 partitions parameters
+    total = sum(numel(p) for p in params)
+    trainable = sum(numel(p) for p in params if p.requires_grad)
     state = sum(t.numel() * t.element_size() for s in inner_optimizer.state.values() for t in s.values()
                 if torch.is_tensor(t))
     acc = get_accelerator()
@@ -331,11 +333,9 @@ def lr_fields(inner_optimizer, groups) -> list:
 def lr_record(per_group: list, groups, base_lr: float) -> dict:
     """``lr.<group>`` for every trainable group, and ``lr``: the schedule applied to ``optim.lr``
     (the same in every layout, whichever groups the reporting rank holds)."""
-    import math as _m
-    out = {f"lr.{g.name}": v for g, v in zip(groups, per_group) if _m.isfinite(v)}
-    ratio = next((v / g.lr for g, v in zip(groups, per_group) if _m.isfinite(v) and g.lr > 0), None)
-    out = {"lr": base_lr * ratio if ratio is not None else 0.0, **out}
-    return out
+    out = {f"lr.{g.name}": v for g, v in zip(groups, per_group) if math.isfinite(v)}
+    ratio = next((v / g.lr for g, v in zip(groups, per_group) if math.isfinite(v) and g.lr > 0), None)
+    return {"lr": base_lr * ratio if ratio is not None else 0.0, **out}
 
 
 def _measured_parts(cfg, spec, topo, forward_only, frozen) -> tuple[list, dict, Optional[dict]]:
