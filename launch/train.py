@@ -13,7 +13,12 @@ Copy-paste launches (CPU lines work on this machine; on GPUs drop DS_ACCELERATOR
   # multi-node with a hostfile (see launch/hostfile.example)
   deepspeed --hostfile launch/hostfile.example --master_addr node0 launch/train.py --config configs/demo.yaml
 
-  # Accelerate only starts the processes; mmpipe drives DeepSpeed's pipeline engine itself
+  # multi-node without ssh: torchrun on every node (or launch/run_deepspeed.sh with NNODES/NODE_RANK/...)
+  torchrun --nnodes 2 --node_rank 0 --nproc_per_node 8 --master_addr node0 --master_port 29500 launch/train.py --config C
+  torchrun --nproc_per_node 2 launch/train.py --config configs/demo.yaml
+
+  # Accelerate only starts the processes; mmpipe drives DeepSpeed's pipeline engine itself and
+  # honours the YAML's mixed_precision / zero_stage / gradient_clipping / deepspeed_config_file
   accelerate launch --config_file launch/accelerate/cpu_2proc.yaml launch/train.py --config configs/demo.yaml
 
   # P = 1, one process, no launcher

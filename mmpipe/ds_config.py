@@ -20,9 +20,8 @@ import os
 
 from mmpipe.config import RunConfig
 from mmpipe.errors import ConfigError
+from mmpipe.jsonpath import AUTO, MISSING as _MISSING, get as _get
 from mmpipe.topology import Topology
-
-AUTO = "auto"
 
 # (DeepSpeed dotted key, run-config dotted key)
 LINKS = [
@@ -35,26 +34,6 @@ LINKS = [
     ("optimizer.params.betas", "optim.betas"),
 ]
 
-_MISSING = object()
-
-
-def _get(d: dict, dotted: str):
-    node = d
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return _MISSING
-        node = node[part]
-    return node
-
-
-def _put(d: dict, dotted: str, value):
-    *head, last = dotted.split(".")
-    node = d
-    for part in head:
-        node = node.setdefault(part, {})
-    node[last] = value
-
-
 def load_json(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"train.deepspeed_config: file not found: {path} (point it at a JSON in ds_configs/ or unset it)")
@@ -65,13 +44,19 @@ def load_json(path: str) -> dict:
         raise ConfigError(f"{path} line {e.lineno}: not valid JSON ({e.msg})") from None
 
 
-def _conflict(path, ds_key, ds_val, key, val):
-    raise ConfigError(f"{path}: {ds_key}={json.dumps(ds_val)} disagrees with run config {key}={json.dumps(val)}; "
+def _conflict(path, ds_key, ds_val, key, val, origin=None):
+    theirs = (origin or {}).get(key)  # a value adopted from `accelerate launch` names its Accelerate field
+    mine = f"{theirs} (-> {key}={json.dumps(val)})" if theirs else f"run config {key}={json.dumps(val)}"
+    raise ConfigError(f"{path}: {ds_key}={json.dumps(ds_val)} disagrees with {mine}; "
                       f"set one of them, or write \"auto\" in the JSON")
 
 
 def resolve(cfg: RunConfig, world_size: int) -> tuple[dict, Topology]:
-    """Return (resolved DeepSpeed dict, topology). May adopt JSON values into ``cfg``."""
+    """Return (resolved DeepSpeed dict, topology). May adopt JSON values and `accelerate launch`
+    settings (``mmpipe.launch_env``) into ``cfg``."""
+    from mmpipe.launch_env import AccelerateSettings
+    acc = AccelerateSettings()
+    origin = acc.apply_to_config(cfg) if acc else {}  # first: it may name the DeepSpeed JSON
     path = cfg.train.deepspeed_config
     ds = copy.deepcopy(load_json(path)) if path else {}
     where = path or "generated DeepSpeed config"
@@ -85,7 +70,7 @@ def resolve(cfg: RunConfig, world_size: int) -> tuple[dict, Topology]:
             mine = list(mine)
         if v != mine:
             if key in cfg.explicit:
-                _conflict(where, ds_key, v, key, mine)
+                _conflict(where, ds_key, v, key, mine, origin)
             cfg.set(key, v)
 
     # precision: bf16.enabled / fp16.enabled
@@ -95,20 +80,26 @@ def resolve(cfg: RunConfig, world_size: int) -> tuple[dict, Topology]:
             continue
         if v and cfg.train.precision != prec:
             if "train.precision" in cfg.explicit:
-                _conflict(where, f"{prec}.enabled", v, "train.precision", cfg.train.precision)
+                _conflict(where, f"{prec}.enabled", v, "train.precision", cfg.train.precision, origin)
             cfg.train.precision = prec
         if not v and cfg.train.precision == prec and "train.precision" in cfg.explicit:
-            _conflict(where, f"{prec}.enabled", v, "train.precision", cfg.train.precision)
+            _conflict(where, f"{prec}.enabled", v, "train.precision", cfg.train.precision, origin)
 
     clip = _get(ds, "gradient_clipping")
     if clip is not _MISSING and clip != AUTO and clip:
         if "optim.max_grad_norm" in cfg.explicit and cfg.optim.max_grad_norm != clip:
-            _conflict(where, "gradient_clipping", clip, "optim.max_grad_norm", cfg.optim.max_grad_norm)
+            _conflict(where, "gradient_clipping", clip, "optim.max_grad_norm", cfg.optim.max_grad_norm, origin)
         cfg.optim.max_grad_norm = float(clip)
+    if acc:  # offload / ZeRO-3 settings: into the JSON, once the ZeRO stage is known
+        acc.apply_to_json(ds, where, cfg)
 
     from mmpipe.config import validate
-    validate(cfg)  # adopted values must be valid too (e.g. ZeRO-3 with a pipeline)
-    topo = Topology.from_config(cfg, world_size)
+    try:
+        validate(cfg)  # adopted values must be valid too (e.g. ZeRO-3 with a pipeline)
+        topo = Topology.from_config(cfg, world_size)
+        acc.check_accumulation(cfg, topo)
+    except ConfigError as e:
+        raise acc.explain(e) from None
 
     gas = _get(ds, "gradient_accumulation_steps")
     if gas is not _MISSING and gas != AUTO and gas != topo.accumulation_steps:
@@ -125,10 +116,12 @@ def resolve(cfg: RunConfig, world_size: int) -> tuple[dict, Topology]:
     ds["gradient_clipping"] = 0.0 if cfg.parallel.zero_stage < 2 else float(cfg.optim.max_grad_norm or 0.0)
     zero = ds.setdefault("zero_optimization", {})
     zero["stage"] = cfg.parallel.zero_stage
-    if cfg.parallel.zero_stage >= 1 and cfg.train.precision != "bf16":
+    if cfg.parallel.zero_stage == 1 and cfg.train.precision != "bf16":
         # DeepSpeed's ZeRO optimizer all-reduces one norm *per param group* over the pipeline group;
         # with per-branch groups the stages hold different groups, so those collectives would not
         # pair up (a hang). mmpipe computes and applies the norms itself; DeepSpeed's are unused.
+        # Only ZeRO-1 (DeepSpeed allows compute_grad_norm=false with ZeRO 1/2 only): under ZeRO-2/3
+        # (P = 1) DeepSpeed's own global norm drives its clip and mmpipe's grad_norm metric.
         zero["compute_grad_norm"] = False
     for prec in ("bf16", "fp16"):
         sec = ds.setdefault(prec, {})
@@ -150,6 +143,7 @@ def resolve(cfg: RunConfig, world_size: int) -> tuple[dict, Topology]:
     leftovers = [k for k, v in _walk(ds) if v == AUTO]
     if leftovers:
         raise ConfigError(f"{where}: mmpipe cannot fill \"auto\" for {', '.join(leftovers)}; give a value")
+    acc.log()
     return ds, topo
 
 
