@@ -30,6 +30,18 @@ def layout_record(topo, cfg, layer_names: Optional[list], parts: Optional[list])
             "stages": stage_lists(layer_names, parts) if layer_names is not None else None}
 
 
+def saved_layout(root: str) -> Optional[dict]:
+    """The layout record of the latest checkpoint in ``root``, if it has one."""
+    latest = os.path.join(root, "latest")
+    if not os.path.isfile(latest):
+        return None
+    path = os.path.join(root, open(latest).read().strip(), LAYOUT_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        return json.load(fh)
+
+
 def _describe(layout: dict) -> str:
     s = f"pipeline_stages={layout['pipeline_stages']} data_parallel={layout['data_parallel']} " \
         f"zero_stage={layout['zero_stage']}"

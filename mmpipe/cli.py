@@ -157,7 +157,7 @@ def _peer_lost(e: BaseException) -> bool:
     msg = str(e)
     return os.environ.get("WORLD_SIZE", "1") != "1" and any(
         s in msg for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                           "NCCL communicator was aborted", "socket timeout", "Timed out", "timed out"))
+                           "NCCL communicator was aborted"))
 
 
 def main(argv=None) -> int:

@@ -11,20 +11,29 @@ import torch
 from mmpipe.models.clip import l2_normalize
 
 
-def retrieval_metrics(image_features: torch.Tensor, text_features: torch.Tensor, ks=(1, 5)) -> dict:
+def retrieval_metrics(image_features: torch.Tensor, text_features: torch.Tensor, ks=(1, 5),
+                      captions=None) -> dict:
+    """Recall@k both ways. ``captions`` (one per pair), when given, makes every pair with the same
+    caption a correct match too (a data set that repeats captions would otherwise score its exact
+    duplicates as misses)."""
     img = l2_normalize(image_features.float())
     txt = l2_normalize(text_features.float())
     sim = img @ txt.t()  # (N images, N texts)
     n = sim.shape[0]
-    target = torch.arange(n)
+    if captions is None:
+        match = torch.eye(n, dtype=torch.bool)
+    else:
+        ids = {c: i for i, c in enumerate(dict.fromkeys(captions))}
+        code = torch.tensor([ids[c] for c in captions])
+        match = code[:, None] == code[None, :]
     nonfinite = int((~torch.isfinite(image_features.float()).all(1)).sum() + (~torch.isfinite(text_features.float()).all(1)).sum())
     out = {"n": n, "finite": nonfinite == 0, "nonfinite": nonfinite}
     for name, s in (("i2t", sim), ("t2i", sim.t())):
-        # rank of the correct item = number of other items scoring at least as high (ties lose);
-        # a NaN correct score is never a hit
-        correct = s[target, target].unsqueeze(1)
-        rank = (s >= correct).sum(dim=1) - 1
-        rank = torch.where(torch.isfinite(correct.squeeze(1)), rank, torch.full_like(rank, n))
+        # rank of the best correct item = number of wrong items scoring at least as high (ties
+        # lose); a NaN score is never a hit
+        best = torch.where(match, s.nan_to_num(float("-inf")), torch.full_like(s, float("-inf"))).amax(1, keepdim=True)
+        rank = ((s >= best) & ~match).sum(dim=1)
+        rank = torch.where(torch.isfinite(best.squeeze(1)), rank, torch.full_like(rank, n))
         for k in ks:
             out[f"{name}_r{k}"] = float((rank < k).float().mean())
     out["chance_r1"] = 1.0 / n

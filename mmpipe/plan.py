@@ -252,11 +252,13 @@ PLACEMENTS = ("modality", "balanced", "auto", "parameters", "uniform")
 def _spec_for_plan(cfg):
     """The model spec without a training run: vocabulary from data.tokenizer if given, else the
     configured size (only the embedding table depends on it)."""
+    from mmpipe.data.tokenizer import eos_id, has_tokenizer, load_tokenizer
     from mmpipe.models.clip import ModelSpec
-    from mmpipe.train import fill_text_fields
-    if cfg.data.tokenizer:
-        from mmpipe.data.tokenizer import eos_id, load_tokenizer
-        tok = load_tokenizer(cfg.data.tokenizer)
+    from mmpipe.train import fill_text_fields, pretrained_text_dir
+    weights_dir = pretrained_text_dir(cfg)[1]
+    tok_dir = cfg.data.tokenizer or (weights_dir if weights_dir and has_tokenizer(weights_dir) else None)
+    if tok_dir:  # the tokenizer a training run would use (so its profile is the run's)
+        tok = load_tokenizer(tok_dir)
         fill_text_fields(cfg, len(tok), eos_id(tok))
     else:  # [SEP], the EOS id of the WordPiece tokenizer mmpipe trains
         fill_text_fields(cfg, cfg.model.text.vocab_size or cfg.data.tokenizer_vocab_size, 3)

@@ -49,6 +49,8 @@ def init_distributed() -> tuple[int, int]:
     from deepspeed.accelerator import get_accelerator
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     deepspeed.utils.logger.setLevel(logging.WARNING)
+    if get_accelerator().device_name() != "cpu":  # before the first collective: NCCL uses the current device
+        get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     if get_accelerator().device_name() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -297,8 +299,11 @@ def check_run_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(out_dir, f))]
     if held:
         latest = os.path.join(out_dir, "checkpoints", "latest")
-        what = f"checkpoint {open(latest).read().strip()}" if os.path.isfile(latest) else ", ".join(held)
-        raise ConfigError(f"train.output_dir={out_dir} already holds a run ({what}): continue it with --resume, "
+        if os.path.isfile(latest):
+            raise ConfigError(f"train.output_dir={out_dir} already holds a run (checkpoint "
+                              f"{open(latest).read().strip()}): continue it with --resume, replace it with --overwrite, "
+                              "or set another train.output_dir")
+        raise ConfigError(f"train.output_dir={out_dir} already holds a run without a checkpoint ({', '.join(held)}): "
                           "replace it with --overwrite, or set another train.output_dir")
 
 
@@ -307,10 +312,16 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "tokenizer", "config.yaml", "ds_con
              "trace.json", "timeline.png", "tb")
 
 
-def clear_run_dir(out_dir: str) -> None:
+def clear_run_dir(out_dir: str, keep=()) -> None:
+    """Remove an earlier run's files, except those the new run's config reads (``keep``: e.g. a
+    ``data.tokenizer`` or ``parallel.plan`` inside the directory)."""
     import shutil
+    kept = {os.path.realpath(k) for k in keep if k}
     for f in RUN_FILES:
         path = os.path.join(out_dir, f)
+        real = os.path.realpath(path)
+        if any(k == real or k.startswith(real + os.sep) for k in kept):
+            continue
         if os.path.isdir(path):
             shutil.rmtree(path)
         elif os.path.exists(path):
@@ -442,7 +453,8 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None, ove
     ckpt_dir = os.path.join(out_dir, "checkpoints")
     if rank == 0:
         if overwrite:
-            clear_run_dir(out_dir)
+            clear_run_dir(out_dir, keep=(cfg.data.tokenizer, cfg.parallel.plan, cfg.data.cache,
+                                         cfg.train.deepspeed_config))
         os.makedirs(out_dir, exist_ok=True)
     dist.barrier()
     tok = agree(rank, lambda: prepare_tokenizer(cfg, rank, source))
@@ -462,8 +474,17 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None, ove
         if rank == 0:
             _warn(f"parallel.micro_batch_size=auto -> {m} (accumulation {topo.accumulation_steps})")
     predicted = choice = None
-    if P > 1 and cfg.parallel.profile and not cfg.parallel.plan and cfg.parallel.placement in ("modality", "balanced",
-                                                                                              "auto"):
+    measured = P > 1 and cfg.parallel.profile and not cfg.parallel.plan and cfg.parallel.placement in (
+        "modality", "balanced", "auto")
+    if measured and resume:  # a resume keeps the checkpoint's stages (a new profile could place them otherwise)
+        saved = checkpoint.saved_layout(ckpt_dir)
+        if saved and saved.get("stages") and len(saved["stages"]) == P:
+            from mmpipe.pipeline.partition import parts_from_lists
+            try:
+                parts, measured = parts_from_lists(spec.part_names(), saved["stages"]), False
+            except ValueError:
+                pass  # another model: the layout check below says what the checkpoint holds
+    if measured:
         parts, predicted, choice = _rank0_decides(rank, lambda: _measured_parts(cfg, spec, topo, forward_only,
                                                                                  frozen_names))
         if choice and rank == 0:
@@ -513,7 +534,7 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None, ove
                           enabled=cfg.log.grad_norm and own_clip)
     layout = checkpoint.layout_record(topo, cfg, layer_names, parts)
 
-    n_train = torch.tensor([source.size or 0 if reads_data else 0], dtype=torch.int64)
+    n_train = torch.tensor([source.size or 0 if reads_data else 0], dtype=torch.int64, device=engine.device)
     dist.all_reduce(n_train, op=dist.ReduceOp.MAX)  # every rank needs it for the bad-fraction check
     ledger = BadSampleLedger(cfg.data.max_bad_fraction, int(n_train))
     start_step = 0
@@ -528,7 +549,8 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None, ove
         save_yaml(cfg, os.path.join(out_dir, "config.yaml"))
         with open(os.path.join(out_dir, "ds_config.json"), "w") as fh:
             json.dump(ds_cfg, fh, indent=2)
-        if layer_names is not None:
+        if layer_names is not None and not (resume and predicted is None and os.path.isfile(
+                os.path.join(out_dir, "plan.json"))):  # a resume keeps the plan (and predictions) it continues
             from mmpipe.pipeline.partition import stage_lists
             with open(os.path.join(out_dir, "plan.json"), "w") as fh:
                 json.dump({"placement": cfg.parallel.placement, "parts": parts,
@@ -574,7 +596,8 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None, ove
             return None
         feats = feats[:n_real]
         d = feats.shape[1] // 2
-        record = {"step": step, **retrieval_metrics(feats[:, :d], feats[:, d:])}
+        captions = [s.text for s in val_samples[:n_real]]  # pairs sharing a caption are correct matches too
+        record = {"step": step, **retrieval_metrics(feats[:, :d], feats[:, d:], captions=captions)}
         writer.log_eval(record)
         return record
 
@@ -606,10 +629,11 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None, ove
             timings[FIELDS.index("opt")] -= w
             timings[FIELDS.index("comm")] += w
         reports = ledger.unknown(bad.reports)
-        mine = torch.tensor([len(reports), bad.wait, bad.drawn] + lrs + timings, dtype=torch.float64)
+        mine = torch.tensor([len(reports), bad.wait, bad.drawn] + lrs + timings, dtype=torch.float64,
+                            device=engine.device)  # NCCL gathers device tensors only
         everyone = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(everyone, mine)
-        stats = torch.stack(everyone)
+        stats = torch.stack(everyone).cpu()
         if stats[:, 0].sum() > 0:  # new bad files somewhere: merge every rank's, in rank order
             per_rank = [None] * world
             dist.all_gather_object(per_rank, reports)

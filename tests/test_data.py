@@ -218,7 +218,7 @@ def test_auto_micro_batch_picks_the_largest_size_that_fits(tiny_data, tok):
     m, probed = auto_micro_batch(cfg, spec, source, tok, 32, 2, 1, parts, frozenset(), frozenset(), budget, dev)
     assert m == 6, (m, probed)
     assert probed[m] <= budget and all(p > budget for mm, p in probed.items() if mm > m)
-    with pytest.raises(ConfigError, match="even a micro-batch of 1"):
+    with pytest.raises(ConfigError, match="even a micro-batch of 2"):  # the smallest a contrastive loss takes
         auto_micro_batch(cfg, spec, source, tok, 32, 2, 1, parts, frozenset(), frozenset(), 1000, dev)
 
 

@@ -188,6 +188,13 @@ def test_recall_counts_ties_and_nan_as_misses():
     one_bad[3] = float("nan")
     r = retrieval_metrics(one_bad, x)
     assert r["i2t_r1"] == pytest.approx(0.9) and r["nonfinite"] == 1
+    # a repeated caption (identical text features) is a tie: a miss, unless the captions say both are right
+    t = x.clone()
+    t[1] = t[0]
+    captions = ["a red circle", "a red circle"] + [f"c{i}" for i in range(8)]
+    assert retrieval_metrics(t, t)["i2t_r1"] == pytest.approx(0.8)
+    assert retrieval_metrics(t, t, captions=captions)["i2t_r1"] == 1.0
+    assert retrieval_metrics(torch.zeros(10, 4), torch.zeros(10, 4), captions=captions)["i2t_r1"] == 0.0
 
 
 # ---- item 8: a profile cached without transfers is not reused as if transfers were free --------------------

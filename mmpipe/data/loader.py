@@ -206,6 +206,8 @@ def decode_sample(path, text: str, size: int, info: Optional[dict] = None
         return None, "missing file"
     except TooLarge as e:
         return None, str(e)
+    except MemoryError:
+        raise
     except Exception as e:  # Pillow raises many kinds (OSError, SyntaxError, struct.error, ...) on corrupt files
         return None, f"cannot decode ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
 
