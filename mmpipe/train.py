@@ -271,20 +271,27 @@ def _everywhere(cls, msg: str) -> MmpipeError:
 
 
 def agree(rank: int, work):
-    """Run ``work()`` on every rank; if it raised an mmpipe error on any rank, raise that error on
-    every rank (printed once, naming the rank it came from), so no rank is left waiting in a
-    collective for one that has already exited."""
-    err = None
+    """Run ``work()`` on every rank; if it raised on any rank, raise on every rank, so no rank is
+    left waiting in a collective for one that has already exited. An mmpipe error is raised alike
+    everywhere (printed once, naming the rank it came from); any other exception is re-raised with
+    its traceback on its own rank, and the others stop with one line naming that rank."""
+    err, original = None, None
     try:
         result = work()
-    except MmpipeError as e:
-        err, result = (type(e).__name__, str(e)), None
+    except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
+        err, original, result = (type(e).__name__, str(e), isinstance(e, MmpipeError)), e, None
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, err)
     for r, e in enumerate(errors):
-        if e is not None:
-            cls = DataError if e[0] == "DataError" else ConfigError
-            raise _everywhere(cls, e[1] if r == 0 else f"[rank {r}] {e[1]}")
+        if e is None:
+            continue
+        name, msg, ours = e
+        if ours:
+            cls = DataError if name == "DataError" else ConfigError
+            raise _everywhere(cls, msg if r == 0 else f"[rank {r}] {msg}")
+        if original is not None and not isinstance(original, MmpipeError):
+            raise original
+        raise MmpipeError(f"stopped: rank {r} failed with {name} (its traceback is printed above)")
     return result
 
 
@@ -582,15 +589,16 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None, ove
         if not val_samples:
             return None
         idx, n_real = eval_batches(val_samples, topo.micro_batch_size)
-        if reads_data:
-            ds = ImageTextDataset(val_samples, image_size, decode_size=cfg.data.decode_size)
-            # separate counters: val samples must not count against the training set's bad fraction,
-            # nor their decode time as training loader wait
-            batches = list(_as_pipe_batches((collate([ds[i] for i in mb]) for mb in idx), DataStats()))
-        elif topo.is_last_stage(rank):
-            batches = [(None, LABEL_PLACEHOLDER)] * len(idx)
-        else:
-            batches = None
+
+        def val_batches():
+            if reads_data:
+                ds = ImageTextDataset(val_samples, image_size, decode_size=cfg.data.decode_size)
+                # separate counters: val samples must not count against the training set's bad
+                # fraction, nor their decode time as training loader wait
+                return list(_as_pipe_batches((collate([ds[i] for i in mb]) for mb in idx), DataStats()))
+            return [(None, LABEL_PLACEHOLDER)] * len(idx) if topo.is_last_stage(rank) else None
+
+        batches = agree(rank, val_batches)  # a val set that cannot be read stops every stage alike
         feats = runner.features(batches, len(idx))
         if feats is None or not is_reporter:
             return None
