@@ -253,8 +253,7 @@ def _spec_for_plan(cfg):
     """The model spec without a training run: vocabulary from data.tokenizer if given, else the
     configured size (only the embedding table depends on it)."""
     from mmpipe.data.tokenizer import eos_id, has_tokenizer, load_tokenizer
-    from mmpipe.models.clip import ModelSpec
-    from mmpipe.train import fill_text_fields, pretrained_text_dir
+    from mmpipe.models.clip import ModelSpec, fill_text_fields, pretrained_text_dir
     weights_dir = pretrained_text_dir(cfg)[1]
     tok_dir = cfg.data.tokenizer or (weights_dir if weights_dir and has_tokenizer(weights_dir) else None)
     if tok_dir:  # the tokenizer a training run would use (so its profile is the run's)

@@ -26,6 +26,7 @@ from mmpipe import checkpoint
 from mmpipe.config import RunConfig, save_yaml
 from mmpipe.errors import ConfigError, DataError, MmpipeError
 from mmpipe.metrics import MetricsWriter, NullWriter
+from mmpipe.models.clip import fill_text_fields, pretrained_text_dir  # noqa: F401 - the trainer's text fields
 
 LABEL_PLACEHOLDER = torch.zeros(1)  # the last stage reads "labels"; the CLIP loss needs none
 
@@ -85,39 +86,6 @@ def prepare_tokenizer(cfg: RunConfig, rank: int, source=None):
         tok = load_tokenizer(tok_dir, "tokenizer in the run directory")
     fill_text_fields(cfg, len(tok), eos_id(tok))
     return tok
-
-
-def pretrained_text_dir(cfg: RunConfig) -> tuple[Optional[str], Optional[str]]:
-    """(config key, directory) the text tower's weights come from, or (None, None)."""
-    if cfg.model.text.pretrained:
-        return "model.text.pretrained", cfg.model.text.pretrained
-    if cfg.model.pretrained:
-        return "model.pretrained", cfg.model.pretrained
-    return None, None
-
-
-def fill_text_fields(cfg: RunConfig, num_tokens: int, eos: int) -> None:
-    """Text-tower fields a config may leave to the tokenizer. With pretrained text weights the
-    tokenizer must fit their vocabulary, and pooling reads the EOS of the tokenizer actually used."""
-    t = cfg.model.text
-    key, weights_dir = pretrained_text_dir(cfg)
-    if weights_dir:
-        from mmpipe.models import hf
-        c = hf.load_hf_config(weights_dir, key)
-        c = getattr(c, "text_config", c)
-        if num_tokens > c.vocab_size:
-            raise ConfigError(f"the tokenizer has {num_tokens} tokens but the text weights in {key}={weights_dir} "
-                              f"embed {c.vocab_size}: it is not their tokenizer; set data.tokenizer to the one they "
-                              "were trained with")
-    else:
-        if t.vocab_size is None:
-            t.vocab_size = num_tokens
-        elif t.vocab_size < num_tokens:
-            raise ConfigError(f"model.text.vocab_size={t.vocab_size} is smaller than the tokenizer's {num_tokens} tokens")
-        if t.max_position_embeddings is None:
-            t.max_position_embeddings = max(cfg.data.max_length, 16)
-    if t.eos_token_id is None:
-        t.eos_token_id = eos
 
 
 # --------------------------------------------------------------------------------------------
@@ -410,282 +378,362 @@ def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None, ove
     """Train; ``stop_at`` ends this invocation after that step with a checkpoint (time-limited jobs);
     ``overwrite`` replaces a run already in ``train.output_dir`` (without it, or ``resume``, that is
     refused)."""
-    from mmpipe.data.badsamples import BadSampleLedger
-    from mmpipe.data.loader import Collate, ImageTextDataset, eval_batches
-    from mmpipe.data.manifest import read_manifest
-    from mmpipe.data.source import build_train_loader, open_source
-    from mmpipe.ds_config import resolve
-    from mmpipe.evaluate import retrieval_metrics
-    from mmpipe.models.clip import DualEncoder, ModelSpec
-    from mmpipe.optim import GradClipper, apply_freeze, frozen_layout, lr_lambda, param_groups, resolve_groups
+    return Trainer(cfg, resume, stop_at, overwrite).train()
 
-    # validate everything that needs no process group first: config mistakes end as one line,
-    # raised alike on every rank (printed once)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    auto_mbs = cfg.parallel.micro_batch_size == "auto"
-    try:
-        if stop_at is not None and stop_at < 1:
-            raise ConfigError(f"--stop-at {stop_at}: give a step >= 1 (the run stops after that step with a checkpoint)")
-        check_run_dir(cfg.train.output_dir, resume, overwrite)
-        if auto_mbs:  # validate the rest now with a stand-in (the per-rank batch); the size is probed later
-            check_auto_micro_batch(cfg)
-            cfg.parallel.micro_batch_size = max(1, cfg.train.batch_size // max(1, world // cfg.parallel.pipeline_stages))
-        ds_cfg, topo = resolve(cfg, world)
+
+class Trainer:
+    """One training run on this rank: ``setup`` (validate, join the process group, tokenizer and
+    model, placement, engine, restore, data), then ``train``: ``step`` / ``evaluate`` / ``save``."""
+
+    def __init__(self, cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None, overwrite: bool = False):
+        self.cfg, self.resume, self.stop_at, self.overwrite = cfg, resume, stop_at, overwrite
+        self.predicted = self.choice = None
+        self.last_eval = None
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def train(self) -> dict:
+        self.setup()
+        cfg, step = self.cfg, self.start_step
+        end = min(cfg.train.steps, self.stop_at) if self.stop_at else cfg.train.steps
+        while step < end:
+            step += 1
+            record = self.step(step, tracing=bool(cfg.log.trace) and cfg.log.trace[0] <= step <= cfg.log.trace[1])
+            self.writer.log_step(record)
+            if cfg.log.trace is not None and step == min(cfg.log.trace[1], end):
+                self.write_trace()
+            msg = self.ledger.error()
+            if msg:
+                raise _everywhere(DataError, msg)  # every rank knows it: printed once
+            if step == self.start_step + 1:
+                self.log_memory()
+            if eval_due(step, cfg.train.eval_every, cfg.train.steps):  # before the save: a resume continues after it
+                self.last_eval = self.evaluate(step) or self.last_eval
+            if step == end or (cfg.train.save_every and step % cfg.train.save_every == 0):
+                self.save(step)
+        self.writer.close()
+        dist.barrier()
+        return {"step": step, "eval": self.last_eval, "bad_samples": self.ledger.count}
+
+    # ---- setup ---------------------------------------------------------------------------------
+    def setup(self) -> None:
+        self.validate()
+        self.rank, self.world = init_distributed()
+        self.out_dir = self.cfg.train.output_dir
+        self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
+        if self.rank == 0:
+            if self.overwrite:
+                c = self.cfg
+                clear_run_dir(self.out_dir, keep=(c.data.tokenizer, c.parallel.plan, c.data.cache,
+                                                  c.train.deepspeed_config))
+            os.makedirs(self.out_dir, exist_ok=True)
+        dist.barrier()
+        self.build_model_spec()
+        self.place()
+        self.build_engine()
+        self.restore()
+        self.write_run_files()
+        self.build_data()
+
+    def validate(self) -> None:
+        """Everything that needs no process group, first: config mistakes end as one line, raised
+        alike on every rank (printed once)."""
         from deepspeed.accelerator import get_accelerator
-        device_name = get_accelerator().device_name()
-        if cfg.train.precision == "fp16" and device_name == "cpu":
-            raise ConfigError("train.precision=fp16 needs a GPU: DeepSpeed refuses fp16 on the CPU accelerator; "
-                              "use bf16 or fp32 here")
-        rank = int(os.environ.get("RANK", "0"))
-        P = topo.pipeline_stages
-        stage, dp_rank = topo.coords(rank)
-        reads_data = stage == 0  # the last stage needs no data: text ids travel with the activations
+
+        from mmpipe.data.manifest import read_manifest
+        from mmpipe.data.source import open_source
+        from mmpipe.ds_config import resolve
         from mmpipe.models.clip import vision_image_size
-        image_size = vision_image_size(cfg.model)
-        source = open_source(cfg, image_size, read=reads_data or rank == 0)  # same one-line error on every rank
-        # every rank reads the val manifest (no images): all stages need the eval micro-batch count
-        val_samples = read_manifest(cfg.data.val, "data.val") if cfg.data.val else None
-        groups = resolve_groups(cfg.optim)
-        if cfg.parallel.zero_stage >= 2 and any(g.max_grad_norm is not None for g in groups):
-            raise ConfigError(f"per-group clipping (optim.groups.*.max_grad_norm) supports ZeRO 0/1, not "
-                              f"parallel.zero_stage={cfg.parallel.zero_stage}: use zero_stage 1, or only "
-                              "optim.max_grad_norm (DeepSpeed clips globally under ZeRO-2/3)")
-    except MmpipeError as e:
-        e.everywhere = True
-        raise
+        from mmpipe.optim import resolve_groups
+        cfg, world = self.cfg, int(os.environ.get("WORLD_SIZE", "1"))
+        self.auto_mbs = cfg.parallel.micro_batch_size == "auto"
+        try:
+            if self.stop_at is not None and self.stop_at < 1:
+                raise ConfigError(f"--stop-at {self.stop_at}: give a step >= 1 (the run stops after that step with a "
+                                  "checkpoint)")
+            check_run_dir(cfg.train.output_dir, self.resume, self.overwrite)
+            if self.auto_mbs:  # validate the rest with a stand-in (the per-rank batch); the size is probed later
+                check_auto_micro_batch(cfg)
+                cfg.parallel.micro_batch_size = max(1, cfg.train.batch_size // max(1, world // cfg.parallel.pipeline_stages))
+            self.ds_cfg, self.topo = resolve(cfg, world)
+            self.device_name = get_accelerator().device_name()
+            if cfg.train.precision == "fp16" and self.device_name == "cpu":
+                raise ConfigError("train.precision=fp16 needs a GPU: DeepSpeed refuses fp16 on the CPU accelerator; "
+                                  "use bf16 or fp32 here")
+            rank = int(os.environ.get("RANK", "0"))
+            self.stage, self.dp_rank = self.topo.coords(rank)
+            self.reads_data = self.stage == 0  # the last stage needs no data: text ids travel with the activations
+            self.image_size = vision_image_size(cfg.model)
+            self.source = open_source(cfg, self.image_size, read=self.reads_data or rank == 0)
+            # every rank reads the val manifest (no images): all stages need the eval micro-batch count
+            self.val_samples = read_manifest(cfg.data.val, "data.val") if cfg.data.val else None
+            self.groups = resolve_groups(cfg.optim)
+            if cfg.parallel.zero_stage >= 2 and any(g.max_grad_norm is not None for g in self.groups):
+                raise ConfigError(f"per-group clipping (optim.groups.*.max_grad_norm) supports ZeRO 0/1, not "
+                                  f"parallel.zero_stage={cfg.parallel.zero_stage}: use zero_stage 1, or only "
+                                  "optim.max_grad_norm (DeepSpeed clips globally under ZeRO-2/3)")
+        except MmpipeError as e:
+            e.everywhere = True
+            raise
 
-    rank, world = init_distributed()
-    import deepspeed
-    out_dir = cfg.train.output_dir
-    ckpt_dir = os.path.join(out_dir, "checkpoints")
-    if rank == 0:
-        if overwrite:
-            clear_run_dir(out_dir, keep=(cfg.data.tokenizer, cfg.parallel.plan, cfg.data.cache,
-                                         cfg.train.deepspeed_config))
-        os.makedirs(out_dir, exist_ok=True)
-    dist.barrier()
-    tok = agree(rank, lambda: prepare_tokenizer(cfg, rank, source))
-    spec = agree(rank, lambda: ModelSpec(cfg.model, cfg.train.seed))
-    is_reporter = rank == topo.reporting_rank
-    part_params, frozen_names, forward_only = frozen_layout(spec, groups)
+    def build_model_spec(self) -> None:
+        from mmpipe.models.clip import ModelSpec
+        from mmpipe.optim import frozen_layout
+        cfg, rank = self.cfg, self.rank
+        self.tok = agree(rank, lambda: prepare_tokenizer(cfg, rank, self.source))
+        self.spec = agree(rank, lambda: ModelSpec(cfg.model, cfg.train.seed))
+        self.is_reporter = rank == self.topo.reporting_rank
+        self.part_params, self.frozen_names, self.forward_only = frozen_layout(self.spec, self.groups)
 
-    parts = None
-    if P > 1:
-        from mmpipe.pipeline.module import plan_parts
-        parts = agree(rank, lambda: plan_parts(spec, P, cfg.parallel.placement, cfg.parallel.plan, frozen_names))
-    if auto_mbs:
-        m = _rank0_decides(rank, lambda: _probe_micro_batch(cfg, spec, source, tok, image_size, topo, parts,
-                                                             forward_only, frozen_names))
-        cfg.parallel.micro_batch_size = m
-        ds_cfg, topo = resolve(cfg, world)
-        if rank == 0:
-            _warn(f"parallel.micro_batch_size=auto -> {m} (accumulation {topo.accumulation_steps})")
-    predicted = choice = None
-    measured = P > 1 and cfg.parallel.profile and not cfg.parallel.plan and cfg.parallel.placement in (
-        "modality", "balanced", "auto")
-    if measured and resume:  # a resume keeps the checkpoint's stages (a new profile could place them otherwise)
-        saved = checkpoint.saved_layout(ckpt_dir)
-        if saved and saved.get("stages") and len(saved["stages"]) == P:
-            from mmpipe.pipeline.partition import parts_from_lists
-            try:
-                parts, measured = parts_from_lists(spec.part_names(), saved["stages"]), False
-            except ValueError:
-                pass  # another model: the layout check below says what the checkpoint holds
-    if measured:
-        parts, predicted, choice = _rank0_decides(rank, lambda: _measured_parts(cfg, spec, topo, forward_only,
-                                                                                 frozen_names))
-        if choice and rank == 0:
-            _warn(f"parallel.placement=auto -> {choice['chosen']} ({choice['why']})")
+    def place(self) -> None:
+        """Stage boundaries (and ``micro_batch_size: auto``): computed once, on rank 0 where measured."""
+        cfg, rank, P = self.cfg, self.rank, self.topo.pipeline_stages
+        self.parts = None
+        if P > 1:
+            from mmpipe.pipeline.module import plan_parts
+            self.parts = agree(rank, lambda: plan_parts(self.spec, P, cfg.parallel.placement, cfg.parallel.plan,
+                                                        self.frozen_names))
+        if self.auto_mbs:
+            from mmpipe.ds_config import resolve
+            m = _rank0_decides(rank, lambda: _probe_micro_batch(cfg, self.spec, self.source, self.tok, self.image_size,
+                                                                 self.topo, self.parts, self.forward_only,
+                                                                 self.frozen_names))
+            cfg.parallel.micro_batch_size = m
+            self.ds_cfg, self.topo = resolve(cfg, self.world)
+            if rank == 0:
+                _warn(f"parallel.micro_batch_size=auto -> {m} (accumulation {self.topo.accumulation_steps})")
+        measured = P > 1 and cfg.parallel.profile and not cfg.parallel.plan and cfg.parallel.placement in (
+            "modality", "balanced", "auto")
+        if measured and self.resume:  # a resume keeps the checkpoint's stages (a new profile could differ)
+            saved = checkpoint.saved_layout(self.ckpt_dir)
+            if saved and saved.get("stages") and len(saved["stages"]) == P:
+                from mmpipe.pipeline.partition import parts_from_lists
+                try:
+                    self.parts, measured = parts_from_lists(self.spec.part_names(), saved["stages"]), False
+                except ValueError:
+                    pass  # another model: the layout check says what the checkpoint holds
+        if measured:
+            self.parts, self.predicted, self.choice = _rank0_decides(
+                rank, lambda: _measured_parts(cfg, self.spec, self.topo, self.forward_only, self.frozen_names))
+            if self.choice and rank == 0:
+                _warn(f"parallel.placement=auto -> {self.choice['chosen']} ({self.choice['why']})")
 
-    # ---- model and engine --------------------------------------------------------------------
-    if P == 1:
-        model = DualEncoder(spec)
-        model.forward_only = forward_only
-        named = lambda: model.named_parameters()  # noqa: E731
-    else:
+    def build_model(self):
+        """The plain model (P = 1) or the pipeline module; returns (model, named-parameters function)."""
+        from mmpipe.models.clip import DualEncoder
+        cfg, spec, parts = self.cfg, self.spec, self.parts
+        if self.topo.pipeline_stages == 1:
+            model = DualEncoder(spec)
+            model.forward_only = self.forward_only
+            return model, model.named_parameters
         from mmpipe.pipeline.module import MMPipelineModule
         if parts is not None and (cfg.parallel.zero_stage > 0 or cfg.train.precision != "fp32"):
             names = spec.part_names()
             for s_, (a, b) in enumerate(zip(parts, parts[1:])):
-                if all(pn in frozen_names for part in names[a:b] for pn in part_params[part]):
+                if all(pn in self.frozen_names for part in names[a:b] for pn in self.part_params[part]):
                     raise _everywhere(ConfigError,
                         f"pipeline stage {s_} ({names[a]} .. {names[b - 1]}) holds only frozen parameters, which "
                         f"DeepSpeed's ZeRO-{cfg.parallel.zero_stage}/{cfg.train.precision} optimizer cannot hold; "
                         "use zero_stage 0 with fp32, or a parallel.plan that gives every stage a trainable layer")
         # captions padded per micro-batch change the text activations' shape: the engine then
         # sends tensor shapes with every activation (DeepSpeed's dynamic_shape)
-        model = MMPipelineModule(spec, P, placement=cfg.parallel.placement, parts=parts, forward_only=forward_only,
-                                 dynamic_shape=cfg.data.padding == "batch")
-        named = model.plain_named_parameters
-    apply_freeze(named(), groups)
-    torch_groups = param_groups(named(), groups)
-    if not torch_groups:  # every layer of this stage is frozen: it still runs, forward only
-        torch_groups = [{"name": "none", "params": []}]
-    scheduler = None
-    if "scheduler" not in ds_cfg:
-        f = lr_lambda(cfg.optim, cfg.train.steps)
-        scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)  # noqa: E731
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=torch_groups, config=ds_cfg,
-                                           lr_scheduler=scheduler)
-    if P == 1:
-        runner = PlainRunner(engine, topo)
-        layer_names, parts = None, None
-    else:
-        from mmpipe.pipeline.module import fix_recv_buffer_dtype
-        fix_recv_buffer_dtype(engine)
-        runner = PipelineRunner(engine, topo, cfg.log.stage_timing)
-        layer_names, parts = model.layer_names, [int(x) for x in model.parts]  # DeepSpeed gives numpy ints
-    # ZeRO-2/3 keep reduced gradients in buckets mmpipe does not read (yet): DeepSpeed clips there
-    own_clip = cfg.parallel.zero_stage < 2
-    clipper = GradClipper(engine, groups, cfg.optim.max_grad_norm if own_clip else None,
-                          enabled=cfg.log.grad_norm and own_clip)
-    layout = checkpoint.layout_record(topo, cfg, layer_names, parts)
+        model = MMPipelineModule(spec, self.topo.pipeline_stages, placement=cfg.parallel.placement, parts=parts,
+                                 forward_only=self.forward_only, dynamic_shape=cfg.data.padding == "batch")
+        return model, model.plain_named_parameters
 
-    n_train = torch.tensor([source.size or 0 if reads_data else 0], dtype=torch.int64, device=engine.device)
-    dist.all_reduce(n_train, op=dist.ReduceOp.MAX)  # every rank needs it for the bad-fraction check
-    ledger = BadSampleLedger(cfg.data.max_bad_fraction, int(n_train))
-    start_step = 0
-    if resume:
-        client = agree(rank, lambda: checkpoint.load(engine, ckpt_dir, layout))
-        start_step = int(client.get("step", 0))
-        ledger.load_state_dict(client.get("data", {}))
+    def build_engine(self) -> None:
+        import deepspeed
 
-    writer = (MetricsWriter(out_dir, cfg.train.steps, start_step, progress=cfg.log.progress,
-                            tensorboard=cfg.log.tensorboard, every=cfg.log.every) if is_reporter else NullWriter())
-    if rank == 0:
-        save_yaml(cfg, os.path.join(out_dir, "config.yaml"))
-        with open(os.path.join(out_dir, "ds_config.json"), "w") as fh:
-            json.dump(ds_cfg, fh, indent=2)
-        if layer_names is not None and not (resume and predicted is None and os.path.isfile(
-                os.path.join(out_dir, "plan.json"))):  # a resume keeps the plan (and predictions) it continues
-            from mmpipe.pipeline.partition import stage_lists
-            with open(os.path.join(out_dir, "plan.json"), "w") as fh:
-                json.dump({"placement": cfg.parallel.placement, "parts": parts,
-                           "stages": stage_lists(layer_names, parts), "micro_batches": topo.accumulation_steps,
-                           "predicted": predicted, **(choice or {})}, fh, indent=2)
-    writer.info(f"{topo.describe()} precision={cfg.train.precision} zero={cfg.parallel.zero_stage} "
-                f"device={device_name}" + (f" resume@{start_step}" if resume else ""))
-    if layer_names is not None:
+        from mmpipe.optim import GradClipper, apply_freeze, innermost_optimizer, lr_lambda, param_groups
+        cfg = self.cfg
+        model, named = self.build_model()
+        apply_freeze(named(), self.groups)
+        torch_groups = param_groups(named(), self.groups)
+        if not torch_groups:  # every layer of this stage is frozen: it still runs, forward only
+            torch_groups = [{"name": "none", "params": []}]
+        scheduler = None
+        if "scheduler" not in self.ds_cfg:
+            f = lr_lambda(cfg.optim, cfg.train.steps)
+            scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)  # noqa: E731
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=torch_groups, config=self.ds_cfg,
+                                                    lr_scheduler=scheduler)
+        if self.topo.pipeline_stages == 1:
+            self.runner = PlainRunner(self.engine, self.topo)
+            self.layer_names, self.parts = None, None
+        else:
+            from mmpipe.pipeline.module import fix_recv_buffer_dtype
+            fix_recv_buffer_dtype(self.engine)
+            self.runner = PipelineRunner(self.engine, self.topo, cfg.log.stage_timing)
+            self.layer_names, self.parts = model.layer_names, [int(x) for x in model.parts]  # numpy ints
+        # ZeRO-2/3 keep reduced gradients in buckets mmpipe does not read (yet): DeepSpeed clips there
+        own_clip = cfg.parallel.zero_stage < 2
+        self.clipper = GradClipper(self.engine, self.groups, cfg.optim.max_grad_norm if own_clip else None,
+                                   enabled=cfg.log.grad_norm and own_clip)
+        self.layout = checkpoint.layout_record(self.topo, cfg, self.layer_names, self.parts)
+        self.trainable = [g for g in self.groups if not g.frozen]
+        self.inner = innermost_optimizer(self.engine.optimizer)
+
+    def restore(self) -> None:
+        """The bad-sample record (and, with --resume, weights, optimizer, RNG, step, data position)."""
+        from mmpipe.data.badsamples import BadSampleLedger
+        n_train = torch.tensor([self.source.size or 0 if self.reads_data else 0], dtype=torch.int64,
+                               device=self.engine.device)
+        dist.all_reduce(n_train, op=dist.ReduceOp.MAX)  # every rank needs it for the bad-fraction check
+        self.ledger = BadSampleLedger(self.cfg.data.max_bad_fraction, int(n_train))
+        self.start_step = 0
+        if self.resume:
+            client = agree(self.rank, lambda: checkpoint.load(self.engine, self.ckpt_dir, self.layout))
+            self.start_step = int(client.get("step", 0))
+            self.ledger.load_state_dict(client.get("data", {}))
+
+    def write_run_files(self) -> None:
+        """config.yaml, ds_config.json, plan.json (rank 0); the metrics writer (reporting rank)."""
         from mmpipe.pipeline.partition import stage_lists
-        for s, names in enumerate(stage_lists(layer_names, parts)):
-            writer.info(f"stage {s}: {names[0]} .. {names[-1]} ({len(names)} layers)")
+        cfg, out = self.cfg, self.out_dir
+        self.writer = (MetricsWriter(out, cfg.train.steps, self.start_step, progress=cfg.log.progress,
+                                     tensorboard=cfg.log.tensorboard, every=cfg.log.every)
+                       if self.is_reporter else NullWriter())
+        if self.rank == 0:
+            save_yaml(cfg, os.path.join(out, "config.yaml"))
+            with open(os.path.join(out, "ds_config.json"), "w") as fh:
+                json.dump(self.ds_cfg, fh, indent=2)
+            plan_file = os.path.join(out, "plan.json")
+            # a resume keeps the plan (and its predictions) it continues
+            if self.layer_names is not None and not (self.resume and self.predicted is None
+                                                     and os.path.isfile(plan_file)):
+                with open(plan_file, "w") as fh:
+                    json.dump({"placement": cfg.parallel.placement, "parts": self.parts,
+                               "stages": stage_lists(self.layer_names, self.parts),
+                               "micro_batches": self.topo.accumulation_steps, "predicted": self.predicted,
+                               **(self.choice or {})}, fh, indent=2)
+        self.writer.info(f"{self.topo.describe()} precision={cfg.train.precision} zero={cfg.parallel.zero_stage} "
+                         f"device={self.device_name}" + (f" resume@{self.start_step}" if self.resume else ""))
+        if self.layer_names is not None:
+            for s, names in enumerate(stage_lists(self.layer_names, self.parts)):
+                self.writer.info(f"stage {s}: {names[0]} .. {names[-1]} ({len(names)} layers)")
 
-    # ---- data --------------------------------------------------------------------------------
-    sample_log = None
-    if cfg.data.log_samples and reads_data:
-        os.makedirs(os.path.join(out_dir, "samples"), exist_ok=True)
-        sample_log = os.path.join(out_dir, "samples", f"rank{rank}.txt")
-    bad = DataStats(sample_log)
-    collate = Collate(tok, cfg.data.max_length, cfg.data.padding, cfg.data.pad_multiple)
-    if reads_data:
-        loader = agree(rank, lambda: build_train_loader(cfg, source, tok, collate, topo, dp_rank, start_step,
-                                                        image_size, device_name == "cpu"))
-        train_iter = _as_pipe_batches(loader, bad)
-    else:
-        agree(rank, lambda: None)  # the data-reading ranks' loader errors reach every rank
-        train_iter = itertools.repeat((None, LABEL_PLACEHOLDER)) if topo.is_last_stage(rank) else None
+    def build_data(self) -> None:
+        from mmpipe.data.loader import Collate
+        from mmpipe.data.source import build_train_loader
+        cfg, rank = self.cfg, self.rank
+        sample_log = None
+        if cfg.data.log_samples and self.reads_data:
+            os.makedirs(os.path.join(self.out_dir, "samples"), exist_ok=True)
+            sample_log = os.path.join(self.out_dir, "samples", f"rank{rank}.txt")
+        self.data_stats = DataStats(sample_log)
+        self.collate = Collate(self.tok, cfg.data.max_length, cfg.data.padding, cfg.data.pad_multiple)
+        if self.reads_data:
+            loader = agree(rank, lambda: build_train_loader(cfg, self.source, self.tok, self.collate, self.topo,
+                                                            self.dp_rank, self.start_step, self.image_size,
+                                                            self.device_name == "cpu"))
+            self.train_iter = _as_pipe_batches(loader, self.data_stats)
+        else:
+            agree(rank, lambda: None)  # the data-reading ranks' loader errors reach every rank
+            self.train_iter = (itertools.repeat((None, LABEL_PLACEHOLDER)) if self.topo.is_last_stage(rank)
+                               else None)
+        self.trace_offset = time.time() - time.perf_counter()
 
-    def evaluate(step: int) -> Optional[dict]:
-        if not val_samples:
-            return None
-        idx, n_real = eval_batches(val_samples, topo.micro_batch_size)
-
-        def val_batches():
-            if reads_data:
-                ds = ImageTextDataset(val_samples, image_size, decode_size=cfg.data.decode_size)
-                # separate counters: val samples must not count against the training set's bad
-                # fraction, nor their decode time as training loader wait
-                return list(_as_pipe_batches((collate([ds[i] for i in mb]) for mb in idx), DataStats()))
-            return [(None, LABEL_PLACEHOLDER)] * len(idx) if topo.is_last_stage(rank) else None
-
-        batches = agree(rank, val_batches)  # a val set that cannot be read stops every stage alike
-        feats = runner.features(batches, len(idx))
-        if feats is None or not is_reporter:
-            return None
-        feats = feats[:n_real]
-        d = feats.shape[1] // 2
-        captions = [s.text for s in val_samples[:n_real]]  # pairs sharing a caption are correct matches too
-        record = {"step": step, **retrieval_metrics(feats[:, :d], feats[:, d:], captions=captions)}
-        writer.log_eval(record)
-        return record
-
-    # ---- train ---------------------------------------------------------------------------------
-    last_eval = None
-    step = start_step
-    from mmpipe.pipeline.instrument import FIELDS, stage_record, write_timeline_png, write_trace
-    from mmpipe.optim import innermost_optimizer
-    timed = runner.clock is not None
-    trace = cfg.log.trace
-    trace_offset = time.time() - time.perf_counter()
-    trainable = [g for g in groups if not g.frozen]
-    inner = innermost_optimizer(engine.optimizer)
-    n_lr = len(trainable)
-    end = min(cfg.train.steps, stop_at) if stop_at else cfg.train.steps
-    while step < end:
-        lrs = lr_fields(inner, trainable)  # the lr this step uses (the scheduler moves it in the step)
-        tracing = trace is not None and trace[0] <= step + 1 <= trace[1]
+    # ---- one step --------------------------------------------------------------------------------
+    def step(self, step: int, tracing: bool = False) -> dict:
+        """One optimizer step, then one small gather: data counters (summed over the reading ranks),
+        every group's lr (wherever it lives) and stage timings. Returns the metrics record."""
+        lrs = lr_fields(self.inner, self.trainable)  # the lr this step uses (the scheduler moves it in the step)
         t0 = time.perf_counter()
-        loss = runner.train_step(train_iter, step + 1, tracing)
+        loss = self.runner.train_step(self.train_iter, step, tracing)
         dt = time.perf_counter() - t0
-        step += 1
-        # one small gather per step: data counters (summed over the reading ranks), every group's
-        # lr (wherever it lives) and stage timings
-        timings = []
-        if timed:  # the gradient-norm all-reduce inside the optimizer step waits for the other stages: idle
-            timings = list(runner.timings)
-            w = min(clipper.wait_seconds, timings[FIELDS.index("opt")])
-            timings[FIELDS.index("opt")] -= w
-            timings[FIELDS.index("comm")] += w
-        reports = ledger.unknown(bad.reports)
-        mine = torch.tensor([len(reports), bad.wait, bad.drawn] + lrs + timings, dtype=torch.float64,
-                            device=engine.device)  # NCCL gathers device tensors only
-        everyone = [torch.zeros_like(mine) for _ in range(world)]
-        dist.all_gather(everyone, mine)
-        stats = torch.stack(everyone).cpu()
-        if stats[:, 0].sum() > 0:  # new bad files somewhere: merge every rank's, in rank order
-            per_rank = [None] * world
-            dist.all_gather_object(per_rank, reports)
-            reports = [r for rr in per_rank for r in rr]
-        new_bad = ledger.add(reports, int(stats[:, 2].sum()))
-        bad.reset()
-        if is_reporter:
-            for path, why in new_bad:
+        stats, reports = self.gather_step_stats(lrs)
+        for path, why in self.ledger.add(reports, int(stats[:, 2].sum())):
+            if self.is_reporter:
                 _warn(f"skipped bad sample {path}: {why}")
-        wait = float(stats[:, 1].sum()) / topo.data_parallel  # mean over the first-stage ranks
+        n_lr = len(self.trainable)
+        wait = float(stats[:, 1].sum()) / self.topo.data_parallel  # mean over the first-stage ranks
         lr_now = [float(np.nanmax(col)) if not np.isnan(col).all() else float("nan")
                   for col in stats[:, 3:3 + n_lr].T.numpy()]
         stage_fields = {}
-        if timed:
-            per_stage = {s: (stats[[r for r in range(world) if topo.coords(r)[0] == s], 3 + n_lr:].mean(0)).tolist()
+        if self.runner.clock is not None:
+            from mmpipe.pipeline.instrument import stage_record
+            P, coords = self.topo.pipeline_stages, [self.topo.coords(r)[0] for r in range(self.world)]
+            per_stage = {s: stats[[r for r in range(self.world) if coords[r] == s], 3 + n_lr:].mean(0).tolist()
                          for s in range(P)}
             stage_fields = stage_record(per_stage, P)
-        writer.log_step({"step": step, "loss": loss, **lr_record(lr_now, trainable, cfg.optim.lr),
-                         "samples_per_sec": topo.batch_size / dt, **clipper.record(), "step_time": dt,
-                         "loader_wait": wait, "loader_wait_frac": wait / dt, "bad_samples": ledger.count,
-                         **stage_fields})
-        if trace is not None and step == min(trace[1], end) and timed:
-            events = [None] * world
-            dist.all_gather_object(events, (runner.clock.events, trace_offset))
-            runner.clock.events = []
-            if is_reporter:
-                coords = [topo.coords(r) for r in range(world)]
-                write_trace(os.path.join(out_dir, "trace.json"), events, coords)
-                write_timeline_png(os.path.join(out_dir, "timeline.png"), events, coords,
-                                   f"steps {trace[0]}-{trace[1]}, {topo.describe()}")
-                writer.info(f"wrote {out_dir}/trace.json (open in ui.perfetto.dev) and {out_dir}/timeline.png")
-        msg = ledger.error()
-        if msg:
-            raise _everywhere(DataError, msg)  # every rank knows it: printed once
-        if step == start_step + 1:  # what each rank holds (frozen groups show here), printed by the reporter
-            lines = [None] * world
-            dist.all_gather_object(lines, memory_summary(engine, clipper.inner, rank, stage))
-            for line in lines:
-                writer.info(line)
-        if eval_due(step, cfg.train.eval_every, cfg.train.steps):  # before the save: a resume continues after it
-            last_eval = evaluate(step) or last_eval
-        if step == end or (cfg.train.save_every and step % cfg.train.save_every == 0):
-            checkpoint.save(engine, ckpt_dir, step, {"bad_samples": ledger.count, "data": ledger.state_dict()},
-                            layer_names, parts, keep=cfg.train.keep_checkpoints, layout=layout)
-    writer.close()
-    dist.barrier()
-    return {"step": step, "eval": last_eval, "bad_samples": ledger.count}
+        return {"step": step, "loss": loss, **lr_record(lr_now, self.trainable, self.cfg.optim.lr),
+                "samples_per_sec": self.topo.batch_size / dt, **self.clipper.record(), "step_time": dt,
+                "loader_wait": wait, "loader_wait_frac": wait / dt, "bad_samples": self.ledger.count, **stage_fields}
+
+    def gather_step_stats(self, lrs: list) -> tuple:
+        """(world x fields tensor of every rank's step counters, the bad-file reports new to the run)."""
+        from mmpipe.pipeline.instrument import FIELDS
+        timings = []
+        if self.runner.clock is not None:  # the norm all-reduce in the optimizer step waits for other stages: idle
+            timings = list(self.runner.timings)
+            w = min(self.clipper.wait_seconds, timings[FIELDS.index("opt")])
+            timings[FIELDS.index("opt")] -= w
+            timings[FIELDS.index("comm")] += w
+        bad = self.data_stats
+        reports = self.ledger.unknown(bad.reports)
+        mine = torch.tensor([len(reports), bad.wait, bad.drawn] + lrs + timings, dtype=torch.float64,
+                            device=self.engine.device)  # NCCL gathers device tensors only
+        everyone = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(everyone, mine)
+        stats = torch.stack(everyone).cpu()
+        if stats[:, 0].sum() > 0:  # new bad files somewhere: merge every rank's, in rank order
+            per_rank = [None] * self.world
+            dist.all_gather_object(per_rank, reports)
+            reports = [r for rr in per_rank for r in rr]
+        bad.reset()
+        return stats, reports
+
+    def write_trace(self) -> None:
+        if self.runner.clock is None:
+            return
+        from mmpipe.pipeline.instrument import write_timeline_png, write_trace
+        events = [None] * self.world
+        dist.all_gather_object(events, (self.runner.clock.events, self.trace_offset))
+        self.runner.clock.events = []
+        if self.is_reporter:
+            coords = [self.topo.coords(r) for r in range(self.world)]
+            first, last = self.cfg.log.trace
+            write_trace(os.path.join(self.out_dir, "trace.json"), events, coords)
+            write_timeline_png(os.path.join(self.out_dir, "timeline.png"), events, coords,
+                               f"steps {first}-{last}, {self.topo.describe()}")
+            self.writer.info(f"wrote {self.out_dir}/trace.json (open in ui.perfetto.dev) and "
+                             f"{self.out_dir}/timeline.png")
+
+    def log_memory(self) -> None:
+        """What each rank holds (frozen groups show here), printed by the reporter after the first step."""
+        lines = [None] * self.world
+        dist.all_gather_object(lines, memory_summary(self.engine, self.clipper.inner, self.rank, self.stage))
+        for line in lines:
+            self.writer.info(line)
+
+    # ---- evaluate and save -----------------------------------------------------------------------
+    def evaluate(self, step: int) -> Optional[dict]:
+        from mmpipe.data.loader import ImageTextDataset, eval_batches
+        from mmpipe.evaluate import retrieval_metrics
+        cfg, val = self.cfg, self.val_samples
+        if not val:
+            return None
+        idx, n_real = eval_batches(val, self.topo.micro_batch_size)
+
+        def val_batches():
+            if self.reads_data:
+                ds = ImageTextDataset(val, self.image_size, decode_size=cfg.data.decode_size)
+                # separate counters: val samples must not count against the training set's bad
+                # fraction, nor their decode time as training loader wait
+                return list(_as_pipe_batches((self.collate([ds[i] for i in mb]) for mb in idx), DataStats()))
+            return [(None, LABEL_PLACEHOLDER)] * len(idx) if self.topo.is_last_stage(self.rank) else None
+
+        batches = agree(self.rank, val_batches)  # a val set that cannot be read stops every stage alike
+        feats = self.runner.features(batches, len(idx))
+        if feats is None or not self.is_reporter:
+            return None
+        feats = feats[:n_real]
+        d = feats.shape[1] // 2
+        captions = [s.text for s in val[:n_real]]  # pairs sharing a caption are correct matches too
+        record = {"step": step, **retrieval_metrics(feats[:, :d], feats[:, d:], captions=captions)}
+        self.writer.log_eval(record)
+        return record
+
+    def save(self, step: int) -> None:
+        checkpoint.save(self.engine, self.ckpt_dir, step, {"bad_samples": self.ledger.count,
+                                                           "data": self.ledger.state_dict()},
+                        self.layer_names, self.parts, keep=self.cfg.train.keep_checkpoints, layout=self.layout)

@@ -11,10 +11,13 @@ builds only its own (see ``mmpipe.pipeline``). Either way a part's initial weigh
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
-from mmpipe.config import ModelConfig
+from mmpipe.config import ModelConfig, RunConfig
+from mmpipe.errors import ConfigError
 from mmpipe.models import hf
 from mmpipe.models.common import part_seed
 from mmpipe.models.text import TextSpec
@@ -185,3 +188,37 @@ def vision_image_size(cfg) -> int:
     """The image tower's input size (from a pretrained config if there is one), without building
     the text spec (which needs the tokenizer)."""
     return VisionSpec(cfg.vision, cfg.pretrained).image_size
+
+
+# ---- text-tower fields a run config may leave to its tokenizer -------------------------------------
+def pretrained_text_dir(cfg: RunConfig) -> tuple[Optional[str], Optional[str]]:
+    """(config key, directory) the text tower's weights come from, or (None, None)."""
+    if cfg.model.text.pretrained:
+        return "model.text.pretrained", cfg.model.text.pretrained
+    if cfg.model.pretrained:
+        return "model.pretrained", cfg.model.pretrained
+    return None, None
+
+
+def fill_text_fields(cfg: RunConfig, num_tokens: int, eos: int) -> None:
+    """Text-tower fields a config may leave to the tokenizer. With pretrained text weights the
+    tokenizer must fit their vocabulary, and pooling reads the EOS of the tokenizer actually used."""
+    t = cfg.model.text
+    key, weights_dir = pretrained_text_dir(cfg)
+    if weights_dir:
+        from mmpipe.models import hf
+        c = hf.load_hf_config(weights_dir, key)
+        c = getattr(c, "text_config", c)
+        if num_tokens > c.vocab_size:
+            raise ConfigError(f"the tokenizer has {num_tokens} tokens but the text weights in {key}={weights_dir} "
+                              f"embed {c.vocab_size}: it is not their tokenizer; set data.tokenizer to the one they "
+                              "were trained with")
+    else:
+        if t.vocab_size is None:
+            t.vocab_size = num_tokens
+        elif t.vocab_size < num_tokens:
+            raise ConfigError(f"model.text.vocab_size={t.vocab_size} is smaller than the tokenizer's {num_tokens} tokens")
+        if t.max_position_embeddings is None:
+            t.max_position_embeddings = max(cfg.data.max_length, 16)
+    if t.eos_token_id is None:
+        t.eos_token_id = eos
