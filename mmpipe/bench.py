@@ -218,16 +218,82 @@ def _has_simplejpeg() -> bool:
     return loader.simplejpeg is not None
 
 
-def bench_balance(args) -> int:
-    """Samples/s of every placement on an image-heavy and a text-heavy dual encoder (P = 2, 1 thread
-    per rank), against the single-process baseline (1 thread, same model and batch), with the
-    simulator's prediction beside each measurement."""
+def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: str, art: str) -> tuple:
+    """One model of ``bench balance``: every placement and the single process, best of the rounds.
+    Returns (markdown table, {variant: step seconds})."""
     import json
 
     from mmpipe.config import load_config
     from mmpipe.data.cache import prepare
+    from mmpipe.plan import measured_from_run, plan_all, predict, single_process_time, write_plan_png
+    cfg = load_config(config, extra)
+    from mmpipe.models.clip import vision_image_size
+    size = vision_image_size(cfg.model)
+    cache = os.path.join(tmp, f"cache{size}")
+    if not os.path.isdir(cache):
+        prepare(info["train"], cache, size, cfg.data.max_length, vocab_size=cfg.data.tokenizer_vocab_size,
+                workers=2, progress=False)
+    common = [f"data.cache={cache}", "data.train=null", "data.val=null", f"train.steps={args.steps}"] + extra
+    # a fresh profile (also cached for the runs' own placement decisions), taken next to the runs
+    plan = plan_all(load_config(config, extra + common), 2, threads=1, refresh=True, repeats=9,
+                    log=lambda s: print(f"[bench] {s}", flush=True))
+    M = plan["micro_batches"]
+    batch = cfg.train.batch_size
+    placements = ["modality", "parameters", "uniform", "balanced", "auto"] if not extra else ["modality", "parameters", "auto"]
+    slug = re.sub(r"\W+", "_", title).strip("_")
+    best: dict = {}  # variant -> (step time, run dir): best of the rounds, as in bench data
+    for rnd in range(args.rounds):
+        for pl in ["single"] + placements:
+            print(f"[bench] {title}: {pl} (round {rnd + 1}/{args.rounds}) ...", flush=True)
+            out = os.path.join(tmp, f"{slug}_{pl}_{rnd}")
+            if pl == "single":
+                launch(1, config, common + ["parallel.pipeline_stages=1"], out)
+                st = statistics.median(r["step_time"] for r in _steps(out, args.warmup))
+            else:
+                sets = common + ["parallel.pipeline_stages=2", f"parallel.placement={pl}"]
+                if pl == "auto" and not extra:
+                    sets.append(f"log.trace=[{args.steps - 1},{args.steps}]")
+                launch(2, config, sets, out)
+                st = measured_from_run(out, skip=args.warmup)["step_time"]
+            if pl not in best or st < best[pl][0]:
+                best[pl] = (st, out)
+    single = best["single"][0]
+    rows, measured = [], {}
+    for pl in placements:
+        out = best[pl][1]
+        meas = measured_from_run(out, skip=args.warmup)
+        with open(os.path.join(out, "plan.json")) as fh:
+            parts = json.load(fh)["parts"]
+        sim = predict(plan["profile"], parts, M)
+        measured[pl] = meas["step_time"]
+        rows.append((pl, parts, meas, sim))
+        if pl == "auto" and not extra:
+            for f in ("trace.json", "timeline.png"):
+                if os.path.isfile(os.path.join(out, f)):
+                    shutil.copy(os.path.join(out, f), os.path.join(art, f"balance_{slug}_auto_{f}"))
+    write_plan_png(os.path.join(art, f"balance_{slug}.png"), plan, measured)
+    mod = measured["modality"]
+    lines = [f"**{title}** ({', '.join(extra) or 'all trainable'}; predicted single process "
+             f"{1e3 * single_process_time(plan['profile'], M):.0f} ms, measured {1e3 * single:.0f} ms per step)", "",
+             "| placement | stage sizes | samples/s | vs single process | vs modality | step ms predicted / measured "
+             "| error | idle per stage predicted / measured |", "|---|---|---|---|---|---|---|---|"]
+    lines.append(f"| single process, 1 thread | 1 stage | {batch / single:.1f} | 1.00x | | | | |")
+    for pl, parts, meas, sim in rows:
+        st = meas["step_time"]
+        idle = ", ".join(f"{p:.0%} / {m:.0%}" for p, m in zip(sim.idle_frac, meas["idle_frac"]))
+        sizes = "+".join(str(b - a) for a, b in zip(parts, parts[1:]))
+        lines.append(f"| {pl} | {sizes} | {batch / st:.1f} | {single / st:.2f}x | {mod / st:.2f}x | "
+                     f"{1e3 * sim.step_time:.0f} / {1e3 * st:.0f} | {100 * (sim.step_time / st - 1):+.0f}% | {idle} |")
+    table = "\n".join(lines)
+    print(table, flush=True)
+    return table, {pl: meas["step_time"] for pl, _, meas, _ in rows} | {"single": single}
+
+
+def bench_balance(args) -> int:
+    """Samples/s of every placement on an image-heavy and a text-heavy dual encoder (P = 2, 1 thread
+    per rank), against the single-process baseline (1 thread, same model and batch), with the
+    simulator's prediction beside each measurement."""
     from mmpipe.data.synth import synth
-    from mmpipe.plan import measured_from_run, plan_all, single_process_time, write_plan_png
     tmp = tempfile.mkdtemp(prefix="mmpipe-bench-balance-")
     os.environ["OMP_NUM_THREADS"] = "1"  # every rank (and the baseline) computes on one thread
     print(f"[bench] synthetic data and caches in {tmp} ...", flush=True)
@@ -241,69 +307,8 @@ def bench_balance(args) -> int:
     os.makedirs(art, exist_ok=True)
     sections, summary = [], {}
     for title, config, extra in models:
-        cfg = load_config(config, extra)
-        from mmpipe.models.clip import vision_image_size
-        size = vision_image_size(cfg.model)
-        cache = os.path.join(tmp, f"cache{size}")
-        if not os.path.isdir(cache):
-            prepare(info["train"], cache, size, cfg.data.max_length, vocab_size=cfg.data.tokenizer_vocab_size,
-                    workers=2, progress=False)
-        common = [f"data.cache={cache}", "data.train=null", "data.val=null", f"train.steps={args.steps}"] + extra
-        # a fresh profile (also cached for the runs' own placement decisions), taken next to the runs
-        plan = plan_all(load_config(config, extra + common), 2, threads=1, refresh=True, repeats=9,
-                        log=lambda s: print(f"[bench] {s}", flush=True))
-        M = plan["micro_batches"]
-        batch = cfg.train.batch_size
-        placements = ["modality", "parameters", "uniform", "balanced", "auto"] if not extra else ["modality", "parameters", "auto"]
-        slug = re.sub(r"\W+", "_", title).strip("_")
-        best: dict = {}  # variant -> (step time, run dir): best of the rounds, as in bench data
-        for rnd in range(args.rounds):
-            for pl in ["single"] + placements:
-                print(f"[bench] {title}: {pl} (round {rnd + 1}/{args.rounds}) ...", flush=True)
-                out = os.path.join(tmp, f"{slug}_{pl}_{rnd}")
-                if pl == "single":
-                    launch(1, config, common + ["parallel.pipeline_stages=1"], out)
-                    st = statistics.median(r["step_time"] for r in _steps(out, args.warmup))
-                else:
-                    sets = common + ["parallel.pipeline_stages=2", f"parallel.placement={pl}"]
-                    if pl == "auto" and not extra:
-                        sets.append(f"log.trace=[{args.steps - 1},{args.steps}]")
-                    launch(2, config, sets, out)
-                    st = measured_from_run(out, skip=args.warmup)["step_time"]
-                if pl not in best or st < best[pl][0]:
-                    best[pl] = (st, out)
-        single = best["single"][0]
-        rows, measured = [], {}
-        from mmpipe.plan import predict
-        for pl in placements:
-            out = best[pl][1]
-            meas = measured_from_run(out, skip=args.warmup)
-            with open(os.path.join(out, "plan.json")) as fh:
-                parts = json.load(fh)["parts"]
-            sim = predict(plan["profile"], parts, M)
-            measured[pl] = meas["step_time"]
-            rows.append((pl, parts, meas, sim))
-            if pl == "auto" and not extra:
-                for f in ("trace.json", "timeline.png"):
-                    if os.path.isfile(os.path.join(out, f)):
-                        shutil.copy(os.path.join(out, f), os.path.join(art, f"balance_{slug}_auto_{f}"))
-        write_plan_png(os.path.join(art, f"balance_{slug}.png"), plan, measured)
-        mod = measured["modality"]
-        lines = [f"**{title}** ({', '.join(extra) or 'all trainable'}; predicted single process "
-                 f"{1e3 * single_process_time(plan['profile'], M):.0f} ms, measured {1e3 * single:.0f} ms per step)", "",
-                 "| placement | stage sizes | samples/s | vs single process | vs modality | step ms predicted / measured "
-                 "| error | idle per stage predicted / measured |", "|---|---|---|---|---|---|---|---|"]
-        lines.append(f"| single process, 1 thread | 1 stage | {batch / single:.1f} | 1.00x | | | | |")
-        for pl, parts, meas, sim in rows:
-            st = meas["step_time"]
-            idle = ", ".join(f"{p:.0%} / {m:.0%}" for p, m in zip(sim.idle_frac, meas["idle_frac"]))
-            sizes = "+".join(str(b - a) for a, b in zip(parts, parts[1:]))
-            lines.append(f"| {pl} | {sizes} | {batch / st:.1f} | {single / st:.2f}x | {mod / st:.2f}x | "
-                         f"{1e3 * sim.step_time:.0f} / {1e3 * st:.0f} | {100 * (sim.step_time / st - 1):+.0f}% | {idle} |")
-        table = "\n".join(lines)
-        print(table, flush=True)
+        table, summary[title] = _balance_model(args, title, config, extra, info, tmp, art)
         sections.append(table)
-        summary[title] = {pl: meas["step_time"] for pl, _, meas, _ in rows} | {"single": single}
     table = "\n\n".join(sections)
     s = summary["image-heavy"]
     notes = (f"2 ranks x 1 thread (OMP_NUM_THREADS=1), {args.steps} steps per run, median step after the first "

@@ -61,6 +61,35 @@ def resolve(cfg: RunConfig, world_size: int) -> tuple[dict, Topology]:
     ds = copy.deepcopy(load_json(path)) if path else {}
     where = path or "generated DeepSpeed config"
 
+    _adopt(ds, cfg, where, origin)
+    if acc:  # offload / ZeRO-3 settings: into the JSON, once the ZeRO stage is known
+        acc.apply_to_json(ds, where, cfg)
+
+    from mmpipe.config import validate
+    try:
+        validate(cfg)  # adopted values must be valid too (e.g. ZeRO-3 with a pipeline)
+        topo = Topology.from_config(cfg, world_size)
+        acc.check_accumulation(cfg, topo)
+    except ConfigError as e:
+        raise acc.explain(e) from None
+
+    gas = _get(ds, "gradient_accumulation_steps")
+    if gas is not _MISSING and gas != AUTO and gas != topo.accumulation_steps:
+        raise ConfigError(
+            f"{where}: gradient_accumulation_steps={gas} but train.batch_size={cfg.train.batch_size} / "
+            f"(micro_batch_size={cfg.parallel.micro_batch_size} x data_parallel={topo.data_parallel}) = "
+            f"{topo.accumulation_steps}; write \"auto\"")
+
+    _fill(ds, cfg, topo)
+    leftovers = [k for k, v in _walk(ds) if v == AUTO]
+    if leftovers:
+        raise ConfigError(f"{where}: mmpipe cannot fill \"auto\" for {', '.join(leftovers)}; give a value")
+    acc.log()
+    return ds, topo
+
+
+def _adopt(ds: dict, cfg: RunConfig, where: str, origin: dict) -> None:
+    """Concrete JSON values into the run config (a key the run config set explicitly must agree)."""
     for ds_key, key in LINKS:
         v = _get(ds, ds_key)
         if v is _MISSING or v == AUTO:
@@ -90,25 +119,10 @@ def resolve(cfg: RunConfig, world_size: int) -> tuple[dict, Topology]:
         if "optim.max_grad_norm" in cfg.explicit and cfg.optim.max_grad_norm != clip:
             _conflict(where, "gradient_clipping", clip, "optim.max_grad_norm", cfg.optim.max_grad_norm, origin)
         cfg.optim.max_grad_norm = float(clip)
-    if acc:  # offload / ZeRO-3 settings: into the JSON, once the ZeRO stage is known
-        acc.apply_to_json(ds, where, cfg)
 
-    from mmpipe.config import validate
-    try:
-        validate(cfg)  # adopted values must be valid too (e.g. ZeRO-3 with a pipeline)
-        topo = Topology.from_config(cfg, world_size)
-        acc.check_accumulation(cfg, topo)
-    except ConfigError as e:
-        raise acc.explain(e) from None
 
-    gas = _get(ds, "gradient_accumulation_steps")
-    if gas is not _MISSING and gas != AUTO and gas != topo.accumulation_steps:
-        raise ConfigError(
-            f"{where}: gradient_accumulation_steps={gas} but train.batch_size={cfg.train.batch_size} / "
-            f"(micro_batch_size={cfg.parallel.micro_batch_size} x data_parallel={topo.data_parallel}) = "
-            f"{topo.accumulation_steps}; write \"auto\"")
-
-    # fill
+def _fill(ds: dict, cfg: RunConfig, topo: Topology) -> None:
+    """The JSON's batch, clipping, ZeRO, precision and optimizer entries from the resolved run config."""
     ds["train_batch_size"] = cfg.train.batch_size
     ds["train_micro_batch_size_per_gpu"] = cfg.parallel.micro_batch_size
     ds["gradient_accumulation_steps"] = topo.accumulation_steps
@@ -140,11 +154,6 @@ def resolve(cfg: RunConfig, world_size: int) -> tuple[dict, Topology]:
                 params[name] = cfg.get(key)
     ds.setdefault("steps_per_print", 10 ** 9)  # mmpipe logs itself
     ds.setdefault("wall_clock_breakdown", False)
-    leftovers = [k for k, v in _walk(ds) if v == AUTO]
-    if leftovers:
-        raise ConfigError(f"{where}: mmpipe cannot fill \"auto\" for {', '.join(leftovers)}; give a value")
-    acc.log()
-    return ds, topo
 
 
 def _walk(d, prefix=""):

@@ -67,23 +67,12 @@ def _work(chunk: list) -> list:
 
 
 # ---- prepare -----------------------------------------------------------------------------------
-def prepare(manifest: str, out: str, size: int, max_length: int, tokenizer: Optional[str] = None,
-            vocab_size: int = 2000, workers: int = 2, chunk: int = 32, max_items: Optional[int] = None,
-            progress: bool = True) -> dict:
-    """Build (or continue building) the cache. Returns counts: done now, ok, bad, remaining."""
-    from multiprocessing import get_context
-
-    from tqdm import tqdm
-
-    from mmpipe.data.manifest import read_manifest
+def _open_or_start(out: str, samples: list, fingerprint: dict, tokenizer: Optional[str], vocab_size: int) -> dict:
+    """The cache's meta: read back when the build is continued (it must be the same build), else
+    the build started: tokenizer, token ids and lengths written, image and status files allocated."""
     from mmpipe.data.tokenizer import load_tokenizer, train_tokenizer
-
-    samples = read_manifest(manifest, "--manifest")
-    n = len(samples)
-    os.makedirs(out, exist_ok=True)
+    n, size, max_length = fingerprint["n"], fingerprint["size"], fingerprint["max_length"]
     meta_path = os.path.join(out, "meta.json")
-    fingerprint = {"version": VERSION, "manifest": os.path.abspath(manifest), "manifest_sha1": _sha1_file(manifest),
-                   "n": n, "size": size, "max_length": max_length}
     tok_dir = os.path.join(out, "tokenizer")
     if os.path.isfile(meta_path):
         with open(meta_path) as fh:
@@ -112,7 +101,26 @@ def prepare(manifest: str, out: str, size: int, max_length: int, tokenizer: Opti
         open(os.path.join(out, "bad.jsonl"), "w").close()
         meta = {**fingerprint, "tokenizer": tokenizer, "tokenizer_sha1": tokenizer_digest(tok), "complete": False}
         _write_json(meta_path, meta)
+    return meta
 
+
+def prepare(manifest: str, out: str, size: int, max_length: int, tokenizer: Optional[str] = None,
+            vocab_size: int = 2000, workers: int = 2, chunk: int = 32, max_items: Optional[int] = None,
+            progress: bool = True) -> dict:
+    """Build (or continue building) the cache. Returns counts: done now, ok, bad, remaining."""
+    from multiprocessing import get_context
+
+    from tqdm import tqdm
+
+    from mmpipe.data.manifest import read_manifest
+
+    samples = read_manifest(manifest, "--manifest")
+    n = len(samples)
+    os.makedirs(out, exist_ok=True)
+    meta_path = os.path.join(out, "meta.json")
+    fingerprint = {"version": VERSION, "manifest": os.path.abspath(manifest), "manifest_sha1": _sha1_file(manifest),
+                   "n": n, "size": size, "max_length": max_length}
+    meta = _open_or_start(out, samples, fingerprint, tokenizer, vocab_size)
     status = np.memmap(os.path.join(out, "status.u8"), dtype=np.uint8, mode="r+", shape=(n,))
     todo = np.flatnonzero(status == TODO)
     if max_items is not None:
