@@ -1,5 +1,5 @@
 """mmpipe: pipeline-parallel training of image+text models on DeepSpeed."""
-__version__ = "0.1.0"
+from mmpipe._version import __version__  # noqa: E402
 
 from mmpipe.config import load_config  # noqa: E402
 from mmpipe.errors import ConfigError, DataError, MmpipeError  # noqa: E402
@@ -11,4 +11,10 @@ def build_model(config, seed=None):
     return _build(config, seed)
 
 
-__all__ = ["load_config", "build_model", "ConfigError", "DataError", "MmpipeError", "__version__"]
+def load_weights(path, step=None):
+    """The plain model's state dict from a run directory or checkpoint of any layout (no engine)."""
+    from mmpipe.checkpoint import load_weights as _load
+    return _load(path, step)
+
+
+__all__ = ["load_config", "build_model", "load_weights", "ConfigError", "DataError", "MmpipeError", "__version__"]

@@ -18,7 +18,7 @@ from mmpipe.errors import MmpipeError
 from mmpipe.pipeline.layers import plain_state_key
 
 LAYERS_FILE = "mmpipe_layers.json"
-LAYOUT_FILE = "mmpipe_layout.json"
+RECORD_FILE = "mmpipe_checkpoint.json"  # self-describing: family, model config, layout, step, data, versions
 
 
 def layout_record(topo, cfg, layer_names: Optional[list], parts: Optional[list]) -> dict:
@@ -30,16 +30,33 @@ def layout_record(topo, cfg, layer_names: Optional[list], parts: Optional[list])
             "stages": stage_lists(layer_names, parts) if layer_names is not None else None}
 
 
+def run_record(cfg, layout: dict) -> dict:
+    """What every checkpoint of a run records besides its step and data position: the model family,
+    the resolved model config, the layout (stages, topology) and the versions that wrote it."""
+    import deepspeed
+    import transformers
+
+    from mmpipe._version import __version__
+    return {"format": 1, "family": cfg.model.type, "model": cfg.to_dict()["model"], "layout": layout,
+            "versions": {"mmpipe": __version__, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                         "transformers": transformers.__version__}}
+
+
+def read_record(tag_dir: str) -> Optional[dict]:
+    path = os.path.join(tag_dir, RECORD_FILE)
+    if not os.path.isfile(path):
+        return None  # written by an mmpipe before the record existed
+    with open(path) as fh:
+        return json.load(fh)
+
+
 def saved_layout(root: str) -> Optional[dict]:
-    """The layout record of the latest checkpoint in ``root``, if it has one."""
+    """The layout of the latest checkpoint in ``root``, if it records one."""
     latest = os.path.join(root, "latest")
     if not os.path.isfile(latest):
         return None
-    path = os.path.join(root, open(latest).read().strip(), LAYOUT_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as fh:
-        return json.load(fh)
+    record = read_record(os.path.join(root, open(latest).read().strip()))
+    return record["layout"] if record else None
 
 
 def _describe(layout: dict) -> str:
@@ -83,7 +100,9 @@ def _set_rng_state(state: dict) -> None:
 
 
 def save(engine, root: str, step: int, client_state: dict, layer_names: Optional[list] = None,
-         parts: Optional[list] = None, keep: int = 0, layout: Optional[dict] = None) -> str:
+         parts: Optional[list] = None, keep: int = 0, record: Optional[dict] = None) -> str:
+    """DeepSpeed's checkpoint of ``engine`` at ``step`` plus this rank's RNG, the layer table and
+    (rank 0) the run ``record`` with the step and the client state's data position."""
     tag = tag_for(step)
     engine.save_checkpoint(root, tag=tag, client_state=dict(client_state, step=step))
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -92,9 +111,9 @@ def save(engine, root: str, step: int, client_state: dict, layer_names: Optional
     if rank == 0 and layer_names is not None:
         with open(os.path.join(d, LAYERS_FILE), "w") as fh:
             json.dump({"layers": layer_names, "parts": parts}, fh)
-    if rank == 0 and layout is not None:
-        with open(os.path.join(d, LAYOUT_FILE), "w") as fh:
-            json.dump(layout, fh)
+    if rank == 0 and record is not None:
+        with open(os.path.join(d, RECORD_FILE), "w") as fh:
+            json.dump({**record, "step": step, "data": client_state.get("data")}, fh, indent=1)
     if dist.is_initialized():
         dist.barrier()
     if rank == 0 and keep > 0:
@@ -109,10 +128,9 @@ def load(engine, root: str, layout: Optional[dict] = None) -> dict:
     restore this rank's RNG. Returns client state."""
     if not os.path.isfile(os.path.join(root, "latest")):
         raise MmpipeError(f"--resume: no checkpoint in {root} (no 'latest' file); run without --resume first")
-    saved = os.path.join(root, open(os.path.join(root, "latest")).read().strip(), LAYOUT_FILE)
-    if layout is not None and os.path.isfile(saved):
-        with open(saved) as fh:
-            check_layout(json.load(fh), layout, os.path.dirname(saved))
+    saved = saved_layout(root)
+    if layout is not None and saved is not None:
+        check_layout(saved, layout, os.path.join(root, latest_tag(root)))
     path, client = engine.load_checkpoint(root, load_lr_scheduler_states=True, load_optimizer_states=True)
     if path is None:
         raise MmpipeError(f"--resume: DeepSpeed could not load the checkpoint in {root}")
@@ -129,6 +147,26 @@ def latest_tag(root: str) -> str:
     if not os.path.isfile(f):
         raise MmpipeError(f"no checkpoint in {root} (no 'latest' file)")
     return open(f).read().strip()
+
+
+def load_weights(path: str, step: Optional[int] = None) -> dict:
+    """The plain model's state dict from a run directory, its ``checkpoints`` directory or one
+    ``global_stepN`` directory, saved in any layout; no DeepSpeed engine. ``step`` picks a
+    checkpoint of a run (default: the latest)."""
+    if os.path.isfile(os.path.join(path, "latest")):
+        root, tag = path, None
+    elif os.path.isdir(os.path.join(path, "checkpoints")):
+        root, tag = os.path.join(path, "checkpoints"), None
+    elif os.path.basename(os.path.normpath(path)).startswith("global_step"):
+        root, tag = os.path.dirname(os.path.normpath(path)), os.path.basename(os.path.normpath(path))
+    else:
+        raise MmpipeError(f"{path}: not a run directory, a checkpoints directory or a global_stepN checkpoint")
+    if step is not None:
+        tag = tag_for(step)
+        if not os.path.isdir(os.path.join(root, tag)):
+            have = sorted(t for t in os.listdir(root) if t.startswith("global_step"))
+            raise MmpipeError(f"{root}: no checkpoint for step {step} (have {', '.join(have) or 'none'})")
+    return load_model_weights(root, tag)
 
 
 def load_model_weights(root: str, tag: Optional[str] = None) -> dict:

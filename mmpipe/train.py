@@ -569,6 +569,7 @@ class Trainer:
         self.clipper = GradClipper(self.engine, self.groups, cfg.optim.max_grad_norm if own_clip else None,
                                    enabled=cfg.log.grad_norm and own_clip)
         self.layout = checkpoint.layout_record(self.topo, cfg, self.layer_names, self.parts)
+        self.record = checkpoint.run_record(cfg, self.layout)
         self.trainable = [g for g in self.groups if not g.frozen]
         self.inner = innermost_optimizer(self.engine.optimizer)
 
@@ -736,4 +737,4 @@ class Trainer:
     def save(self, step: int) -> None:
         checkpoint.save(self.engine, self.ckpt_dir, step, {"bad_samples": self.ledger.count,
                                                            "data": self.ledger.state_dict()},
-                        self.layer_names, self.parts, keep=self.cfg.train.keep_checkpoints, layout=self.layout)
+                        self.layer_names, self.parts, keep=self.cfg.train.keep_checkpoints, record=self.record)

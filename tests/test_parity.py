@@ -124,3 +124,24 @@ def test_bf16_pipeline_trains(runs):
     np.testing.assert_allclose(losses, ref, atol=0.05)  # and tracks fp32 within bf16 tolerance
     with open(os.path.join(out, "ds_config.json")) as fh:
         assert json.load(fh)["bf16"]["enabled"] is True
+
+
+def test_checkpoints_describe_themselves_and_load_without_an_engine(runs):
+    """Every checkpoint records family, model config, layout, step, data position and versions;
+    ``mmpipe.load_weights`` reads any layout's checkpoint from a run dir, a step or a tag dir."""
+    import mmpipe
+    from mmpipe.checkpoint import read_record
+    ref = reference(runs)
+    rec = read_record(os.path.join(ref, "checkpoints", "global_step4"))
+    assert rec["family"] == "clip" and rec["step"] == 4 and rec["model"]["text"]["eos_token_id"] == 3
+    assert rec["layout"]["pipeline_stages"] == 2 and len(rec["layout"]["stages"]) == 2
+    assert rec["data"]["files"] and set(rec["versions"]) == {"mmpipe", "torch", "deepspeed", "transformers"}
+    latest = mmpipe.load_weights(ref)
+    assert_weights_close(latest, _weights(ref, 6), rtol=0, atol=0)
+    assert_weights_close(mmpipe.load_weights(ref, step=4), _weights(ref, 4), rtol=0, atol=0)
+    p1, _ = runs.get("p1", 1, ["parallel.pipeline_stages=1"], "python", flags=["--stop-at", "4"])
+    tag = os.path.join(p1, "checkpoints", "global_step4")
+    assert read_record(tag)["layout"]["pipeline_stages"] == 1
+    assert_weights_close(mmpipe.load_weights(tag), mmpipe.load_weights(ref, step=4))  # P = 1 == P = 2
+    with pytest.raises(mmpipe.MmpipeError, match="no checkpoint for step 5"):
+        mmpipe.load_weights(ref, step=5)
