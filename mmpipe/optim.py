@@ -233,15 +233,10 @@ class GradClipper:
             return
         if not enabled and max_norm is None and all(v is None for v in self.limits.values()):
             return  # nothing to clip and norms not wanted: no hook, no extra collective
-        if type(engine.optimizer).__name__ == "DeepSpeedZeroOptimizer":
+        from mmpipe.parallel.ds_compat import is_zero_optimizer, wrap_zero_step
+        if is_zero_optimizer(engine.optimizer):
             self._zero = engine.optimizer
-            original = self._zero.step
-
-            def step(*args, **kwargs):
-                self._zero_pre_step()
-                return original(*args, **kwargs)
-
-            self._zero.step = step
+            wrap_zero_step(self._zero, self._zero_pre_step)
         else:
             self._handle = self.inner.register_step_pre_hook(self._hook)
 
@@ -252,12 +247,9 @@ class GradClipper:
         return None
 
     def _zero_pre_step(self):
+        from mmpipe.parallel.ds_compat import zero_group_grads
         zo = self._zero
-        named = []
-        for i, group in enumerate(zo.optimizer.param_groups):
-            flat = zo._get_preflattened_grad_partition(i)
-            grads = [flat] if flat is not None else [t for t in (zo.averaged_gradients.get(i) or []) if t is not None]
-            named.append((group.get("name"), grads))
+        named = [(group.get("name"), zero_group_grads(zo, i)) for i, group in enumerate(zo.optimizer.param_groups)]
         self._clip(named, scale=float(getattr(zo, "loss_scale", 1.0) or 1.0))
 
     # -- the arithmetic --------------------------------------------------------------------------

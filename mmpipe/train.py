@@ -147,9 +147,8 @@ class PipelineRunner:
         return loss
 
     def features(self, batches, n_micro: int) -> Optional[torch.Tensor]:
-        # eval_batch() adds every forward output to total_loss, which still holds the training
-        # loss (a scalar): reset it, or the feature tensors cannot be added to it
-        self.engine.total_loss = None
+        from mmpipe.parallel.ds_compat import reset_total_loss
+        reset_total_loss(self.engine)
         out = self.engine.eval_batch(iter(batches) if batches is not None else None, compute_loss=False,
                                      reduce_output=None, bcast_loss=False, num_micro_batches=n_micro)
         if not self.engine.is_last_stage():
@@ -560,7 +559,8 @@ class Trainer:
             self.runner = PlainRunner(self.engine, self.topo)
             self.layer_names, self.parts = None, None
         else:
-            from mmpipe.pipeline.module import fix_recv_buffer_dtype
+            from mmpipe.parallel.ds_compat import check_version, fix_recv_buffer_dtype
+            check_version()
             fix_recv_buffer_dtype(self.engine)
             self.runner = PipelineRunner(self.engine, self.topo, cfg.log.stage_timing)
             self.layer_names, self.parts = model.layer_names, [int(x) for x in model.parts]  # numpy ints

@@ -34,8 +34,8 @@ class StageClock:
         self._pending: list = []
         self.totals = dict.fromkeys(FIELDS, 0.0)
         self._t0 = None
-        table = dict(type(engine)._INSTRUCTION_MAP)
-        engine._INSTRUCTION_MAP = {cls: self._wrap(cls.__name__, fn) for cls, fn in table.items()}
+        from mmpipe.parallel.ds_compat import wrap_instructions
+        wrap_instructions(engine, self._wrap)
 
     def _wrap(self, name: str, fn):
         cat = CATEGORY.get(name, "other")

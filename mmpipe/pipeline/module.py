@@ -109,9 +109,8 @@ class MMPipelineModule(PipelineModule):
         if len(self.mm_parts) != self.num_stages + 1 or self.mm_parts[-1] != len(self._layer_specs):
             raise ValueError(f"parts {self.mm_parts} do not describe {self.num_stages} stages of "
                              f"{len(self._layer_specs)} layers")
-        self.parts = list(self.mm_parts)
-        stage = self._topo.get_coord(self.global_rank).pipe
-        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+        from mmpipe.parallel.ds_compat import set_stage_bounds
+        set_stage_bounds(self, self.mm_parts)
 
     def plain_named_parameters(self):
         """This stage's parameters under the plain model's names (for groups and freezing)."""
@@ -122,21 +121,3 @@ class MMPipelineModule(PipelineModule):
 
     def stage_layer_names(self) -> list[list[str]]:
         return stage_lists(self.layer_names, self.parts)
-
-
-def fix_recv_buffer_dtype(engine) -> None:
-    """Work around DeepSpeed reusing a pipe receive/grad buffer whose dtype is stale.
-
-    ``PipelineEngine._allocate_or_extend_buffers`` keys buffers by position and only checks the
-    element count, so with 3+ stages a buffer that last held int64 token ids can be handed back as
-    the buffer for a float gradient (or the reverse). Reallocate when the dtype differs.
-    """
-    original = engine._allocate_or_extend_buffers
-
-    def allocate(idx, shape, dtype):
-        bufs = engine._grad_layer_buf
-        if idx < len(bufs) and bufs[idx].dtype != dtype:
-            bufs[idx] = engine._allocate_buffer(shape, dtype=dtype, num_buffers=1)[0]
-        return original(idx, shape, dtype)
-
-    engine._allocate_or_extend_buffers = allocate

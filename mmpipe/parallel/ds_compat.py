@@ -1,0 +1,93 @@
+"""Every private DeepSpeed API mmpipe touches, in one place.
+
+Checked on DeepSpeed ``CHECKED`` (CPU accelerator + gloo here; the same code paths under NCCL).
+Each function names the DeepSpeed internals it relies on; ``tests/test_ds_compat.py`` holds one
+test per patch that fails when an installed DeepSpeed no longer has what the patch expects, and
+names the run test that exercises the patch's behaviour.
+
+| patch | DeepSpeed internals | why |
+|---|---|---|
+| ``fix_recv_buffer_dtype`` | ``PipelineEngine._allocate_or_extend_buffers``, ``_grad_layer_buf``, ``_allocate_buffer`` | buffers reused across dtypes with 3+ stages |
+| ``wrap_instructions`` | ``PipelineEngine._INSTRUCTION_MAP`` | the per-instruction stage clock |
+| ``wrap_zero_step``, ``zero_group_grads`` | ``DeepSpeedZeroOptimizer.step``, ``_get_preflattened_grad_partition``, ``averaged_gradients`` | grouped clipping under ZeRO-1/2 |
+| ``reset_total_loss`` | ``PipelineEngine.total_loss`` | eval after a training step |
+| ``set_stage_bounds`` | ``PipelineModule._topo``, ``global_rank``, ``_set_bounds``, ``parts`` | explicit stage boundaries |
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+CHECKED = ("0.16", "0.19.8")  # oldest allowed by setup.py .. newest checked
+
+
+def check_version() -> None:
+    """Warn once when the installed DeepSpeed is newer than the newest one checked."""
+    import deepspeed
+    from packaging.version import Version
+    if Version(deepspeed.__version__.split("+")[0]) > Version(CHECKED[1]):
+        warnings.warn(f"mmpipe's DeepSpeed patches were checked on {CHECKED[0]}..{CHECKED[1]}, not "
+                      f"{deepspeed.__version__}; run tests/test_ds_compat.py", stacklevel=2)
+
+
+def fix_recv_buffer_dtype(engine) -> None:
+    """Work around DeepSpeed reusing a pipe receive/grad buffer whose dtype is stale.
+
+    ``PipelineEngine._allocate_or_extend_buffers`` keys buffers by position and only checks the
+    element count, so with 3+ stages a buffer that last held int64 token ids can be handed back as
+    the buffer for a float gradient (or the reverse). Reallocate when the dtype differs."""
+    original = engine._allocate_or_extend_buffers
+
+    def allocate(idx, shape, dtype):
+        bufs = engine._grad_layer_buf
+        if idx < len(bufs) and bufs[idx].dtype != dtype:
+            bufs[idx] = engine._allocate_buffer(shape, dtype=dtype, num_buffers=1)[0]
+        return original(idx, shape, dtype)
+
+    engine._allocate_or_extend_buffers = allocate
+
+
+def wrap_instructions(engine, wrap: Callable) -> None:
+    """Route every pipeline instruction of ``engine`` through ``wrap(name, fn)`` (the engine
+    dispatches through its class-level ``_INSTRUCTION_MAP``; this instance gets its own copy)."""
+    table = dict(type(engine)._INSTRUCTION_MAP)
+    engine._INSTRUCTION_MAP = {cls: wrap(cls.__name__, fn) for cls, fn in table.items()}
+
+
+def is_zero_optimizer(optimizer) -> bool:
+    return type(optimizer).__name__ == "DeepSpeedZeroOptimizer"
+
+
+def wrap_zero_step(zero_optimizer, before: Callable[[], None]) -> None:
+    """Call ``before()`` at the start of ``DeepSpeedZeroOptimizer.step`` (ZeRO-1/2 step the inner
+    optimizer once per group and build each group's gradient just before it, so a step pre-hook on
+    the inner optimizer would see one group at a time)."""
+    original = zero_optimizer.step
+
+    def step(*args, **kwargs):
+        before()
+        return original(*args, **kwargs)
+
+    zero_optimizer.step = step
+
+
+def zero_group_grads(zero_optimizer, i: int) -> list:
+    """The reduced gradient partition(s) of param group ``i`` of a ``DeepSpeedZeroOptimizer``."""
+    flat = zero_optimizer._get_preflattened_grad_partition(i)
+    if flat is not None:
+        return [flat]
+    return [t for t in (zero_optimizer.averaged_gradients.get(i) or []) if t is not None]
+
+
+def reset_total_loss(engine) -> None:
+    """``eval_batch()`` adds every forward output to ``total_loss``, which still holds the training
+    loss (a scalar) after ``train_batch()``: reset it, or feature tensors cannot be added to it."""
+    engine.total_loss = None
+
+
+def set_stage_bounds(module, parts: list) -> None:
+    """Give a ``PipelineModule`` explicit boundaries (``parts``: P + 1 layer indices) from inside its
+    ``_partition_layers`` override: DeepSpeed has no argument for them."""
+    module.parts = list(parts)
+    stage = module._topo.get_coord(module.global_rank).pipe
+    module._set_bounds(start=module.parts[stage], stop=module.parts[stage + 1])
