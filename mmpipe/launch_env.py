@@ -164,6 +164,12 @@ class AccelerateSettings:
                 continue
             _put(ds, ds_key, value)
             self.adopted.append(f"{ds_key}={json.dumps(value)}")
+        for kind in ("optimizer", "param"):  # Accelerate reads but does not export the nvme paths
+            if _get(ds, f"zero_optimization.offload_{kind}.device") == "nvme" and \
+                    _get(ds, f"zero_optimization.offload_{kind}.nvme_path") in (_MISSING, AUTO, None):
+                raise ConfigError(f"{where}: zero_optimization.offload_{kind}.device=nvme needs "
+                                  f"zero_optimization.offload_{kind}.nvme_path (accelerate launch does not pass the "
+                                  "YAML's nvme path to the ranks); set it in the DeepSpeed JSON")
 
     # -- once the accumulation is known ------------------------------------------------------
     def check_accumulation(self, cfg, topo) -> None:

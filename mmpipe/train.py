@@ -73,6 +73,8 @@ def prepare_tokenizer(cfg: RunConfig, rank: int, source=None):
         check_cache_tokenizer(cfg, tok)
     elif tokenizer_dir(cfg):
         tok = load_tokenizer(tokenizer_dir(cfg), "data.cache tokenizer")
+        if weights_dir:
+            check_cache_tokenizer_fits_weights(cfg.data.cache, tok, weights_key, weights_dir)
     elif weights_dir:
         if not has_tokenizer(weights_dir):
             raise ConfigError(f"{weights_key}={weights_dir} holds pretrained text weights but no tokenizer, and "
@@ -86,6 +88,21 @@ def prepare_tokenizer(cfg: RunConfig, rank: int, source=None):
         tok = load_tokenizer(tok_dir, "tokenizer in the run directory")
     fill_text_fields(cfg, len(tok), eos_id(tok))
     return tok
+
+
+def check_cache_tokenizer_fits_weights(cache: str, tok, weights_key: str, weights_dir: str) -> None:
+    """A cache's token ids were made with its tokenizer: with pretrained text weights it must be theirs."""
+    from mmpipe.data.cache import open_meta, tokenizer_digest
+    from mmpipe.data.tokenizer import has_tokenizer, load_tokenizer
+    meta = open_meta(cache)
+    fix = ("rebuild it with mmpipe data prepare --tokenizer DIR, DIR being the tokenizer the weights were trained "
+           "with")
+    if meta.get("tokenizer") is None:
+        raise ConfigError(f"data.cache={cache} holds ids of a tokenizer trained on the captions, which the pretrained "
+                          f"text weights in {weights_key}={weights_dir} never saw; {fix}")
+    if has_tokenizer(weights_dir) and tokenizer_digest(load_tokenizer(weights_dir, weights_key)) != tokenizer_digest(tok):
+        raise ConfigError(f"data.cache={cache} was built with a tokenizer other than the one in "
+                          f"{weights_key}={weights_dir}; {fix}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,11 +332,15 @@ def lr_fields(inner_optimizer, groups) -> list:
     return [current.get(g.name, float("nan")) for g in groups]
 
 
-def lr_record(per_group: list, groups, base_lr: float) -> dict:
+def lr_record(per_group: list, groups, base_lr: float, ds_scheduler: bool = False) -> dict:
     """``lr.<group>`` for every trainable group, and ``lr``: the schedule applied to ``optim.lr``
-    (the same in every layout, whichever groups the reporting rank holds)."""
+    (the same in every layout, whichever groups the reporting rank holds). Under a DeepSpeed-JSON
+    ``scheduler`` (WarmupLR, ...), which sets one absolute lr on every group, ``lr`` is that lr."""
     out = {f"lr.{g.name}": v for g, v in zip(groups, per_group) if math.isfinite(v)}
-    ratio = next((v / g.lr for g, v in zip(groups, per_group) if math.isfinite(v) and g.lr > 0), None)
+    held = [(g, v) for g, v in zip(groups, per_group) if math.isfinite(v)]
+    if ds_scheduler:
+        return {"lr": held[0][1] if held else 0.0, **out}
+    ratio = next((v / g.lr for g, v in held if g.lr > 0), None)
     return {"lr": base_lr * ratio if ratio is not None else 0.0, **out}
 
 
@@ -656,7 +677,8 @@ class Trainer:
             per_stage = {s: stats[[r for r in range(self.world) if coords[r] == s], 3 + n_lr:].mean(0).tolist()
                          for s in range(P)}
             stage_fields = stage_record(per_stage, P)
-        return {"step": step, "loss": loss, **lr_record(lr_now, self.trainable, self.cfg.optim.lr),
+        lrs = lr_record(lr_now, self.trainable, self.cfg.optim.lr, ds_scheduler="scheduler" in self.ds_cfg)
+        return {"step": step, "loss": loss, **lrs,
                 "samples_per_sec": self.topo.batch_size / dt, **self.clipper.record(), "step_time": dt,
                 "loader_wait": wait, "loader_wait_frac": wait / dt, "bad_samples": self.ledger.count, **stage_fields}
 

@@ -203,6 +203,10 @@ def test_accelerate_offload_goes_into_the_deepspeed_json_for_p1(accel):
     accel(offload_optimizer_device="cpu", zero_stage=2)
     ds, _ = resolve(_cfg("parallel.pipeline_stages=1"), 1)
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    # nvme: Accelerate does not hand the YAML's nvme path to the ranks; without one in the JSON, one line
+    accel(offload_optimizer_device="nvme", zero_stage=2)
+    with pytest.raises(ConfigError, match="offload_optimizer.device=nvme needs zero_optimization.offload_optimizer.nvme_path"):
+        resolve(_cfg("parallel.pipeline_stages=1"), 1)
 
 
 def test_accelerate_launch_honours_mixed_precision_and_zero_stage(tiny_data, tmp_path):

@@ -160,6 +160,31 @@ def test_pretrained_dir_with_a_tokenizer_uses_it_and_pools_at_its_eos(legacy_cli
         fill_text_fields(big, 5000, 3)
 
 
+def test_a_cache_must_hold_the_pretrained_weights_tokenizer_ids(legacy_clip, tiny_data, tmp_path):
+    from mmpipe.data.cache import prepare
+    from mmpipe.train import prepare_tokenizer
+    d = tmp_path / "clip_with_tok"
+    shutil.copytree(legacy_clip["dir"], d)
+    legacy_clip["tok"].save_pretrained(str(d))
+    trained = str(tmp_path / "cache_trained")  # ids of a tokenizer trained on the captions
+    prepare(tiny_data["train"], trained, 32, 16, vocab_size=50, workers=1, progress=False)
+    cfg = mmpipe.load_config(TINY, [f"model.pretrained={d}", f"data.cache={trained}"])
+    with pytest.raises(ConfigError, match="holds ids of a tokenizer trained on the captions"):
+        prepare_tokenizer(cfg, 0)
+    theirs = str(tmp_path / "cache_theirs")  # built with the weights' own tokenizer: accepted
+    prepare(tiny_data["train"], theirs, 32, 16, tokenizer=str(d), workers=1, progress=False)
+    cfg = mmpipe.load_config(TINY, [f"model.pretrained={d}", f"data.cache={theirs}"])
+    assert len(prepare_tokenizer(cfg, 0)) == len(legacy_clip["tok"])
+    from mmpipe.data.manifest import read_manifest
+    from mmpipe.data.tokenizer import train_tokenizer
+    train_tokenizer([s.text for s in read_manifest(tiny_data["train"])], 40, str(tmp_path / "small_tok"))
+    other = str(tmp_path / "cache_other")  # built with another local tokenizer
+    prepare(tiny_data["train"], other, 32, 16, tokenizer=str(tmp_path / "small_tok"), workers=1, progress=False)
+    cfg = mmpipe.load_config(TINY, [f"model.pretrained={d}", f"data.cache={other}"])
+    with pytest.raises(ConfigError, match="was built with a tokenizer other than the one in model.pretrained"):
+        prepare_tokenizer(cfg, 0)
+
+
 # ---- item 6: a contrastive loss needs negatives ------------------------------------------------------------
 def test_micro_batch_of_one_refused_for_contrastive_and_auto_never_picks_it(capsys, tiny_data, tmp_path):
     line = _one_line_error(capsys, ["train"] + _train_argv(tiny_data, tmp_path / "o", "parallel.micro_batch_size=1"))
@@ -226,6 +251,8 @@ def test_lr_record_names_every_group_and_scales_the_base_lr():
     assert rec == {"lr": pytest.approx(5e-4), "lr.vision": 5e-5, "lr.projector": 5e-4, "lr.logit_scale": 5e-4}
     rec = lr_record([math.nan, 5e-4, math.nan], groups, 1e-3)  # a rank that holds only the projector
     assert rec["lr"] == pytest.approx(5e-4) and "lr.vision" not in rec
+    # a DeepSpeed-JSON scheduler (WarmupLR) sets one absolute lr on every group: that is the lr
+    assert lr_record([math.nan, 2e-4, 2e-4], groups, 1e-3, ds_scheduler=True)["lr"] == 2e-4
 
 
 # ---- item 13: more one-line errors ------------------------------------------------------------------------------
