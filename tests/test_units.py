@@ -141,6 +141,49 @@ def test_modality_partition_never_mixes(P):
     assert image_stages >= P - image_stages
 
 
+def _brute_force_segmented(costs, segments, P):
+    """Every split of the layers into P contiguous stages that never mixes segments: the best bottleneck."""
+    import itertools
+    n, best = len(costs), None
+    for cut in itertools.combinations(range(1, n), P - 1):
+        parts = [0, *cut, n]
+        if any(len(set(segments[a:b])) > 1 for a, b in zip(parts, parts[1:])):
+            continue
+        worst = max(sum(costs[a:b]) for a, b in zip(parts, parts[1:]))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_modality_partition_with_k_segments_is_exact(seed):
+    """vision | projector | llm (a VLM's segments): stages never mix segments, each gets at least
+    one, and the slowest stage is as fast as the best of all such splits (brute force)."""
+    import random
+
+    from mmpipe.pipeline.partition import bottleneck, modality_partition
+    rng = random.Random(seed)
+    sizes = [rng.randint(1, 4), rng.randint(1, 2), rng.randint(2, 5)]
+    segments = [t for t, k in zip(("vision", "projector", "llm"), sizes) for _ in range(k)]
+    costs = [rng.randint(1, 9) for _ in segments]
+    for P in range(3, len(costs) + 1):
+        parts = modality_partition(costs, segments, P)
+        assert len(parts) == P + 1 and all(a < b for a, b in zip(parts, parts[1:]))
+        assert all(len(set(segments[a:b])) == 1 for a, b in zip(parts, parts[1:]))
+        assert bottleneck(costs, parts) == _brute_force_segmented(costs, segments, P)
+    # fewer stages than segments: they must mix, and the split is the exact min-max one
+    from mmpipe.pipeline.partition import min_max_partition
+    assert modality_partition(costs, segments, 2) == min_max_partition(costs, 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        modality_partition([1, 1, 1], ["vision", "llm", "vision"], 2)
+
+
+def test_modality_partition_divides_stages_by_cost():
+    from mmpipe.pipeline.partition import modality_partition
+    costs = [3] * 4 + [1] + [3] * 6  # vision 12, projector 1, llm 18 over 5 stages
+    segments = ["vision"] * 4 + ["projector"] + ["llm"] * 6
+    assert modality_partition(costs, segments, 5) == [0, 2, 4, 5, 8, 11]  # 2 + 1 + 2 stages: slowest 9
+
+
 # ---- sampler -----------------------------------------------------------------------------------
 def test_micro_batches_are_layout_independent_and_resumable():
     from mmpipe.data.loader import MicroBatchSampler

@@ -62,32 +62,57 @@ def bottleneck(costs: Sequence[float], parts: Sequence[int]) -> float:
     return max(sum(costs[parts[s]:parts[s + 1]]) for s in range(len(parts) - 1))
 
 
-def modality_partition(costs: Sequence[float], branches: Sequence[str], num_stages: int) -> list[int]:
-    """Stages never mix branches: the image layers (a prefix) get k stages and the text layers
-    (the rest) P-k, with k chosen to minimise the slowest stage; each branch is split exactly.
-    P = 1 puts everything on one stage."""
+def segment_runs(segments: Sequence[str]) -> list[tuple[int, int]]:
+    """(start, stop) of each run of equal segment tags, in order; a tag may not come back later."""
+    runs, seen = [], set()
+    for i, tag in enumerate(segments):
+        if runs and segments[runs[-1][0]] == tag:
+            runs[-1] = (runs[-1][0], i + 1)
+            continue
+        if tag in seen:
+            raise ValueError(f"modality placement needs the layers of each segment to be contiguous ({tag!r} "
+                             "comes back after another segment)")
+        seen.add(tag)
+        runs.append((i, i + 1))
+    return runs
+
+
+def modality_partition(costs: Sequence[float], segments: Sequence[str], num_stages: int) -> list[int]:
+    """Stages never mix segments (e.g. vision | text, or vision | projector | llm): the K contiguous
+    segments share the P stages, each getting at least one, with the counts chosen (exactly, by
+    dynamic programming) to minimise the slowest stage; each segment is split exactly. With fewer
+    stages than segments, stages must mix them: the exact min-max partition over all layers."""
     n = len(costs)
     if num_stages == 1:
         return [0, n]
-    first = list(branches)
-    split = next((i for i, b in enumerate(first) if b != first[0]), n)
-    if any(b == first[0] for b in first[split:]):
-        raise ValueError("modality placement needs the layers of each branch to be contiguous")
-    a, b = list(costs[:split]), list(costs[split:])
-    if not a or not b:
+    runs = segment_runs(segments)
+    K = len(runs)
+    if K == 1 or num_stages < K:
         return min_max_partition(costs, num_stages)
-    best = None
-    for k in range(1, num_stages):
-        if k > len(a) or num_stages - k > len(b):
-            continue
-        pa = min_max_partition(a, k)
-        pb = min_max_partition(b, num_stages - k)
-        score = max(bottleneck(a, pa), bottleneck(b, pb))
-        if best is None or score < best[0]:
-            best = (score, pa[:-1] + [split + x for x in pb])
-    if best is None:
-        raise ValueError(f"cannot place {len(a)} image and {len(b)} text layers on {num_stages} separate stages")
-    return best[1]
+    seg_costs = [list(costs[a:b]) for a, b in runs]
+    # cost[j][k]: bottleneck of segment j split into k stages (None when it has fewer layers than k)
+    cost = [{k: bottleneck(c, min_max_partition(c, k)) for k in range(1, min(len(c), num_stages - K + 1) + 1)}
+            for c in seg_costs]
+    INF = float("inf")
+    best = [[INF] * (num_stages + 1) for _ in range(K + 1)]  # best[j][s]: first j segments on s stages
+    arg = [[0] * (num_stages + 1) for _ in range(K + 1)]
+    best[0][0] = 0.0
+    for j in range(1, K + 1):
+        for s in range(j, num_stages + 1):
+            for k, c in sorted(cost[j - 1].items(), reverse=True):  # ties: more stages to later segments
+                if k <= s and best[j - 1][s - k] < INF and max(best[j - 1][s - k], c) < best[j][s]:
+                    best[j][s], arg[j][s] = max(best[j - 1][s - k], c), k
+    if best[K][num_stages] == INF:
+        raise ValueError(f"cannot place segments of {', '.join(str(b - a) for a, b in runs)} layers on "
+                         f"{num_stages} separate stages")
+    counts, s = [], num_stages
+    for j in range(K, 0, -1):
+        counts.append(arg[j][s])
+        s -= arg[j][s]
+    parts: list = []
+    for (a, _), c, k in zip(runs, seg_costs, reversed(counts)):
+        parts += [a + x for x in min_max_partition(c, k)[:-1]]
+    return parts + [n]
 
 
 def stage_lists(names: Sequence[str], parts: Sequence[int]) -> list[list[str]]:
