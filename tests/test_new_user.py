@@ -65,6 +65,25 @@ def test_stream_bad_fraction_counts_samples_drawn_before_the_resume():
     assert "data.max_bad_fraction=0.05 exceeded: 70 of the 1000 samples drawn so far" in resumed.error()
 
 
+def test_shard_run_resumed_keeps_counting_the_samples_drawn_before(tiny_data, tmp_path):
+    """A real shard stream, stopped at step 2 and resumed to 4: the checkpoint's data position
+    (samples drawn, bad files) carries on from the first invocation instead of restarting at 0."""
+    from mmpipe.checkpoint import read_record
+    from mmpipe.data.manifest import read_manifest
+    from test_data import write_shards
+    good = [(s.image, s.text) for s in read_manifest(tiny_data["train"]) if os.path.isfile(s.image)][:48]
+    write_shards(str(tmp_path / "shards"), good, 12, bad_every=10)  # 4 shards, every 10th sample corrupt
+    argv = _train_argv(tiny_data, tmp_path / "run", f"data.train={tmp_path}/shards/{{00000..00003}}.tar",
+                       "train.steps=4", "data.shuffle_buffer=4", "data.max_bad_fraction=0.5")
+    for flags in (["--stop-at", "2"], ["--resume"]):
+        proc = _python_run(argv + flags)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    first = read_record(str(tmp_path / "run" / "checkpoints" / "global_step2"))["data"]
+    final = read_record(str(tmp_path / "run" / "checkpoints" / "global_step4"))["data"]
+    assert first["drawn"] >= 2 * 16 and final["drawn"] >= first["drawn"] + 2 * 16  # 16 samples a step, plus bad ones
+    assert {p for p, _ in first["files"]} <= {p for p, _ in final["files"]}  # bad files found before still count
+
+
 # ---- item 4: a fresh run into a directory that holds a run -------------------------------------------------
 def test_fresh_run_into_a_used_run_dir_is_refused_and_overwrite_replaces_it(tiny_data, tmp_path, capsys):
     out = tmp_path / "run"
