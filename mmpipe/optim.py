@@ -226,9 +226,7 @@ class GradClipper:
         self._zero = None
         stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
         self.deepspeed_clips = stage >= 2
-        if self.deepspeed_clips:
-            if any(v is not None for v in self.limits.values()):
-                raise ConfigError(f"per-group clipping (optim.groups.*.max_grad_norm) supports ZeRO 0/1, not ZeRO-{stage}")
+        if self.deepspeed_clips:  # per-group limits are refused before this (train.Trainer.validate)
             self.ds_limit = float(engine.gradient_clipping() or 0.0) or None
             return
         if not enabled and max_norm is None and all(v is None for v in self.limits.values()):

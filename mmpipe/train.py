@@ -65,7 +65,7 @@ def prepare_tokenizer(cfg: RunConfig, rank: int, source=None):
     """The run's tokenizer: ``data.tokenizer``, else the cache's, else the text weights' own (a
     pretrained directory's tokenizer files), else one trained on rank 0 from the captions; fills the
     text tower's vocab size and EOS id from it."""
-    from mmpipe.data.source import check_cache_tokenizer, tokenizer_dir
+    from mmpipe.data.source import check_cache_tokenizer, check_cache_tokenizer_fits_weights, tokenizer_dir
     from mmpipe.data.tokenizer import eos_id, has_tokenizer, load_tokenizer, train_tokenizer
     weights_key, weights_dir = pretrained_text_dir(cfg)
     if cfg.data.tokenizer:
@@ -74,7 +74,7 @@ def prepare_tokenizer(cfg: RunConfig, rank: int, source=None):
     elif tokenizer_dir(cfg):
         tok = load_tokenizer(tokenizer_dir(cfg), "data.cache tokenizer")
         if weights_dir:
-            check_cache_tokenizer_fits_weights(cfg.data.cache, tok, weights_key, weights_dir)
+            check_cache_tokenizer_fits_weights(cfg.data.cache, weights_key, weights_dir)
     elif weights_dir:
         if not has_tokenizer(weights_dir):
             raise ConfigError(f"{weights_key}={weights_dir} holds pretrained text weights but no tokenizer, and "
@@ -88,21 +88,6 @@ def prepare_tokenizer(cfg: RunConfig, rank: int, source=None):
         tok = load_tokenizer(tok_dir, "tokenizer in the run directory")
     fill_text_fields(cfg, len(tok), eos_id(tok))
     return tok
-
-
-def check_cache_tokenizer_fits_weights(cache: str, tok, weights_key: str, weights_dir: str) -> None:
-    """A cache's token ids were made with its tokenizer: with pretrained text weights it must be theirs."""
-    from mmpipe.data.cache import open_meta, tokenizer_digest
-    from mmpipe.data.tokenizer import has_tokenizer, load_tokenizer
-    meta = open_meta(cache)
-    fix = ("rebuild it with mmpipe data prepare --tokenizer DIR, DIR being the tokenizer the weights were trained "
-           "with")
-    if meta.get("tokenizer") is None:
-        raise ConfigError(f"data.cache={cache} holds ids of a tokenizer trained on the captions, which the pretrained "
-                          f"text weights in {weights_key}={weights_dir} never saw; {fix}")
-    if has_tokenizer(weights_dir) and tokenizer_digest(load_tokenizer(weights_dir, weights_key)) != tokenizer_digest(tok):
-        raise ConfigError(f"data.cache={cache} was built with a tokenizer other than the one in "
-                          f"{weights_key}={weights_dir}; {fix}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -585,14 +570,15 @@ class Trainer:
             fix_recv_buffer_dtype(self.engine)
             self.runner = PipelineRunner(self.engine, self.topo, cfg.log.stage_timing)
             self.layer_names, self.parts = model.layer_names, [int(x) for x in model.parts]  # numpy ints
-        # ZeRO-2/3 keep reduced gradients in buckets mmpipe does not read (yet): DeepSpeed clips there
-        own_clip = cfg.parallel.zero_stage < 2
-        self.clipper = GradClipper(self.engine, self.groups, cfg.optim.max_grad_norm if own_clip else None,
-                                   enabled=cfg.log.grad_norm and own_clip)
+        # under ZeRO-2/3 DeepSpeed clips (its gradient buckets are not read here); the clipper logs its norm
+        self.clipper = GradClipper(self.engine, self.groups, cfg.optim.max_grad_norm, enabled=cfg.log.grad_norm)
         self.layout = checkpoint.layout_record(self.topo, cfg, self.layer_names, self.parts)
         self.record = checkpoint.run_record(cfg, self.layout)
         self.trainable = [g for g in self.groups if not g.frozen]
         self.inner = innermost_optimizer(self.engine.optimizer)
+        stage_of = [self.topo.coords(r)[0] for r in range(self.world)]
+        self.stage_ranks = [[r for r in range(self.world) if stage_of[r] == s]
+                            for s in range(self.topo.pipeline_stages)]  # per-stage means of the step gather
 
     def restore(self) -> None:
         """The bad-sample record (and, with --resume, weights, optimizer, RNG, step, data position)."""
@@ -673,10 +659,8 @@ class Trainer:
         stage_fields = {}
         if self.runner.clock is not None:
             from mmpipe.pipeline.instrument import stage_record
-            P, coords = self.topo.pipeline_stages, [self.topo.coords(r)[0] for r in range(self.world)]
-            per_stage = {s: stats[[r for r in range(self.world) if coords[r] == s], 3 + n_lr:].mean(0).tolist()
-                         for s in range(P)}
-            stage_fields = stage_record(per_stage, P)
+            per_stage = {s: stats[ranks, 3 + n_lr:].mean(0).tolist() for s, ranks in enumerate(self.stage_ranks)}
+            stage_fields = stage_record(per_stage, self.topo.pipeline_stages)
         lrs = lr_record(lr_now, self.trainable, self.cfg.optim.lr, ds_scheduler="scheduler" in self.ds_cfg)
         return {"step": step, "loss": loss, **lrs,
                 "samples_per_sec": self.topo.batch_size / dt, **self.clipper.record(), "step_time": dt,

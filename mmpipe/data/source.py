@@ -93,6 +93,21 @@ def check_cache_tokenizer(cfg, tok) -> None:
                               "was built with; unset data.tokenizer (the cache's is used) or re-run prepare with it")
 
 
+def check_cache_tokenizer_fits_weights(cache: str, weights_key: str, weights_dir: str) -> None:
+    """A cache's token ids were made with its tokenizer: with pretrained text weights it must be theirs."""
+    from mmpipe.data.cache import open_meta, tokenizer_digest
+    from mmpipe.data.tokenizer import has_tokenizer, load_tokenizer
+    meta = open_meta(cache)
+    fix = "rebuild it with mmpipe data prepare --tokenizer DIR, DIR being the tokenizer the weights were trained with"
+    if meta.get("tokenizer") is None:
+        raise ConfigError(f"data.cache={cache} holds ids of a tokenizer trained on the captions, which the pretrained "
+                          f"text weights in {weights_key}={weights_dir} never saw; {fix}")
+    if has_tokenizer(weights_dir) and \
+            tokenizer_digest(load_tokenizer(weights_dir, weights_key)) != meta["tokenizer_sha1"]:
+        raise ConfigError(f"data.cache={cache} was built with a tokenizer other than the one in "
+                          f"{weights_key}={weights_dir}; {fix}")
+
+
 def train_lengths(source: TrainSource, tok, max_length: int) -> list[int]:
     """Caption token counts per manifest row (for length grouping; the cache stores its own)."""
     enc = tok([s.text for s in source.samples], truncation=True, max_length=max_length)["input_ids"]
