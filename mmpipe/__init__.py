@@ -6,9 +6,11 @@ from mmpipe.errors import ConfigError, DataError, MmpipeError  # noqa: E402
 
 
 def build_model(config, seed=None):
-    """Plain (single-process) model for a run config: ``encode_image``, ``encode_text``, ``forward`` -> loss."""
-    from mmpipe.models import build_model as _build
-    return _build(config, seed)
+    """The plain (single-process) model of a run config's family (``model.type``): an ``nn.Module``
+    whose ``forward(*inputs, *labels)`` is the scalar loss (CLIP: ``encode_image``, ``encode_text``).
+    Fields a config leaves to the tokenizer (e.g. ``model.text.vocab_size``) must be set."""
+    from mmpipe.families import build_family
+    return build_family(config, seed).plain_model()
 
 
 def load_weights(path, step=None):

@@ -225,10 +225,11 @@ def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: 
 
     from mmpipe.config import load_config
     from mmpipe.data.cache import prepare
-    from mmpipe.plan import measured_from_run, plan_all, predict, single_process_time, write_plan_png
+    from mmpipe.plan import measured_from_run, plan_all, single_process_time, write_plan_png
+    from mmpipe.planner import predict
     cfg = load_config(config, extra)
-    from mmpipe.models.clip import vision_image_size
-    size = vision_image_size(cfg.model)
+    from mmpipe.config import family_of
+    size = family_of(cfg).image_size(cfg.model)
     cache = os.path.join(tmp, f"cache{size}")
     if not os.path.isdir(cache):
         prepare(info["train"], cache, size, cfg.data.max_length, vocab_size=cfg.data.tokenizer_vocab_size,

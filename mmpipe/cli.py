@@ -43,11 +43,11 @@ def cmd_data_prepare(args) -> int:
     from mmpipe.config import load_config
     from mmpipe.data.cache import prepare
     cfg = load_config(args.config, args.overrides)  # defaults for whatever the flags leave open
-    from mmpipe.models.clip import vision_image_size
+    from mmpipe.config import family_of
     manifest = args.manifest or cfg.data.train
     if not manifest:
         raise ConfigError("mmpipe data prepare: give --manifest (or a --config with data.train)")
-    size = args.size or cfg.data.decode_size or vision_image_size(cfg.model)
+    size = args.size or cfg.data.decode_size or family_of(cfg).image_size(cfg.model)
     r = prepare(manifest, args.out, size, args.max_length or cfg.data.max_length,
                 tokenizer=args.tokenizer or cfg.data.tokenizer, vocab_size=cfg.data.tokenizer_vocab_size,
                 workers=args.workers, max_items=args.max_items)
@@ -61,13 +61,13 @@ def cmd_data_check(args) -> int:
     from mmpipe.config import load_config
     from mmpipe.data.check import run_check
     from mmpipe.data.shards import is_shard_spec
-    from mmpipe.models.clip import vision_image_size
+    from mmpipe.config import family_of
     cfg = load_config(args.config, args.overrides)
     manifest = args.manifest or cfg.data.train
     if not manifest or is_shard_spec(manifest):
         raise ConfigError("mmpipe data check: give --manifest (a .jsonl/.csv/.tsv manifest), or a --config with one "
                           "as data.train")
-    size = cfg.data.decode_size or vision_image_size(cfg.model)
+    size = cfg.data.decode_size or family_of(cfg).image_size(cfg.model)
     return run_check(manifest, size, cfg.data.max_bad_fraction, args.json, args.workers)
 
 

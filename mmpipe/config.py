@@ -16,55 +16,24 @@ from typing import Any, Dict, Optional, Union
 import yaml
 
 from mmpipe.errors import ConfigError
+from mmpipe.fields import Section, thawed_copy
+from mmpipe.fields import option as _f
 
 
-def _f(default, help: str, **kw):
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+def _model_section(type_name: str = "clip", where: str = "config"):
+    """The ``model:`` dataclass of the family ``model.type`` names (through the registry)."""
+    from mmpipe.families import get_family
+    return get_family(type_name, where).config_class
 
 
-@dataclass
-class VisionConfig:
-    """Image tower. transformers config fields, or a local ``save_pretrained`` directory."""
-    arch: str = _f("clip_vit", "clip_vit (transformers CLIP ViT) or resnet (torchvision)")
-    pretrained: Optional[str] = _f(None, "local save_pretrained dir (CLIPVisionModel / CLIPModel) or resnet weights dir")
-    hidden_size: Optional[int] = _f(None, "transformer width (clip_vit); unset = transformers default")
-    num_hidden_layers: Optional[int] = _f(None, "number of transformer blocks (clip_vit)")
-    num_attention_heads: Optional[int] = _f(None, "attention heads (clip_vit)")
-    intermediate_size: Optional[int] = _f(None, "MLP width (clip_vit)")
-    image_size: Optional[int] = _f(None, "input resolution in pixels (square)")
-    patch_size: Optional[int] = _f(None, "ViT patch size (clip_vit)")
-    variant: str = _f("resnet18", "torchvision variant for arch=resnet: resnet18|resnet34|resnet50")
+def family_of(cfg):
+    """The family class of a run config."""
+    from mmpipe.families import get_family
+    return get_family(cfg.model.type, cfg.source or "config")
 
 
 @dataclass
-class TextConfig:
-    """Text tower. transformers config fields, or a local ``save_pretrained`` directory."""
-    arch: str = _f("clip_text", "clip_text (transformers CLIP text transformer) or bert (transformers BERT)")
-    pretrained: Optional[str] = _f(None, "local save_pretrained dir (CLIPTextModel / CLIPModel / BertModel)")
-    hidden_size: Optional[int] = _f(None, "transformer width; unset = transformers default")
-    num_hidden_layers: Optional[int] = _f(None, "number of transformer blocks")
-    num_attention_heads: Optional[int] = _f(None, "attention heads")
-    intermediate_size: Optional[int] = _f(None, "MLP width")
-    vocab_size: Optional[int] = _f(None, "vocabulary size; unset = the tokenizer's size")
-    max_position_embeddings: Optional[int] = _f(None, "longest sequence the position table holds")
-    pooling: str = _f("auto", "auto (clip_text: EOS token, bert: mean), eos, cls or mean")
-    eos_token_id: Optional[int] = _f(None, "EOS id for eos pooling; unset = the tokenizer's EOS/SEP id")
-
-
-@dataclass
-class ModelConfig:
-    type: str = _f("clip", "model family; clip = dual encoder with symmetric contrastive loss")
-    pretrained: Optional[str] = _f(None, "local transformers CLIPModel directory: loads both towers, projections, temperature")
-    projection_dim: int = _f(512, "width of the shared image-text embedding space")
-    logit_scale_init: float = _f(2.6592, "initial log temperature (CLIP: log(1/0.07))")
-    vision: VisionConfig = field(default_factory=VisionConfig, metadata={"help": "image tower"})
-    text: TextConfig = field(default_factory=TextConfig, metadata={"help": "text tower"})
-
-
-@dataclass
-class DataConfig:
+class DataConfig(Section):
     train: Optional[str] = _f(None, "training manifest: .jsonl ({image, text} per line) or .csv (header image,text)")
     val: Optional[str] = _f(None, "held-out manifest for zero-shot retrieval evaluation")
     tokenizer: Optional[str] = _f(None, "local transformers tokenizer dir; unset = train WordPiece on the captions")
@@ -93,7 +62,7 @@ class DataConfig:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Section):
     pipeline_stages: int = _f(1, "P: pipeline stages; the data-parallel degree is world_size / P")
     placement: str = _f("modality", "modality (stages never mix branches, split between branches by measured cost), "
                         "balanced (boundaries anywhere), auto (whichever the simulator predicts faster), or "
@@ -109,7 +78,7 @@ class ParallelConfig:
 
 
 @dataclass
-class GroupConfig:
+class GroupConfig(Section):
     """A named parameter group: its own lr, weight decay, gradient-norm limit, or frozen."""
     patterns: list = _f([], "regexes matched (re.search) against the plain model's parameter names")
     lr: Optional[float] = _f(None, "learning rate; unset = optim.lr")
@@ -118,20 +87,14 @@ class GroupConfig:
     freeze: bool = _f(False, "no gradients, no optimizer state, excluded from norms")
 
 
-DEFAULT_GROUPS = {
-    "vision": [r"^vision\."],
-    "projector": [r"^visual_projection\.", r"^text_projection\."],
-    "text": [r"^text\."],
-    "logit_scale": [r"^loss\.logit_scale$"],
-}
-
-
-def _default_groups() -> dict:
-    return {name: GroupConfig(patterns=list(p)) for name, p in DEFAULT_GROUPS.items()}
+def default_groups(type_name: str = "clip") -> dict:
+    """The family's default parameter groups (one per segment, plus its special parameters)."""
+    from mmpipe.families import get_family
+    return {name: GroupConfig(patterns=list(p)) for name, p in get_family(type_name).default_groups.items()}
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
     lr: float = _f(5e-4, "peak learning rate (AdamW)")
     weight_decay: float = _f(0.1, "decoupled weight decay; not applied to biases, norms, embeddings, logit_scale")
     betas: list = _f([0.9, 0.98], "AdamW betas")
@@ -140,7 +103,7 @@ class OptimConfig:
     schedule: str = _f("cosine", "cosine or constant after warm-up")
     min_lr_ratio: float = _f(0.0, "final lr as a fraction of the peak (cosine)")
     max_grad_norm: Optional[float] = _f(None, "global gradient-norm clip, applied by mmpipe across all stages/ranks after the group clips (by DeepSpeed under ZeRO-2/3); unset = no clip")
-    groups: Dict[str, GroupConfig] = field(default_factory=_default_groups, metadata={
+    groups: Dict[str, GroupConfig] = field(default_factory=default_groups, metadata={
         "help": "named parameter groups (defaults vision, projector, text, logit_scale); each key: patterns, lr, "
                 "weight_decay, max_grad_norm, freeze"})
     freeze_vision: bool = _f(False, "shortcut: freeze the vision group (open_clip --lock-image, ms-swift freeze_vit)")
@@ -149,7 +112,7 @@ class OptimConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Section):
     steps: int = _f(100, "optimizer steps")
     batch_size: int = _f(32, "global batch = micro_batch_size x accumulation x data-parallel degree")
     precision: str = _f("fp32", "fp32, bf16 or fp16 (fp16 needs a GPU)")
@@ -162,7 +125,7 @@ class TrainConfig:
 
 
 @dataclass
-class LogConfig:
+class LogConfig(Section):
     progress: bool = _f(True, "progress bar on the reporting rank")
     every: int = _f(1, "print a log line every N steps")
     tensorboard: bool = _f(False, "also write TensorBoard events into output_dir/tb")
@@ -175,8 +138,9 @@ class LogConfig:
 
 
 @dataclass
-class RunConfig:
-    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "model definition"})
+class RunConfig(Section):
+    model: Any = field(default_factory=lambda: _model_section()(), metadata={"help": "model definition (its keys "
+                                                                              "depend on model.type)"})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "data sources and loader"})
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "pipeline / data parallel layout"})
     optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "optimizer and schedule"})
@@ -254,7 +218,7 @@ def _hint(key: str, known) -> str:
     return f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"
 
 
-def _build(cls, data: dict, prefix: str, where: str, explicit: set):
+def _build(cls, data: dict, prefix: str, where: str, explicit: set, family: str = "clip"):
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: section '{prefix.rstrip('.') or '<top>'}' must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
@@ -265,13 +229,16 @@ def _build(cls, data: dict, prefix: str, where: str, explicit: set):
         if key not in known:
             raise ConfigError(f"{where}: unknown key '{dotted}'{_hint(str(key), known)}")
         tp = hints[key]
+        if cls is RunConfig and key == "model":
+            tp = _model_section(family, where)
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value or {}, dotted + ".", where, explicit)
+            kwargs[key] = _build(tp, value or {}, dotted + ".", where, explicit, family)
         elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
             vcls = typing.get_args(tp)[1]
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}: {dotted} must be a mapping of name -> settings")
-            merged = {k: dataclasses.asdict(v) for k, v in getattr(cls(), key).items()}  # defaults stay
+            defaults = default_groups(family) if key == "groups" else getattr(cls(), key)
+            merged = {k: dataclasses.asdict(v) for k, v in defaults.items()}  # defaults stay
             for name, sub in value.items():
                 if sub is None:  # `name: null` removes a default group
                     merged.pop(name, None)
@@ -279,7 +246,7 @@ def _build(cls, data: dict, prefix: str, where: str, explicit: set):
                 if not isinstance(sub, dict):
                     raise ConfigError(f"{where}: {dotted}.{name} must be a mapping (patterns, lr, ...), got {sub!r}")
                 merged.setdefault(name, {}).update(sub)
-            kwargs[key] = {name: _build(vcls, sub, f"{dotted}.{name}.", where, explicit)
+            kwargs[key] = {name: _build(vcls, sub, f"{dotted}.{name}.", where, explicit, family)
                            for name, sub in merged.items()}
             explicit -= {f"{dotted}.{n}.{k}" for n, sub in merged.items() for k in sub
                          if not (isinstance(value.get(n), dict) and k in value[n])}
@@ -326,7 +293,15 @@ def load_config(path: Optional[str] = None, overrides=()) -> RunConfig:
                 raise ConfigError(f"--set {item}: '{part}' is not a section")
         node[parts[-1]] = value
     explicit: set = set()
-    cfg = _build(RunConfig, data, "", where + (" (+ --set)" if overrides else ""), explicit)
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    family = model.get("type", "clip")
+    if not isinstance(family, str):
+        raise ConfigError(f"{where}: model.type must be a string naming a model family, got {family!r}")
+    if isinstance(data.get("optim", {}), dict):  # the family's default groups, even when optim is absent
+        data.setdefault("optim", {})
+        if isinstance(data["optim"].get("groups", {}), dict):
+            data["optim"].setdefault("groups", {})
+    cfg = _build(RunConfig, data, "", where + (" (+ --set)" if overrides else ""), explicit, family)
     cfg.explicit = frozenset(explicit)
     cfg.source = path
     # paths in the config are relative to the working directory, as with deepspeed/accelerate/torchrun
@@ -334,15 +309,7 @@ def load_config(path: Optional[str] = None, overrides=()) -> RunConfig:
     return cfg
 
 
-# the smallest micro-batch a family's loss is defined on (contrastive: a sample needs negatives)
-MIN_MICRO_BATCH = {"clip": 2}
-
 _CHOICES = {
-    "model.type": ("clip",),
-    "model.vision.arch": ("clip_vit", "resnet"),
-    "model.vision.variant": ("resnet18", "resnet34", "resnet50"),
-    "model.text.arch": ("clip_text", "bert"),
-    "model.text.pooling": ("auto", "eos", "cls", "mean"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "optim.schedule": ("cosine", "constant"),
 }
@@ -375,11 +342,12 @@ def validate(cfg: RunConfig) -> None:
                 "data.group_window") + (("parallel.micro_batch_size",) if mbs != "auto" else ()):
         if cfg.get(key) < 1:
             raise ConfigError(f"{where}: {key} must be >= 1, got {cfg.get(key)}")
-    low = MIN_MICRO_BATCH.get(cfg.model.type, 1)
+    fam = family_of(cfg)
+    fam.validate(cfg.model, where)
+    low = fam.min_micro_batch
     if mbs != "auto" and mbs < low:
         raise ConfigError(f"{where}: parallel.micro_batch_size={mbs}: model.type={cfg.model.type} needs at least {low} "
-                          "samples per micro-batch (its contrastive loss has no negatives with 1 and is identically 0); "
-                          f"use {low} or more, or auto")
+                          f"samples per micro-batch ({fam.min_micro_batch_why}); use {low} or more, or auto")
     _check_numbers(cfg, where)
     if cfg.parallel.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"{where}: parallel.zero_stage must be 0, 1, 2 or 3, got {cfg.parallel.zero_stage}")
@@ -427,7 +395,7 @@ def reference() -> str:
         for f in dataclasses.fields(cls):
             if f.metadata.get("internal"):
                 continue
-            tp = typing.get_type_hints(cls)[f.name]
+            tp = _model_section() if cls is RunConfig and f.name == "model" else typing.get_type_hints(cls)[f.name]
             if dataclasses.is_dataclass(tp):
                 walk(tp, prefix + f.name + ".")
                 continue
@@ -439,6 +407,15 @@ def reference() -> str:
 
     walk(RunConfig, "")
     return "\n".join(rows)
+
+
+def replace(cfg: RunConfig, **changes) -> RunConfig:
+    """A new config with ``changes`` ({"section__key": value} or {"model": section}); ``cfg`` is
+    left as it is. How a run derives its resolved config (tokenizer fields, auto micro-batch)."""
+    out = thawed_copy(cfg)
+    for key, value in changes.items():
+        out.set(key.replace("__", "."), value)
+    return out
 
 
 def save_yaml(cfg: RunConfig, path: str) -> None:

@@ -41,9 +41,14 @@ class Group:
     frozen: bool
 
 
-def resolve_groups(optim_cfg) -> list[Group]:
-    shortcuts = {"vision": optim_cfg.freeze_vision, "projector": optim_cfg.freeze_projector,
-                 "text": optim_cfg.freeze_text}
+def resolve_groups(optim_cfg, family) -> list[Group]:
+    """The configured groups with the family's freeze shortcuts (``optim.freeze_<segment>``) applied."""
+    shortcuts = {group: getattr(optim_cfg, flag) for flag, group in family.freeze_shortcuts.items()}
+    for flag in ("freeze_vision", "freeze_projector", "freeze_text"):
+        if getattr(optim_cfg, flag) and flag not in family.freeze_shortcuts:
+            raise ConfigError(f"optim.{flag}: model.type={family.name} has no such shortcut (it has "
+                              f"{', '.join(family.freeze_shortcuts) or 'none'}); freeze a group with "
+                              "optim.groups.<name>.freeze=true")
     out = []
     for name, g in optim_cfg.groups.items():
         for p in g.patterns:
@@ -58,9 +63,9 @@ def resolve_groups(optim_cfg) -> list[Group]:
         out.append(Group(name, tuple(g.patterns), optim_cfg.lr if g.lr is None else g.lr,
                          optim_cfg.weight_decay if g.weight_decay is None else g.weight_decay,
                          g.max_grad_norm, bool(g.freeze or shortcuts.get(name, False))))
-    for name, on in shortcuts.items():
-        if on and name not in optim_cfg.groups:
-            raise ConfigError(f"optim.freeze_{name} is set but there is no optim.groups.{name}")
+    for flag, name in family.freeze_shortcuts.items():
+        if shortcuts[name] and name not in optim_cfg.groups:
+            raise ConfigError(f"optim.{flag} is set but there is no optim.groups.{name}")
     return out
 
 
@@ -120,33 +125,24 @@ def param_groups(named_params, groups: list[Group]) -> list[dict]:
     return out
 
 
-def forward_only_parts(part_params: dict, branch_of, groups: list[Group]) -> set:
-    """Parts that can run without autograd: all their parameters are frozen and so is every earlier
-    part of the same branch (nothing upstream needs a gradient through them).
-    ``part_params``: ordered {part name: [parameter names]}."""
+def forward_only_parts(part_params: dict, upstream: dict, groups: list[Group]) -> set:
+    """Layers that can run without autograd: all their parameters are frozen and so is every layer
+    upstream of them (``Family.upstream``: nothing before them needs a gradient through them).
+    ``part_params``: ordered {layer name: [parameter names]}."""
     assignment = assign_groups([n for names in part_params.values() for n in names], groups)
     frozen = {g.name for g in groups if g.frozen}
-    seen_trainable: dict = {}
-    out = set()
-    for part, names in part_params.items():
-        b = branch_of(part)
-        trainable = any(assignment[n] not in frozen for n in names)
-        if trainable:
-            seen_trainable[b] = True
-        elif not seen_trainable.get(b) and part != "loss":
-            out.add(part)
-    return out
+    trainable = {part for part, names in part_params.items() if any(assignment[n] not in frozen for n in names)}
+    return {part for part in part_params if part not in trainable and not (upstream[part] & trainable)}
 
 
-def frozen_layout(spec, groups: list[Group]) -> tuple[dict, frozenset, frozenset]:
+def frozen_layout(family, groups: list[Group]) -> tuple[dict, frozenset, frozenset]:
     """For the whole model, checked on the meta device (every parameter must land in exactly one
-    group): ({part: [its plain parameter names]}, frozen parameter names, forward-only parts)."""
-    from mmpipe.pipeline.module import meta_parts
-    part_params = {part: list(params) for part, params in meta_parts(spec).items()}
+    group): ({layer: [its plain parameter names]}, frozen parameter names, forward-only layers)."""
+    part_params = {part: list(params) for part, params in family.meta_params().items()}
     assignment = assign_groups([n for names in part_params.values() for n in names], groups)
     frozen_groups = {g.name for g in groups if g.frozen}
     frozen = frozenset(n for n, g in assignment.items() if g in frozen_groups)
-    return part_params, frozen, frozenset(forward_only_parts(part_params, spec.branch, groups))
+    return part_params, frozen, frozenset(forward_only_parts(part_params, family.upstream(), groups))
 
 
 # --------------------------------------------------------------------------------------------

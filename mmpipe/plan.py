@@ -18,30 +18,30 @@ def precision_dtype(precision: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
 
-def iter_layers(spec, forward_only: frozenset = frozenset(), frozen_params: frozenset = frozenset(),
+def iter_layers(family, forward_only: frozenset = frozenset(), frozen_params: frozenset = frozenset(),
                 device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32):
     """The model's pipeline layers, built one at a time (seeded per part: the pipeline's weights),
     in training mode, with frozen parameters marked."""
     from mmpipe.pipeline.layers import PipeLayer, plain_state_key
-    for name in spec.part_names():
-        layer = PipeLayer(spec, name, name in forward_only).to(device=device, dtype=dtype)
+    for name in family.layer_names():
+        layer = PipeLayer(family, name, name in forward_only).to(device=device, dtype=dtype)
         for k, p in layer.named_parameters():
             if plain_state_key(name, k) in frozen_params:
                 p.requires_grad_(False)
         yield layer.train()
 
 
-def build_layers(spec, forward_only: frozenset = frozenset(), frozen_params: frozenset = frozenset(),
+def build_layers(family, forward_only: frozenset = frozenset(), frozen_params: frozenset = frozenset(),
                  device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32) -> list:
     """Every pipeline layer of the model at once, in one process."""
-    return list(iter_layers(spec, forward_only, frozen_params, device, dtype))
+    return list(iter_layers(family, forward_only, frozen_params, device, dtype))
 
 
-def probe_batch(cfg, source, tok, m: int, image_size: int, device) -> tuple:
-    """A real micro-batch of ``m`` samples from the training source, captions padded to
-    ``data.max_length`` (the largest shape a run can meet)."""
-    from mmpipe.data.loader import Collate
-    collate = Collate(tok, cfg.data.max_length, "max_length")
+def probe_batch(cfg, family, source, tok, m: int, image_size: int, device) -> tuple:
+    """A real micro-batch of ``m`` samples from the training source (the family's first-stage
+    fields), captions padded to ``data.max_length`` (the largest shape a run can meet)."""
+    from mmpipe.config import replace
+    collate = family.collate(tok, replace(cfg, data__padding="max_length").data)
     if source.kind == "shards":
         import io
 
@@ -60,36 +60,35 @@ def probe_batch(cfg, source, tok, m: int, image_size: int, device) -> tuple:
         ds = source.dataset(cfg, image_size)
         items = [ds[i % len(ds)] for i in range(m)]
     b = collate(items)
-    return tuple(t.to(device) for t in (b["pixel_values"], b["input_ids"], b["attention_mask"]))
+    return tuple(b[f].to(device) for f in family.inputs)
 
 
-def auto_micro_batch(cfg, spec, source, tok, image_size: int, pipeline_stages: int, data_parallel: int,
+def auto_micro_batch(cfg, family, source, tok, image_size: int, pipeline_stages: int, data_parallel: int,
                      parts: Optional[list], forward_only: frozenset, frozen_params: frozenset, budget_bytes: int,
                      device, log: Optional[Callable[[str], None]] = None) -> tuple[int, dict]:
     """(micro-batch size, {probed size: peak bytes of the fullest stage})."""
     dtype = precision_dtype(cfg.train.precision)
-    if parts is None:  # DeepSpeed partitions (uniform/parameters/type:): costed as one stage per P-th
-        n = len(spec.part_names())
+    if parts is None:  # not placed yet: costed as one stage per P-th of the layers
+        n = len(family.layer_names())
         parts = [round(i * n / pipeline_stages) for i in range(pipeline_stages + 1)]
     per_rank = cfg.train.batch_size // data_parallel
 
     def peak(m: int) -> int:
-        layers = iter_layers(spec, forward_only, frozen_params, device, dtype)  # one layer alive at a time
-        costs = profile_layers(layers, probe_batch(cfg, source, tok, m, image_size, device), timed=False)
+        layers = iter_layers(family, forward_only, frozen_params, device, dtype)  # one layer alive at a time
+        costs = profile_layers(layers, probe_batch(cfg, family, source, tok, m, image_size, device), timed=False)
         micro_batches = per_rank // m
         return max(stage_memory(costs, parts, micro_batches, cfg.train.precision, cfg.parallel.zero_stage,
                                 data_parallel))
 
-    from mmpipe.config import MIN_MICRO_BATCH
-    return pick_micro_batch(per_rank, peak, budget_bytes, log, min_size=MIN_MICRO_BATCH.get(cfg.model.type, 1))
+    return pick_micro_batch(per_rank, peak, budget_bytes, log, min_size=family.min_micro_batch)
 
 
 # ---- profiles for planning ----------------------------------------------------------------------
-def profile_key(cfg, spec, micro_batch_size: int, threads: int, device: str, forward_only, frozen) -> dict:
+def profile_key(cfg, family, micro_batch_size: int, threads: int, device: str, forward_only, frozen) -> dict:
     import hashlib
 
     import deepspeed
-    return {"model": cfg.to_dict()["model"], "vocab": spec.text.hf_config.vocab_size,
+    return {"model": cfg.to_dict()["model"], "family": family.name,
             "micro_batch_size": micro_batch_size, "max_length": cfg.data.max_length, "precision": cfg.train.precision,
             "device": device, "threads": threads, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "forward_only": sorted(forward_only),
@@ -100,18 +99,13 @@ def cache_dir() -> str:
     return os.environ.get("MMPIPE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "mmpipe", "profiles"))
 
 
-def synthetic_batch(spec, m: int, max_length: int, device) -> tuple:
+def synthetic_batch(family, m: int, max_length: int, device) -> tuple:
     """A micro-batch of the configured shape (timing does not depend on the pixels or words)."""
-    g = torch.Generator().manual_seed(0)
-    size = spec.vision.image_size
-    vocab = spec.text.hf_config.vocab_size
-    pix = torch.randint(0, 256, (m, 3, size, size), dtype=torch.uint8, generator=g)
-    ids = torch.randint(5, max(6, vocab), (m, min(max_length, spec.text.max_length)), generator=g)
-    mask = torch.ones_like(ids)
-    return pix.to(device), ids.to(device), mask.to(device)
+    b = family.example_batch(m, max_length, device)
+    return tuple(b[f] for f in family.inputs)
 
 
-def get_profile(cfg, spec, micro_batch_size: int, forward_only: frozenset = frozenset(),
+def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = frozenset(),
                 frozen: frozenset = frozenset(), threads: Optional[int] = None, repeats: int = 5,
                 use_cache: bool = True, measure_comm: bool = True, log: Optional[Callable[[str], None]] = None,
                 refresh: bool = False) -> dict:
@@ -123,7 +117,7 @@ def get_profile(cfg, spec, micro_batch_size: int, forward_only: frozenset = froz
     from deepspeed.accelerator import get_accelerator
     device = torch.device(get_accelerator().device_name())
     threads = threads or torch.get_num_threads()
-    key = profile_key(cfg, spec, micro_batch_size, threads, device.type, forward_only, frozen)
+    key = profile_key(cfg, family, micro_batch_size, threads, device.type, forward_only, frozen)
     digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"{digest}.json")
     if use_cache and not refresh and os.path.isfile(path):
@@ -132,17 +126,18 @@ def get_profile(cfg, spec, micro_batch_size: int, forward_only: frozenset = froz
         if log:
             log(f"layer profile from cache {path}")
         if measure_comm and not prof["comm"].get("measured"):  # cached without transfers: measure them now
+            from mmpipe.planner import layer_costs
             prof["comm"] = _measure_comm(layer_costs(prof))
             _write_json(path, prof)
         return prof
     if log:
-        log(f"profiling {len(spec.part_names())} layers (micro-batch {micro_batch_size}, {cfg.train.precision}, "
+        log(f"profiling {len(family.layer_names())} layers (micro-batch {micro_batch_size}, {cfg.train.precision}, "
             f"{device.type}, {threads} thread(s)) ...")
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        layers = iter_layers(spec, forward_only, frozen, device, precision_dtype(cfg.train.precision))  # one layer alive at a time
-        costs = profile_layers(layers, synthetic_batch(spec, micro_batch_size, cfg.data.max_length, device),
+        layers = iter_layers(family, forward_only, frozen, device, precision_dtype(cfg.train.precision))  # one layer alive at a time
+        costs = profile_layers(layers, synthetic_batch(family, micro_batch_size, cfg.data.max_length, device),
                                repeats=repeats)
     finally:
         torch.set_num_threads(old)
@@ -173,143 +168,73 @@ def _write_json(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-# ---- placements -----------------------------------------------------------------------------------
-def layer_costs(prof: dict) -> list:
-    from mmpipe.profile import LayerCost
-    return [LayerCost(**d) for d in prof["layers"]]
-
-
-def stage_times(prof: dict, parts: list) -> dict:
-    """Per-stage forward, backward, optimizer seconds per micro-batch, and boundary transfer seconds."""
-    costs = layer_costs(prof)
-    P = len(parts) - 1
-    F = [sum(c.fwd_ms for c in costs[parts[s]:parts[s + 1]]) / 1e3 for s in range(P)]
-    B = [sum(c.bwd_ms for c in costs[parts[s]:parts[s + 1]]) / 1e3 for s in range(P)]
-    opt = [sum(c.opt_ms for c in costs[parts[s]:parts[s + 1]]) / 1e3 for s in range(P)]
-    lat, spb = prof["comm"]["latency_s"], prof["comm"]["s_per_byte"]
-    comm = [lat + spb * costs[parts[s + 1] - 1].out_bytes for s in range(P - 1)]
-    return {"F": F, "B": B, "opt": opt, "comm": comm}
-
-
-def predict(prof: dict, parts: list, micro_batches: int, schedule: str = "1f1b"):
-    from mmpipe.pipeline.simulate import simulate
-    t = stage_times(prof, parts)
-    r = simulate(t["F"], t["B"], micro_batches, t["comm"], t["opt"], schedule=schedule)
-    r.parts = list(parts)
-    return r
-
-
-def ds_parts(prof: dict, num_stages: int, method: str, names: list) -> list:
-    """What DeepSpeed's own partition_method gives for these layers (parameters: DeepSpeed counts
-    the layers' parameters as built, before mmpipe applies freezing; type:REGEX matches layer names)."""
-    import re
-
-    from deepspeed.runtime import utils as ds_utils
-    if method == "uniform":
-        return list(ds_utils.partition_uniform(num_items=len(names), num_parts=num_stages))
-    if method == "parameters":
-        return list(ds_utils.partition_balanced(weights=[c["params"] for c in prof["layers"]], num_parts=num_stages))
-    if method.startswith("type:"):
-        rx = re.compile(method.split(":", 1)[1], re.IGNORECASE)
-        return list(ds_utils.partition_balanced(weights=[1 if rx.search(n) else 0 for n in names],
-                                                num_parts=num_stages))
-    raise ValueError(method)
-
-
-def place(prof: dict, names: list, branches: list, num_stages: int, placement: str, micro_batches: int,
-          memory_cap: Optional[int] = None, precision: str = "fp32", zero_stage: int = 0,
-          data_parallel: int = 1) -> tuple[list, dict]:
-    """Stage boundaries for ``placement`` from measured costs (forward + backward per layer; a frozen
-    forward-only layer costs its forward alone). Returns (parts, {placement: predicted SimResult})."""
-    from mmpipe.pipeline.partition import min_max_partition, modality_partition
-    costs = layer_costs(prof)
-    work = [c.fwd_ms + c.bwd_ms for c in costs]
-    predictions = {}
-    candidates = {}
-    if placement in ("modality", "auto"):
-        candidates["modality"] = modality_partition(work, branches, num_stages)
-    if placement in ("balanced", "auto"):
-        mem = None
-        if memory_cap is not None:
-            from mmpipe.profile import bytes_per_param, in_flight
-            per_t, per_f = bytes_per_param(precision, zero_stage, data_parallel)
-            # worst case in flight (stage 0) for every stage: conservative, keeps the DP additive
-            k = in_flight(0, num_stages, micro_batches)
-            mem = [c.static_bytes(per_t, per_f) + k * c.act_bytes for c in costs]
-        candidates["balanced"] = min_max_partition(work, num_stages, memory=mem, memory_cap=memory_cap)
-    for name, parts in candidates.items():
-        predictions[name] = predict(prof, parts, micro_batches)
-    if placement == "auto":
-        best = min(candidates, key=lambda n: predictions[n].step_time)
-        return candidates[best], predictions
-    return candidates[placement], predictions
-
-
 # ---- mmpipe plan ----------------------------------------------------------------------------------
 PLACEMENTS = ("modality", "balanced", "auto", "parameters", "uniform")
 
 
-def _spec_for_plan(cfg):
-    """The model spec without a training run: vocabulary from data.tokenizer if given, else the
-    configured size (only the embedding table depends on it)."""
+def resolve_for_plan(cfg):
+    """(resolved config, family) without a training run: vocabulary from data.tokenizer (or the
+    text weights' tokenizer) if there is one, else the configured size (only the embedding table
+    depends on it)."""
+    from mmpipe.config import family_of, replace
     from mmpipe.data.tokenizer import eos_id, has_tokenizer, load_tokenizer
-    from mmpipe.models.clip import ModelSpec, fill_text_fields, pretrained_text_dir
-    weights_dir = pretrained_text_dir(cfg)[1]
+    fam = family_of(cfg)
+    weights_dir = fam.tokenizer_weights(cfg.model)[1]
     tok_dir = cfg.data.tokenizer or (weights_dir if weights_dir and has_tokenizer(weights_dir) else None)
     if tok_dir:  # the tokenizer a training run would use (so its profile is the run's)
         tok = load_tokenizer(tok_dir)
-        fill_text_fields(cfg, len(tok), eos_id(tok))
+        model = fam.resolve(cfg.model, len(tok), eos_id(tok), cfg.data)
     else:  # [SEP], the EOS id of the WordPiece tokenizer mmpipe trains
-        fill_text_fields(cfg, cfg.model.text.vocab_size or cfg.data.tokenizer_vocab_size, 3)
-    return ModelSpec(cfg.model, cfg.train.seed)
+        size = getattr(getattr(cfg.model, "text", cfg.model), "vocab_size", None) or cfg.data.tokenizer_vocab_size
+        model = fam.resolve(cfg.model, size, 3, cfg.data)
+    cfg = replace(cfg, model=model)
+    return cfg, fam(cfg.model, cfg.train.seed)
 
 
 def _profile_for(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = None, log=print,
                  **profile_kw) -> tuple:
-    """(spec, profile) for a run of ``stages`` x ``data_parallel`` ranks on this machine."""
+    """(family, profile) for a run of ``stages`` x ``data_parallel`` ranks on this machine."""
     from mmpipe.optim import frozen_layout, resolve_groups
     from mmpipe.topology import threads_per_rank
     mbs = cfg.parallel.micro_batch_size
     if mbs == "auto":
         from mmpipe.errors import ConfigError
         raise ConfigError("mmpipe plan: parallel.micro_batch_size=auto; give the size a run chose (its config.yaml)")
-    spec = _spec_for_plan(cfg)
-    _, frozen, forward_only = frozen_layout(spec, resolve_groups(cfg.optim))
+    cfg, family = resolve_for_plan(cfg)
+    _, frozen, forward_only = frozen_layout(family, resolve_groups(cfg.optim, type(family)))
     threads = threads or threads_per_rank(stages * data_parallel)
-    return spec, get_profile(cfg, spec, mbs, forward_only, frozen, threads=threads, log=log, **profile_kw)
+    return family, get_profile(cfg, family, mbs, forward_only, frozen, threads=threads, log=log, **profile_kw)
 
 
 def plan_all(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = None, use_cache: bool = True,
              log=print, refresh: bool = False, repeats: int = 5) -> dict:
-    """Profile, then place and simulate every placement for ``stages`` stages."""
-    from mmpipe.pipeline.partition import stage_lists
+    """Profile, then place (``mmpipe.planner.place``) and simulate every placement for ``stages`` stages."""
+    from mmpipe.planner import layer_costs, place, predict, stage_times
     from mmpipe.profile import stage_memory
-    spec, prof = _profile_for(cfg, stages, data_parallel, threads, log, use_cache=use_cache, refresh=refresh,
-                              repeats=repeats)
+    family, prof = _profile_for(cfg, stages, data_parallel, threads, log, use_cache=use_cache, refresh=refresh,
+                                repeats=repeats)
     mbs = cfg.parallel.micro_batch_size
     M = cfg.train.batch_size // (mbs * data_parallel)
     threads = prof["key"]["threads"]
-    names = spec.part_names()
-    branches = [spec.branch(n) for n in names]
+    names, segments = family.layer_names(), family.segments()
     costs = layer_costs(prof)
     out = {"names": names, "micro_batches": M, "micro_batch_size": mbs, "threads": threads, "profile": prof,
-           "placements": {}}
+           "placements": {}, "plans": {}}
     cap = int(cfg.parallel.memory_budget_gb * 2**30) if cfg.parallel.memory_budget_gb else None
     for pl in PLACEMENTS + ((cfg.parallel.placement,) if cfg.parallel.placement.startswith("type:") else ()):
-        if pl in ("modality", "balanced", "auto"):
-            parts, _ = place(prof, names, branches, stages, pl, M, cap, cfg.train.precision, cfg.parallel.zero_stage,
-                             data_parallel)
-        else:
-            parts = ds_parts(prof, stages, pl, names)
-        parts = [int(x) for x in parts]
+        plan = place(names, segments, stages, pl, M, prof=prof, micro_batch_size=mbs, memory_cap=cap,
+                     precision=cfg.train.precision, zero_stage=cfg.parallel.zero_stage, data_parallel=data_parallel)
+        parts = plan.parts
         sim = predict(prof, parts, M)
         mem = stage_memory(costs, parts, M, cfg.train.precision, cfg.parallel.zero_stage, data_parallel)
-        out["placements"][pl] = {"parts": parts, "stages": stage_lists(names, parts), "sim": sim.to_dict(),
+        out["plans"][pl] = plan
+        out["placements"][pl] = {"parts": parts, "stages": plan.stages, "sim": sim.to_dict(),
                                  "stage_times": stage_times(prof, parts), "memory": mem}
     return out
 
 
 def single_process_time(prof: dict, micro_batches: int) -> float:
+    from mmpipe.planner import layer_costs
     """Predicted step of the whole model on one process (one thread per rank's share)."""
     costs = layer_costs(prof)
     return micro_batches * sum(c.fwd_ms + c.bwd_ms for c in costs) / 1e3 + sum(c.opt_ms for c in costs) / 1e3
@@ -386,6 +311,7 @@ def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> st
     parts, M = run_plan["parts"], run_plan.get("micro_batches")
     P = len(parts) - 1
     _, prof = _profile_for(cfg, P, log=log, use_cache=use_cache)
+    from mmpipe.planner import predict
     sim = predict(prof, parts, M)
     meas = measured_from_run(run_dir)
     lines = [f"{run_dir}: {P} stages, {M} micro-batches per step, parts {parts}",
@@ -434,10 +360,9 @@ def cmd_plan(args) -> int:
         print("\n" + rec["why"])
     out = args.out or os.path.join(cfg.train.output_dir, "plan")
     os.makedirs(out, exist_ok=True)
-    p = plan["placements"][chosen]
-    with open(os.path.join(out, "plan.json"), "w") as fh:
-        json.dump({"placement": chosen, "parts": p["parts"], "stages": p["stages"], "micro_batches": M,
-                   "predicted": {k: v["sim"] for k, v in plan["placements"].items()}}, fh, indent=2)
+    chosen_plan = plan["plans"][chosen]
+    chosen_plan.predictions = {k: v["sim"] for k, v in plan["placements"].items()}
+    chosen_plan.write(os.path.join(out, "plan.json"))
     write_plan_png(os.path.join(out, "plan.png"), plan)
     print(f"\nwrote {out}/plan.json (train with --set parallel.plan={out}/plan.json) and {out}/plan.png")
     return 0

@@ -1,6 +1,7 @@
-"""One training loop for every layout: P = 1 (plain DeepSpeed engine, one process or data
-parallel) and P >= 2 (DeepSpeed pipeline engine, optionally x data parallel). Only the ``Runner``
-differs: how one optimizer step and the eval features are computed.
+"""One training loop for every model family and layout: P = 1 (plain DeepSpeed engine, one process
+or data parallel) and P >= 2 (DeepSpeed pipeline engine, optionally x data parallel). The family
+(``model.type``) supplies layers, batches, loss and evaluation; the strategy
+(``mmpipe.parallel.strategies``) builds the module and the runner; the planner places the stages.
 
 Launch (see launch/train.py for copy-paste commands):
     deepspeed --num_gpus 2 launch/train.py --config configs/demo.yaml
@@ -26,9 +27,7 @@ from mmpipe import checkpoint
 from mmpipe.config import RunConfig, save_yaml
 from mmpipe.errors import ConfigError, DataError, MmpipeError
 from mmpipe.metrics import MetricsWriter, NullWriter
-from mmpipe.models.clip import fill_text_fields, pretrained_text_dir  # noqa: F401 - the trainer's text fields
-
-LABEL_PLACEHOLDER = torch.zeros(1)  # the last stage reads "labels"; the CLIP loss needs none
+from mmpipe.parallel.strategies import LABEL_PLACEHOLDER, strategy_for
 
 
 # --------------------------------------------------------------------------------------------
@@ -61,13 +60,12 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def prepare_tokenizer(cfg: RunConfig, rank: int, source=None):
+def prepare_tokenizer(cfg: RunConfig, family, rank: int, source=None):
     """The run's tokenizer: ``data.tokenizer``, else the cache's, else the text weights' own (a
-    pretrained directory's tokenizer files), else one trained on rank 0 from the captions; fills the
-    text tower's vocab size and EOS id from it."""
+    pretrained directory's tokenizer files), else one trained on rank 0 from the captions."""
     from mmpipe.data.source import check_cache_tokenizer, check_cache_tokenizer_fits_weights, tokenizer_dir
-    from mmpipe.data.tokenizer import eos_id, has_tokenizer, load_tokenizer, train_tokenizer
-    weights_key, weights_dir = pretrained_text_dir(cfg)
+    from mmpipe.data.tokenizer import has_tokenizer, load_tokenizer, train_tokenizer
+    weights_key, weights_dir = family.tokenizer_weights(cfg.model)
     if cfg.data.tokenizer:
         tok = load_tokenizer(cfg.data.tokenizer)
         check_cache_tokenizer(cfg, tok)
@@ -86,76 +84,7 @@ def prepare_tokenizer(cfg: RunConfig, rank: int, source=None):
         _rank0_decides(rank, lambda: None if os.path.isfile(os.path.join(tok_dir, "tokenizer.json")) else
                        bool(train_tokenizer(source.captions(), cfg.data.tokenizer_vocab_size, tok_dir)))
         tok = load_tokenizer(tok_dir, "tokenizer in the run directory")
-    fill_text_fields(cfg, len(tok), eos_id(tok))
     return tok
-
-
-# --------------------------------------------------------------------------------------------
-# runners: the only layout-specific code
-# --------------------------------------------------------------------------------------------
-class PlainRunner:
-    """P = 1: the plain model under DeepSpeed's engine; accumulation done by calling step()."""
-
-    def __init__(self, engine, topo):
-        self.engine, self.topo = engine, topo
-
-    def _to_device(self, inputs):
-        return tuple(t.to(self.engine.device, non_blocking=True) for t in inputs)
-
-    clock = None
-
-    def train_step(self, data_iter, step: int = 0, trace: bool = False) -> float:
-        losses = []
-        for _ in range(self.topo.accumulation_steps):
-            inputs, _ = next(data_iter)
-            loss = self.engine(*self._to_device(inputs))
-            self.engine.backward(loss)
-            self.engine.step()
-            losses.append(loss.detach().float())
-        mean = torch.stack(losses).mean()
-        if self.topo.data_parallel > 1:
-            dist.all_reduce(mean)
-            mean /= self.topo.data_parallel
-        return float(mean)
-
-    @torch.no_grad()
-    def features(self, batches, n_micro: int) -> Optional[torch.Tensor]:
-        module = self.engine.module
-        module.eval()
-        out = []
-        for inputs, _ in batches:
-            pix, ids, mask = self._to_device(inputs)
-            out.append(torch.cat([module.encode_image(pix).float(), module.encode_text(ids, mask).float()], -1))
-        module.train()
-        return torch.cat(out).cpu()
-
-
-class PipelineRunner:
-    """P >= 2: DeepSpeed's pipeline engine runs the 1F1B schedule over the accumulation steps."""
-
-    def __init__(self, engine, topo, stage_timing: bool = True):
-        self.engine, self.topo = engine, topo
-        self.clock = None
-        if stage_timing:
-            from mmpipe.pipeline.instrument import StageClock
-            self.clock = StageClock(engine)
-
-    def train_step(self, data_iter, step: int = 0, trace: bool = False) -> float:
-        if self.clock is None:
-            return float(self.engine.train_batch(data_iter))
-        self.clock.begin_step(step, trace)
-        loss = float(self.engine.train_batch(data_iter))
-        self.timings = self.clock.end_step()
-        return loss
-
-    def features(self, batches, n_micro: int) -> Optional[torch.Tensor]:
-        from mmpipe.parallel.ds_compat import reset_total_loss
-        reset_total_loss(self.engine)
-        out = self.engine.eval_batch(iter(batches) if batches is not None else None, compute_loss=False,
-                                     reduce_output=None, bcast_loss=False, num_micro_batches=n_micro)
-        if not self.engine.is_last_stage():
-            return None
-        return torch.cat([o.float() for o in out]).cpu()
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,7 +130,9 @@ def memory_summary(engine, inner_optimizer, rank: int, stage: int) -> str:
             f"optimizer state {state / 2**20:.1f} MB, {peak}")
 
 
-def _as_pipe_batches(loader, stats: DataStats):
+def _as_pipe_batches(loader, stats: DataStats, family, count: bool = True):
+    """(first-stage fields, last-stage fields) per micro-batch; ``count``: this rank's draws and bad
+    files count for the run (the first stage's; a last stage that reads only for labels does not)."""
     it = iter(loader)
     while True:
         t0 = time.perf_counter()
@@ -209,9 +140,10 @@ def _as_pipe_batches(loader, stats: DataStats):
             b = next(it)
         except StopIteration:
             return
-        stats.wait += time.perf_counter() - t0
-        stats.add(b)
-        yield (b["pixel_values"], b["input_ids"], b["attention_mask"]), LABEL_PLACEHOLDER
+        if count:
+            stats.wait += time.perf_counter() - t0
+            stats.add(b)
+        yield tuple(b[f] for f in family.inputs), tuple(b[f] for f in family.labels) or LABEL_PLACEHOLDER
 
 
 def _warn(msg: str) -> None:
@@ -329,29 +261,33 @@ def lr_record(per_group: list, groups, base_lr: float, ds_scheduler: bool = Fals
     return {"lr": base_lr * ratio if ratio is not None else 0.0, **out}
 
 
-def _measured_parts(cfg, spec, topo, forward_only, frozen) -> tuple[list, dict, Optional[dict]]:
-    """Profile the layers (or read the cached profile) and place the stages. Returns (parts,
-    predicted step per placement considered, for ``auto`` which one it chose and why)."""
-    from mmpipe.plan import get_profile, place
-    prof = get_profile(cfg, spec, topo.micro_batch_size, forward_only, frozen, threads=torch.get_num_threads(),
-                       measure_comm=cfg.parallel.placement == "auto", log=lambda s: print(f"[mmpipe] {s}", flush=True))
-    names = spec.part_names()
-    cap = int(cfg.parallel.memory_budget_gb * 2**30) if cfg.parallel.memory_budget_gb else None
-    try:
-        parts, preds = place(prof, names, [spec.branch(n) for n in names], topo.pipeline_stages,
-                             cfg.parallel.placement, topo.accumulation_steps, cap, cfg.train.precision,
-                             cfg.parallel.zero_stage, topo.data_parallel)
-    except ValueError as e:
-        raise ConfigError(f"parallel.placement={cfg.parallel.placement}: {e}; raise parallel.memory_budget_gb or "
-                          "use more stages") from None
-    predicted = {k: v.to_dict() for k, v in preds.items()}
-    choice = None
-    if cfg.parallel.placement == "auto":
-        chosen = min(predicted, key=lambda k: predicted[k]["step_time"])
-        why = ", ".join(f"{k} {1e3 * v['step_time']:.1f} ms" for k, v in sorted(predicted.items(),
-                                                                               key=lambda kv: kv[1]["step_time"]))
-        choice = {"chosen": chosen, "why": f"fastest predicted step: {why}"}
-    return parts, predicted, choice
+def make_plan(cfg, family, topo, frozen, forward_only, saved_stages=None):
+    """The run's ``Plan`` (``mmpipe.planner.place``), computed once, on rank 0: from the checkpoint's
+    stages on a resume of a measured placement, else from measured costs (``parallel.profile``), else
+    from trainable parameters."""
+    from mmpipe.plan import get_profile
+    from mmpipe.planner import Plan, place
+    from mmpipe.pipeline.partition import parts_from_lists
+    names, segments, P = family.layer_names(), family.segments(), topo.pipeline_stages
+    M, mbs = topo.accumulation_steps, topo.micro_batch_size
+    p = cfg.parallel
+    measured = P > 1 and p.profile and not p.plan and p.placement in ("modality", "balanced", "auto")
+    if measured and saved_stages and len(saved_stages) == P:  # a resume keeps its stages (a new profile could differ)
+        try:
+            return Plan(names, segments, parts_from_lists(names, saved_stages), p.placement, M, mbs, "checkpoint")
+        except ValueError:
+            pass  # another model: the layout check says what the checkpoint holds
+    params = family.meta_params()
+    prof = None
+    if measured:
+        prof = get_profile(cfg, family, mbs, forward_only, frozen, threads=torch.get_num_threads(),
+                           measure_comm=p.placement == "auto", log=lambda s: print(f"[mmpipe] {s}", flush=True))
+    costs = ([sum(v.values()) for v in params.values()] if p.placement == "parameters" else
+             [1 + sum(n for name, n in v.items() if name not in frozen) for v in params.values()])
+    cap = int(p.memory_budget_gb * 2**30) if p.memory_budget_gb else None
+    return place(names, segments, P, p.placement, M, prof=prof, param_costs=costs, plan_file=p.plan,
+                 micro_batch_size=mbs, memory_cap=cap, precision=cfg.train.precision, zero_stage=p.zero_stage,
+                 data_parallel=topo.data_parallel)
 
 
 def check_auto_micro_batch(cfg: RunConfig) -> None:
@@ -363,15 +299,16 @@ def check_auto_micro_batch(cfg: RunConfig) -> None:
                               "parallel.micro_batch_size=auto; write \"auto\" in the JSON or give a size")
 
 
-def _probe_micro_batch(cfg, spec, source, tok, image_size, topo, parts, forward_only, frozen) -> int:
-    """Probe real batches for the largest micro-batch that fits (``mmpipe.plan.auto_micro_batch``)."""
+def _probe_micro_batch(cfg, family, source, tok, image_size, topo, forward_only, frozen) -> int:
+    """Probe real batches for the largest micro-batch that fits (``mmpipe.plan.auto_micro_batch``);
+    stages are costed as equal shares of the layers (the plan is made once, at the size chosen)."""
     from deepspeed.accelerator import get_accelerator
 
     from mmpipe.plan import auto_micro_batch
     acc = get_accelerator()
     budget = int((cfg.parallel.memory_budget_gb or acc.total_memory() / 2**30) * 2**30)
-    m, _ = auto_micro_batch(cfg, spec, source, tok, image_size, topo.pipeline_stages, topo.data_parallel,
-                            parts, forward_only, frozen, budget, torch.device(acc.device_name()),
+    m, _ = auto_micro_batch(cfg, family, source, tok, image_size, topo.pipeline_stages, topo.data_parallel,
+                            None, forward_only, frozen, budget, torch.device(acc.device_name()),
                             log=lambda s: print(f"[mmpipe] {s}", flush=True))
     return m
 
@@ -391,8 +328,9 @@ class Trainer:
     model, placement, engine, restore, data), then ``train``: ``step`` / ``evaluate`` / ``save``."""
 
     def __init__(self, cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None, overwrite: bool = False):
+        # ``cfg`` is never changed: the run resolves a config of its own (tokenizer fields, the
+        # auto micro-batch), freezes it, and saves it as-is
         self.cfg, self.resume, self.stop_at, self.overwrite = cfg, resume, stop_at, overwrite
-        self.predicted = self.choice = None
         self.last_eval = None
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -432,7 +370,7 @@ class Trainer:
                                                   c.train.deepspeed_config))
             os.makedirs(self.out_dir, exist_ok=True)
         dist.barrier()
-        self.build_model_spec()
+        self.build_family()
         self.place()
         self.build_engine()
         self.restore()
@@ -444,10 +382,10 @@ class Trainer:
         alike on every rank (printed once)."""
         from deepspeed.accelerator import get_accelerator
 
+        from mmpipe.config import family_of, replace
         from mmpipe.data.manifest import read_manifest
         from mmpipe.data.source import open_source
         from mmpipe.ds_config import resolve
-        from mmpipe.models.clip import vision_image_size
         from mmpipe.optim import resolve_groups
         cfg, world = self.cfg, int(os.environ.get("WORLD_SIZE", "1"))
         self.auto_mbs = cfg.parallel.micro_batch_size == "auto"
@@ -456,9 +394,11 @@ class Trainer:
                 raise ConfigError(f"--stop-at {self.stop_at}: give a step >= 1 (the run stops after that step with a "
                                   "checkpoint)")
             check_run_dir(cfg.train.output_dir, self.resume, self.overwrite)
+            self.family_cls = family_of(cfg)
             if self.auto_mbs:  # validate the rest with a stand-in (the per-rank batch); the size is probed later
                 check_auto_micro_batch(cfg)
-                cfg.parallel.micro_batch_size = max(1, cfg.train.batch_size // max(1, world // cfg.parallel.pipeline_stages))
+                stand_in = max(1, cfg.train.batch_size // max(1, world // cfg.parallel.pipeline_stages))
+                cfg = self.cfg = replace(cfg, parallel__micro_batch_size=stand_in)
             self.ds_cfg, self.topo = resolve(cfg, world)
             self.device_name = get_accelerator().device_name()
             if cfg.train.precision == "fp16" and self.device_name == "cpu":
@@ -466,12 +406,15 @@ class Trainer:
                                   "use bf16 or fp32 here")
             rank = int(os.environ.get("RANK", "0"))
             self.stage, self.dp_rank = self.topo.coords(rank)
-            self.reads_data = self.stage == 0  # the last stage needs no data: text ids travel with the activations
-            self.image_size = vision_image_size(cfg.model)
+            # the first stage reads the inputs; the last stage reads the batches too when the family
+            # has label fields (they reach it from the loader, not through the stages)
+            self.reads_inputs = self.stage == 0
+            self.reads_data = self.reads_inputs or (bool(self.family_cls.labels) and self.topo.is_last_stage(rank))
+            self.image_size = self.family_cls.image_size(cfg.model)
             self.source = open_source(cfg, self.image_size, read=self.reads_data or rank == 0)
             # every rank reads the val manifest (no images): all stages need the eval micro-batch count
             self.val_samples = read_manifest(cfg.data.val, "data.val") if cfg.data.val else None
-            self.groups = resolve_groups(cfg.optim)
+            self.groups = resolve_groups(cfg.optim, self.family_cls)
             if cfg.parallel.zero_stage >= 2 and any(g.max_grad_norm is not None for g in self.groups):
                 raise ConfigError(f"per-group clipping (optim.groups.*.max_grad_norm) supports ZeRO 0/1, not "
                                   f"parallel.zero_stage={cfg.parallel.zero_stage}: use zero_stage 1, or only "
@@ -480,79 +423,62 @@ class Trainer:
             e.everywhere = True
             raise
 
-    def build_model_spec(self) -> None:
-        from mmpipe.models.clip import ModelSpec
+    def build_family(self) -> None:
+        """The tokenizer, the resolved model config (fields left to the tokenizer filled) and the family."""
+        from mmpipe.config import replace
+        from mmpipe.data.tokenizer import eos_id
         from mmpipe.optim import frozen_layout
-        cfg, rank = self.cfg, self.rank
-        self.tok = agree(rank, lambda: prepare_tokenizer(cfg, rank, self.source))
-        self.spec = agree(rank, lambda: ModelSpec(cfg.model, cfg.train.seed))
+        rank = self.rank
+        self.tok = agree(rank, lambda: prepare_tokenizer(self.cfg, self.family_cls, rank, self.source))
+        model = agree(rank, lambda: self.family_cls.resolve(self.cfg.model, len(self.tok), eos_id(self.tok),
+                                                            self.cfg.data))
+        self.cfg = replace(self.cfg, model=model)
+        self.family = agree(rank, lambda: self.family_cls(self.cfg.model, self.cfg.train.seed))
         self.is_reporter = rank == self.topo.reporting_rank
-        self.part_params, self.frozen_names, self.forward_only = frozen_layout(self.spec, self.groups)
+        self.part_params, self.frozen_names, self.forward_only = frozen_layout(self.family, self.groups)
 
     def place(self) -> None:
-        """Stage boundaries (and ``micro_batch_size: auto``): computed once, on rank 0 where measured."""
-        cfg, rank, P = self.cfg, self.rank, self.topo.pipeline_stages
-        self.parts = None
-        if P > 1:
-            from mmpipe.pipeline.module import plan_parts
-            self.parts = agree(rank, lambda: plan_parts(self.spec, P, cfg.parallel.placement, cfg.parallel.plan,
-                                                        self.frozen_names))
+        """``micro_batch_size: auto`` (probed on rank 0), then the plan (rank 0, once); the config is
+        resolved after this and frozen."""
+        from mmpipe.config import replace
+        cfg, rank = self.cfg, self.rank
         if self.auto_mbs:
             from mmpipe.ds_config import resolve
-            m = _rank0_decides(rank, lambda: _probe_micro_batch(cfg, self.spec, self.source, self.tok, self.image_size,
-                                                                 self.topo, self.parts, self.forward_only,
+            m = _rank0_decides(rank, lambda: _probe_micro_batch(cfg, self.family, self.source, self.tok,
+                                                                 self.image_size, self.topo, self.forward_only,
                                                                  self.frozen_names))
-            cfg.parallel.micro_batch_size = m
+            cfg = self.cfg = replace(cfg, parallel__micro_batch_size=m)
             self.ds_cfg, self.topo = resolve(cfg, self.world)
             if rank == 0:
                 _warn(f"parallel.micro_batch_size=auto -> {m} (accumulation {self.topo.accumulation_steps})")
-        measured = P > 1 and cfg.parallel.profile and not cfg.parallel.plan and cfg.parallel.placement in (
-            "modality", "balanced", "auto")
-        if measured and self.resume:  # a resume keeps the checkpoint's stages (a new profile could differ)
-            saved = checkpoint.saved_layout(self.ckpt_dir)
-            if saved and saved.get("stages") and len(saved["stages"]) == P:
-                from mmpipe.pipeline.partition import parts_from_lists
-                try:
-                    self.parts, measured = parts_from_lists(self.spec.part_names(), saved["stages"]), False
-                except ValueError:
-                    pass  # another model: the layout check says what the checkpoint holds
-        if measured:
-            self.parts, self.predicted, self.choice = _rank0_decides(
-                rank, lambda: _measured_parts(cfg, self.spec, self.topo, self.forward_only, self.frozen_names))
-            if self.choice and rank == 0:
-                _warn(f"parallel.placement=auto -> {self.choice['chosen']} ({self.choice['why']})")
+        self.cfg.seal()
+        saved = checkpoint.saved_layout(self.ckpt_dir) if self.resume else None
+        self.plan = _rank0_decides(rank, lambda: make_plan(cfg, self.family, self.topo, self.frozen_names,
+                                                           self.forward_only, (saved or {}).get("stages")))
+        if self.plan.chosen and rank == 0:
+            _warn(f"parallel.placement=auto -> {self.plan.chosen} ({self.plan.why})")
+        self.check_frozen_stages()
 
-    def build_model(self):
-        """The plain model (P = 1) or the pipeline module; returns (model, named-parameters function)."""
-        from mmpipe.models.clip import DualEncoder
-        cfg, spec, parts = self.cfg, self.spec, self.parts
-        if self.topo.pipeline_stages == 1:
-            model = DualEncoder(spec)
-            model.forward_only = self.forward_only
-            return model, model.named_parameters
-        from mmpipe.pipeline.module import MMPipelineModule
-        if parts is not None and (cfg.parallel.zero_stage > 0 or cfg.train.precision != "fp32"):
-            names = spec.part_names()
-            for s_, (a, b) in enumerate(zip(parts, parts[1:])):
-                if all(pn in self.frozen_names for part in names[a:b] for pn in self.part_params[part]):
-                    raise _everywhere(ConfigError,
-                        f"pipeline stage {s_} ({names[a]} .. {names[b - 1]}) holds only frozen parameters, which "
-                        f"DeepSpeed's ZeRO-{cfg.parallel.zero_stage}/{cfg.train.precision} optimizer cannot hold; "
-                        "use zero_stage 0 with fp32, or a parallel.plan that gives every stage a trainable layer")
-        # captions padded per micro-batch change the text activations' shape: the engine then
-        # sends tensor shapes with every activation (DeepSpeed's dynamic_shape)
-        model = MMPipelineModule(spec, self.topo.pipeline_stages, placement=cfg.parallel.placement, parts=parts,
-                                 forward_only=self.forward_only, dynamic_shape=cfg.data.padding == "batch")
-        return model, model.plain_named_parameters
+    def check_frozen_stages(self) -> None:
+        cfg, plan = self.cfg, self.plan
+        if plan.num_stages == 1 or (cfg.parallel.zero_stage == 0 and cfg.train.precision == "fp32"):
+            return
+        for s_, names in enumerate(plan.stages):
+            if all(pn in self.frozen_names for part in names for pn in self.part_params[part]):
+                raise _everywhere(ConfigError,
+                    f"pipeline stage {s_} ({names[0]} .. {names[-1]}) holds only frozen parameters, which "
+                    f"DeepSpeed's ZeRO-{cfg.parallel.zero_stage}/{cfg.train.precision} optimizer cannot hold; "
+                    "use zero_stage 0 with fp32, or a parallel.plan that gives every stage a trainable layer")
 
     def build_engine(self) -> None:
         import deepspeed
 
         from mmpipe.optim import GradClipper, apply_freeze, innermost_optimizer, lr_lambda, param_groups
         cfg = self.cfg
-        model, named = self.build_model()
-        apply_freeze(named(), self.groups)
-        torch_groups = param_groups(named(), self.groups)
+        strategy = strategy_for(self.topo)(self.family, self.plan, self.topo, self.forward_only)
+        model = strategy.build_module(dynamic_shape=cfg.data.padding == "batch")
+        apply_freeze(strategy.named_parameters(model), self.groups)
+        torch_groups = param_groups(strategy.named_parameters(model), self.groups)
         if not torch_groups:  # every layer of this stage is frozen: it still runs, forward only
             torch_groups = [{"name": "none", "params": []}]
         scheduler = None
@@ -561,15 +487,10 @@ class Trainer:
             scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)  # noqa: E731
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=torch_groups, config=self.ds_cfg,
                                                     lr_scheduler=scheduler)
-        if self.topo.pipeline_stages == 1:
-            self.runner = PlainRunner(self.engine, self.topo)
-            self.layer_names, self.parts = None, None
-        else:
-            from mmpipe.parallel.ds_compat import check_version, fix_recv_buffer_dtype
-            check_version()
-            fix_recv_buffer_dtype(self.engine)
-            self.runner = PipelineRunner(self.engine, self.topo, cfg.log.stage_timing)
-            self.layer_names, self.parts = model.layer_names, [int(x) for x in model.parts]  # numpy ints
+        self.runner = strategy.runner(self.engine, cfg.log.stage_timing)
+        pipelined = self.topo.pipeline_stages > 1
+        self.layer_names = self.plan.layers if pipelined else None
+        self.parts = self.plan.parts if pipelined else None
         # under ZeRO-2/3 DeepSpeed clips (its gradient buckets are not read here); the clipper logs its norm
         self.clipper = GradClipper(self.engine, self.groups, cfg.optim.max_grad_norm, enabled=cfg.log.grad_norm)
         self.layout = checkpoint.layout_record(self.topo, cfg, self.layer_names, self.parts)
@@ -606,13 +527,9 @@ class Trainer:
                 json.dump(self.ds_cfg, fh, indent=2)
             plan_file = os.path.join(out, "plan.json")
             # a resume keeps the plan (and its predictions) it continues
-            if self.layer_names is not None and not (self.resume and self.predicted is None
+            if self.layer_names is not None and not (self.resume and self.plan.costs == "checkpoint"
                                                      and os.path.isfile(plan_file)):
-                with open(plan_file, "w") as fh:
-                    json.dump({"placement": cfg.parallel.placement, "parts": self.parts,
-                               "stages": stage_lists(self.layer_names, self.parts),
-                               "micro_batches": self.topo.accumulation_steps, "predicted": self.predicted,
-                               **(self.choice or {})}, fh, indent=2)
+                self.plan.write(plan_file)
         self.writer.info(f"{self.topo.describe()} precision={cfg.train.precision} zero={cfg.parallel.zero_stage} "
                          f"device={self.device_name}" + (f" resume@{self.start_step}" if self.resume else ""))
         if self.layer_names is not None:
@@ -620,7 +537,6 @@ class Trainer:
                 self.writer.info(f"stage {s}: {names[0]} .. {names[-1]} ({len(names)} layers)")
 
     def build_data(self) -> None:
-        from mmpipe.data.loader import Collate
         from mmpipe.data.source import build_train_loader
         cfg, rank = self.cfg, self.rank
         sample_log = None
@@ -628,12 +544,12 @@ class Trainer:
             os.makedirs(os.path.join(self.out_dir, "samples"), exist_ok=True)
             sample_log = os.path.join(self.out_dir, "samples", f"rank{rank}.txt")
         self.data_stats = DataStats(sample_log)
-        self.collate = Collate(self.tok, cfg.data.max_length, cfg.data.padding, cfg.data.pad_multiple)
+        self.collate = self.family.collate(self.tok, cfg.data)
         if self.reads_data:
             loader = agree(rank, lambda: build_train_loader(cfg, self.source, self.tok, self.collate, self.topo,
                                                             self.dp_rank, self.start_step, self.image_size,
                                                             self.device_name == "cpu"))
-            self.train_iter = _as_pipe_batches(loader, self.data_stats)
+            self.train_iter = _as_pipe_batches(loader, self.data_stats, self.family, count=self.reads_inputs)
         else:
             agree(rank, lambda: None)  # the data-reading ranks' loader errors reach every rank
             self.train_iter = (itertools.repeat((None, LABEL_PLACEHOLDER)) if self.topo.is_last_stage(rank)
@@ -714,8 +630,8 @@ class Trainer:
 
     # ---- evaluate and save -----------------------------------------------------------------------
     def evaluate(self, step: int) -> Optional[dict]:
+        """The family's evaluation on ``data.val``, from the last layer's eval-mode outputs."""
         from mmpipe.data.loader import ImageTextDataset, eval_batches
-        from mmpipe.evaluate import retrieval_metrics
         cfg, val = self.cfg, self.val_samples
         if not val:
             return None
@@ -726,17 +642,15 @@ class Trainer:
                 ds = ImageTextDataset(val, self.image_size, decode_size=cfg.data.decode_size)
                 # separate counters: val samples must not count against the training set's bad
                 # fraction, nor their decode time as training loader wait
-                return list(_as_pipe_batches((self.collate([ds[i] for i in mb]) for mb in idx), DataStats()))
+                return list(_as_pipe_batches((self.collate([ds[i] for i in mb]) for mb in idx), DataStats(),
+                                             self.family))
             return [(None, LABEL_PLACEHOLDER)] * len(idx) if self.topo.is_last_stage(self.rank) else None
 
         batches = agree(self.rank, val_batches)  # a val set that cannot be read stops every stage alike
-        feats = self.runner.features(batches, len(idx))
-        if feats is None or not self.is_reporter:
+        outputs = self.runner.eval_outputs(batches, len(idx))
+        if outputs is None or not self.is_reporter:
             return None
-        feats = feats[:n_real]
-        d = feats.shape[1] // 2
-        captions = [s.text for s in val[:n_real]]  # pairs sharing a caption are correct matches too
-        record = {"step": step, **retrieval_metrics(feats[:, :d], feats[:, d:], captions=captions)}
+        record = {"step": step, **self.family.evaluate(outputs, [b[1] for b in batches], val[:n_real])}
         self.writer.log_eval(record)
         return record
 

@@ -56,8 +56,15 @@ def _profile(vision_fwd, vision_bwd, text_fwd=1.0, text_bwd=2.0, n_vision=6, n_t
     return prof, names, ["image" if n.startswith("vision") else "text" for n in names]
 
 
+def place(prof, names, branches, P, placement, micro_batches):
+    """The planner's Plan, as (parts, {placement: prediction})."""
+    from mmpipe.planner import place as plan
+    p = plan(names, branches, P, placement, micro_batches, prof=prof)
+    assert p.layers == names and p.segments == branches and p.costs == "profile"
+    return p.parts, p.predictions
+
+
 def test_modality_splits_stages_in_proportion_to_branch_cost():
-    from mmpipe.plan import place
     prof, names, branches = _profile(3.0, 6.0, n_vision=6, n_text=6)  # vision tower 3x the text tower
     parts, _ = place(prof, names, branches, 4, "modality", micro_batches=8)
     kinds = [{branches[i] for i in range(a, b)} for a, b in zip(parts, parts[1:])]
@@ -65,7 +72,6 @@ def test_modality_splits_stages_in_proportion_to_branch_cost():
 
 
 def test_frozen_tower_is_costed_forward_only_and_the_plan_shifts():
-    from mmpipe.plan import place
     trainable, names, branches = _profile(2.0, 4.0)
     frozen, _, _ = _profile(2.0, 0.0)  # frozen vision: forward only (what the profiler measures)
     p_train, _ = place(trainable, names, branches, 2, "balanced", micro_batches=8)
@@ -74,20 +80,19 @@ def test_frozen_tower_is_costed_forward_only_and_the_plan_shifts():
     # costs 12 (of 24): the boundary moves to the branch border
     assert p_train == [0, 4, 10] and p_frozen == [0, 6, 10]
     auto, preds = place(frozen, names, branches, 2, "auto", micro_batches=8)
-    assert set(preds) == {"modality", "balanced"} and auto == preds[min(preds, key=lambda k: preds[k].step_time)].parts
+    assert set(preds) == {"modality", "balanced"} and auto == preds[min(preds, key=lambda k: preds[k]["step_time"])]["parts"]
 
 
 @pytest.mark.parametrize("seed", range(10))
 def test_auto_takes_the_placement_the_simulator_predicts_faster(seed):
-    from mmpipe.plan import place
     rng = random.Random(seed)
     prof, names, branches = _profile(1.0, 2.0, n_vision=rng.randint(2, 8), n_text=rng.randint(2, 8))
     for layer in prof["layers"]:
         layer["fwd_ms"], layer["bwd_ms"] = rng.uniform(0.5, 3), rng.uniform(0.5, 6)
     P = rng.randint(2, 4)
     chosen, preds = place(prof, names, branches, P, "auto", micro_batches=rng.choice([2, 4, 8]))
-    assert chosen == min(preds.values(), key=lambda p: p.step_time).parts
-    mod = preds["modality"].parts
+    assert chosen == min(preds.values(), key=lambda p: p["step_time"])["parts"]
+    mod = preds["modality"]["parts"]
     assert all(len({branches[i] for i in range(a, b)}) == 1 for a, b in zip(mod, mod[1:]))
 
 

@@ -196,20 +196,20 @@ def test_auto_micro_batch_picks_the_largest_size_that_fits(tiny_data, tok):
     from mmpipe.config import load_config
     from mmpipe.data.manifest import read_manifest
     from mmpipe.data.source import TrainSource
-    from mmpipe.models.clip import ModelSpec
+    from mmpipe.families import build_family
     from mmpipe.plan import auto_micro_batch, build_layers, probe_batch
     from mmpipe.profile import profile_layers, stage_memory
     from conftest import TINY
     cfg = load_config(TINY, [f"model.text.vocab_size={len(tok)}", "model.text.eos_token_id=3",
                              "model.text.max_position_embeddings=16", "train.batch_size=48"])
-    spec = ModelSpec(cfg.model, 0)
+    spec = build_family(cfg.model, 0)
     source = TrainSource("manifest", samples=read_manifest(tiny_data["train"]))
-    parts = [0, 5, len(spec.part_names())]
+    parts = [0, 5, len(spec.layer_names())]
     layers = build_layers(spec)
     dev = torch.device("cpu")
 
     def peak(m):  # measured independently of the search: every stage of the 2-stage layout
-        costs = profile_layers(layers, probe_batch(cfg, source, tok, m, 32, dev), timed=False)
+        costs = profile_layers(layers, probe_batch(cfg, spec, source, tok, m, 32, dev), timed=False)
         return max(stage_memory(costs, parts, 48 // m, "fp32"))
 
     peaks = {m: peak(m) for m in (4, 6, 8)}
@@ -224,14 +224,14 @@ def test_auto_micro_batch_picks_the_largest_size_that_fits(tiny_data, tok):
 
 def test_profile_counts_activations_and_frozen_layers_run_forward_only(tok):
     from mmpipe.config import load_config
-    from mmpipe.models.clip import ModelSpec
+    from mmpipe.families import build_family
     from mmpipe.plan import build_layers
     from mmpipe.profile import profile_layers
     from conftest import TINY
     cfg = load_config(TINY, [f"model.text.vocab_size={len(tok)}", "model.text.eos_token_id=3",
                              "model.text.max_position_embeddings=16"])
-    spec = ModelSpec(cfg.model, 0)
-    names = spec.part_names()
+    spec = build_family(cfg.model, 0)
+    names = spec.layer_names()
     vision = frozenset(n for n in names if n.startswith("vision."))
     x = (torch.randint(0, 255, (4, 3, 32, 32), dtype=torch.uint8), torch.randint(5, 50, (4, 16)),
          torch.ones(4, 16, dtype=torch.int64))

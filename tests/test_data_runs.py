@@ -64,20 +64,22 @@ def test_auto_micro_batch_in_a_pipelined_run(runs, tiny_data, tmp_path_factory):
     from mmpipe.data.manifest import read_manifest
     from mmpipe.data.source import TrainSource
     from mmpipe.data.tokenizer import eos_id, train_tokenizer
-    from mmpipe.models.clip import ModelSpec
-    from mmpipe.pipeline.module import plan_parts
+    from mmpipe.families import build_family
     from mmpipe.plan import build_layers, probe_batch
+    from mmpipe.planner import place
     from mmpipe.profile import profile_layers, stage_memory
     samples = read_manifest(tiny_data["train"])
     tok_dir = str(tmp_path_factory.mktemp("tok_auto"))
     tok = train_tokenizer([s.text for s in samples], 300, tok_dir)
     cfg = load_config(TINY, [f"model.text.vocab_size={len(tok)}", f"model.text.eos_token_id={eos_id(tok)}",
                              "model.text.max_position_embeddings=16", f"data.tokenizer={tok_dir}"])
-    spec = ModelSpec(cfg.model, 0)
-    parts = plan_parts(spec, 2, "modality")
-    layers = build_layers(spec)
+    family = build_family(cfg.model, 0)
+    # the split the probe costs: one stage per half of the layers
+    n = len(family.layer_names())
+    parts = [0, round(n / 2), n]
+    layers = build_layers(family)
     source = TrainSource("manifest", samples=samples)
-    peaks = {m: max(stage_memory(profile_layers(layers, probe_batch(cfg, source, tok, m, 32, torch.device("cpu")),
+    peaks = {m: max(stage_memory(profile_layers(layers, probe_batch(cfg, family, source, tok, m, 32, torch.device("cpu")),
                                                 timed=False), parts, 16 // m, "fp32")) for m in (4, 8)}
     budget_gb = (peaks[4] + peaks[8]) / 2 / 2**30
     out, proc = runs.get("p2_mbs_auto", 2, ["parallel.pipeline_stages=2", "parallel.micro_batch_size=auto",

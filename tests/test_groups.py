@@ -17,6 +17,7 @@ from mmpipe.checkpoint import load_model_weights
 from mmpipe.config import load_config
 from mmpipe.errors import ConfigError
 from mmpipe.metrics import read_metrics
+from mmpipe.families.clip import ClipFamily
 from mmpipe.optim import assign_groups, clip_coef, forward_only_parts, param_groups, resolve_groups
 
 GROUP_SETS = ["optim.schedule=constant", "optim.groups.vision.max_grad_norm=0.5", "optim.groups.vision.lr=5e-4",
@@ -31,18 +32,18 @@ BRANCH_OF = {"vision": "vision.", "projector": ("visual_projection.", "text_proj
 
 # ---- fast unit tests -------------------------------------------------------------------------------
 def test_default_groups_and_shortcuts():
-    groups = resolve_groups(load_config(None, ["optim.freeze_vision=true", "optim.groups.text.lr=1e-5"]).optim)
+    groups = resolve_groups(load_config(None, ["optim.freeze_vision=true", "optim.groups.text.lr=1e-5"]).optim, ClipFamily)
     by = {g.name: g for g in groups}
     assert list(by) == ["vision", "projector", "text", "logit_scale"]
     assert by["vision"].frozen and not by["text"].frozen and by["text"].lr == 1e-5 and by["projector"].lr == 5e-4
 
 
 def test_every_parameter_in_exactly_one_group():
-    groups = resolve_groups(load_config(None, ["optim.groups.extra.patterns=[blocks]"]).optim)
+    groups = resolve_groups(load_config(None, ["optim.groups.extra.patterns=[blocks]"]).optim, ClipFamily)
     with pytest.raises(ConfigError, match="'vision.blocks.0.w' matches both 'vision' and 'extra'"):
         assign_groups(["vision.blocks.0.w"], groups)
     with pytest.raises(ConfigError, match="parameter 'adapter.w' matches no group"):
-        assign_groups(["adapter.w"], resolve_groups(load_config(None).optim))
+        assign_groups(["adapter.w"], resolve_groups(load_config(None).optim, ClipFamily))
 
 
 def test_clip_coef_matches_torch():
@@ -61,14 +62,13 @@ def _tiny_model_cfg(*sets):
 
 
 def test_frozen_branch_runs_forward_only_and_gets_no_optimizer_state():
-    from mmpipe.models.clip import ModelSpec
+    from mmpipe.families import build_family
     from mmpipe.optim import apply_freeze
-    from mmpipe.pipeline.module import meta_parts
     cfg = _tiny_model_cfg("optim.freeze_vision=true")
-    groups = resolve_groups(cfg.optim)
-    spec = ModelSpec(cfg.model, 0)
-    part_params = {p: list(v) for p, v in meta_parts(spec).items()}
-    fo = forward_only_parts(part_params, spec.branch, groups)
+    groups = resolve_groups(cfg.optim, ClipFamily)
+    family = build_family(cfg.model, 0)
+    part_params = {p: list(v) for p, v in family.meta_params().items()}
+    fo = forward_only_parts(part_params, family.upstream(), groups)
     assert fo == {"vision.embed", "vision.blocks.0", "vision.blocks.1", "vision.head"}
     model = mmpipe.build_model(cfg)
     model.forward_only = frozenset(fo)
@@ -83,7 +83,8 @@ def test_frozen_branch_runs_forward_only_and_gets_no_optimizer_state():
     assert all(p.grad is None for n, p in model.named_parameters() if n.startswith("vision."))
     assert model.visual_projection.weight.grad is not None and model.text.embed.embeddings.token_embedding.weight.grad is not None
     # freezing the text tower keeps text_projection and the loss trainable (they follow it)
-    fo_text = forward_only_parts(part_params, spec.branch, resolve_groups(_tiny_model_cfg("optim.freeze_text=true").optim))
+    fo_text = forward_only_parts(part_params, family.upstream(),
+                                 resolve_groups(_tiny_model_cfg("optim.freeze_text=true").optim, ClipFamily))
     assert "text.blocks.1" in fo_text and "text_projection" not in fo_text and "loss" not in fo_text
 
 
@@ -145,8 +146,8 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def plan_file(tmp_path_factory):
     """Stage boundary inside the image branch: the vision group spans both pipeline stages."""
-    from mmpipe.models.clip import ModelSpec
-    names = ModelSpec(_tiny_model_cfg().model, 0).part_names()
+    from mmpipe.families import build_family
+    names = build_family(_tiny_model_cfg().model, 0).layer_names()
     p = tmp_path_factory.mktemp("plan") / "plan.json"
     p.write_text(json.dumps({"stages": [names[:2], names[2:]]}))
     return str(p)

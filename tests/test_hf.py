@@ -9,7 +9,7 @@ import torch
 
 import mmpipe
 from conftest import launch, train_losses, TINY
-from mmpipe.models.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, normalize_pixels
+from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, normalize_pixels
 
 
 def _tiny_clip(vocab_size, eos, pad=0):

@@ -174,9 +174,9 @@ def test_pretrained_dir_with_a_tokenizer_uses_it_and_pools_at_its_eos(legacy_cli
                                    atol=1e-5, rtol=0)
     # a tokenizer larger than the weights' vocabulary is not theirs: one line
     big = mmpipe.load_config(TINY, [f"model.pretrained={legacy_clip['dir']}", "model.text.pretrained=null"])
-    from mmpipe.train import fill_text_fields
+    from mmpipe.config import family_of
     with pytest.raises(ConfigError, match="it is not their tokenizer"):
-        fill_text_fields(big, 5000, 3)
+        family_of(big).resolve(big.model, 5000, 3, big.data)
 
 
 def test_a_cache_must_hold_the_pretrained_weights_tokenizer_ids(legacy_clip, tiny_data, tmp_path):
@@ -219,7 +219,7 @@ def test_micro_batch_of_one_refused_for_contrastive_and_auto_never_picks_it(caps
 
 # ---- item 7: degenerate features are not perfect recall -----------------------------------------------------
 def test_recall_counts_ties_and_nan_as_misses():
-    from mmpipe.evaluate import retrieval_metrics
+    from mmpipe.families.clip.retrieval import retrieval_metrics
     for feats in (torch.zeros(10, 4), torch.full((10, 4), float("nan")), torch.ones(10, 4)):
         r = retrieval_metrics(feats, feats)
         assert r["i2t_r1"] == r["t2i_r1"] == r["i2t_r5"] == 0.0, r
@@ -243,12 +243,12 @@ def test_recall_counts_ties_and_nan_as_misses():
 
 # ---- item 8: a profile cached without transfers is not reused as if transfers were free --------------------
 def test_profile_cached_without_transfers_gets_them_measured(tmp_path, monkeypatch):
-    from mmpipe.models.clip import ModelSpec
+    from mmpipe.families import build_family
     from mmpipe.plan import get_profile
     monkeypatch.setenv("MMPIPE_CACHE", str(tmp_path))
     cfg = mmpipe.load_config(TINY, ["model.text.vocab_size=60", "model.text.eos_token_id=3",
                                     "model.text.max_position_embeddings=16"])
-    spec = ModelSpec(cfg.model, 0)
+    spec = build_family(cfg.model, 0)
     first = get_profile(cfg, spec, 4, measure_comm=False, repeats=1)
     assert first["comm"]["measured"] is False and first["comm"]["s_per_byte"] == 0.0
     second = get_profile(cfg, spec, 4, measure_comm=True, repeats=1)  # same key: the cache entry
@@ -260,10 +260,11 @@ def test_profile_cached_without_transfers_gets_them_measured(tmp_path, monkeypat
 
 # ---- item 10: lr per group, and one lr that does not depend on the layout ------------------------------------
 def test_lr_record_names_every_group_and_scales_the_base_lr():
+    from mmpipe.families.clip import ClipFamily
     from mmpipe.optim import resolve_groups
     from mmpipe.train import lr_record
     groups = [g for g in resolve_groups(mmpipe.load_config(None, ["optim.lr=1e-3", "optim.groups.vision.lr=1e-4",
-                                                                   "optim.freeze_text=true"]).optim) if not g.frozen]
+                                                                   "optim.freeze_text=true"]).optim, ClipFamily) if not g.frozen]
     assert [g.name for g in groups] == ["vision", "projector", "logit_scale"]
     # a stage holding only the vision group (the projector's and logit_scale's lr come from other ranks)
     rec = lr_record([5e-5, 5e-4, 5e-4], groups, 1e-3)
@@ -294,25 +295,29 @@ def test_stop_at_zero_is_one_line(capsys, tiny_data, tmp_path):
 
 
 def test_placement_mistakes_are_config_errors(tmp_path):
-    from mmpipe.models.clip import ModelSpec
-    from mmpipe.pipeline.module import parts_from_plan_file, plan_parts
+    from mmpipe.families import build_family
+    from mmpipe.planner import parts_from_plan_file, place
     cfg = mmpipe.load_config(TINY, ["model.text.vocab_size=60", "model.text.eos_token_id=3",
                                     "model.text.max_position_embeddings=16"])
-    spec = ModelSpec(cfg.model, 0)
-    n = len(spec.part_names())
+    family = build_family(cfg.model, 0)
+    names, segments = family.layer_names(), family.segments()
+    n = len(names)
+
+    def plan_parts(_, stages, placement):
+        return place(names, segments, stages, placement, 1, param_costs=[1] * n).parts
     with pytest.raises(ConfigError, match=f"parallel.pipeline_stages={n + 1} is more than the model's {n} layers"):
-        plan_parts(spec, n + 1, "modality")
+        plan_parts(family, n + 1, "modality")
     with pytest.raises(ConfigError, match="parallel.placement=type:nomatch matches 0 layer"):
-        plan_parts(spec, 2, "type:nomatch")
+        plan_parts(family, 2, "type:nomatch")
     # DeepSpeed's rule (balance the matching layers) over layer names, as mmpipe plan shows it:
     # two transformer blocks per stage
-    from mmpipe.plan import ds_parts
-    assert plan_parts(spec, 2, "type:blocks") == ds_parts({}, 2, "type:blocks", spec.part_names()) == [0, 6, n]
+    from mmpipe.planner import ds_parts
+    assert plan_parts(family, 2, "type:blocks") == ds_parts(None, 2, "type:blocks", names) == [0, 6, n]
     for text in ("[1, 2]", "not json", '"stages"'):
         p = tmp_path / "plan.json"
         p.write_text(text)
         with pytest.raises(ConfigError, match="parallel.plan: "):
-            parts_from_plan_file(str(p), spec.part_names(), 2)
+            parts_from_plan_file(str(p), names, 2)
 
 
 def test_resume_on_another_layout_says_what_the_checkpoint_holds(runs, tmp_path):

@@ -257,12 +257,12 @@ def _batch(seed=0):
 
 
 def test_pipeline_layers_compute_the_plain_model():
-    from mmpipe.models.clip import ModelSpec
+    from mmpipe.families import build_family
     from mmpipe.pipeline.layers import PipeLayer, plain_state_key, run_sequential
     cfg = _tiny_cfg()
     model = mmpipe.build_model(cfg)
-    spec = ModelSpec(cfg.model, cfg.train.seed)
-    layers = [PipeLayer(spec, n) for n in spec.part_names()]  # each built alone, like a stage does
+    family = build_family(cfg)
+    layers = [PipeLayer(family, n) for n in family.layer_names()]  # each built alone, like a stage does
     sd = model.state_dict()
     for layer in layers:  # same initial weights, same names
         for k, v in layer.state_dict().items():
@@ -292,7 +292,7 @@ def test_padding_does_not_change_text_features():
 
 
 def test_uint8_pixels_are_normalised_on_device():
-    from mmpipe.models.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, normalize_pixels
+    from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, normalize_pixels
     model = mmpipe.build_model(_tiny_cfg()).eval()
     pix, _, _ = _batch()
     with torch.no_grad():
@@ -322,7 +322,7 @@ def test_bad_tower_config_is_one_line():
 
 
 def test_retrieval_metrics():
-    from mmpipe.evaluate import retrieval_metrics
+    from mmpipe.families.clip.retrieval import retrieval_metrics
     x = torch.eye(5)
     m = retrieval_metrics(x, x)
     assert m["i2t_r1"] == 1.0 and m["t2i_r1"] == 1.0 and m["chance_r1"] == 0.2

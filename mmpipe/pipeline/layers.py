@@ -1,17 +1,9 @@
-"""The model flattened into pipeline layers with one activation contract: a tuple of tensors.
+"""A family's layers as DeepSpeed pipeline layers, with one activation contract: a tuple of
+tensors (floating-point first, integer last; see the family's model module for its tuples).
 
-Contract (floating-point tensors first, integer tensors last; every float tensor that crosses a
-stage boundary is used downstream, so it gets a gradient back):
-
-    data            (pixel_values uint8|float, input_ids int64, attention_mask int64)
-    image phase     (image_hidden,                 input_ids, attention_mask)
-    text phase      (image_features, text_hidden,  input_ids, attention_mask)
-    features        (image_features, text_features)
-    loss            scalar (training) | cat(image_features, text_features) (eval)
-
-Each ``PipeLayer`` holds exactly one part of the plain model (``ModelSpec.part_names()``), so
-its state dict is that part's state dict under ``part.`` and checkpoints map back to the plain
-model's names without a table of special cases.
+Each ``PipeLayer`` holds exactly one layer of the plain model (``Family.layers()``), so its state
+dict is that layer's under ``part.`` and checkpoints map back to the plain model's names without a
+table of special cases.
 """
 from __future__ import annotations
 
@@ -19,69 +11,14 @@ import torch
 from torch import nn
 
 
-def _vision_embed(part, acts):
-    pixels, ids, mask = acts
-    return part(pixels), ids, mask
-
-
-def _vision(part, acts):
-    h, ids, mask = acts
-    return part(h), ids, mask
-
-
-def _text_embed(part, acts):
-    img, ids, mask = acts
-    return img, part(ids), ids, mask
-
-
-def _text_block(part, acts):
-    img, h, ids, mask = acts
-    return img, part(h, mask), ids, mask
-
-
-def _text_head(part, acts):
-    img, h, ids, mask = acts
-    return img, part(h, ids, mask)
-
-
-def _text_projection(part, acts):
-    img, t = acts
-    return img, part(t)
-
-
-def _loss(part, acts):
-    img, t = acts
-    if part.training:
-        return part(img, t)
-    return torch.cat([img.float(), t.float()], dim=-1)  # eval: features out, split by the caller
-
-
-def role_of(name: str):
-    if name == "vision.embed":
-        return _vision_embed
-    if name.startswith("vision.") or name == "visual_projection":
-        return _vision
-    if name == "text.embed":
-        return _text_embed
-    if name.startswith("text.blocks."):
-        return _text_block
-    if name == "text.head":
-        return _text_head
-    if name == "text_projection":
-        return _text_projection
-    if name == "loss":
-        return _loss
-    raise KeyError(f"no pipeline role for part {name!r}")
-
-
 class PipeLayer(nn.Module):
     """One part of the plain model, adapted to the tuple contract. Built per stage via LayerSpec."""
 
-    def __init__(self, spec, name: str, forward_only: bool = False):
+    def __init__(self, family, name: str, forward_only: bool = False):
         super().__init__()
         self.name = name
-        self.part = spec.build_part(name)
-        self._role = role_of(name)
+        self.part = family.build_layer(name)
+        self._role = family.layer(name).step
         # frozen, and nothing upstream in its branch trains: run without autograd
         self.forward_only = forward_only
 
@@ -120,7 +57,7 @@ def wants_grad(t) -> bool:
 
 
 def plain_state_key(layer_name: str, key: str) -> str:
-    """PipeLayer state-dict key -> plain ``DualEncoder`` state-dict key (part name is the prefix)."""
+    """PipeLayer state-dict key -> the plain model's state-dict key (part name is the prefix)."""
     if not key.startswith("part."):
         raise KeyError(f"unexpected pipeline layer key {key!r} in {layer_name}")
     return f"{layer_name}.{key[len('part.'):]}"

@@ -12,11 +12,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from mmpipe.config import TextConfig
+
 from mmpipe.errors import ConfigError
-from mmpipe.models import hf
-from mmpipe.models.common import causal_padding_mask, init_transformer_part, padding_mask
-from mmpipe.models.vision import _first_line
+from mmpipe.families.towers import hf
+from mmpipe.families.towers.common import causal_padding_mask, init_transformer_part, padding_mask
+from mmpipe.families.towers.vision import _first_line
 
 _HF_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
               "max_position_embeddings")
@@ -80,7 +80,7 @@ def _block_cls(arch: str):
 class TextSpec:
     """Resolved text-tower definition: parts, builders, weight source."""
 
-    def __init__(self, cfg: TextConfig, clip_pretrained: Optional[str] = None, eos_token_id: Optional[int] = None,
+    def __init__(self, cfg, clip_pretrained: Optional[str] = None, eos_token_id: Optional[int] = None,
                  pad_token_id: Optional[int] = None):
         self.cfg = cfg
         self.arch = cfg.arch

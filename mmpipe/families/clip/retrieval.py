@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from mmpipe.models.clip import l2_normalize
+from mmpipe.families.clip.model import l2_normalize
 
 
 def retrieval_metrics(image_features: torch.Tensor, text_features: torch.Tensor, ks=(1, 5),

@@ -11,10 +11,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from mmpipe.config import VisionConfig
+
 from mmpipe.errors import ConfigError
-from mmpipe.models import hf
-from mmpipe.models.common import (IMAGENET_MEAN, IMAGENET_STD, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD,
+from mmpipe.families.towers import hf
+from mmpipe.families.towers.common import (IMAGENET_MEAN, IMAGENET_STD, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD,
                                   init_transformer_part, normalize_pixels, param_dtype)
 
 _HF_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "image_size",
@@ -72,7 +72,7 @@ class ResNetHead(nn.Module):
 class VisionSpec:
     """Resolved image-tower definition: how many parts, how to build each, where weights come from."""
 
-    def __init__(self, cfg: VisionConfig, clip_pretrained: Optional[str] = None):
+    def __init__(self, cfg, clip_pretrained: Optional[str] = None):
         self.cfg = cfg
         self.arch = cfg.arch
         self.weights_dir = cfg.pretrained or clip_pretrained

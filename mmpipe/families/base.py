@@ -1,0 +1,201 @@
+"""The model-family interface. A family turns its resolved ``model:`` config into an ordered list
+of layers (each a plain-model name prefix, a segment tag and a tuple-in/tuple-out step), and says
+how samples become batches, which batch fields go to the first stage and which (labels) to the
+last, how the loss and the evaluation are computed, and how its weights map to transformers.
+
+Parallelism, planning and the training loop use only this interface: the plain model (P = 1),
+the pipeline layers (P >= 2), the profiler and the checkpoint reader are all built from
+``layers()`` and ``build_layer(name)``, so a layer's weights and arithmetic are the same in
+every layout. Adding a family = subclass ``Family``, decorate it with
+``mmpipe.families.register_family``, give it a config dataclass (see ARCHITECTURE.md).
+"""
+from __future__ import annotations
+
+from typing import Callable, ClassVar, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from mmpipe.families.towers.common import part_seed
+
+
+class Layer(NamedTuple):
+    """One pipeline layer. ``name``: the plain model's parameter-name prefix (its weights are
+    ``<name>.<key>`` in every checkpoint); ``segment``: the tag placement keeps stages apart by
+    (vision, projector, text, llm, head...); ``step(module, acts)``: the layer on the activation
+    tuple (floating-point tensors first, integer tensors last); ``takes``: other segments whose
+    tensors this layer computes on (where branches merge: CLIP's loss, a VLM's projector merge)."""
+    name: str
+    segment: str
+    step: Callable
+    takes: tuple = ()
+
+
+class Family:
+    """Base class of a model family (see the module docstring)."""
+
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type] = None
+    inputs: ClassVar[tuple] = ("pixel_values", "input_ids", "attention_mask")  # batch fields -> first stage
+    labels: ClassVar[tuple] = ()  # batch fields -> last stage (``loss(outputs, *labels)``)
+    min_micro_batch: ClassVar[int] = 1
+    min_micro_batch_why: ClassVar[str] = ""
+    default_groups: ClassVar[dict] = {}  # group name -> parameter-name regexes
+    freeze_shortcuts: ClassVar[dict] = {}  # optim.<flag> -> group it freezes
+    hf_adapter: ClassVar[Optional[type]] = None  # from_hf / to_hf / hf_config
+
+    # ---- config: class methods, no model built ------------------------------------------------
+    @classmethod
+    def validate(cls, model_cfg, where: str) -> None:
+        """Choices and ranges of the ``model:`` section (one-line ConfigError)."""
+
+    @classmethod
+    def image_size(cls, model_cfg) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def tokenizer_weights(cls, model_cfg) -> tuple:
+        """(config key, directory) of pretrained text weights whose tokenizer the run must use."""
+        return None, None
+
+    @classmethod
+    def resolve(cls, model_cfg, num_tokens: int, eos_id: int, data_cfg):
+        """A new ``model:`` section with the fields left to the tokenizer filled (never mutates)."""
+        return model_cfg
+
+    def __init__(self, model_cfg, seed: int = 0):
+        self.cfg = model_cfg
+        self.seed = seed
+
+    # ---- structure ----------------------------------------------------------------------------
+    def layers(self) -> list:
+        raise NotImplementedError
+
+    def build_unseeded(self, name: str) -> nn.Module:
+        """The layer's module with fresh (unseeded) weights; built on the meta device to size it."""
+        raise NotImplementedError
+
+    def load_pretrained(self, module: nn.Module, name: str) -> None:
+        """Fill a freshly built layer from the configured local pretrained weights, if any."""
+
+    def build_layer(self, name: str) -> nn.Module:
+        """The layer seeded from (seed, name): identical in one process and on any pipeline stage."""
+        with part_seed(self.seed, name):
+            module = self.build_unseeded(name)
+        self.load_pretrained(module, name)
+        return module
+
+    def layer_names(self) -> list:
+        return [layer.name for layer in self.layers()]
+
+    def layer(self, name: str) -> Layer:
+        if not hasattr(self, "_by_name"):
+            self._by_name = {layer.name: layer for layer in self.layers()}
+        return self._by_name[name]
+
+    def segments(self) -> list:
+        return [layer.segment for layer in self.layers()]
+
+    def segment_graph(self) -> dict:
+        """{segment: segments it feeds}, from the layers' ``takes``."""
+        graph = {seg: [] for seg in dict.fromkeys(self.segments())}
+        for layer in self.layers():
+            for src in layer.takes:
+                if src != layer.segment and layer.segment not in graph[src]:
+                    graph[src].append(layer.segment)
+        return graph
+
+    def upstream(self) -> dict:
+        """{layer: layers whose outputs it computes on}: earlier layers of its own segment, and
+        every layer of the segments it ``takes`` from (and of theirs, transitively)."""
+        layers = self.layers()
+        seen_in: dict = {}
+        out = {}
+        for layer in layers:
+            ups = set(seen_in.get(layer.segment, ()))
+            todo = list(layer.takes)
+            while todo:
+                seg = todo.pop()
+                ups |= set(seen_in.get(seg, ()))
+                todo += [t for lay in layers if lay.segment == seg for t in lay.takes if t != seg]
+            out[layer.name] = ups
+            seen_in.setdefault(layer.segment, []).append(layer.name)
+        return out
+
+    def meta_params(self) -> dict:
+        """{layer name: {plain parameter name: numel}}, built on the meta device (no memory, no I/O)."""
+        out = {}
+        for name in self.layer_names():
+            with torch.device("meta"):
+                m = self.build_unseeded(name)
+            out[name] = {f"{name}.{k}": p.numel() for k, p in m.named_parameters()}
+        return out
+
+    def plain_model(self, forward_only: frozenset = frozenset()) -> "PlainModel":
+        return PlainModel(self, forward_only)
+
+    # ---- loss and evaluation ------------------------------------------------------------------
+    def loss(self, outputs, *labels) -> torch.Tensor:
+        """The scalar loss from the last layer's outputs and the label fields (families whose last
+        layer computes the loss itself have no labels and never get here)."""
+        raise NotImplementedError
+
+    def evaluate(self, outputs: list, labels: list, samples: list) -> dict:
+        """Metrics from the last layer's eval-mode outputs (one per micro-batch), the label fields of
+        the same micro-batches and the val samples (padded batches: only ``len(samples)`` rows count)."""
+        return {}
+
+    # ---- data ---------------------------------------------------------------------------------
+    def collate(self, tokenizer, data_cfg):
+        """The collate function run in loader workers: decoded samples -> batch dict holding the
+        ``inputs`` and ``labels`` fields (plus ``index``, ``keys``, ``bad``). Must be picklable."""
+        from mmpipe.data.loader import Collate
+        return Collate(tokenizer, data_cfg.max_length, data_cfg.padding, data_cfg.pad_multiple)
+
+    def example_batch(self, micro_batch_size: int, max_length: int, device) -> dict:
+        """A batch of the configured shapes (inputs and labels) for the profiler: timing does not
+        depend on the values."""
+        raise NotImplementedError
+
+
+class PlainModel(nn.Module):
+    """The single-process model composed of the family's layers under their plain names:
+    ``forward(*inputs, *labels)`` is the scalar loss in training mode and the last layer's eval
+    outputs in eval mode, by the same layer steps the pipeline runs."""
+
+    def __init__(self, family: Family, forward_only: frozenset = frozenset()):
+        super().__init__()
+        self.family = family
+        self._layers = family.layers()
+        for layer in self._layers:
+            attach(self, layer.name, family.build_layer(layer.name))
+        # layers that may run without autograd (frozen, nothing trainable upstream)
+        self.forward_only = frozenset(forward_only)
+
+    def run_layers(self, acts: tuple, layers=None) -> tuple:
+        for layer in layers or self._layers:
+            module = self.get_submodule(layer.name)
+            if layer.name in self.forward_only and torch.is_grad_enabled():
+                with torch.no_grad():
+                    acts = layer.step(module, acts)
+            else:
+                acts = layer.step(module, acts)
+        return acts
+
+    def forward(self, *fields):
+        n = len(self.family.inputs)
+        out = self.run_layers(tuple(fields[:n]))
+        if self.family.labels and self.training:
+            return self.family.loss(out, *fields[n:])
+        return out
+
+
+def attach(root: nn.Module, dotted: str, module: nn.Module) -> None:
+    """Register ``module`` under the dotted name, creating plain containers on the way."""
+    *path, last = dotted.split(".")
+    node = root
+    for part in path:
+        if part not in node._modules:
+            node.add_module(part, nn.Module())
+        node = node._modules[part]
+    node.add_module(last, module)

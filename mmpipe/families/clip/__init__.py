@@ -1,0 +1,168 @@
+"""The CLIP-style dual-encoder family (``model.type: clip``): image tower (CLIP ViT or ResNet) and
+text tower (CLIP text transformer or BERT), linear projections, symmetric InfoNCE loss with a
+learnable temperature; zero-shot retrieval as its evaluation; transformers' ``CLIPModel`` as its
+HF format."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from mmpipe.errors import ConfigError
+from mmpipe.families import register_family
+from mmpipe.families.base import Family, Layer
+from mmpipe.families.clip import model as m
+from mmpipe.families.clip.config import ClipConfig
+from mmpipe.families.towers import hf
+from mmpipe.families.towers.text import TextSpec
+from mmpipe.families.towers.vision import VisionSpec
+
+_CHOICES = {"vision.arch": ("clip_vit", "resnet"), "vision.variant": ("resnet18", "resnet34", "resnet50"),
+            "text.arch": ("clip_text", "bert"), "text.pooling": ("auto", "eos", "cls", "mean")}
+
+
+@register_family
+class ClipFamily(Family):
+    name = "clip"
+    config_class = ClipConfig
+    inputs = ("pixel_values", "input_ids", "attention_mask")
+    min_micro_batch = 2
+    min_micro_batch_why = "its contrastive loss has no negatives with 1 and is identically 0"
+    default_groups = {"vision": [r"^vision\."], "projector": [r"^visual_projection\.", r"^text_projection\."],
+                      "text": [r"^text\."], "logit_scale": [r"^loss\.logit_scale$"]}
+    freeze_shortcuts = {"freeze_vision": "vision", "freeze_projector": "projector", "freeze_text": "text"}
+
+    # ---- config ---------------------------------------------------------------------------------
+    @classmethod
+    def validate(cls, model_cfg, where: str) -> None:
+        for key, choices in _CHOICES.items():
+            section, field = key.split(".")
+            v = getattr(getattr(model_cfg, section), field)
+            if v not in choices:
+                raise ConfigError(f"{where}: model.{key}={v!r} is not one of {', '.join(choices)}")
+
+    @classmethod
+    def image_size(cls, model_cfg) -> int:
+        """The image tower's input size (from a pretrained config if there is one)."""
+        return VisionSpec(model_cfg.vision, model_cfg.pretrained).image_size
+
+    @classmethod
+    def tokenizer_weights(cls, model_cfg) -> tuple:
+        if model_cfg.text.pretrained:
+            return "model.text.pretrained", model_cfg.text.pretrained
+        if model_cfg.pretrained:
+            return "model.pretrained", model_cfg.pretrained
+        return None, None
+
+    @classmethod
+    def resolve(cls, model_cfg, num_tokens: int, eos_id: int, data_cfg):
+        """Text-tower fields a config may leave to the tokenizer. With pretrained text weights the
+        tokenizer must fit their vocabulary, and pooling reads the EOS of the tokenizer actually used."""
+        from mmpipe.fields import thawed_copy
+        out = thawed_copy(model_cfg)
+        t = out.text
+        key, weights_dir = cls.tokenizer_weights(model_cfg)
+        if weights_dir:
+            c = hf.load_hf_config(weights_dir, key)
+            c = getattr(c, "text_config", c)
+            if num_tokens > c.vocab_size:
+                raise ConfigError(f"the tokenizer has {num_tokens} tokens but the text weights in {key}={weights_dir} "
+                                  f"embed {c.vocab_size}: it is not their tokenizer; set data.tokenizer to the one "
+                                  "they were trained with")
+        else:
+            if t.vocab_size is None:
+                t.vocab_size = num_tokens
+            elif t.vocab_size < num_tokens:
+                raise ConfigError(f"model.text.vocab_size={t.vocab_size} is smaller than the tokenizer's {num_tokens} "
+                                  "tokens")
+            if t.max_position_embeddings is None:
+                t.max_position_embeddings = max(data_cfg.max_length, 16)
+        if t.eos_token_id is None:
+            t.eos_token_id = eos_id
+        return out
+
+    # ---- structure ------------------------------------------------------------------------------
+    def __init__(self, model_cfg, seed: int = 0):
+        super().__init__(model_cfg, seed)
+        clip_dir = model_cfg.pretrained
+        if clip_dir:
+            top = hf.load_hf_config(clip_dir, "model.pretrained")
+            if not hasattr(top, "vision_config"):
+                raise ConfigError(f"model.pretrained: {clip_dir} is not a CLIPModel directory "
+                                  "(use model.vision.pretrained / model.text.pretrained for single towers)")
+            self.projection_dim, self.logit_scale_init = top.projection_dim, top.logit_scale_init_value
+        else:
+            self.projection_dim, self.logit_scale_init = model_cfg.projection_dim, model_cfg.logit_scale_init
+        self.vision = VisionSpec(model_cfg.vision, clip_dir)
+        self.text = TextSpec(model_cfg.text, clip_dir, eos_token_id=getattr(model_cfg.text, "eos_token_id", None))
+        self._top_weights = hf.WeightSource(clip_dir, "model.pretrained") if clip_dir else None
+        self._layers = self._make_layers()
+
+    def _make_layers(self) -> list:
+        nv, nt = self.vision.num_blocks, self.text.num_blocks
+        return ([Layer("vision.embed", "vision", m.vision_embed_step)]
+                + [Layer(f"vision.blocks.{i}", "vision", m.vision_step) for i in range(nv)]
+                + [Layer("vision.head", "vision", m.vision_step), Layer("visual_projection", "vision", m.vision_step),
+                   Layer("text.embed", "text", m.text_embed_step)]
+                + [Layer(f"text.blocks.{i}", "text", m.text_block_step) for i in range(nt)]
+                + [Layer("text.head", "text", m.text_head_step),
+                   Layer("text_projection", "text", m.text_projection_step),
+                   Layer("loss", "text", m.loss_step, takes=("vision",))])
+
+    def layers(self) -> list:
+        return self._layers
+
+    def build_unseeded(self, name: str) -> nn.Module:
+        if name.startswith("vision."):
+            return self.vision.build_part(name[len("vision."):])
+        if name.startswith("text."):
+            return self.text.build_part(name[len("text."):])
+        if name == "loss":
+            return m.ClipLoss(self.logit_scale_init)
+        if name not in ("visual_projection", "text_projection"):
+            raise KeyError(name)
+        width = self.vision.width if name == "visual_projection" else self.text.width
+        lin = nn.Linear(width, self.projection_dim, bias=False)
+        nn.init.normal_(lin.weight, std=lin.in_features ** -0.5)
+        return lin
+
+    def load_pretrained(self, module: nn.Module, name: str) -> None:
+        if name.startswith("vision."):
+            source, rules = self.vision.weight_source(), self.vision.rules
+        elif name.startswith("text."):
+            source, rules = self.text.weight_source(), self.text.rules
+        else:
+            source, rules = self._top_weights, hf.CLIP_TOP_RULES
+        if source is not None:
+            hf.load_part_weights(module, name, source, rules)
+
+    def plain_model(self, forward_only: frozenset = frozenset()) -> m.DualEncoder:
+        return m.DualEncoder(self, forward_only)
+
+    # ---- evaluation and profiling ---------------------------------------------------------------
+    def evaluate(self, outputs: list, labels: list, samples: list) -> dict:
+        """Zero-shot retrieval both ways over the val pairs; pairs sharing a caption match too."""
+        from mmpipe.families.clip.retrieval import retrieval_metrics
+        feats = torch.cat([o.float() for o in outputs]).cpu()[:len(samples)]
+        d = feats.shape[1] // 2
+        return retrieval_metrics(feats[:, :d], feats[:, d:], captions=[s.text for s in samples])
+
+    def example_batch(self, micro_batch_size: int, max_length: int, device) -> dict:
+        g = torch.Generator().manual_seed(0)
+        size, vocab = self.vision.image_size, self.text.hf_config.vocab_size
+        pix = torch.randint(0, 256, (micro_batch_size, 3, size, size), dtype=torch.uint8, generator=g)
+        ids = torch.randint(5, max(6, vocab), (micro_batch_size, min(max_length, self.text.max_length)), generator=g)
+        return {"pixel_values": pix.to(device), "input_ids": ids.to(device),
+                "attention_mask": torch.ones_like(ids).to(device)}
+
+    @property
+    def hf(self) -> "ClipHF":
+        from mmpipe.families.clip.hf import ClipHF
+        return ClipHF(self)
+
+
+def build_model(config, seed: Optional[int] = None) -> m.DualEncoder:
+    """The plain CLIP model from a run config (or its ``model`` section)."""
+    from mmpipe.families import build_family
+    return build_family(config, seed).plain_model()

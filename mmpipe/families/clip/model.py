@@ -1,0 +1,116 @@
+"""CLIP-style dual encoder (``model.type: clip``): the family's layers, loss and plain model.
+
+The model is a sequence of named layers in two segments::
+
+    vision: vision.embed, vision.blocks.0 .. vision.blocks.N-1, vision.head, visual_projection
+    text:   text.embed,   text.blocks.0   .. text.blocks.M-1,   text.head,   text_projection, loss
+
+Activation contract (floating-point tensors first, integer tensors last; every float tensor that
+crosses a stage boundary is used downstream, so it gets a gradient back)::
+
+    data            (pixel_values uint8|float, input_ids int64, attention_mask int64)
+    vision          (image_hidden,                 input_ids, attention_mask)
+    text            (image_features, text_hidden,  input_ids, attention_mask)
+    features        (image_features, text_features)
+    loss            scalar (training) | cat(image_features, text_features) (eval)
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from mmpipe.errors import ConfigError
+from mmpipe.families.base import Family, Layer, PlainModel
+from mmpipe.families.towers import hf
+from mmpipe.families.towers.text import TextSpec
+from mmpipe.families.towers.vision import VisionSpec
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    # same arithmetic as transformers' CLIPModel (x / sqrt(sum(x^2)))
+    return x / torch.pow(torch.sum(torch.pow(x, 2), dim=-1, keepdim=True), 0.5)
+
+
+class ClipLoss(nn.Module):
+    """Symmetric InfoNCE over one micro-batch with a learnable temperature (``logit_scale``).
+
+    Negatives are the other pairs of the same micro-batch; the reported loss of a step is the mean
+    over its micro-batches. This keeps the loss identical in every layout (P, DP, accumulation).
+    """
+
+    def __init__(self, logit_scale_init: float):
+        super().__init__()
+        # shape (1,), not 0-dim: DeepSpeed's parameter broadcast cannot view a 0-dim tensor as bytes.
+        # transformers' 0-dim ``logit_scale`` is reshaped on load (models/hf.py).
+        self.logit_scale = nn.Parameter(torch.tensor([float(logit_scale_init)]))
+
+    def logits_per_text(self, image_features, text_features):
+        img = l2_normalize(image_features.float())
+        txt = l2_normalize(text_features.float())
+        scale = self.logit_scale.float().exp().clamp(max=100.0).squeeze()
+        return torch.matmul(txt, img.t()) * scale
+
+    def forward(self, image_features, text_features):
+        logits = self.logits_per_text(image_features, text_features)
+        target = torch.arange(logits.shape[0], device=logits.device)
+        return (nn.functional.cross_entropy(logits, target) + nn.functional.cross_entropy(logits.t(), target)) / 2.0
+
+
+
+# ---- layer steps on the activation tuple ---------------------------------------------------------
+def vision_embed_step(part, acts):
+    pixels, ids, mask = acts
+    return part(pixels), ids, mask
+
+
+def vision_step(part, acts):
+    h, ids, mask = acts
+    return part(h), ids, mask
+
+
+def text_embed_step(part, acts):
+    img, ids, mask = acts
+    return img, part(ids), ids, mask
+
+
+def text_block_step(part, acts):
+    img, h, ids, mask = acts
+    return img, part(h, mask), ids, mask
+
+
+def text_head_step(part, acts):
+    img, h, ids, mask = acts
+    return img, part(h, ids, mask)
+
+
+def text_projection_step(part, acts):
+    img, t = acts
+    return img, part(t)
+
+
+def loss_step(part, acts):
+    img, t = acts
+    if part.training:
+        return part(img, t)
+    return torch.cat([img.float(), t.float()], dim=-1)  # eval: the features, split by the evaluator
+
+
+class DualEncoder(PlainModel):
+    """Plain single-process CLIP model: ``forward`` returns the scalar contrastive loss (training)
+    or the concatenated features (eval); ``encode_image`` / ``encode_text`` as in open_clip."""
+
+    def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        layers = [la for la in self._layers if la.segment == "vision"]
+        img, _, _ = self.run_layers((pixel_values, None, None), layers)
+        return img
+
+    def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        layers = [la for la in self._layers if la.segment == "text" and la.name != "loss"]
+        _, txt = self.run_layers((None, input_ids, attention_mask), layers)
+        return txt
+
+    @property
+    def logit_scale(self) -> nn.Parameter:
+        return self.loss.logit_scale

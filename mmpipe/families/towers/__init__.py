@@ -1,0 +1,1 @@
+"""Reusable tower builders (ViT/ResNet, CLIP-text/BERT) and transformers weight rules."""

@@ -1,0 +1,208 @@
+"""One planner: stage boundaries for any number of segments, as one ``Plan`` with one JSON schema.
+
+``place(...)`` takes the layer names, their segment tags and either measured costs (a profile from
+``mmpipe.plan.get_profile``) or per-layer parameter costs, and returns the ``Plan`` of a placement:
+``modality`` (stages never mix segments; the K segments, in order, share the stages by cost),
+``balanced`` (boundaries anywhere, optionally under a memory cap), ``auto`` (whichever the 1F1B
+simulator predicts faster), DeepSpeed's ``uniform`` / ``parameters`` / ``type:REGEX`` (computed
+with DeepSpeed's own functions), or a plan file. Training calls it once per run (rank 0) and writes
+the result to ``plan.json``; ``mmpipe plan`` writes the same schema.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from mmpipe.errors import ConfigError
+from mmpipe.pipeline.partition import parts_from_lists, stage_lists
+
+MEASURED = ("modality", "balanced", "auto")
+SCHEMA = 2
+
+
+@dataclass
+class Plan:
+    """Where every layer runs. ``parts``: P+1 layer indices (stage s holds layers
+    ``parts[s]:parts[s+1]``); ``predictions``: simulated step per placement considered (measured
+    costs only); ``chosen``/``why``: for ``auto``, which placement won and by how much."""
+    layers: list
+    segments: list
+    parts: list
+    placement: str
+    micro_batches: int
+    micro_batch_size: Optional[int] = None
+    costs: str = "parameters"  # what the boundaries were computed from: profile, parameters, plan file, checkpoint
+    chosen: Optional[str] = None
+    why: Optional[str] = None
+    predictions: Optional[dict] = field(default=None)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.parts) - 1
+
+    @property
+    def stages(self) -> list:
+        return stage_lists(self.layers, self.parts)
+
+    def to_json(self) -> dict:
+        return {"schema": SCHEMA, **asdict(self), "stages": self.stages}
+
+    def write(self, path: str) -> None:
+        with open(path, "w") as fh:
+            json.dump(self.to_json(), fh, indent=2)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "Plan":
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in doc.items() if k in known})
+
+
+def place(names: list, segments: list, num_stages: int, placement: str, micro_batches: int, *,
+          prof: Optional[dict] = None, param_costs: Optional[list] = None, plan_file: Optional[str] = None,
+          micro_batch_size: Optional[int] = None, memory_cap: Optional[int] = None, precision: str = "fp32",
+          zero_stage: int = 0, data_parallel: int = 1) -> Plan:
+    """The ``Plan`` of ``placement`` for these layers on ``num_stages`` stages (see the module doc).
+    Measured placements use ``prof`` when given, else ``param_costs`` (e.g. trainable parameters)."""
+    if num_stages > len(names):
+        raise ConfigError(f"parallel.pipeline_stages={num_stages} is more than the model's {len(names)} layers "
+                          f"({names[0]} .. {names[-1]}): use at most {len(names)} stages")
+    plan = Plan(list(names), list(segments), [0, len(names)], placement, micro_batches, micro_batch_size)
+    if num_stages == 1:
+        return plan
+    if plan_file:
+        plan.parts, plan.costs = parts_from_plan_file(plan_file, names, num_stages), "plan file"
+    elif placement.startswith("type:"):
+        plan.parts, plan.costs = type_partition(names, placement, num_stages), "deepspeed"
+    elif placement in ("uniform", "parameters"):
+        weights = [c["params"] for c in prof["layers"]] if prof else param_costs
+        plan.parts, plan.costs = ds_parts(weights, num_stages, placement, names), "deepspeed"
+    elif prof is not None:
+        try:
+            plan.parts, preds = _measured_parts(prof, segments, num_stages, placement, micro_batches, memory_cap,
+                                                precision, zero_stage, data_parallel)
+        except ValueError as e:
+            raise ConfigError(f"parallel.placement={placement}: {e}; raise parallel.memory_budget_gb or use more "
+                              "stages") from None
+        plan.costs, plan.predictions = "profile", {k: v.to_dict() for k, v in preds.items()}
+        if placement == "auto":
+            ranked = sorted(plan.predictions.items(), key=lambda kv: kv[1]["step_time"])
+            plan.chosen = ranked[0][0]
+            plan.why = "fastest predicted step: " + ", ".join(f"{k} {1e3 * v['step_time']:.1f} ms" for k, v in ranked)
+    else:
+        from mmpipe.pipeline.partition import min_max_partition, modality_partition
+        plan.parts = (modality_partition(param_costs, segments, num_stages) if placement == "modality"
+                      else min_max_partition(param_costs, num_stages))
+    plan.parts = [int(x) for x in plan.parts]
+    return plan
+
+
+def _measured_parts(prof: dict, segments: list, num_stages: int, placement: str, micro_batches: int,
+                    memory_cap: Optional[int], precision: str, zero_stage: int, data_parallel: int) -> tuple:
+    """(parts, {placement: predicted SimResult}) from measured costs (forward + backward per layer;
+    a frozen forward-only layer costs its forward alone)."""
+    from mmpipe.pipeline.partition import min_max_partition, modality_partition
+    costs = layer_costs(prof)
+    work = [c.fwd_ms + c.bwd_ms for c in costs]
+    candidates = {}
+    if placement in ("modality", "auto"):
+        candidates["modality"] = modality_partition(work, segments, num_stages)
+    if placement in ("balanced", "auto"):
+        mem = None
+        if memory_cap is not None:
+            from mmpipe.profile import bytes_per_param, in_flight
+            per_t, per_f = bytes_per_param(precision, zero_stage, data_parallel)
+            # worst case in flight (stage 0) for every stage: conservative, keeps the DP additive
+            k = in_flight(0, num_stages, micro_batches)
+            mem = [c.static_bytes(per_t, per_f) + k * c.act_bytes for c in costs]
+        candidates["balanced"] = min_max_partition(work, num_stages, memory=mem, memory_cap=memory_cap)
+    predictions = {name: predict(prof, parts, micro_batches) for name, parts in candidates.items()}
+    if placement == "auto":
+        best = min(candidates, key=lambda n: predictions[n].step_time)
+        return candidates[best], predictions
+    return candidates[placement], predictions
+
+
+def layer_costs(prof: dict) -> list:
+    from mmpipe.profile import LayerCost
+    return [LayerCost(**d) for d in prof["layers"]]
+
+
+def stage_times(prof: dict, parts: list) -> dict:
+    """Per-stage forward, backward, optimizer seconds per micro-batch, and boundary transfer seconds."""
+    costs = layer_costs(prof)
+    P = len(parts) - 1
+    F = [sum(c.fwd_ms for c in costs[parts[s]:parts[s + 1]]) / 1e3 for s in range(P)]
+    B = [sum(c.bwd_ms for c in costs[parts[s]:parts[s + 1]]) / 1e3 for s in range(P)]
+    opt = [sum(c.opt_ms for c in costs[parts[s]:parts[s + 1]]) / 1e3 for s in range(P)]
+    lat, spb = prof["comm"]["latency_s"], prof["comm"]["s_per_byte"]
+    comm = [lat + spb * costs[parts[s + 1] - 1].out_bytes for s in range(P - 1)]
+    return {"F": F, "B": B, "opt": opt, "comm": comm}
+
+
+def predict(prof: dict, parts: list, micro_batches: int, schedule: str = "1f1b"):
+    from mmpipe.pipeline.simulate import simulate
+    t = stage_times(prof, parts)
+    r = simulate(t["F"], t["B"], micro_batches, t["comm"], t["opt"], schedule=schedule)
+    r.parts = list(parts)
+    return r
+
+
+def ds_parts(weights: Optional[list], num_stages: int, method: str, names: list) -> list:
+    """What DeepSpeed's own partition_method gives for these layers (parameters: DeepSpeed counts
+    the layers' parameters as built, before mmpipe applies freezing, given as ``weights``;
+    type:REGEX matches layer names)."""
+    import re
+
+    from deepspeed.runtime import utils as ds_utils
+    if method == "uniform":
+        return list(ds_utils.partition_uniform(num_items=len(names), num_parts=num_stages))
+    if method == "parameters":
+        return list(ds_utils.partition_balanced(weights=list(weights), num_parts=num_stages))
+    if method.startswith("type:"):
+        rx = re.compile(method.split(":", 1)[1], re.IGNORECASE)
+        return list(ds_utils.partition_balanced(weights=[1 if rx.search(n) else 0 for n in names],
+                                                num_parts=num_stages))
+    raise ValueError(method)
+
+
+def type_partition(names: list, placement: str, num_stages: int) -> list[int]:
+    """``type:REGEX``: DeepSpeed's rule (balance the layers the regex matches) over mmpipe's layer
+    names, as ``mmpipe plan`` shows it (DeepSpeed itself would match the class name, PipeLayer)."""
+    import re
+
+    from deepspeed.runtime import utils as ds_utils
+
+    try:
+        rx = re.compile(placement.split(":", 1)[1], re.IGNORECASE)
+    except re.error as e:
+        raise ConfigError(f"parallel.placement={placement}: not a valid regex ({e})") from None
+    weights = [1 if rx.search(n) else 0 for n in names]
+    if sum(weights) < num_stages:
+        raise ConfigError(f"parallel.placement={placement} matches {sum(weights)} layer(s), fewer than the "
+                          f"{num_stages} stages (layers: {', '.join(names)}); use a regex that matches at least one "
+                          "layer per stage, e.g. type:blocks")
+    parts = [int(x) for x in ds_utils.partition_balanced(weights=weights, num_parts=num_stages)]
+    if any(b <= a for a, b in zip(parts, parts[1:])):
+        raise ConfigError(f"parallel.placement={placement} leaves a stage empty (boundaries {parts}); use a regex "
+                          "that matches more layers, or placement balanced")
+    return parts
+
+
+def parts_from_plan_file(path: str, names: list, num_stages: int) -> list[int]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"parallel.plan: file not found: {path} (a plan.json from a run, or {{\"stages\": [[layer names]...]}})")
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"parallel.plan: {path} is not valid JSON ({e}); give a run's plan.json or "
+                          "{\"stages\": [[layer names], ...]}") from None
+    stages = doc.get("stages") if isinstance(doc, dict) else None
+    if not isinstance(stages, list) or len(stages) != num_stages:
+        raise ConfigError(f"parallel.plan: {path} must hold \"stages\": a list of {num_stages} lists of layer names")
+    try:
+        return parts_from_lists(names, stages)
+    except ValueError as e:
+        raise ConfigError(f"parallel.plan: {path}: {e} (layers: {', '.join(names)})") from None
