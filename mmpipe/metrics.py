@@ -58,12 +58,11 @@ class MetricsWriter(NullWriter):
                       + (f"grad_norm {gn:.3f} " if gn is not None else "")
                       + f"samples/s {record['samples_per_sec']:.1f}")
 
-    def log_eval(self, record: dict) -> None:
+    def log_eval(self, record: dict, line: str = None) -> None:
+        """One eval record; ``line``: the family's summary of it (else its numbers, in order)."""
         self._write(dict(kind="eval", **record))
-        self.info("eval step {step}: image->text R@1 {i2t_r1:.3f} R@5 {i2t_r5:.3f} | text->image R@1 {t2i_r1:.3f} "
-                  "R@5 {t2i_r5:.3f} (n={n}, chance R@1 {chance_r1:.3f})".format(**record)
-                  + ("" if record.get("finite", True) else
-                     f" -- NOT FINITE: {record['nonfinite']} feature rows hold NaN/inf (scored as misses)"))
+        self.info(line or f"eval step {record['step']}: " + " ".join(
+            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items() if k != "step"))
 
     def info(self, msg: str) -> None:
         if self.bar is not None:

@@ -651,7 +651,7 @@ class Trainer:
         if outputs is None or not self.is_reporter:
             return None
         record = {"step": step, **self.family.evaluate(outputs, [b[1] for b in batches], val[:n_real])}
-        self.writer.log_eval(record)
+        self.writer.log_eval(record, self.family.eval_line(record))
         return record
 
     def save(self, step: int) -> None:

@@ -30,16 +30,20 @@ def tiny_data(tmp_path_factory):
     return {"dir": str(out), "train": info["train"], "val": info["val"]}
 
 
-def _env():
+def _env(extra=None):
     env = dict(os.environ)
     env.setdefault("DS_ACCELERATOR", "cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    if extra and extra.get("MMPIPE_PLUGINS"):  # a family defined in a test module: tests/ on the path
+        env["PYTHONPATH"] = os.path.join(ROOT, "tests") + os.pathsep + env["PYTHONPATH"]
+    env.update(extra or {})
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     return env
 
 
-def launch(nprocs: int, args: list, launcher: str = "deepspeed", timeout: int = 600) -> subprocess.CompletedProcess:
+def launch(nprocs: int, args: list, launcher: str = "deepspeed", timeout: int = 600,
+           env: dict = None) -> subprocess.CompletedProcess:
     """Run launch/train.py under the given launcher; return the completed process (output kept)."""
     if launcher == "python":
         cmd = [sys.executable, TRAIN_PY] + args
@@ -50,7 +54,7 @@ def launch(nprocs: int, args: list, launcher: str = "deepspeed", timeout: int = 
         port = str(29500 + (os.getpid() % 1000) + nprocs * 7)
         cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(nprocs), "--master_port", port,
                TRAIN_PY] + args
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
         raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
@@ -60,11 +64,11 @@ def launch(nprocs: int, args: list, launcher: str = "deepspeed", timeout: int = 
 class Runs:
     """Lazily launched, cached training runs (each multi-process launch costs ~10-20 s here)."""
 
-    def __init__(self, tmp, data):
-        self.tmp, self.data, self.cache = tmp, data, {}
+    def __init__(self, tmp, data, config: str = TINY, env: dict = None):
+        self.tmp, self.data, self.cache, self.config, self.env = tmp, data, {}, config, env
 
     def base(self, out: str, *extra) -> list:
-        return ["--config", TINY, "--set", f"data.train={self.data['train']}", "--set", f"data.val={self.data['val']}",
+        return ["--config", self.config, "--set", f"data.train={self.data['train']}", "--set", f"data.val={self.data['val']}",
                 "--set", f"train.output_dir={out}", "--set", "train.steps=6", "--set", "train.keep_checkpoints=0",
                 *extra]
 
@@ -74,7 +78,7 @@ class Runs:
             args = self.base(out)
             for s in sets:
                 args += ["--set", s]
-            proc = launch(nprocs, args + list(flags), launcher)
+            proc = launch(nprocs, args + list(flags), launcher, env=self.env)
             self.cache[key] = (out, proc)
         return self.cache[key]
 
@@ -85,8 +89,8 @@ class Runs:
             args = self.base(out)
             for s in sets:
                 args += ["--set", s]
-            launch(nprocs, args + ["--stop-at", "3"])
-            proc = launch(nprocs, args + ["--resume"])
+            launch(nprocs, args + ["--stop-at", "3"], env=self.env)
+            proc = launch(nprocs, args + ["--resume"], env=self.env)
             self.cache[key] = (out, proc)
         return self.cache[key]
 
@@ -94,6 +98,37 @@ class Runs:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, tiny_data):
     return Runs(tmp_path_factory.mktemp("runs"), tiny_data)
+
+
+# Model families the shared parity and resume tests run on: name -> the module that registers it
+# (None: built in). A plugin module defines its family and ``FAMILY_CONFIG`` (a tiny run config).
+FAMILIES = {"clip": None, "toy": "test_toy_family"}
+
+
+@pytest.fixture(scope="session")
+def family_runs_of(tmp_path_factory, tiny_data, runs):
+    """family name -> its Runs (CLIP's are the shared ``runs``)."""
+    cache = {"clip": runs}
+
+    def get(name: str) -> Runs:
+        if name not in cache:
+            import importlib
+            module = FAMILIES[name]
+            d = tmp_path_factory.mktemp(f"runs_{name}")
+            cfg = d / f"{name}.yaml"
+            cfg.write_text(importlib.import_module(module).FAMILY_CONFIG)
+            cache[name] = Runs(d, tiny_data, str(cfg), env={"MMPIPE_PLUGINS": module})
+        return cache[name]
+    return get
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family(request):
+    """A registered family's name; tests taking it run once per family."""
+    if FAMILIES[request.param]:
+        import importlib
+        importlib.import_module(FAMILIES[request.param])
+    return request.param
 
 
 def train_losses(out: str) -> list:

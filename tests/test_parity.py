@@ -17,8 +17,14 @@ from conftest import train_losses
 from mmpipe.checkpoint import load_model_weights
 
 REF = ("p2_ref", 2, ["parallel.pipeline_stages=2", "train.save_every=2", "log.trace=[2,3]", "train.eval_every=3"])
-# metrics that must not depend on the layout (nor on a stop and resume in between)
-CARRIED = ("bad_samples", "lr", "lr.vision", "lr.projector", "lr.text", "lr.logit_scale")
+# metrics that must not depend on the layout (nor on a stop and resume in between): the bad-sample
+# count, the lr and every default group's lr
+def carried(family: str) -> tuple:
+    from mmpipe.families import get_family
+    return ("bad_samples", "lr") + tuple(f"lr.{g}" for g in get_family(family).default_groups)
+
+
+CARRIED = carried("clip")
 
 
 def _records(out, kind="train"):
@@ -26,11 +32,11 @@ def _records(out, kind="train"):
     return read_metrics(os.path.join(out, "metrics.jsonl"), kind)
 
 
-def assert_carried_fields_equal(out, ref, steps):
+def assert_carried_fields_equal(out, ref, steps, fields=CARRIED):
     got, want = _records(out)[:steps], _records(ref)[:steps]
     assert [r["step"] for r in got] == [r["step"] for r in want]
     for a, b in zip(got, want):
-        for k in CARRIED:
+        for k in fields:
             assert k in a and k in b, (k, a)
             assert a[k] == pytest.approx(b[k], rel=1e-9), (k, a["step"], a[k], b[k])
 
@@ -55,13 +61,14 @@ def assert_weights_close(a: dict, b: dict, rtol=1e-4, atol=1e-6):
     ("p2dp2", 4, "deepspeed", ["parallel.pipeline_stages=2"]),
     ("p2_parameters", 2, "deepspeed", ["parallel.pipeline_stages=2", "parallel.placement=parameters"]),
 ])
-def test_layout_parity(runs, key, nprocs, launcher, sets):
+def test_layout_parity(family, family_runs_of, key, nprocs, launcher, sets):
+    runs = family_runs_of(family)
     ref = reference(runs)
     out, _ = runs.get(key, nprocs, sets, launcher, flags=["--stop-at", "4"])
     losses, ref_losses = train_losses(out), train_losses(ref)[:4]
     assert len(losses) == 4
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
-    assert_carried_fields_equal(out, ref, 4)  # lr and bad-sample counts are the same in every layout
+    assert_carried_fields_equal(out, ref, 4, carried(family))  # lr and bad-sample counts: the same in every layout
     w, w_ref = _weights(out, 4), _weights(ref, 4)
     assert_weights_close(w, w_ref)
     # the comparison is not vacuous: training moved the weights between step 2 and step 4
@@ -69,12 +76,12 @@ def test_layout_parity(runs, key, nprocs, launcher, sets):
     assert any(not torch.allclose(w_ref[k].float(), w2[k].float()) for k in w_ref)
     if key == "p3":
         with open(os.path.join(out, "plan.json")) as fh:
-            stages = json.load(fh)["stages"]
-        assert len(stages) == 3 and all(stages)
-        # modality placement: no stage mixes branches
-        for names in stages:
-            kinds = {"image" if n.startswith("vision") or n == "visual_projection" else "text" for n in names}
-            assert len(kinds) == 1, names
+            plan = json.load(fh)
+        stages, parts, segments = plan["stages"], plan["parts"], plan["segments"]
+        assert len(stages) == 3 and all(stages) and plan["layers"] == [n for st in stages for n in st]
+        # modality placement: no stage mixes segments
+        for a, b in zip(parts, parts[1:]):
+            assert len(set(segments[a:b])) == 1, (segments[a:b], stages)
 
 
 def test_bad_samples_counted_once_in_every_layout(runs):
@@ -92,16 +99,17 @@ def test_bad_samples_counted_once_in_every_layout(runs):
     assert "does_not_exist.jpg" in log and "corrupt.jpg" in log
 
 
-def test_resume_reproduces_straight_run(runs):
+def test_resume_reproduces_straight_run(family, family_runs_of):
     """Stop at 3 and resume: losses, weights and every carried metric (bad-sample count, lr, the
     eval lines, including the eval due at the stop step) equal the straight run's."""
+    runs = family_runs_of(family)
     ref = reference(runs)
     out, proc = runs.resume("p2_resume", 2, ["parallel.pipeline_stages=2", "train.eval_every=3"])
     losses = train_losses(out)
     assert len(losses) == 6
     np.testing.assert_allclose(losses[3:], train_losses(ref)[3:], rtol=1e-6)
     assert "resume@3" in proc.stdout + proc.stderr
-    assert_carried_fields_equal(out, ref, 6)
+    assert_carried_fields_equal(out, ref, 6, carried(family))
     evals, ref_evals = _records(out, "eval"), _records(ref, "eval")
     assert [e["step"] for e in ref_evals] == [3, 6]
     assert evals == ref_evals

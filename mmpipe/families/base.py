@@ -145,6 +145,10 @@ class Family:
         the same micro-batches and the val samples (padded batches: only ``len(samples)`` rows count)."""
         return {}
 
+    def eval_line(self, record: dict) -> str:
+        """The one-line summary of an eval record the trainer prints (None: its numbers, in order)."""
+        return None
+
     # ---- data ---------------------------------------------------------------------------------
     def collate(self, tokenizer, data_cfg):
         """The collate function run in loader workers: decoded samples -> batch dict holding the

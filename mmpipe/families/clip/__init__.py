@@ -148,6 +148,12 @@ class ClipFamily(Family):
         d = feats.shape[1] // 2
         return retrieval_metrics(feats[:, :d], feats[:, d:], captions=[s.text for s in samples])
 
+    def eval_line(self, record: dict) -> str:
+        return ("eval step {step}: image->text R@1 {i2t_r1:.3f} R@5 {i2t_r5:.3f} | text->image R@1 {t2i_r1:.3f} "
+                "R@5 {t2i_r5:.3f} (n={n}, chance R@1 {chance_r1:.3f})".format(**record)
+                + ("" if record.get("finite", True) else
+                   f" -- NOT FINITE: {record['nonfinite']} feature rows hold NaN/inf (scored as misses)"))
+
     def example_batch(self, micro_batch_size: int, max_length: int, device) -> dict:
         g = torch.Generator().manual_seed(0)
         size, vocab = self.vision.image_size, self.text.hf_config.vocab_size
