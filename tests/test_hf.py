@@ -78,3 +78,33 @@ def test_pipelined_first_step_matches_transformers(clip_dir, tiny_data, tmp_path
                           return_loss=True).loss)
     assert abs(loss - float(torch.stack(ref).mean())) < 1e-5
     assert os.path.isfile(os.path.join(out, "plan.json"))
+
+
+def test_clip_family_maps_its_weights_to_transformers_and_back():
+    """``to_hf`` gives a state dict transformers' CLIPModel (built from the adapter's ``hf_config``)
+    loads strictly and whose features equal ours; ``from_hf`` inverts it exactly."""
+    from transformers import CLIPModel
+
+    from mmpipe.families import build_family
+    cfg = mmpipe.load_config(TINY, ["model.text.vocab_size=50", "model.text.eos_token_id=3",
+                                    "model.text.max_position_embeddings=16"])
+    family = build_family(cfg)
+    model = family.plain_model().eval()
+    sd = model.state_dict()
+    adapter = family.hf
+    hf_model = CLIPModel(adapter.hf_config()).eval()
+    hf_model.load_state_dict(adapter.to_hf(sd), strict=True)
+    back = adapter.from_hf(hf_model.state_dict())
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    g = torch.Generator().manual_seed(0)
+    pix = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=g)
+    ids = torch.randint(4, 50, (2, 16), generator=g)
+    ids[:, 9] = 3
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        norm = normalize_pixels(pix, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, torch.float32)
+        torch.testing.assert_close(model.encode_image(pix), hf_model.get_image_features(pixel_values=norm).pooler_output,
+                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(model.encode_text(ids, mask),
+                                   hf_model.get_text_features(input_ids=ids, attention_mask=mask).pooler_output,
+                                   atol=1e-5, rtol=0)

@@ -366,3 +366,22 @@ def test_reduced_size_jpeg_decode_stays_close_to_full_decode(tmp_path):
     full = torch.from_numpy(np.asarray(im).copy()).permute(2, 0, 1)
     assert fast.shape == full.shape == (3, 224, 224) and fast.dtype == torch.uint8
     assert (fast.float() - full.float()).abs().mean() < 4.0
+
+
+def test_a_resolved_config_is_derived_not_mutated_and_sealed():
+    """Resolution (tokenizer fields, auto micro-batch) makes a new config; once sealed, any change is
+    an error naming the field, and the config the user passed in is never touched."""
+    from mmpipe.config import family_of, replace
+    cfg = mmpipe.load_config(TINY)
+    before = cfg.to_dict()
+    model = family_of(cfg).resolve(cfg.model, 77, 3, cfg.data)
+    resolved = replace(cfg, model=model, parallel__micro_batch_size=2)
+    assert cfg.to_dict() == before  # the input is unchanged
+    assert resolved.model.text.vocab_size == 77 and resolved.parallel.micro_batch_size == 2
+    resolved.seal()
+    with pytest.raises(AttributeError, match="read-only: cannot set TrainConfig.steps"):
+        resolved.train.steps = 3
+    with pytest.raises(AttributeError, match="cannot set TextConfig.vocab_size"):
+        resolved.model.text.vocab_size = 5
+    again = replace(resolved, train__steps=3)  # a further derivation is writable again
+    assert again.train.steps == 3 and resolved.train.steps == cfg.train.steps
