@@ -30,14 +30,15 @@ def layout_record(topo, cfg, layer_names: Optional[list], parts: Optional[list])
             "stages": stage_lists(layer_names, parts) if layer_names is not None else None}
 
 
-def run_record(cfg, layout: dict) -> dict:
+def run_record(cfg, layout: dict, plan: Optional[dict] = None) -> dict:
     """What every checkpoint of a run records besides its step and data position: the model family,
-    the resolved model config, the layout (stages, topology) and the versions that wrote it."""
+    the resolved model config, the layout (stages, topology), the plan (``plan.json``'s schema) and
+    the versions that wrote it."""
     import deepspeed
     import transformers
 
     from mmpipe._version import __version__
-    return {"format": 1, "family": cfg.model.type, "model": cfg.to_dict()["model"], "layout": layout,
+    return {"format": 1, "family": cfg.model.type, "model": cfg.to_dict()["model"], "layout": layout, "plan": plan,
             "versions": {"mmpipe": __version__, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
                          "transformers": transformers.__version__}}
 

@@ -361,7 +361,7 @@ def cmd_plan(args) -> int:
     out = args.out or os.path.join(cfg.train.output_dir, "plan")
     os.makedirs(out, exist_ok=True)
     chosen_plan = plan["plans"][chosen]
-    chosen_plan.predictions = {k: v["sim"] for k, v in plan["placements"].items()}
+    chosen_plan.predicted = {k: v["sim"] for k, v in plan["placements"].items()}
     chosen_plan.write(os.path.join(out, "plan.json"))
     write_plan_png(os.path.join(out, "plan.png"), plan)
     print(f"\nwrote {out}/plan.json (train with --set parallel.plan={out}/plan.json) and {out}/plan.png")

@@ -25,7 +25,7 @@ SCHEMA = 2
 @dataclass
 class Plan:
     """Where every layer runs. ``parts``: P+1 layer indices (stage s holds layers
-    ``parts[s]:parts[s+1]``); ``predictions``: simulated step per placement considered (measured
+    ``parts[s]:parts[s+1]``); ``predicted``: simulated step per placement considered (measured
     costs only); ``chosen``/``why``: for ``auto``, which placement won and by how much."""
     layers: list
     segments: list
@@ -36,7 +36,7 @@ class Plan:
     costs: str = "parameters"  # what the boundaries were computed from: profile, parameters, plan file, checkpoint
     chosen: Optional[str] = None
     why: Optional[str] = None
-    predictions: Optional[dict] = field(default=None)
+    predicted: Optional[dict] = field(default=None)
 
     @property
     def num_stages(self) -> int:
@@ -85,9 +85,9 @@ def place(names: list, segments: list, num_stages: int, placement: str, micro_ba
         except ValueError as e:
             raise ConfigError(f"parallel.placement={placement}: {e}; raise parallel.memory_budget_gb or use more "
                               "stages") from None
-        plan.costs, plan.predictions = "profile", {k: v.to_dict() for k, v in preds.items()}
+        plan.costs, plan.predicted = "profile", {k: v.to_dict() for k, v in preds.items()}
         if placement == "auto":
-            ranked = sorted(plan.predictions.items(), key=lambda kv: kv[1]["step_time"])
+            ranked = sorted(plan.predicted.items(), key=lambda kv: kv[1]["step_time"])
             plan.chosen = ranked[0][0]
             plan.why = "fastest predicted step: " + ", ".join(f"{k} {1e3 * v['step_time']:.1f} ms" for k, v in ranked)
     else:

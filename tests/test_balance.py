@@ -61,7 +61,7 @@ def place(prof, names, branches, P, placement, micro_batches):
     from mmpipe.planner import place as plan
     p = plan(names, branches, P, placement, micro_batches, prof=prof)
     assert p.layers == names and p.segments == branches and p.costs == "profile"
-    return p.parts, p.predictions
+    return p.parts, p.predicted
 
 
 def test_modality_splits_stages_in_proportion_to_branch_cost():

@@ -30,6 +30,37 @@ BRANCH_OF = {"vision": "vision.", "projector": ("visual_projection.", "text_proj
              "logit_scale": "loss.logit_scale"}
 
 
+class GroupCase:
+    """A family's grouped-clipping case: --set lines, the limits/lr/decay they state, the group
+    membership stated by name prefix (independently of mmpipe's regexes), the reference's model
+    settings, and a stage split through which a clipped group spans both stages."""
+
+    def __init__(self, sets, limits, lrs, wds, prefixes, model_sets, split, moved):
+        self.sets, self.limits, self.lrs, self.wds = sets, limits, lrs, wds
+        self.prefixes, self.model_sets, self.split, self.moved = prefixes, model_sets, split, moved
+
+    def group_of(self, name):
+        for g, prefix in self.prefixes.items():
+            if name.startswith(prefix):
+                return g
+        raise KeyError(name)
+
+
+GROUP_CASES = {
+    "clip": GroupCase(GROUP_SETS, LIMITS, LRS, WDS, BRANCH_OF,
+                      lambda tok, eos: [f"model.text.vocab_size={tok}", f"model.text.eos_token_id={eos}",
+                                        "model.text.max_position_embeddings=16"],
+                      2, "vision.blocks.0.mlp.fc1.weight"),
+    # toy: the text group (text tower + head) spans both stages of the split
+    "toy": GroupCase(["optim.schedule=constant", "optim.groups.image.max_grad_norm=0.001", "optim.groups.image.lr=5e-3",
+                      "optim.groups.text.max_grad_norm=0.002", "optim.groups.text.lr=2e-2",
+                      "optim.groups.text.weight_decay=0.05"],
+                     {"image": 0.001, "text": 0.002}, {"image": 5e-3, "text": 2e-2}, {"image": 0.1, "text": 0.05},
+                     {"image": "image.", "text": ("text.", "head.")}, lambda tok, eos: [f"model.vocab_size={tok}"],
+                     2, "image.tower.proj.weight"),
+}
+
+
 # ---- fast unit tests -------------------------------------------------------------------------------
 def test_default_groups_and_shortcuts():
     groups = resolve_groups(load_config(None, ["optim.freeze_vision=true", "optim.groups.text.lr=1e-5"]).optim, ClipFamily)
@@ -88,22 +119,20 @@ def test_frozen_branch_runs_forward_only_and_gets_no_optimizer_state():
     assert "text.blocks.1" in fo_text and "text_projection" not in fo_text and "loss" not in fo_text
 
 
-# ---- reference test: plain PyTorch loop vs mmpipe in three layouts ----------------------------------------
+# ---- reference test: plain PyTorch loop vs mmpipe in three layouts, for every family ----------------------
 def _group_of(name):
-    for g, prefix in BRANCH_OF.items():
-        if name.startswith(prefix):
-            return g
-    raise KeyError(name)
+    return GROUP_CASES["clip"].group_of(name)
 
 
-def reference_run(tiny_data, tokenizer_dir, steps=3):
-    """Per-group clip_grad_norm_ then AdamW with per-group lr/decay, single process, plain PyTorch."""
-    from mmpipe.data.loader import Collate, ImageTextDataset
+def reference_run(tiny_data, tokenizer_dir, steps=3, family="clip", config=TINY):
+    """Per-group clip_grad_norm_ then AdamW with per-group lr/decay, single process, plain PyTorch,
+    on the family's plain model and its own collate."""
+    from mmpipe.data.loader import ImageTextDataset
     from mmpipe.data.manifest import read_manifest
     from mmpipe.data.tokenizer import eos_id, load_tokenizer
+    case = GROUP_CASES[family]
     tok = load_tokenizer(tokenizer_dir)
-    cfg = load_config(TINY, [f"model.text.vocab_size={len(tok)}", f"model.text.eos_token_id={eos_id(tok)}",
-                             "model.text.max_position_embeddings=16"])
+    cfg = load_config(config, case.model_sets(len(tok), eos_id(tok)))
     model = mmpipe.build_model(cfg)
     init = {k: v.clone() for k, v in model.state_dict().items()}
     # the decay rule, stated by module type: the weights of Linear and Conv2d layers decay (the ViT's
@@ -111,11 +140,12 @@ def reference_run(tiny_data, tokenizer_dir, steps=3):
     decayed = {id(m.weight) for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
     buckets = {}
     for n, p in model.named_parameters():
-        buckets.setdefault((_group_of(n), id(p) in decayed), []).append(p)
-    opt = torch.optim.AdamW([{"params": ps, "lr": LRS[g], "weight_decay": WDS[g] if decay else 0.0}
+        buckets.setdefault((case.group_of(n), id(p) in decayed), []).append(p)
+    opt = torch.optim.AdamW([{"params": ps, "lr": case.lrs[g], "weight_decay": case.wds[g] if decay else 0.0}
                              for (g, decay), ps in buckets.items()], lr=1e-3, betas=(0.9, 0.98), eps=1e-6)
     samples = read_manifest(tiny_data["train"])
-    ds, collate = ImageTextDataset(samples, 32), Collate(tok, 16)
+    fam = model.family
+    ds, collate = ImageTextDataset(samples, 32), fam.collate(tok, cfg.data)
     # the data order, stated from the documented contract: a permutation seeded by seed * 100003 +
     # epoch, cut into micro-batches of 4; global step k takes micro-batches 4k .. 4k+3
     perm = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist()
@@ -124,11 +154,11 @@ def reference_run(tiny_data, tokenizer_dir, steps=3):
     for step in range(steps):
         for mb in micro[4 * step:4 * step + 4]:
             b = collate([ds[i] for i in mb])
-            (model(b["pixel_values"], b["input_ids"], b["attention_mask"]) / 4).backward()
+            (model(*(b[f] for f in fam.inputs + fam.labels)) / 4).backward()
         step_norms = {}
-        for g in LIMITS:
+        for g in case.limits:
             params = [p for (gg, _), ps in buckets.items() if gg == g for p in ps]
-            step_norms[g] = float(torch.nn.utils.clip_grad_norm_(params, LIMITS[g] or float("inf")))
+            step_norms[g] = float(torch.nn.utils.clip_grad_norm_(params, case.limits[g] or float("inf")))
         norms.append(step_norms)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -143,49 +173,72 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def plan_file(tmp_path_factory):
-    """Stage boundary inside the image branch: the vision group spans both pipeline stages."""
+def _split_plan(tmp_path_factory, family, runs):
+    """Stage boundary inside a clipped group (CLIP: inside the image tower)."""
     from mmpipe.families import build_family
-    names = build_family(_tiny_model_cfg().model, 0).layer_names()
-    p = tmp_path_factory.mktemp("plan") / "plan.json"
-    p.write_text(json.dumps({"stages": [names[:2], names[2:]]}))
+    case = GROUP_CASES[family]
+    cfg = load_config(runs.config, case.model_sets(50, 3))
+    names = build_family(cfg.model, 0).layer_names()
+    p = tmp_path_factory.mktemp(f"plan_{family}") / "plan.json"
+    p.write_text(json.dumps({"stages": [names[:case.split], names[case.split:]]}))
     return str(p)
 
 
-def _group_run(runs, key, plan_file):
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory, runs):
+    return _split_plan(tmp_path_factory, "clip", runs)
+
+
+def _group_run(runs, key, plan_file, family="clip"):
     nprocs, launcher, sets = LAYOUTS[key]
-    sets = sets + GROUP_SETS + ([f"parallel.plan={plan_file}"] if key in ("g_p2", "g_p2_bf16") else [])
+    sets = sets + GROUP_CASES[family].sets + ([f"parallel.plan={plan_file}"] if key in ("g_p2", "g_p2_bf16") else [])
     return runs.get(key, nprocs, sets, launcher, flags=["--stop-at", "3"])[0]
 
 
-@pytest.fixture(scope="module")
-def reference(runs, tiny_data, plan_file):
-    out = _group_run(runs, "g_p1", plan_file)
-    return reference_run(tiny_data, os.path.join(out, "tokenizer"))
+_REFERENCES: dict = {}
+
+
+def _reference_of(family, family_runs_of, tiny_data, tmp_path_factory):
+    """(runs, plan file, (reference state dict, per-step group norms, initial state dict)) per family."""
+    if family not in _REFERENCES:
+        runs = family_runs_of(family)
+        plan = _split_plan(tmp_path_factory, family, runs)
+        out = _group_run(runs, "g_p1", plan, family)
+        _REFERENCES[family] = (runs, plan, reference_run(tiny_data, os.path.join(out, "tokenizer"), family=family,
+                                                         config=runs.config))
+    return _REFERENCES[family]
+
+
+@pytest.fixture
+def reference(family_runs_of, tiny_data, tmp_path_factory):
+    return _reference_of("clip", family_runs_of, tiny_data, tmp_path_factory)[2]
 
 
 @pytest.mark.parametrize("key", ["g_p1", "g_p2", "g_p2dp2_z1"])
-def test_grouped_clipping_matches_plain_pytorch(runs, plan_file, reference, key):
-    ref_sd, ref_norms, init = reference
+def test_grouped_clipping_matches_plain_pytorch(family, family_runs_of, tiny_data, tmp_path_factory, key):
+    runs, plan_file, (ref_sd, ref_norms, init) = _reference_of(family, family_runs_of, tiny_data, tmp_path_factory)
+    case = GROUP_CASES[family]
+    clipped = [g for g, lim in case.limits.items() if lim is not None]
     # the test is meaningful: clipping is active for at least two groups at every step
-    assert all(sum(n[g] > LIMITS[g] for g in ("vision", "text")) == 2 for n in ref_norms)
-    out = _group_run(runs, key, plan_file)
-    if key == "g_p2":
+    assert len(clipped) >= 2 and all(all(n[g] > case.limits[g] for g in clipped) for n in ref_norms)
+    out = _group_run(runs, key, plan_file, family)
+    if key == "g_p2":  # a clipped group spans both stages: its norm is reduced across them
         with open(os.path.join(out, "plan.json")) as fh:
             stages = json.load(fh)["stages"]
-        assert stages[0][-1].startswith("vision.") and stages[1][0].startswith("vision.")
+        spanning = {case.group_of(n + ".") for n in stages[0] if n != "loss"} & \
+                   {case.group_of(n + ".") for n in stages[1] if n != "loss"}
+        assert spanning & set(clipped), stages
     recs = read_metrics(os.path.join(out, "metrics.jsonl"))
     for rec, ref in zip(recs, ref_norms):
-        for g in LIMITS:
+        for g in case.limits:
             assert rec[f"grad_norm.{g}"] == pytest.approx(ref[g], rel=1e-4), (g, rec["step"])
-            expect = 1.0 if LIMITS[g] is None else min(1.0, LIMITS[g] / (ref[g] + 1e-6))
+            expect = 1.0 if case.limits[g] is None else min(1.0, case.limits[g] / (ref[g] + 1e-6))
             assert rec[f"clip_coef.{g}"] == pytest.approx(expect, rel=1e-4)
     sd = load_model_weights(os.path.join(out, "checkpoints"), "global_step3")
     assert sd.keys() == ref_sd.keys()
     for k in ref_sd:
         torch.testing.assert_close(sd[k].float(), ref_sd[k], rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
-    assert not torch.equal(ref_sd["vision.blocks.0.mlp.fc1.weight"], init["vision.blocks.0.mlp.fc1.weight"])
+    assert not torch.equal(ref_sd[case.moved], init[case.moved])
 
 
 def test_grouped_clipping_bf16_within_bf16_tolerance(runs, plan_file, reference):

@@ -149,12 +149,16 @@ def test_pretrained_text_weights_without_their_tokenizer_is_one_line(legacy_clip
 def test_pretrained_dir_with_a_tokenizer_uses_it_and_pools_at_its_eos(legacy_clip, tmp_path):
     from transformers import CLIPModel
 
+    from mmpipe.families.clip import ClipFamily
     from mmpipe.train import prepare_tokenizer
     d = tmp_path / "clip_with_tok"
     shutil.copytree(legacy_clip["dir"], d)
     legacy_clip["tok"].save_pretrained(str(d))
     cfg = mmpipe.load_config(TINY, [f"model.pretrained={d}", f"train.output_dir={tmp_path / 'run'}"])
-    tok = prepare_tokenizer(cfg, 0)
+    tok = prepare_tokenizer(cfg, ClipFamily, 0)
+    from mmpipe.config import replace
+    from mmpipe.data.tokenizer import eos_id
+    cfg = replace(cfg, model=ClipFamily.resolve(cfg.model, len(tok), eos_id(tok), cfg.data))
     assert len(tok) == len(legacy_clip["tok"]) and cfg.model.text.eos_token_id == 3  # the directory's own
     assert not os.path.exists(tmp_path / "run" / "tokenizer")  # none trained
     m = mmpipe.build_model(cfg).eval()
@@ -181,6 +185,7 @@ def test_pretrained_dir_with_a_tokenizer_uses_it_and_pools_at_its_eos(legacy_cli
 
 def test_a_cache_must_hold_the_pretrained_weights_tokenizer_ids(legacy_clip, tiny_data, tmp_path):
     from mmpipe.data.cache import prepare
+    from mmpipe.families.clip import ClipFamily
     from mmpipe.train import prepare_tokenizer
     d = tmp_path / "clip_with_tok"
     shutil.copytree(legacy_clip["dir"], d)
@@ -189,11 +194,11 @@ def test_a_cache_must_hold_the_pretrained_weights_tokenizer_ids(legacy_clip, tin
     prepare(tiny_data["train"], trained, 32, 16, vocab_size=50, workers=1, progress=False)
     cfg = mmpipe.load_config(TINY, [f"model.pretrained={d}", f"data.cache={trained}"])
     with pytest.raises(ConfigError, match="holds ids of a tokenizer trained on the captions"):
-        prepare_tokenizer(cfg, 0)
+        prepare_tokenizer(cfg, ClipFamily, 0)
     theirs = str(tmp_path / "cache_theirs")  # built with the weights' own tokenizer: accepted
     prepare(tiny_data["train"], theirs, 32, 16, tokenizer=str(d), workers=1, progress=False)
     cfg = mmpipe.load_config(TINY, [f"model.pretrained={d}", f"data.cache={theirs}"])
-    assert len(prepare_tokenizer(cfg, 0)) == len(legacy_clip["tok"])
+    assert len(prepare_tokenizer(cfg, ClipFamily, 0)) == len(legacy_clip["tok"])
     from mmpipe.data.manifest import read_manifest
     from mmpipe.data.tokenizer import train_tokenizer
     train_tokenizer([s.text for s in read_manifest(tiny_data["train"])], 40, str(tmp_path / "small_tok"))
@@ -201,7 +206,7 @@ def test_a_cache_must_hold_the_pretrained_weights_tokenizer_ids(legacy_clip, tin
     prepare(tiny_data["train"], other, 32, 16, tokenizer=str(tmp_path / "small_tok"), workers=1, progress=False)
     cfg = mmpipe.load_config(TINY, [f"model.pretrained={d}", f"data.cache={other}"])
     with pytest.raises(ConfigError, match="was built with a tokenizer other than the one in model.pretrained"):
-        prepare_tokenizer(cfg, 0)
+        prepare_tokenizer(cfg, ClipFamily, 0)
 
 
 # ---- item 6: a contrastive loss needs negatives ------------------------------------------------------------

@@ -143,6 +143,8 @@ def test_checkpoints_describe_themselves_and_load_without_an_engine(runs):
     rec = read_record(os.path.join(ref, "checkpoints", "global_step4"))
     assert rec["family"] == "clip" and rec["step"] == 4 and rec["model"]["text"]["eos_token_id"] == 3
     assert rec["layout"]["pipeline_stages"] == 2 and len(rec["layout"]["stages"]) == 2
+    with open(os.path.join(ref, "plan.json")) as fh:
+        assert rec["plan"] == json.load(fh)  # the run's plan, in plan.json's schema
     assert rec["data"]["files"] and set(rec["versions"]) == {"mmpipe", "torch", "deepspeed", "transformers"}
     latest = mmpipe.load_weights(ref)
     assert_weights_close(latest, _weights(ref, 6), rtol=0, atol=0)

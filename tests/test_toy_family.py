@@ -64,11 +64,11 @@ class ImageTower(nn.Module):
 class TextTower(nn.Module):
     def __init__(self, vocab: int, hidden: int):
         super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
+        self.embedding = nn.Embedding(vocab, hidden)
 
     def forward(self, h, ids, mask):
         m = mask.unsqueeze(-1).to(h.dtype)
-        return h + (self.embed(ids) * m).sum(1) / m.sum(1).clamp(min=1)
+        return h + (self.embedding(ids) * m).sum(1) / m.sum(1).clamp(min=1)
 
 
 def image_step(part, acts):
@@ -100,7 +100,7 @@ class ToyFamily(Family):
     name = "toy"
     config_class = ToyConfig
     labels = ("target",)
-    default_groups = {"image": [r"^image\."], "text": [r"^text\."], "head": [r"^head\."]}
+    default_groups = {"image": [r"^image\."], "text": [r"^text\.", r"^head\."]}
 
     @classmethod
     def image_size(cls, model_cfg) -> int:
@@ -151,10 +151,10 @@ def test_the_toy_family_resolves_through_the_registry(tmp_path):
     cfg_file = tmp_path / "toy.yaml"
     cfg_file.write_text(FAMILY_CONFIG)
     cfg = mmpipe.load_config(str(cfg_file), ["model.vocab_size=40"])
-    assert isinstance(cfg.model, ToyConfig) and list(cfg.optim.groups) == ["image", "text", "head"]
+    assert isinstance(cfg.model, ToyConfig) and list(cfg.optim.groups) == ["image", "text"]
     model = mmpipe.build_model(cfg)
     assert sorted(model.state_dict()) == ["head.bias", "head.weight", "image.tower.proj.bias",
-                                          "image.tower.proj.weight", "text.tower.embed.weight"]
+                                          "image.tower.proj.weight", "text.tower.embedding.weight"]
     fam = model.family
     assert fam.segment_graph() == {"image": ["text"], "text": []}
     b = fam.example_batch(4, 8, "cpu")

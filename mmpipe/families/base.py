@@ -24,11 +24,14 @@ class Layer(NamedTuple):
     ``<name>.<key>`` in every checkpoint); ``segment``: the tag placement keeps stages apart by
     (vision, projector, text, llm, head...); ``step(module, acts)``: the layer on the activation
     tuple (floating-point tensors first, integer tensors last); ``takes``: other segments whose
-    tensors this layer computes on (where branches merge: CLIP's loss, a VLM's projector merge)."""
+    tensors this layer computes on (where branches merge: CLIP's loss, a VLM's projector merge);
+    ``eval_step``: the step in evaluation, where it differs (CLIP's loss layer hands out the
+    features its evaluator scores instead of the loss)."""
     name: str
     segment: str
     step: Callable
     takes: tuple = ()
+    eval_step: Optional[Callable] = None
 
 
 class Family:
@@ -164,8 +167,8 @@ class Family:
 
 class PlainModel(nn.Module):
     """The single-process model composed of the family's layers under their plain names:
-    ``forward(*inputs, *labels)`` is the scalar loss in training mode and the last layer's eval
-    outputs in eval mode, by the same layer steps the pipeline runs."""
+    ``forward(*inputs, *labels)`` is the scalar loss (in either mode), ``eval_outputs(*inputs)``
+    what the family's evaluator scores; by the same layer steps the pipeline runs."""
 
     def __init__(self, family: Family, forward_only: frozenset = frozenset()):
         super().__init__()
@@ -176,22 +179,26 @@ class PlainModel(nn.Module):
         # layers that may run without autograd (frozen, nothing trainable upstream)
         self.forward_only = frozenset(forward_only)
 
-    def run_layers(self, acts: tuple, layers=None) -> tuple:
+    def run_layers(self, acts: tuple, layers=None, evaluating: bool = False) -> tuple:
         for layer in layers or self._layers:
             module = self.get_submodule(layer.name)
+            step = layer.eval_step if evaluating and layer.eval_step is not None else layer.step
             if layer.name in self.forward_only and torch.is_grad_enabled():
                 with torch.no_grad():
-                    acts = layer.step(module, acts)
+                    acts = step(module, acts)
             else:
-                acts = layer.step(module, acts)
+                acts = step(module, acts)
         return acts
 
     def forward(self, *fields):
         n = len(self.family.inputs)
         out = self.run_layers(tuple(fields[:n]))
-        if self.family.labels and self.training:
+        if self.family.labels:
             return self.family.loss(out, *fields[n:])
         return out
+
+    def eval_outputs(self, *inputs):
+        return self.run_layers(tuple(inputs[:len(self.family.inputs)]), evaluating=True)
 
 
 def attach(root: nn.Module, dotted: str, module: nn.Module) -> None:

@@ -95,7 +95,7 @@ class PlainRunner:
     def eval_outputs(self, batches, n_micro: int) -> Optional[list]:
         module = self.engine.module
         module.eval()
-        out = [module(*self._to_device(inputs)) for inputs, _ in batches]
+        out = [module.eval_outputs(*self._to_device(inputs)) for inputs, _ in batches]
         module.train()
         return out
 

@@ -18,15 +18,17 @@ class PipeLayer(nn.Module):
         super().__init__()
         self.name = name
         self.part = family.build_layer(name)
-        self._role = family.layer(name).step
+        layer = family.layer(name)
+        self._role = layer.step
+        self._eval_role = layer.eval_step or layer.step  # eval_batch puts the module in eval mode
         # frozen, and nothing upstream in its branch trains: run without autograd
         self.forward_only = forward_only
 
     def forward(self, acts):
         if not (self.forward_only and torch.is_grad_enabled()):
-            return self._role(self.part, acts)
+            return self._step(acts)
         with torch.no_grad():
-            out = self._role(self.part, acts)
+            out = self._step(acts)
         # DeepSpeed runs backward on every float tensor a stage sends, and sends a gradient back
         # for every float tensor a stage received. Outputs are tied to the float inputs that
         # want a gradient by a zero-weight scalar: backward through it is a sum and a zero fill,
@@ -45,6 +47,9 @@ class PipeLayer(nn.Module):
                     t._mmpipe_sink = True  # a gradient sink, not a path back to a stage input
             res.append(t)
         return tuple(res)
+
+    def _step(self, acts):
+        return (self._role if self.training else self._eval_role)(self.part, acts)
 
     def extra_repr(self) -> str:
         return self.name

@@ -108,7 +108,7 @@ class ClipFamily(Family):
                 + [Layer(f"text.blocks.{i}", "text", m.text_block_step) for i in range(nt)]
                 + [Layer("text.head", "text", m.text_head_step),
                    Layer("text_projection", "text", m.text_projection_step),
-                   Layer("loss", "text", m.loss_step, takes=("vision",))])
+                   Layer("loss", "text", m.loss_step, takes=("vision",), eval_step=m.features_step)])
 
     def layers(self) -> list:
         return self._layers
@@ -164,7 +164,7 @@ class ClipFamily(Family):
 
     @property
     def hf(self) -> "ClipHF":
-        from mmpipe.families.clip.hf import ClipHF
+        from mmpipe.families.clip.adapter import ClipHF
         return ClipHF(self)
 
 

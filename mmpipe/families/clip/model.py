@@ -92,14 +92,17 @@ def text_projection_step(part, acts):
 
 def loss_step(part, acts):
     img, t = acts
-    if part.training:
-        return part(img, t)
+    return part(img, t)
+
+
+def features_step(part, acts):
+    img, t = acts
     return torch.cat([img.float(), t.float()], dim=-1)  # eval: the features, split by the evaluator
 
 
 class DualEncoder(PlainModel):
-    """Plain single-process CLIP model: ``forward`` returns the scalar contrastive loss (training)
-    or the concatenated features (eval); ``encode_image`` / ``encode_text`` as in open_clip."""
+    """Plain single-process CLIP model: ``forward`` returns the scalar contrastive loss;
+    ``encode_image`` / ``encode_text`` as in open_clip."""
 
     def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
         layers = [la for la in self._layers if la.segment == "vision"]
