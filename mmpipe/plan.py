@@ -325,8 +325,6 @@ def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> st
 
 
 def cmd_plan(args) -> int:
-    import json
-
     from mmpipe.config import load_config
     log = lambda s: print(f"[plan] {s}", flush=True)  # noqa: E731
     if args.run:  # the run's own resolved config: its model, micro-batch, precision

@@ -163,7 +163,8 @@ class ClipFamily(Family):
                 "attention_mask": torch.ones_like(ids).to(device)}
 
     @property
-    def hf(self) -> "ClipHF":
+    def hf(self):
+        """The transformers adapter: ``to_hf`` / ``from_hf`` state dicts, ``hf_config()`` (CLIPConfig)."""
         from mmpipe.families.clip.adapter import ClipHF
         return ClipHF(self)
 

@@ -12,20 +12,14 @@ crosses a stage boundary is used downstream, so it gets a gradient back)::
     vision          (image_hidden,                 input_ids, attention_mask)
     text            (image_features, text_hidden,  input_ids, attention_mask)
     features        (image_features, text_features)
-    loss            scalar (training) | cat(image_features, text_features) (eval)
+    loss            scalar (step) | cat(image_features, text_features) (eval_step)
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 from torch import nn
 
-from mmpipe.errors import ConfigError
-from mmpipe.families.base import Family, Layer, PlainModel
-from mmpipe.families.towers import hf
-from mmpipe.families.towers.text import TextSpec
-from mmpipe.families.towers.vision import VisionSpec
+from mmpipe.families.base import PlainModel
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
