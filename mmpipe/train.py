@@ -387,7 +387,9 @@ class Trainer:
         from mmpipe.data.source import open_source
         from mmpipe.ds_config import resolve
         from mmpipe.optim import resolve_groups
-        cfg, world = self.cfg, int(os.environ.get("WORLD_SIZE", "1"))
+        # the run's own copy: adopting DeepSpeed-JSON / Accelerate values is part of its resolution
+        cfg = self.cfg = replace(self.cfg)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
         self.auto_mbs = cfg.parallel.micro_batch_size == "auto"
         try:
             if self.stop_at is not None and self.stop_at < 1:

@@ -385,3 +385,17 @@ def test_a_resolved_config_is_derived_not_mutated_and_sealed():
         resolved.model.text.vocab_size = 5
     again = replace(resolved, train__steps=3)  # a further derivation is writable again
     assert again.train.steps == 3 and resolved.train.steps == cfg.train.steps
+
+
+def test_the_trainer_resolves_a_copy_and_leaves_the_callers_config_alone(tiny_data, tmp_path):
+    """Validation adopts the DeepSpeed JSON's values and a stand-in for ``micro_batch_size: auto``
+    into the run's own copy; the config object the caller passed is unchanged."""
+    from mmpipe.train import Trainer
+    cfg = mmpipe.load_config(TINY, [f"data.train={tiny_data['train']}", f"train.output_dir={tmp_path / 'o'}",
+                                    "parallel.micro_batch_size=auto", "train.deepspeed_config=ds_configs/auto.json",
+                                    "parallel.pipeline_stages=1"])
+    before = cfg.to_dict()
+    t = Trainer(cfg)
+    t.validate()
+    assert t.cfg is not cfg and t.cfg.parallel.micro_batch_size != "auto"
+    assert cfg.to_dict() == before
