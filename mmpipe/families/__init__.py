@@ -10,7 +10,7 @@ import os
 
 from mmpipe.errors import ConfigError
 
-BUILTIN = {"clip": "mmpipe.families.clip"}
+BUILTIN = {"clip": "mmpipe.families.clip", "vlm": "mmpipe.families.vlm"}
 _REGISTRY: dict = {}
 _plugins_loaded = [False]
 

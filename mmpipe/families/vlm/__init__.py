@@ -1,0 +1,175 @@
+"""The LLaVA-style VLM family (``model.type: vlm``): CLIP ViT features (``vision_feature_layer``)
+-> projector -> a transformers causal LM (Llama or Qwen2), trained on the next-token loss of the
+label tokens. Model, weights (``model.pretrained``: a local ``LlavaForConditionalGeneration``
+directory) and the plain model's loss match transformers'; chat data, pipelining with tied
+embeddings across stages, and generation follow (issue 11)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmpipe.errors import ConfigError
+from mmpipe.families import register_family
+from mmpipe.families.base import Family, Layer, PlainModel
+from mmpipe.families.towers import hf
+from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, init_transformer_part
+from mmpipe.families.vlm import model as m
+from mmpipe.families.vlm.config import VlmConfig
+
+_VISION_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "image_size",
+                  "patch_size")
+_LLM_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+               "vocab_size", "max_position_embeddings", "tie_word_embeddings")
+# mmpipe name prefix -> transformers names tried in order (the layout save_pretrained writes today,
+# then llava-hf's older one, then the in-memory names)
+_RULES = [("vision.embed.", ["vision_tower.", "vision_tower.vision_model.", "model.vision_tower."]),
+          ("vision.blocks.", ["vision_tower.encoder.layers.", "vision_tower.vision_model.encoder.layers.",
+                              "model.vision_tower.encoder.layers."]),
+          ("projector.", ["multi_modal_projector.", "model.multi_modal_projector."]),
+          ("llm.embed.", ["language_model.model.", "model.language_model."]),
+          ("llm.blocks.", ["language_model.model.layers.", "model.language_model.layers."]),
+          ("llm.head.norm.", ["language_model.model.norm.", "model.language_model.norm."]),
+          ("llm.head.lm_head.", ["language_model.lm_head.", "lm_head."])]
+
+
+def _hf_configs(cfg):
+    """(vision config, text config, image token id) from ``model.pretrained`` or the config fields."""
+    if cfg.pretrained:
+        top = hf.load_hf_config(cfg.pretrained, "model.pretrained")
+        if not hasattr(top, "text_config") or not hasattr(top, "vision_config"):
+            raise ConfigError(f"model.pretrained: {cfg.pretrained} is not a LlavaForConditionalGeneration directory")
+        return top.vision_config, top.text_config, top.image_token_id
+    from transformers import CLIPVisionConfig, LlamaConfig, Qwen2Config
+    vision = CLIPVisionConfig(**{f: getattr(cfg.vision, f) for f in _VISION_FIELDS
+                                 if getattr(cfg.vision, f) is not None})
+    if cfg.llm.vocab_size is None:
+        raise ConfigError("model.llm.vocab_size is unset and no tokenizer fixed it: set data.tokenizer, "
+                          "model.llm.vocab_size or model.pretrained")
+    text_cls = LlamaConfig if cfg.llm.arch == "llama" else Qwen2Config
+    text = text_cls(**{f: getattr(cfg.llm, f) for f in _LLM_FIELDS if getattr(cfg.llm, f) is not None})
+    if cfg.image_token_id is None:
+        raise ConfigError("model.image_token_id is unset: set it (or data.tokenizer with an <image> token)")
+    return vision, text, cfg.image_token_id
+
+
+@register_family
+class VlmFamily(Family):
+    name = "vlm"
+    config_class = VlmConfig
+    inputs = ("pixel_values", "input_ids", "attention_mask")
+    labels = ("labels",)
+    default_groups = {"vision": [r"^vision\."], "projector": [r"^projector\."], "llm": [r"^llm\."]}
+    freeze_shortcuts = {"freeze_vision": "vision", "freeze_projector": "projector", "freeze_text": "llm"}
+
+    @classmethod
+    def validate(cls, model_cfg, where: str) -> None:
+        for key, v, choices in (("model.llm.arch", model_cfg.llm.arch, ("llama", "qwen2")),
+                                ("model.vision_feature_select_strategy", model_cfg.vision_feature_select_strategy,
+                                 ("default", "full"))):
+            if v not in choices:
+                raise ConfigError(f"{where}: {key}={v!r} is not one of {', '.join(choices)}")
+
+    @classmethod
+    def image_size(cls, model_cfg) -> int:
+        return _hf_configs(model_cfg)[0].image_size
+
+    def __init__(self, model_cfg, seed: int = 0):
+        super().__init__(model_cfg, seed)
+        self.vision_cfg, self.text_cfg, self.image_token_id = _hf_configs(model_cfg)
+        self.vision_cfg._attn_implementation = self.text_cfg._attn_implementation = "sdpa"
+        L, k = self.vision_cfg.num_hidden_layers, model_cfg.vision_feature_layer
+        self.vision_blocks = L + 1 + k if k < 0 else k  # hidden_states[i] = output after i blocks
+        if not 0 <= self.vision_blocks <= L:
+            raise ConfigError(f"model.vision_feature_layer={k}: the vision tower has {L} blocks")
+        self.arch = "qwen2" if self.text_cfg.model_type == "qwen2" else "llama"
+        self.tied = bool(getattr(self.text_cfg, "tie_word_embeddings", False))
+        self._source = hf.WeightSource(model_cfg.pretrained, "model.pretrained") if model_cfg.pretrained else None
+        self._layers = ([Layer("vision.embed", "vision", m.vision_embed_step)]
+                        + [Layer(f"vision.blocks.{i}", "vision", m.vision_block_step)
+                           for i in range(self.vision_blocks)]
+                        + [Layer("projector", "projector", m.projector_step, takes=("vision",)),
+                           Layer("llm.embed", "llm", m.llm_embed_step, takes=("projector",))]
+                        + [Layer(f"llm.blocks.{i}", "llm", m.llm_block_step)
+                           for i in range(self.text_cfg.num_hidden_layers)]
+                        + [Layer("llm.head", "llm", m.llm_head_step)])
+
+    def layers(self) -> list:
+        return self._layers
+
+    def build_unseeded(self, name: str) -> nn.Module:
+        from mmpipe.families.towers.vision import ClipVisionEmbed, _clip_block_cls
+        v, t = self.vision_cfg, self.text_cfg
+        if name == "vision.embed":
+            module = ClipVisionEmbed(v, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
+        elif name.startswith("vision.blocks."):
+            module = _clip_block_cls()(v)
+        elif name == "projector":
+            module = m.Projector(v.hidden_size, t.hidden_size, self.cfg.vision_feature_select_strategy)
+        elif name == "llm.embed":
+            module = m.TokenEmbed(t.vocab_size, t.hidden_size, getattr(t, "pad_token_id", None), self.image_token_id)
+        elif name.startswith("llm.blocks."):
+            module = m.decoder_block_cls(self.arch)(t, int(name.rsplit(".", 1)[1]))
+        elif name == "llm.head":
+            norm_cls = self._norm_cls()
+            module = m.LmHead(norm_cls(t.hidden_size, eps=t.rms_norm_eps), t.hidden_size, t.vocab_size)
+        else:
+            raise KeyError(name)
+        init_transformer_part(module, std=getattr(t, "initializer_range", 0.02))
+        return module
+
+    def _norm_cls(self):
+        if self.arch == "llama":
+            from transformers.models.llama.modeling_llama import LlamaRMSNorm as N
+        else:
+            from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm as N
+        return N
+
+    def hf_name(self, name: str):
+        """The transformers tensor name of a plain weight in ``model.pretrained`` (None: not there)."""
+        for mine, theirs in _RULES:
+            if name.startswith(mine):
+                for prefix in theirs:
+                    if prefix + name[len(mine):] in self._source:
+                        return prefix + name[len(mine):]
+        if self.tied and name == "llm.head.lm_head.weight":  # a tied head is saved as the embedding
+            return self.hf_name("llm.embed.embed_tokens.weight")
+        return None
+
+    def load_pretrained(self, module: nn.Module, name: str) -> None:
+        if self._source is None:
+            return
+        sd = {}
+        for k, v in module.state_dict().items():
+            theirs = self.hf_name(f"{name}.{k}")
+            if theirs is None:
+                raise ConfigError(f"model.pretrained: {self.cfg.pretrained} has no weight for {name}.{k}")
+            sd[k] = self._source.get(theirs)
+        module.load_state_dict(sd, strict=True)
+
+    def tied_weights(self) -> list:
+        return [("llm.embed.embed_tokens.weight", "llm.head.lm_head.weight")] if self.tied else []
+
+    def plain_model(self, forward_only: frozenset = frozenset()) -> PlainModel:
+        model = PlainModel(self, forward_only)
+        for a, b in self.tied_weights():  # one parameter, as in transformers
+            *path, last = b.split(".")
+            setattr(model.get_submodule(".".join(path)), last, model.get_parameter(a))
+        return model
+
+    def loss(self, outputs, labels) -> torch.Tensor:
+        return m.causal_lm_loss(outputs, labels)
+
+    def collate(self, tokenizer, data_cfg):
+        raise ConfigError("model.type=vlm: training data for VLMs (LLaVA JSON / ms-swift JSONL chat) is not "
+                          "supported yet; the model is usable through mmpipe.build_model")
+
+    def example_batch(self, micro_batch_size: int, max_length: int, device) -> dict:
+        g = torch.Generator().manual_seed(0)
+        s, p = self.vision_cfg.image_size, self.vision_cfg.patch_size
+        n_img = (s // p) ** 2 + (self.cfg.vision_feature_select_strategy == "full")
+        ids = torch.randint(0, self.text_cfg.vocab_size, (micro_batch_size, max(max_length, n_img + 1)), generator=g)
+        ids[ids == self.image_token_id] = 0
+        ids[:, :n_img] = self.image_token_id
+        pix = torch.randint(0, 256, (micro_batch_size, 3, s, s), dtype=torch.uint8, generator=g)
+        return {"pixel_values": pix.to(device), "input_ids": ids.to(device),
+                "attention_mask": torch.ones_like(ids).to(device), "labels": ids.to(device)}

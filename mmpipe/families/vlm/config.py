@@ -1,0 +1,47 @@
+"""The ``model:`` section of a LLaVA-style VLM (``model.type: vlm``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from mmpipe.fields import Section, option
+
+
+@dataclass
+class VlmVisionConfig(Section):
+    """Vision tower: transformers' CLIP ViT, from config fields or a local directory."""
+    pretrained: Optional[str] = option(None, "local CLIPVisionModel / CLIPModel save_pretrained dir")
+    hidden_size: Optional[int] = option(None, "transformer width; unset = transformers default")
+    num_hidden_layers: Optional[int] = option(None, "transformer blocks")
+    num_attention_heads: Optional[int] = option(None, "attention heads")
+    intermediate_size: Optional[int] = option(None, "MLP width")
+    image_size: Optional[int] = option(None, "input resolution in pixels (square)")
+    patch_size: Optional[int] = option(None, "ViT patch size")
+
+
+@dataclass
+class LlmConfig(Section):
+    """Language model: a transformers decoder, from config fields or a local directory."""
+    arch: str = option("llama", "llama or qwen2 (transformers' decoder layers)")
+    pretrained: Optional[str] = option(None, "local LlamaForCausalLM / Qwen2ForCausalLM save_pretrained dir")
+    hidden_size: Optional[int] = option(None, "width")
+    num_hidden_layers: Optional[int] = option(None, "decoder blocks")
+    num_attention_heads: Optional[int] = option(None, "attention heads")
+    num_key_value_heads: Optional[int] = option(None, "key/value heads (grouped-query attention)")
+    intermediate_size: Optional[int] = option(None, "MLP width")
+    vocab_size: Optional[int] = option(None, "vocabulary size; unset = the tokenizer's size")
+    max_position_embeddings: Optional[int] = option(None, "longest sequence (rotary table)")
+    tie_word_embeddings: Optional[bool] = option(None, "share the input embedding and the LM head (Qwen2 small models)")
+
+
+@dataclass
+class VlmConfig(Section):
+    type: str = option("vlm", "LLaVA-style VLM: vision tower -> projector -> causal LM (transformers' "
+                       "LlavaForConditionalGeneration arithmetic)")
+    pretrained: Optional[str] = option(None, "local LlavaForConditionalGeneration save_pretrained directory")
+    vision_feature_layer: int = option(-2, "vision hidden state fed to the projector (-2: output of the "
+                                       "second-to-last block, no post-layernorm)")
+    vision_feature_select_strategy: str = option("default", "default (drop CLS) or full")
+    image_token_id: Optional[int] = option(None, "id of the image placeholder token; unset = the tokenizer's <image>")
+    vision: VlmVisionConfig = field(default_factory=VlmVisionConfig, metadata={"help": "vision tower"})
+    llm: LlmConfig = field(default_factory=LlmConfig, metadata={"help": "language model"})

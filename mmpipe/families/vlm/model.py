@@ -1,0 +1,127 @@
+"""LLaVA-style VLM layers, matching transformers' ``LlavaForConditionalGeneration`` arithmetic:
+
+    vision: vision.embed, vision.blocks.0 .. vision.blocks.K-1   (K = blocks up to the feature layer)
+    projector: projector   (CLS dropped for ``default``; linear_1 -> GELU -> linear_2)
+    llm: llm.embed (token embedding; image features replace the image-token positions),
+         llm.blocks.0 .. llm.blocks.N-1, llm.head (final norm + LM head -> logits)
+
+Activation contract::
+
+    data        (pixel_values | None, input_ids, attention_mask)
+    vision      (vision_hidden | None, input_ids, attention_mask)
+    projector   (image_features | None, input_ids, attention_mask)
+    llm         (hidden, input_ids, attention_mask)
+    llm.head    logits; the loss (shifted next-token cross-entropy, labels -100 ignored) takes the
+                ``labels`` field on the last stage
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmpipe.families.towers.common import causal_padding_mask
+
+
+class Projector(nn.Module):
+    def __init__(self, vision_width: int, llm_width: int, feature_strategy: str):
+        super().__init__()
+        self.linear_1 = nn.Linear(vision_width, llm_width, bias=True)
+        self.act = nn.GELU()
+        self.linear_2 = nn.Linear(llm_width, llm_width, bias=True)
+        self.drop_cls = feature_strategy == "default"
+
+    def forward(self, vision_hidden):
+        h = vision_hidden[:, 1:] if self.drop_cls else vision_hidden
+        return self.linear_2(self.act(self.linear_1(h)))
+
+
+class TokenEmbed(nn.Module):
+    """The LM's token embedding; image features replace the image-token positions (in order)."""
+
+    def __init__(self, vocab: int, width: int, pad_id, image_token_id: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, width, pad_id)
+        self.image_token_id = image_token_id
+
+    def forward(self, input_ids, image_features=None):
+        h = self.embed_tokens(input_ids)
+        if image_features is None:
+            return h
+        where = (input_ids == self.image_token_id).unsqueeze(-1)
+        feats = image_features.reshape(-1, h.shape[-1]).to(h.dtype)
+        if int(where.sum()) != feats.shape[0]:
+            raise ValueError(f"{int(where.sum())} image tokens but {feats.shape[0]} image features")
+        return h.masked_scatter(where, feats)
+
+
+def decoder_block_cls(arch: str):
+    """transformers' decoder layer that computes its own rotary table and causal+padding mask."""
+    if arch == "llama":
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer as Base
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as Rotary
+    else:
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer as Base
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding as Rotary
+
+    class DecoderBlock(Base):
+        def __init__(self, config, layer_idx: int):
+            super().__init__(config, layer_idx)
+            self.rotary = Rotary(config=config)  # inv_freq is a non-persistent buffer: not in checkpoints
+
+        def forward(self, hidden_states, attention_mask):
+            pos = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
+            cos_sin = self.rotary(hidden_states, pos)
+            mask = causal_padding_mask(attention_mask, hidden_states.dtype)
+            out = super().forward(hidden_states, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+            return out[0] if isinstance(out, tuple) else out
+
+    return DecoderBlock
+
+
+class LmHead(nn.Module):
+    def __init__(self, norm: nn.Module, width: int, vocab: int):
+        super().__init__()
+        self.norm = norm
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, hidden):
+        return self.lm_head(self.norm(hidden))
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` (mean over label tokens; -100 ignored)."""
+    logits = logits.float()
+    labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device),
+                                       ignore_index=-100, reduction="mean")
+
+
+# ---- layer steps ---------------------------------------------------------------------------------
+def vision_embed_step(part, acts):
+    pixels, ids, mask = acts
+    return (part(pixels) if pixels is not None else None), ids, mask
+
+
+def vision_block_step(part, acts):
+    h, ids, mask = acts
+    return (part(h) if h is not None else None), ids, mask
+
+
+def projector_step(part, acts):
+    h, ids, mask = acts
+    return (part(h) if h is not None else None), ids, mask
+
+
+def llm_embed_step(part, acts):
+    feats, ids, mask = acts
+    return part(ids, feats), ids, mask
+
+
+def llm_block_step(part, acts):
+    h, ids, mask = acts
+    return part(h, mask), ids, mask
+
+
+def llm_head_step(part, acts):
+    h, _, _ = acts
+    return part(h)

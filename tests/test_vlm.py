@@ -1,0 +1,86 @@
+"""The LLaVA-style VLM family against transformers: a tiny ``LlavaForConditionalGeneration`` (CLIP
+vision + Llama; CLIP vision + Qwen2 with tied embeddings) saved with ``save_pretrained`` and loaded
+through ``model.pretrained`` gives transformers' loss; a batch without images gives the bare
+causal LM's loss on the same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mmpipe
+
+IMAGE_TOKEN = 99
+N_PATCHES = 16  # (32 / 8)^2, CLS dropped
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2_tied"])
+def llava_dir(request, tmp_path_factory):
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, Qwen2Config
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=32, patch_size=8)
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=100, max_position_embeddings=64)
+    tied = request.param == "qwen2_tied"
+    text = Qwen2Config(tie_word_embeddings=True, **common) if tied else LlamaConfig(**common)
+    model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text,
+                                                      image_token_id=IMAGE_TOKEN, tie_word_embeddings=tied)).eval()
+    d = tmp_path_factory.mktemp(request.param) / "llava"
+    model.save_pretrained(str(d))
+    return {"dir": str(d), "model": model, "tied": tied}
+
+
+def _batch(with_images=True):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 90, (2, 28), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 24:] = 0  # right padding
+    labels = ids.clone()
+    labels[:, :20] = -100  # prompt and image positions are not learned
+    labels[mask == 0] = -100
+    pix = None
+    if with_images:
+        ids[:, 2:2 + N_PATCHES] = IMAGE_TOKEN
+        pix = torch.randn(2, 3, 32, 32, generator=g)
+    return pix, ids, mask, labels
+
+
+def test_vlm_loss_matches_transformers_llava(llava_dir):
+    cfg = mmpipe.load_config(None, ["model.type=vlm", f"model.pretrained={llava_dir['dir']}"])
+    ours = mmpipe.build_model(cfg).eval()
+    ref = llava_dir["model"]
+    pix, ids, mask, labels = _batch()
+    with torch.no_grad():
+        want = ref(input_ids=ids, pixel_values=pix, attention_mask=mask, labels=labels).loss
+        got = ours(pix, ids, mask, labels)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert ours.family.segment_graph() == {"vision": ["projector"], "projector": ["llm"], "llm": []}
+    # vision_feature_layer -2: the tower's last block is not used, so the model holds 2 of its 3
+    assert [n for n in ours.family.layer_names() if n.startswith("vision.blocks")] == ["vision.blocks.0",
+                                                                                        "vision.blocks.1"]
+    if llava_dir["tied"]:  # one parameter, as in transformers
+        assert ours.llm.head.lm_head.weight is ours.llm.embed.embed_tokens.weight
+
+
+def test_vlm_batch_without_images_is_the_bare_causal_lm(llava_dir):
+    cfg = mmpipe.load_config(None, ["model.type=vlm", f"model.pretrained={llava_dir['dir']}"])
+    ours = mmpipe.build_model(cfg).eval()
+    ref = llava_dir["model"]
+    _, ids, mask, labels = _batch(with_images=False)
+    from transformers import AutoModelForCausalLM
+    lm_cls = type(ref.model.language_model).__name__.replace("Model", "ForCausalLM")
+    lm = getattr(__import__("transformers"), lm_cls)(ref.config.text_config).eval()
+    lm.model.load_state_dict(ref.model.language_model.state_dict())
+    lm.lm_head.load_state_dict(ref.lm_head.state_dict())
+    assert AutoModelForCausalLM is not None
+    with torch.no_grad():
+        want = lm(input_ids=ids, attention_mask=mask, labels=labels).loss
+        got = ours(None, ids, mask, labels)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_vlm_config_mistakes_are_one_line():
+    with pytest.raises(mmpipe.ConfigError, match="model.llm.arch='gpt' is not one of llama, qwen2"):
+        mmpipe.load_config(None, ["model.type=vlm", "model.llm.arch=gpt"])
+    with pytest.raises(mmpipe.ConfigError, match="not a registered model family"):
+        mmpipe.load_config(None, ["model.type=vml"])
