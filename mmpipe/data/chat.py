@@ -1,0 +1,175 @@
+"""Chat data for VLMs: LLaVA JSON and ms-swift JSONL read into one record, encoded into token ids
+and labels.
+
+- LLaVA JSON: a list of ``{"id", "image", "conversations": [{"from": "human" | "gpt", "value"}]}``
+  (``image`` relative to ``data.image_folder``; absent for a text-only sample).
+- ms-swift JSONL: one ``{"messages": [{"role": "system" | "user" | "assistant", "content"}],
+  "images": [...]}`` per line (image paths relative to the file's directory).
+
+``<image>`` in a message marks where an image goes; it expands to exactly the vision tower's
+patch count of image tokens. Labels: every assistant turn (its text and the end-of-turn token) is
+learned; system text, prompts, role markers, image tokens and padding are -100. A sample longer
+than ``max_length`` is cut after its last complete image; if an image itself does not fit, the
+sample is dropped (and counted), never cut through its image tokens.
+
+The plain template (when the tokenizer has no chat template of its own)::
+
+    <|system|>\\n{text}<|end|>\\n<|user|>\\n{text}<|end|>\\n<|assistant|>\\n{text}<|end|>\\n
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from mmpipe.errors import DataError
+
+IMAGE = "<image>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+SPECIAL_TOKENS = (IMAGE,) + ROLE_TOKENS
+_LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+@dataclass(frozen=True)
+class ChatSample:
+    messages: tuple  # ((role, text), ...) with role in system / user / assistant
+    images: tuple = ()
+    where: str = ""
+    error: Optional[str] = None
+
+
+@dataclass
+class Encoded:
+    input_ids: list
+    labels: list
+    images: tuple = ()
+    truncated: bool = False
+    dropped: Optional[str] = None  # why the sample cannot be used at this length
+    image_spans: list = field(default_factory=list)
+
+
+def _check(messages, images, where: str) -> Optional[str]:
+    if not messages or not any(r == "assistant" for r, _ in messages):
+        return "no assistant turn to learn"
+    n = sum(t.count(IMAGE) for _, t in messages)
+    if n != len(images):
+        return f"{n} {IMAGE} marker(s) but {len(images)} image(s)"
+    return None
+
+
+def read_llava_json(path: str, image_folder: Optional[str] = None) -> list:
+    """LLaVA's JSON list; bad entries are kept with ``error`` (skipped and counted by the loader)."""
+    with open(path, encoding="utf-8") as fh:
+        try:
+            rows = json.load(fh)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: not valid JSON ({e}); expected a LLaVA list of conversations") from None
+    if not isinstance(rows, list):
+        raise DataError(f"{path}: expected a JSON list of {{id, image, conversations}} entries")
+    folder = image_folder or os.path.dirname(os.path.abspath(path))
+    out = []
+    for i, row in enumerate(rows):
+        where = f"{path} entry {i}" + (f" (id {row.get('id')})" if isinstance(row, dict) and "id" in row else "")
+        conv = row.get("conversations") if isinstance(row, dict) else None
+        if not isinstance(conv, list) or not all(isinstance(t, dict) and "value" in t for t in conv):
+            out.append(ChatSample((), (), where, "no conversations list of {from, value}"))
+            continue
+        msgs = tuple((_LLAVA_ROLES.get(str(t.get("from")), "user"), str(t["value"])) for t in conv)
+        image = row.get("image")
+        images = tuple(os.path.join(folder, p) for p in ([image] if isinstance(image, str) else image or []))
+        out.append(ChatSample(msgs, images, where, _check(msgs, images, where)))
+    return out
+
+
+def read_swift_jsonl(path: str) -> list:
+    """ms-swift's JSONL (``messages`` + ``images``); a bad line is kept with ``error``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {n}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                out.append(ChatSample((), (), where, f"not JSON ({e.msg})"))
+                continue
+            msgs = row.get("messages") if isinstance(row, dict) else None
+            if not isinstance(msgs, list) or not all(isinstance(m, dict) and "content" in m for m in msgs):
+                out.append(ChatSample((), (), where, "no messages list of {role, content}"))
+                continue
+            msgs = tuple((str(m.get("role", "user")), str(m["content"])) for m in msgs)
+            images = tuple(p if os.path.isabs(p) else os.path.join(folder, p) for p in row.get("images") or [])
+            out.append(ChatSample(msgs, images, where, _check(msgs, images, where)))
+    return out
+
+
+def read_chat(path: str, image_folder: Optional[str] = None) -> list:
+    if not os.path.isfile(path):
+        raise DataError(f"data.train: file not found: {path} (LLaVA .json or ms-swift .jsonl)")
+    return read_llava_json(path, image_folder) if path.endswith(".json") else read_swift_jsonl(path)
+
+
+class ChatEncoder:
+    """Token ids and labels of a chat sample: each piece is tokenized on its own (no special tokens
+    added), so label boundaries are exact whatever the tokenizer merges."""
+
+    def __init__(self, tokenizer, image_token_id: int, n_image_tokens: int, max_length: int):
+        self.tok, self.image_id, self.n_image, self.max_length = tokenizer, image_token_id, n_image_tokens, max_length
+
+    def _ids(self, text: str) -> list:
+        out = []
+        for k, part in enumerate(text.split(IMAGE)):
+            if k:
+                out += [self.image_id] * self.n_image
+            if part:
+                out += self.tok(part, add_special_tokens=False)["input_ids"]
+        return out
+
+    def pieces(self, messages) -> list:
+        """[(text, learned)] in the plain template."""
+        out = []
+        for role, text in messages:
+            learned = role == "assistant"
+            out.append((f"<|{role}|>\n", False))
+            out.append((text + "<|end|>", learned))
+            out.append(("\n", False))
+        return out
+
+    def encode(self, sample: ChatSample) -> Encoded:
+        ids, labels = [], []
+        for text, learned in self.pieces(sample.messages):
+            piece = self._ids(text)
+            ids += piece
+            labels += [(t if learned and t != self.image_id else -100) for t in piece]
+        return self._fit(Encoded(ids, labels, sample.images))
+
+    def _fit(self, enc: Encoded) -> Encoded:
+        """Cut to ``max_length`` after the last image that fits whole; drop when none can be kept."""
+        if len(enc.input_ids) <= self.max_length:
+            return enc
+        cut = self.max_length
+        keep_images = len(enc.images)
+        starts = [i for i, t in enumerate(enc.input_ids) if t == self.image_id and
+                  (i == 0 or enc.input_ids[i - 1] != self.image_id)]
+        for k, s in enumerate(starts):
+            if s + self.n_image > cut:  # this image would be cut through: end the sample before it
+                cut, keep_images = s, k
+                break
+        if keep_images < len(enc.images) and keep_images == 0 and starts:
+            return Encoded([], [], (), True, f"its first image ends at token {starts[0] + self.n_image}, "
+                                             f"beyond data.max_length={self.max_length}")
+        labels = enc.labels[:cut]
+        if all(t == -100 for t in labels):
+            return Encoded([], [], (), True, f"nothing to learn within data.max_length={self.max_length}")
+        return Encoded(enc.input_ids[:cut], labels, enc.images[:keep_images], True)
+
+
+def add_chat_tokens(tokenizer):
+    """Make ``<image>`` and the role markers single special tokens of ``tokenizer`` (in place)."""
+    missing = [t for t in SPECIAL_TOKENS if t not in tokenizer.get_vocab()]
+    if missing:
+        tokenizer.add_special_tokens({"additional_special_tokens": missing})
+    return tokenizer
