@@ -173,3 +173,70 @@ def add_chat_tokens(tokenizer):
     if missing:
         tokenizer.add_special_tokens({"additional_special_tokens": missing})
     return tokenizer
+
+
+class ChatDataset:
+    """Chat samples for the loader: images decoded to the tower's size, ids and labels encoded. An
+    unusable sample (a bad entry, a missing or corrupt image, nothing left at ``max_length``) is
+    replaced by the next usable one, deterministically (every stage and layout agrees), and
+    reported in the item's ``bad`` list, as for image-caption data."""
+
+    def __init__(self, samples: list, encoder: ChatEncoder, image_size: int):
+        self.samples, self.encoder, self.image_size = samples, encoder, image_size
+
+    def __len__(self):
+        return len(self.samples)
+
+    def _load(self, j: int):
+        from mmpipe.data.loader import decode_sample, finish_pixels
+        s = self.samples[j]
+        if s.error is not None:
+            return None, (s.where, s.error)
+        enc = self.encoder.encode(s)
+        if enc.dropped:
+            return None, (s.where, f"dropped: {enc.dropped}")
+        images = []
+        for path in enc.images:
+            pixels, why = decode_sample(path, IMAGE, self.image_size)
+            if pixels is None:
+                return None, (path, why)
+            images.append(finish_pixels(pixels, self.image_size, None, j, 0))
+        return {"input_ids": enc.input_ids, "labels": enc.labels, "images": images, "truncated": enc.truncated}, None
+
+    def __getitem__(self, item) -> dict:
+        from mmpipe.data.loader import _item_key
+        idx, _ = _item_key(item)
+        bad = []
+        for step in range(len(self)):
+            j = (idx + step) % len(self)
+            fields, why = self._load(j)
+            if fields is not None:
+                return {**fields, "index": j, "key": self.samples[j].where, "bad": bad}
+            bad.append(why)
+        raise DataError(f"no usable sample in the chat data (first failure: {bad[0][0]}: {bad[0][1]})")
+
+
+class ChatCollate:
+    """Samples -> the VLM's batch: ``pixel_values`` every image of the micro-batch in order (None
+    when it has none), ``input_ids`` padded with the pad id, ``attention_mask``, ``labels`` padded
+    with -100; plus ``index``, ``keys``, ``bad`` and the count of truncated samples."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, items: list) -> dict:
+        import torch
+        n = max(len(it["input_ids"]) for it in items)
+        ids = torch.full((len(items), n), self.pad_id, dtype=torch.int64)
+        labels = torch.full((len(items), n), -100, dtype=torch.int64)
+        mask = torch.zeros((len(items), n), dtype=torch.int64)
+        for i, it in enumerate(items):
+            k = len(it["input_ids"])
+            ids[i, :k] = torch.as_tensor(it["input_ids"])
+            labels[i, :k] = torch.as_tensor(it["labels"])
+            mask[i, :k] = 1
+        images = [im for it in items for im in it["images"]]
+        return {"pixel_values": torch.stack(images) if images else None, "input_ids": ids, "attention_mask": mask,
+                "labels": labels, "index": torch.tensor([it["index"] for it in items]),
+                "keys": [it["key"] for it in items], "bad": [b for it in items for b in it["bad"]],
+                "truncated": sum(bool(it["truncated"]) for it in items)}
