@@ -60,6 +60,16 @@ def saved_layout(root: str) -> Optional[dict]:
     return record["layout"] if record else None
 
 
+def saved_plan(root: str) -> Optional[dict]:
+    """The plan (plan.json's schema) the latest checkpoint in ``root`` records, if any (a record
+    older than plans: its layout, whose ``stages`` say the same)."""
+    latest = os.path.join(root, "latest")
+    if not os.path.isfile(latest):
+        return None
+    record = read_record(os.path.join(root, open(latest).read().strip()))
+    return (record.get("plan") or record.get("layout")) if record else None
+
+
 def _describe(layout: dict) -> str:
     s = f"pipeline_stages={layout['pipeline_stages']} data_parallel={layout['data_parallel']} " \
         f"zero_stage={layout['zero_stage']}"

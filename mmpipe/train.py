@@ -261,22 +261,23 @@ def lr_record(per_group: list, groups, base_lr: float, ds_scheduler: bool = Fals
     return {"lr": base_lr * ratio if ratio is not None else 0.0, **out}
 
 
-def make_plan(cfg, family, topo, frozen, forward_only, saved_stages=None):
-    """The run's ``Plan`` (``mmpipe.planner.place``), computed once, on rank 0: from the checkpoint's
-    stages on a resume of a measured placement, else from measured costs (``parallel.profile``), else
-    from trainable parameters."""
+def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool = True):
+    """The run's ``Plan`` (``mmpipe.planner.place``), computed once, on rank 0: on a resume of a
+    measured placement, the checkpoint's plan (a new profile could differ); else from measured costs
+    (``parallel.profile``, unless ``measure`` is False), else from trainable parameters."""
     from mmpipe.plan import get_profile
     from mmpipe.planner import Plan, place
-    from mmpipe.pipeline.partition import parts_from_lists
     names, segments, P = family.layer_names(), family.segments(), topo.pipeline_stages
     M, mbs = topo.accumulation_steps, topo.micro_batch_size
     p = cfg.parallel
-    measured = P > 1 and p.profile and not p.plan and p.placement in ("modality", "balanced", "auto")
-    if measured and saved_stages and len(saved_stages) == P:  # a resume keeps its stages (a new profile could differ)
-        try:
-            return Plan(names, segments, parts_from_lists(names, saved_stages), p.placement, M, mbs, "checkpoint")
-        except ValueError:
-            pass  # another model: the layout check says what the checkpoint holds
+    measured = measure and P > 1 and p.profile and not p.plan and p.placement in ("modality", "balanced", "auto")
+    stages = (saved or {}).get("stages")
+    if measured and stages and len(stages) == P and [n for s in stages for n in s] == names:
+        if "parts" in saved:
+            return Plan.from_json(saved)
+        from mmpipe.pipeline.partition import parts_from_lists  # a record older than plans: its stages
+        return Plan(names, segments, parts_from_lists(names, stages), p.placement, M, mbs, "checkpoint")
+    # (a different model: the layout check says what the checkpoint holds)
     params = family.meta_params()
     prof = None
     if measured:
@@ -300,15 +301,17 @@ def check_auto_micro_batch(cfg: RunConfig) -> None:
 
 
 def _probe_micro_batch(cfg, family, source, tok, image_size, topo, forward_only, frozen) -> int:
-    """Probe real batches for the largest micro-batch that fits (``mmpipe.plan.auto_micro_batch``);
-    stages are costed as equal shares of the layers (the plan is made once, at the size chosen)."""
+    """Probe real batches for the largest micro-batch that fits (``mmpipe.plan.auto_micro_batch``),
+    against the stage boundaries of the plan without measured costs (a plan file, ``type:``,
+    DeepSpeed's methods: the run's own; measured placements: their parameter-cost estimate)."""
     from deepspeed.accelerator import get_accelerator
 
     from mmpipe.plan import auto_micro_batch
     acc = get_accelerator()
     budget = int((cfg.parallel.memory_budget_gb or acc.total_memory() / 2**30) * 2**30)
+    parts = make_plan(cfg, family, topo, frozen, forward_only, measure=False).parts
     m, _ = auto_micro_batch(cfg, family, source, tok, image_size, topo.pipeline_stages, topo.data_parallel,
-                            None, forward_only, frozen, budget, torch.device(acc.device_name()),
+                            parts, forward_only, frozen, budget, torch.device(acc.device_name()),
                             log=lambda s: print(f"[mmpipe] {s}", flush=True))
     return m
 
@@ -397,6 +400,8 @@ class Trainer:
                                   "checkpoint)")
             check_run_dir(cfg.train.output_dir, self.resume, self.overwrite)
             self.family_cls = family_of(cfg)
+            if self.family_cls.training_unsupported:
+                raise ConfigError(f"model.type={cfg.model.type}: {self.family_cls.training_unsupported}")
             if self.auto_mbs:  # validate the rest with a stand-in (the per-rank batch); the size is probed later
                 check_auto_micro_batch(cfg)
                 stand_in = max(1, cfg.train.batch_size // max(1, world // cfg.parallel.pipeline_stages))
@@ -454,15 +459,18 @@ class Trainer:
             if rank == 0:
                 _warn(f"parallel.micro_batch_size=auto -> {m} (accumulation {self.topo.accumulation_steps})")
         self.cfg.seal()
-        saved = checkpoint.saved_layout(self.ckpt_dir) if self.resume else None
+        saved = checkpoint.saved_plan(self.ckpt_dir) if self.resume else None
         self.plan = _rank0_decides(rank, lambda: make_plan(cfg, self.family, self.topo, self.frozen_names,
-                                                           self.forward_only, (saved or {}).get("stages")))
+                                                           self.forward_only, saved))
         if self.plan.chosen and rank == 0:
             _warn(f"parallel.placement=auto -> {self.plan.chosen} ({self.plan.why})")
         self.check_frozen_stages()
 
     def check_frozen_stages(self) -> None:
         cfg, plan = self.cfg, self.plan
+        if plan.num_stages > 1 and self.family.tied_weights():
+            raise _everywhere(ConfigError, f"model.type={cfg.model.type} ties {self.family.tied_weights()[0]}, "
+                              "which pipeline stages cannot share yet: use parallel.pipeline_stages=1")
         if plan.num_stages == 1 or (cfg.parallel.zero_stage == 0 and cfg.train.precision == "fp32"):
             return
         for s_, names in enumerate(plan.stages):
@@ -529,8 +537,7 @@ class Trainer:
                 json.dump(self.ds_cfg, fh, indent=2)
             plan_file = os.path.join(out, "plan.json")
             # a resume keeps the plan (and its predictions) it continues
-            if self.layer_names is not None and not (self.resume and self.plan.costs == "checkpoint"
-                                                     and os.path.isfile(plan_file)):
+            if self.layer_names is not None and not (self.resume and os.path.isfile(plan_file)):
                 self.plan.write(plan_file)
         self.writer.info(f"{self.topo.describe()} precision={cfg.train.precision} zero={cfg.parallel.zero_stage} "
                          f"device={self.device_name}" + (f" resume@{self.start_step}" if self.resume else ""))
@@ -542,7 +549,7 @@ class Trainer:
         from mmpipe.data.source import build_train_loader
         cfg, rank = self.cfg, self.rank
         sample_log = None
-        if cfg.data.log_samples and self.reads_data:
+        if cfg.data.log_samples and self.reads_inputs:
             os.makedirs(os.path.join(self.out_dir, "samples"), exist_ok=True)
             sample_log = os.path.join(self.out_dir, "samples", f"rank{rank}.txt")
         self.data_stats = DataStats(sample_log)

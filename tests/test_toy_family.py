@@ -193,3 +193,27 @@ def test_toy_family_trains_at_p1_and_p2_with_parity(family_runs_of):
 def pytest_approx(values):
     import pytest
     return pytest.approx(values, rel=1e-4)
+
+
+def test_forward_only_follows_every_path_from_a_trainable_layer(tmp_path):
+    """A frozen layer runs without autograd only when no trainable layer reaches it, through its own
+    segment or a merge (``takes``); a forward-only last layer that returns one tensor still runs."""
+    import mmpipe
+    from mmpipe.optim import frozen_layout, resolve_groups
+    from mmpipe.pipeline.layers import PipeLayer
+    cfg_file = tmp_path / "toy.yaml"
+    cfg_file.write_text(FAMILY_CONFIG)
+
+    def forward_only(*sets):
+        cfg = mmpipe.load_config(str(cfg_file), ["model.vocab_size=40", *sets])
+        fam = mmpipe.build_model(cfg).family
+        return frozen_layout(fam, resolve_groups(cfg.optim, ToyFamily))[2], fam
+
+    fo, _ = forward_only("optim.groups.text.freeze=true")  # the image tower trains: text and head need autograd
+    assert fo == frozenset()
+    fo, fam = forward_only("optim.groups.image.freeze=true")
+    assert fo == {"image.tower"}
+    head = PipeLayer(fam, "head", forward_only=True)
+    h = torch.randn(2, 16, requires_grad=True)
+    out = head((h,))
+    assert torch.is_tensor(out) and out.shape == (2, 3)

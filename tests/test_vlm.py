@@ -84,3 +84,29 @@ def test_vlm_config_mistakes_are_one_line():
         mmpipe.load_config(None, ["model.type=vlm", "model.llm.arch=gpt"])
     with pytest.raises(mmpipe.ConfigError, match="not a registered model family"):
         mmpipe.load_config(None, ["model.type=vml"])
+
+
+def test_projector_only_training_keeps_the_frozen_llm_on_the_gradient_path(llava_dir):
+    """LLaVA stage 1 (vision and LM frozen, projector trained): only the vision tower may run
+    without autograd; the LM blocks after the merge carry the projector's gradient."""
+    from mmpipe.optim import apply_freeze, frozen_layout, resolve_groups
+    cfg = mmpipe.load_config(None, ["model.type=vlm", f"model.pretrained={llava_dir['dir']}",
+                                    "optim.freeze_vision=true", "optim.freeze_text=true"])
+    model = mmpipe.build_model(cfg)
+    groups = resolve_groups(cfg.optim, type(model.family))
+    _, frozen, fo = frozen_layout(model.family, groups)
+    assert fo == {"vision.embed", "vision.blocks.0", "vision.blocks.1"}
+    model.forward_only = fo
+    apply_freeze(model.named_parameters(), groups)
+    pix, ids, mask, labels = _batch()
+    model(pix, ids, mask, labels).backward()
+    assert model.projector.linear_1.weight.grad.abs().sum() > 0
+    assert all(p.grad is None for n, p in model.named_parameters() if not n.startswith("projector."))
+
+
+def test_training_a_vlm_says_what_is_missing(tmp_path, capsys):
+    from mmpipe.cli import main
+    rc = main(["train", "--set", "model.type=vlm", "--set", "model.pretrained=/nonexistent",
+               "--set", f"train.output_dir={tmp_path / 'o'}", "--set", "data.train=x.jsonl"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and "chat data path" in err[0], err

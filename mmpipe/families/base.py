@@ -46,6 +46,7 @@ class Family:
     default_groups: ClassVar[dict] = {}  # group name -> parameter-name regexes
     freeze_shortcuts: ClassVar[dict] = {}  # optim.<flag> -> group it freezes
     hf_adapter: ClassVar[Optional[type]] = None  # from_hf / to_hf / hf_config
+    training_unsupported: ClassVar[Optional[str]] = None  # why ``mmpipe train`` cannot run it yet
 
     # ---- config: class methods, no model built ------------------------------------------------
     @classmethod
@@ -109,20 +110,17 @@ class Family:
         return graph
 
     def upstream(self) -> dict:
-        """{layer: layers whose outputs it computes on}: earlier layers of its own segment, and
-        every layer of the segments it ``takes`` from (and of theirs, transitively)."""
-        layers = self.layers()
-        seen_in: dict = {}
-        out = {}
-        for layer in layers:
-            ups = set(seen_in.get(layer.segment, ()))
-            todo = list(layer.takes)
-            while todo:
-                seg = todo.pop()
-                ups |= set(seen_in.get(seg, ()))
-                todo += [t for lay in layers if lay.segment == seg for t in lay.takes if t != seg]
+        """{layer: every layer whose outputs reach it}: the previous layer of its own segment and
+        what reaches that, and the last layer of each segment it ``takes`` from and what reaches
+        that (transitively: a decoder block after a VLM's merge has the projector and the vision
+        tower upstream)."""
+        out, last = {}, {}
+        for layer in self.layers():
+            ups: set = set()
+            for src in ([layer.segment] if layer.segment in last else []) + [t for t in layer.takes if t in last]:
+                ups |= out[last[src]] | {last[src]}
             out[layer.name] = ups
-            seen_in.setdefault(layer.segment, []).append(layer.name)
+            last[layer.segment] = layer.name
         return out
 
     def meta_params(self) -> dict:
@@ -136,6 +134,10 @@ class Family:
 
     def plain_model(self, forward_only: frozenset = frozenset()) -> "PlainModel":
         return PlainModel(self, forward_only)
+
+    def tied_weights(self) -> list:
+        """[(plain name, plain name)] of parameters that are one (e.g. input embedding and LM head)."""
+        return []
 
     # ---- loss and evaluation ------------------------------------------------------------------
     def loss(self, outputs, *labels) -> torch.Tensor:

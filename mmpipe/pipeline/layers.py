@@ -37,16 +37,17 @@ class PipeLayer(nn.Module):
         # drop) their gradient, so an all-frozen first stage still runs.
         anchors = [t for t in acts if wants_grad(t)]
         tie = sum(a.reshape(-1)[:1].sum() for a in anchors) * 0.0 if anchors else None
+        single = torch.is_tensor(out)  # a last layer may return one tensor, not a tuple
         res = []
-        for t in out:
-            if t.is_floating_point() and not t.requires_grad:
+        for t in ((out,) if single else out):
+            if torch.is_tensor(t) and t.is_floating_point() and not t.requires_grad:
                 if tie is not None:
                     t = t + tie.to(t.dtype)
                 else:
                     t.requires_grad_(True)
                     t._mmpipe_sink = True  # a gradient sink, not a path back to a stage input
             res.append(t)
-        return tuple(res)
+        return res[0] if single else tuple(res)
 
     def _step(self, acts):
         return (self._role if self.training else self._eval_role)(self.part, acts)

@@ -60,6 +60,8 @@ class VlmFamily(Family):
     labels = ("labels",)
     default_groups = {"vision": [r"^vision\."], "projector": [r"^projector\."], "llm": [r"^llm\."]}
     freeze_shortcuts = {"freeze_vision": "vision", "freeze_projector": "projector", "freeze_text": "llm"}
+    training_unsupported = ("training VLMs needs the chat data path (LLaVA JSON / ms-swift JSONL), which is not "
+                            "wired into mmpipe train yet; the model is usable through mmpipe.build_model")
 
     @classmethod
     def validate(cls, model_cfg, where: str) -> None:
@@ -160,8 +162,8 @@ class VlmFamily(Family):
         return m.causal_lm_loss(outputs, labels)
 
     def collate(self, tokenizer, data_cfg):
-        raise ConfigError("model.type=vlm: training data for VLMs (LLaVA JSON / ms-swift JSONL chat) is not "
-                          "supported yet; the model is usable through mmpipe.build_model")
+        from mmpipe.data.chat import ChatCollate
+        return ChatCollate(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
 
     def example_batch(self, micro_batch_size: int, max_length: int, device) -> dict:
         g = torch.Generator().manual_seed(0)

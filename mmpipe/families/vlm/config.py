@@ -29,7 +29,7 @@ class LlmConfig(Section):
     num_attention_heads: Optional[int] = option(None, "attention heads")
     num_key_value_heads: Optional[int] = option(None, "key/value heads (grouped-query attention)")
     intermediate_size: Optional[int] = option(None, "MLP width")
-    vocab_size: Optional[int] = option(None, "vocabulary size; unset = the tokenizer's size")
+    vocab_size: Optional[int] = option(None, "vocabulary size (required without pretrained weights)")
     max_position_embeddings: Optional[int] = option(None, "longest sequence (rotary table)")
     tie_word_embeddings: Optional[bool] = option(None, "share the input embedding and the LM head (Qwen2 small models)")
 
@@ -42,6 +42,7 @@ class VlmConfig(Section):
     vision_feature_layer: int = option(-2, "vision hidden state fed to the projector (-2: output of the "
                                        "second-to-last block, no post-layernorm)")
     vision_feature_select_strategy: str = option("default", "default (drop CLS) or full")
-    image_token_id: Optional[int] = option(None, "id of the image placeholder token; unset = the tokenizer's <image>")
+    image_token_id: Optional[int] = option(None, "id of the image placeholder token (required without "
+                                           "model.pretrained, which names its own)")
     vision: VlmVisionConfig = field(default_factory=VlmVisionConfig, metadata={"help": "vision tower"})
     llm: LlmConfig = field(default_factory=LlmConfig, metadata={"help": "language model"})
