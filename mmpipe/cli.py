@@ -33,8 +33,13 @@ def cmd_train(args) -> int:
 
 
 def cmd_data_synth(args) -> int:
-    from mmpipe.data.synth import synth
-    info = synth(args.out, args.n, val_fraction=args.val_fraction, size=args.size, seed=args.seed)
+    from mmpipe.data.synth import synth, synth_vlm
+    if args.kind == "vlm":
+        info = synth_vlm(args.out, args.n, val_fraction=args.val_fraction, size=args.size or 64, seed=args.seed)
+        print(f"wrote {info['n_train']} train and {info['n_val']} val chat samples (ms-swift JSONL): "
+              f"{info['train']} {info['val']}")
+        return 0
+    info = synth(args.out, args.n, val_fraction=args.val_fraction, size=args.size or 96, seed=args.seed)
     print(f"wrote {info['n_train']} train and {info['n_val']} val pairs: {info['train']} {info['val']}")
     return 0
 
@@ -87,11 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     t = _train_parser(sub.add_parser("train", help="train (run under deepspeed / accelerate launch / python)"))
     t.set_defaults(func=cmd_train)
     d = sub.add_parser("data", help="data tools").add_subparsers(dest="data_cmd", required=True)
-    s = d.add_parser("synth", help="write a learnable synthetic image-caption data set")
+    s = d.add_parser("synth", help="write a learnable synthetic image-caption (or, --kind vlm, chat) data set")
     s.add_argument("--out", required=True)
-    s.add_argument("--n", type=int, default=2000, help="total pairs (train + val)")
+    s.add_argument("--kind", choices=("clip", "vlm"), default="clip",
+                   help="clip: image-caption pairs; vlm: chat about the images (ms-swift JSONL) + text-only turns")
+    s.add_argument("--n", type=int, default=2000, help="total samples (train + val)")
     s.add_argument("--val-fraction", type=float, default=0.1)
-    s.add_argument("--size", type=int, default=96, help="image side in pixels")
+    s.add_argument("--size", type=int, default=None, help="image side in pixels (default 96; vlm 64)")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=cmd_data_synth)
     pr = d.add_parser("prepare", help="preprocess a manifest into a cache (uint8 images + token ids) for data.cache")

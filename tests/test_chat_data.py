@@ -153,3 +153,31 @@ def test_a_chat_batch_trains_the_vlm_plain_model(tok, tmp_path):
     for prefix in ("vision.blocks.0.", "projector.", "llm.blocks.1."):
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters()
                    if n.startswith(prefix)), prefix
+
+
+def test_synth_vlm_writes_a_learnable_chat_set(tok, tmp_path, capsys):
+    """``mmpipe data synth --kind vlm``: ms-swift JSONL that the chat reader takes without a bad row,
+    image and text-only samples, short exact answers, no constant answer right more than a third of
+    the time, and answers that follow the image (one shape -> "one", with a position question)."""
+    from collections import Counter
+
+    from mmpipe.cli import main
+    from mmpipe.data.chat import ChatDataset
+    assert main(["data", "synth", "--kind", "vlm", "--out", str(tmp_path / "vlm"), "--n", "120", "--size", "32"]) == 0
+    assert "chat samples" in capsys.readouterr().out
+    train, val = read_chat(str(tmp_path / "vlm" / "train.jsonl")), read_chat(str(tmp_path / "vlm" / "val.jsonl"))
+    assert len(train) == 108 and len(val) == 12 and all(s.error is None for s in train + val)
+    with_image = [s for s in train if s.images]
+    assert 0 < len(train) - len(with_image) < len(train) // 3  # some text-only samples
+    answers = Counter(t for s in train for r, t in s.messages if r == "assistant")
+    assert max(answers.values()) / sum(answers.values()) < 1 / 3 and all(len(a.split()) <= 4 for a in answers)
+    both = 0
+    for s in with_image:
+        qa = {q.replace("<image>\n", ""): a for q, a in zip([t for r, t in s.messages if r == "user"],
+                                                             [t for r, t in s.messages if r == "assistant"])}
+        if "where is the shape?" in qa and "how many shapes are there?" in qa:  # a position is asked of one shape
+            both += 1
+            assert qa["how many shapes are there?"] == "one", qa
+    assert both > 0
+    ds = ChatDataset(train, ChatEncoder(tok, tok.convert_tokens_to_ids(IMAGE), N, 64), 32)
+    assert all(ds[i]["bad"] == [] for i in range(len(ds)))

@@ -1,6 +1,7 @@
-"""A learnable synthetic image-caption data set: JPEGs of coloured shapes of varied size and
-position on noisy backgrounds, with captions that describe them ("a large red circle at the top
-left"). Writes ``images/``, ``train.jsonl`` and ``val.jsonl``."""
+"""Learnable synthetic data: JPEGs of coloured shapes of varied size and position on noisy
+backgrounds, with captions that describe them ("a large red circle at the top left"), or (``--kind
+vlm``) chat samples asking for their colour, shape, count and position plus some text-only
+questions. Writes ``images/``, ``train.jsonl`` and ``val.jsonl``."""
 from __future__ import annotations
 
 import json
@@ -31,24 +32,92 @@ def _position_words(row: str, col: str) -> str:
 def make_image(rng: random.Random, size: int) -> tuple[Image.Image, str]:
     color, shape, sz = rng.choice(list(COLORS)), rng.choice(SHAPES), rng.choice(list(SIZES))
     row, col = rng.choice(list(ROWS)), rng.choice(list(COLS))
-    base = np.array([rng.randint(40, 110) for _ in range(3)], dtype=np.float32)
-    grad = np.linspace(-25, 25, size, dtype=np.float32)[None, :, None]
-    noise = np.random.default_rng(rng.randint(0, 2 ** 31)).normal(0, 12, (size, size, 3)).astype(np.float32)
-    bg = np.clip(base[None, None, :] + grad + noise, 0, 255).astype(np.uint8)
-    im = Image.fromarray(bg, "RGB")
+    im = _background(rng, size)
     d = ImageDraw.Draw(im)
     r = SIZES[sz] * size / 2 * rng.uniform(0.9, 1.1)
     cx = COLS[col] * size + rng.uniform(-0.04, 0.04) * size
     cy = ROWS[row] * size + rng.uniform(-0.04, 0.04) * size
     fill = tuple(int(np.clip(c + rng.randint(-20, 20), 0, 255)) for c in COLORS[color])
+    _draw_shape(d, shape, cx, cy, r, fill)
+    article = "an" if sz[0] in "aeiou" else "a"
+    return im, f"{article} {sz} {color} {shape} {_position_words(row, col)}"
+
+
+def _draw_shape(d, shape: str, cx: float, cy: float, r: float, fill) -> None:
     if shape == "circle":
         d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
     elif shape == "square":
         d.rectangle([cx - r, cy - r, cx + r, cy + r], fill=fill)
     else:
         d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
-    article = "an" if sz[0] in "aeiou" else "a"
-    return im, f"{article} {sz} {color} {shape} {_position_words(row, col)}"
+
+
+def _background(rng: random.Random, size: int) -> Image.Image:
+    base = np.array([rng.randint(40, 110) for _ in range(3)], dtype=np.float32)
+    grad = np.linspace(-25, 25, size, dtype=np.float32)[None, :, None]
+    noise = np.random.default_rng(rng.randint(0, 2 ** 31)).normal(0, 12, (size, size, 3)).astype(np.float32)
+    return Image.fromarray(np.clip(base[None, None, :] + grad + noise, 0, 255).astype(np.uint8), "RGB")
+
+
+# ---- VLM chat set ------------------------------------------------------------------------------------
+NUMBERS = ("one", "two", "three")
+CELLS = [(row, col) for row in ROWS for col in COLS]
+TEXT_QA = [(f"what number comes after {a}?", b) for a, b in zip(("one", "two", "three", "four"),
+                                                                 ("two", "three", "four", "five"))] + \
+          [(f"what colour is {thing}?", c) for thing, c in (("grass", "green"), ("the sky", "blue"),
+                                                            ("snow", "white"), ("a banana", "yellow"))]
+
+
+def make_vlm_sample(rng: random.Random, size: int) -> tuple[Image.Image, list]:
+    """An image of 1-3 shapes of one colour and kind, and its (question, answer) turns: colour,
+    shape, count, and position when there is one shape."""
+    color, shape = rng.choice(list(COLORS)), rng.choice(SHAPES)
+    k = rng.randint(1, 3)
+    cells = rng.sample(CELLS, k)
+    im = _background(rng, size)
+    d = ImageDraw.Draw(im)
+    r = 0.12 * size
+    for row, col in cells:
+        fill = tuple(int(np.clip(c + rng.randint(-20, 20), 0, 255)) for c in COLORS[color])
+        _draw_shape(d, shape, COLS[col] * size, ROWS[row] * size, r, fill)
+    qa = [("what colour are the shapes?", color), ("what kind of shape is shown?", shape),
+          ("how many shapes are there?", NUMBERS[k - 1])]
+    if k == 1:
+        qa.append(("where is the shape?", _position_words(*cells[0])))
+    return im, qa
+
+
+def synth_vlm(out: str, n: int, val_fraction: float = 0.1, size: int = 64, seed: int = 0, text_only: float = 0.15,
+              progress: bool = True) -> dict:
+    """ms-swift JSONL chat (``train.jsonl``, ``val.jsonl``) over ``images/``: each image sample asks
+    one or two questions (the first turn carries ``<image>``); a ``text_only`` fraction are text
+    questions without an image. Answers are short and exact (for exact-match evaluation)."""
+    os.makedirs(os.path.join(out, "images"), exist_ok=True)
+    rng = random.Random(seed)
+    rows = []
+    it = range(n)
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(it, desc="synth chat", unit="sample")
+    for i in it:
+        if rng.random() < text_only:
+            q, a = rng.choice(TEXT_QA)
+            rows.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
+            continue
+        im, qa = make_vlm_sample(rng, size)
+        rel = f"images/{i:06d}.jpg"
+        im.save(os.path.join(out, rel), quality=90)
+        turns = rng.sample(qa, rng.randint(1, 2))
+        msgs = []
+        for j, (q, a) in enumerate(turns):
+            msgs += [{"role": "user", "content": ("<image>\n" if j == 0 else "") + q}, {"role": "assistant", "content": a}]
+        rows.append({"messages": msgs, "images": [rel]})
+    n_val = max(1, int(round(n * val_fraction)))
+    for name, part in (("val.jsonl", rows[:n_val]), ("train.jsonl", rows[n_val:])):
+        with open(os.path.join(out, name), "w") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in part)
+    return {"train": os.path.join(out, "train.jsonl"), "val": os.path.join(out, "val.jsonl"),
+            "n_train": n - n_val, "n_val": n_val}
 
 
 def synth(out: str, n: int, val_fraction: float = 0.1, size: int = 96, seed: int = 0, progress: bool = True) -> dict:
