@@ -120,10 +120,6 @@ def test_frozen_branch_runs_forward_only_and_gets_no_optimizer_state():
 
 
 # ---- reference test: plain PyTorch loop vs mmpipe in three layouts, for every family ----------------------
-def _group_of(name):
-    return GROUP_CASES["clip"].group_of(name)
-
-
 def reference_run(tiny_data, tokenizer_dir, steps=3, family="clip", config=TINY):
     """Per-group clip_grad_norm_ then AdamW with per-group lr/decay, single process, plain PyTorch,
     on the family's plain model and its own collate."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -184,15 +185,11 @@ def test_toy_family_trains_at_p1_and_p2_with_parity(family_runs_of):
         torch.testing.assert_close(wb[k].float(), wa[k].float(), rtol=1e-4, atol=1e-6)
     ea, eb = read_metrics(os.path.join(p1, "metrics.jsonl"), "eval"), read_metrics(os.path.join(p2, "metrics.jsonl"), "eval")
     assert [e["step"] for e in ea] == [6, 12] and ea[-1]["mse"] < ea[0]["mse"] + 1e-6
-    assert [e["mse"] for e in eb] == pytest_approx([e["mse"] for e in ea])
+    assert [e["mse"] for e in eb] == pytest.approx([e["mse"] for e in ea], rel=1e-4)
     with open(os.path.join(p2, "plan.json")) as fh:
         plan = json.load(fh)
     assert plan["segments"] == ["image", "text", "text"] and plan["stages"] == [["image.tower"], ["text.tower", "head"]]
 
-
-def pytest_approx(values):
-    import pytest
-    return pytest.approx(values, rel=1e-4)
 
 
 def test_forward_only_follows_every_path_from_a_trainable_layer(tmp_path):

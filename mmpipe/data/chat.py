@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from mmpipe.errors import DataError
@@ -46,10 +46,9 @@ class Encoded:
     images: tuple = ()
     truncated: bool = False
     dropped: Optional[str] = None  # why the sample cannot be used at this length
-    image_spans: list = field(default_factory=list)
 
 
-def _check(messages, images, where: str) -> Optional[str]:
+def _check(messages, images) -> Optional[str]:
     if not messages or not any(r == "assistant" for r, _ in messages):
         return "no assistant turn to learn"
     n = sum(t.count(IMAGE) for _, t in messages)
@@ -78,7 +77,7 @@ def read_llava_json(path: str, image_folder: Optional[str] = None) -> list:
         msgs = tuple((_LLAVA_ROLES.get(str(t.get("from")), "user"), str(t["value"])) for t in conv)
         image = row.get("image")
         images = tuple(os.path.join(folder, p) for p in ([image] if isinstance(image, str) else image or []))
-        out.append(ChatSample(msgs, images, where, _check(msgs, images, where)))
+        out.append(ChatSample(msgs, images, where, _check(msgs, images)))
     return out
 
 
@@ -102,7 +101,7 @@ def read_swift_jsonl(path: str) -> list:
                 continue
             msgs = tuple((str(m.get("role", "user")), str(m["content"])) for m in msgs)
             images = tuple(p if os.path.isabs(p) else os.path.join(folder, p) for p in row.get("images") or [])
-            out.append(ChatSample(msgs, images, where, _check(msgs, images, where)))
+            out.append(ChatSample(msgs, images, where, _check(msgs, images)))
     return out
 
 

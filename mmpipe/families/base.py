@@ -178,12 +178,13 @@ class PlainModel(nn.Module):
         self._layers = family.layers()
         for layer in self._layers:
             attach(self, layer.name, family.build_layer(layer.name))
+        self._module_of = {layer.name: self.get_submodule(layer.name) for layer in self._layers}  # looked up once
         # layers that may run without autograd (frozen, nothing trainable upstream)
         self.forward_only = frozenset(forward_only)
 
     def run_layers(self, acts: tuple, layers=None, evaluating: bool = False) -> tuple:
         for layer in layers or self._layers:
-            module = self.get_submodule(layer.name)
+            module = self._module_of[layer.name]
             step = layer.eval_step if evaluating and layer.eval_step is not None else layer.step
             if layer.name in self.forward_only and torch.is_grad_enabled():
                 with torch.no_grad():

@@ -145,7 +145,11 @@ class VlmFamily(Family):
             theirs = self.hf_name(f"{name}.{k}")
             if theirs is None:
                 raise ConfigError(f"model.pretrained: {self.cfg.pretrained} has no weight for {name}.{k}")
-            sd[k] = self._source.get(theirs)
+            t = self._source.get(theirs)
+            if t.shape != v.shape:
+                raise ConfigError(f"model.pretrained: weight '{theirs}' in {self.cfg.pretrained} has shape "
+                                  f"{tuple(t.shape)}, the model expects {tuple(v.shape)} for {name}.{k}")
+            sd[k] = t
         module.load_state_dict(sd, strict=True)
 
     def tied_weights(self) -> list:
