@@ -34,8 +34,11 @@ def family_of(cfg):
 
 @dataclass
 class DataConfig(Section):
-    train: Optional[str] = _f(None, "training manifest: .jsonl ({image, text} per line) or .csv (header image,text)")
-    val: Optional[str] = _f(None, "held-out manifest for zero-shot retrieval evaluation")
+    train: Optional[str] = _f(None, "training manifest: .jsonl ({image, text} per line) or .csv (header image,text); "
+                              "model.type=vlm: chat data, LLaVA .json or ms-swift .jsonl")
+    val: Optional[str] = _f(None, "held-out data in the same format (retrieval eval; VLM: loss and token accuracy)")
+    image_folder: Optional[str] = _f(None, "LLaVA JSON: directory its image paths are relative to; unset = the "
+                                     "JSON's own directory")
     tokenizer: Optional[str] = _f(None, "local transformers tokenizer dir; unset = train WordPiece on the captions")
     tokenizer_vocab_size: int = _f(2000, "vocabulary size when mmpipe trains the tokenizer")
     max_length: int = _f(32, "tokens per caption (padded/truncated)")
@@ -109,6 +112,15 @@ class OptimConfig(Section):
     freeze_vision: bool = _f(False, "shortcut: freeze the vision group (open_clip --lock-image, ms-swift freeze_vit)")
     freeze_projector: bool = _f(False, "shortcut: freeze the projector group (ms-swift freeze_aligner)")
     freeze_text: bool = _f(False, "shortcut: freeze the text group (open_clip --lock-text, ms-swift freeze_llm)")
+    freeze_vit: bool = _f(False, "ms-swift's name (VLM): freeze the vision group")
+    freeze_aligner: bool = _f(False, "ms-swift's name (VLM): freeze the projector group")
+    freeze_llm: bool = _f(False, "ms-swift's name (VLM): freeze the llm group")
+    vit_lr: Optional[float] = _f(None, "ms-swift's name (VLM): the vision group's lr (optim.groups.vision.lr)")
+    aligner_lr: Optional[float] = _f(None, "ms-swift's name (VLM): the projector group's lr (optim.groups.projector.lr)")
+
+
+FREEZE_FLAGS = ("freeze_vision", "freeze_projector", "freeze_text", "freeze_vit", "freeze_aligner", "freeze_llm")
+LR_FLAGS = ("vit_lr", "aligner_lr")
 
 
 @dataclass

@@ -43,12 +43,30 @@ class Group:
 
 def resolve_groups(optim_cfg, family) -> list[Group]:
     """The configured groups with the family's freeze shortcuts (``optim.freeze_<segment>``) applied."""
-    shortcuts = {group: getattr(optim_cfg, flag) for flag, group in family.freeze_shortcuts.items()}
-    for flag in ("freeze_vision", "freeze_projector", "freeze_text"):
+    from mmpipe.config import FREEZE_FLAGS, LR_FLAGS
+    shortcuts: dict = {}
+    for flag, group in family.freeze_shortcuts.items():
+        shortcuts[group] = shortcuts.get(group, False) or getattr(optim_cfg, flag)
+    for flag in FREEZE_FLAGS:
         if getattr(optim_cfg, flag) and flag not in family.freeze_shortcuts:
             raise ConfigError(f"optim.{flag}: model.type={family.name} has no such shortcut (it has "
                               f"{', '.join(family.freeze_shortcuts) or 'none'}); freeze a group with "
                               "optim.groups.<name>.freeze=true")
+    lrs = {}
+    for flag in LR_FLAGS:
+        v = getattr(optim_cfg, flag)
+        if v is None:
+            continue
+        if flag not in family.lr_shortcuts:
+            raise ConfigError(f"optim.{flag}: model.type={family.name} has no such shortcut; set "
+                              "optim.groups.<name>.lr")
+        group = family.lr_shortcuts[flag]
+        if group not in optim_cfg.groups:
+            raise ConfigError(f"optim.{flag} is set but there is no optim.groups.{group}")
+        if optim_cfg.groups[group].lr is not None and optim_cfg.groups[group].lr != v:
+            raise ConfigError(f"optim.{flag}={v} contradicts optim.groups.{group}.lr={optim_cfg.groups[group].lr}; "
+                              "set one of them")
+        lrs[group] = v
     out = []
     for name, g in optim_cfg.groups.items():
         for p in g.patterns:
@@ -60,11 +78,12 @@ def resolve_groups(optim_cfg, family) -> list[Group]:
             raise ConfigError(f"optim.groups.{name}: no patterns; give patterns or remove the group ({name}: null)")
         if g.max_grad_norm is not None and g.max_grad_norm <= 0:
             raise ConfigError(f"optim.groups.{name}.max_grad_norm must be > 0 (inf = no clip), got {g.max_grad_norm}")
-        out.append(Group(name, tuple(g.patterns), optim_cfg.lr if g.lr is None else g.lr,
+        lr = lrs.get(name, optim_cfg.lr if g.lr is None else g.lr)
+        out.append(Group(name, tuple(g.patterns), lr,
                          optim_cfg.weight_decay if g.weight_decay is None else g.weight_decay,
                          g.max_grad_norm, bool(g.freeze or shortcuts.get(name, False))))
     for flag, name in family.freeze_shortcuts.items():
-        if shortcuts[name] and name not in optim_cfg.groups:
+        if getattr(optim_cfg, flag) and name not in optim_cfg.groups:
             raise ConfigError(f"optim.{flag} is set but there is no optim.groups.{name}")
     return out
 

@@ -177,16 +177,16 @@ def resolve_for_plan(cfg):
     text weights' tokenizer) if there is one, else the configured size (only the embedding table
     depends on it)."""
     from mmpipe.config import family_of, replace
-    from mmpipe.data.tokenizer import eos_id, has_tokenizer, load_tokenizer
+    from mmpipe.data.tokenizer import StandInTokenizer, has_tokenizer, load_tokenizer
     fam = family_of(cfg)
     weights_dir = fam.tokenizer_weights(cfg.model)[1]
     tok_dir = cfg.data.tokenizer or (weights_dir if weights_dir and has_tokenizer(weights_dir) else None)
     if tok_dir:  # the tokenizer a training run would use (so its profile is the run's)
-        tok = load_tokenizer(tok_dir)
-        model = fam.resolve(cfg.model, len(tok), eos_id(tok), cfg.data)
-    else:  # [SEP], the EOS id of the WordPiece tokenizer mmpipe trains
+        tok = fam.prepare_tokenizer(load_tokenizer(tok_dir))
+    else:  # the WordPiece tokenizer mmpipe would train, by its size
         size = getattr(getattr(cfg.model, "text", cfg.model), "vocab_size", None) or cfg.data.tokenizer_vocab_size
-        model = fam.resolve(cfg.model, size, 3, cfg.data)
+        tok = StandInTokenizer(size, fam.special_tokens)
+    model = fam.resolve(cfg.model, tok, cfg.data)
     cfg = replace(cfg, model=model)
     return cfg, fam(cfg.model, cfg.train.seed)
 

@@ -62,7 +62,8 @@ def init_distributed() -> tuple[int, int]:
 
 def prepare_tokenizer(cfg: RunConfig, family, rank: int, source=None):
     """The run's tokenizer: ``data.tokenizer``, else the cache's, else the text weights' own (a
-    pretrained directory's tokenizer files), else one trained on rank 0 from the captions."""
+    pretrained directory's tokenizer files), else one trained on rank 0 from the captions (saved in
+    the run directory); then given the family's special tokens (``Family.prepare_tokenizer``)."""
     from mmpipe.data.source import check_cache_tokenizer, check_cache_tokenizer_fits_weights, tokenizer_dir
     from mmpipe.data.tokenizer import has_tokenizer, load_tokenizer, train_tokenizer
     weights_key, weights_dir = family.tokenizer_weights(cfg.model)
@@ -81,10 +82,15 @@ def prepare_tokenizer(cfg: RunConfig, family, rank: int, source=None):
         tok = load_tokenizer(weights_dir, f"{weights_key} tokenizer")
     else:
         tok_dir = os.path.join(cfg.train.output_dir, "tokenizer")
-        _rank0_decides(rank, lambda: None if os.path.isfile(os.path.join(tok_dir, "tokenizer.json")) else
-                       bool(train_tokenizer(source.captions(), cfg.data.tokenizer_vocab_size, tok_dir)))
+
+        def train():
+            tok = family.prepare_tokenizer(train_tokenizer(source.captions(family=family),
+                                                           cfg.data.tokenizer_vocab_size, tok_dir))
+            tok.save_pretrained(tok_dir)
+            return True
+        _rank0_decides(rank, lambda: None if os.path.isfile(os.path.join(tok_dir, "tokenizer.json")) else train())
         tok = load_tokenizer(tok_dir, "tokenizer in the run directory")
-    return tok
+    return family.prepare_tokenizer(tok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,7 +392,6 @@ class Trainer:
         from deepspeed.accelerator import get_accelerator
 
         from mmpipe.config import family_of, replace
-        from mmpipe.data.manifest import read_manifest
         from mmpipe.data.source import open_source
         from mmpipe.ds_config import resolve
         from mmpipe.optim import resolve_groups
@@ -418,9 +423,10 @@ class Trainer:
             self.reads_inputs = self.stage == 0
             self.reads_data = self.reads_inputs or (bool(self.family_cls.labels) and self.topo.is_last_stage(rank))
             self.image_size = self.family_cls.image_size(cfg.model)
-            self.source = open_source(cfg, self.image_size, read=self.reads_data or rank == 0)
-            # every rank reads the val manifest (no images): all stages need the eval micro-batch count
-            self.val_samples = read_manifest(cfg.data.val, "data.val") if cfg.data.val else None
+            self.source = open_source(cfg, self.image_size, read=self.reads_data or rank == 0, family=self.family_cls)
+            # every rank reads the val records (no images): all stages need the eval micro-batch count
+            self.val_samples = (self.family_cls.read_records(cfg.data.val, cfg.data, "data.val") if cfg.data.val
+                                else None)
             self.groups = resolve_groups(cfg.optim, self.family_cls)
             if cfg.parallel.zero_stage >= 2 and any(g.max_grad_norm is not None for g in self.groups):
                 raise ConfigError(f"per-group clipping (optim.groups.*.max_grad_norm) supports ZeRO 0/1, not "
@@ -433,12 +439,10 @@ class Trainer:
     def build_family(self) -> None:
         """The tokenizer, the resolved model config (fields left to the tokenizer filled) and the family."""
         from mmpipe.config import replace
-        from mmpipe.data.tokenizer import eos_id
         from mmpipe.optim import frozen_layout
         rank = self.rank
         self.tok = agree(rank, lambda: prepare_tokenizer(self.cfg, self.family_cls, rank, self.source))
-        model = agree(rank, lambda: self.family_cls.resolve(self.cfg.model, len(self.tok), eos_id(self.tok),
-                                                            self.cfg.data))
+        model = agree(rank, lambda: self.family_cls.resolve(self.cfg.model, self.tok, self.cfg.data))
         self.cfg = replace(self.cfg, model=model)
         self.family = agree(rank, lambda: self.family_cls(self.cfg.model, self.cfg.train.seed))
         self.is_reporter = rank == self.topo.reporting_rank
@@ -557,7 +561,7 @@ class Trainer:
         if self.reads_data:
             loader = agree(rank, lambda: build_train_loader(cfg, self.source, self.tok, self.collate, self.topo,
                                                             self.dp_rank, self.start_step, self.image_size,
-                                                            self.device_name == "cpu"))
+                                                            self.device_name == "cpu", self.family))
             self.train_iter = _as_pipe_batches(loader, self.data_stats, self.family, count=self.reads_inputs)
         else:
             agree(rank, lambda: None)  # the data-reading ranks' loader errors reach every rank
@@ -571,7 +575,7 @@ class Trainer:
         every group's lr (wherever it lives) and stage timings. Returns the metrics record."""
         lrs = lr_fields(self.inner, self.trainable)  # the lr this step uses (the scheduler moves it in the step)
         t0 = time.perf_counter()
-        loss = self.runner.train_step(self.train_iter, step, tracing)
+        loss = self.runner.train_step(self.step_batches(), step, tracing)
         dt = time.perf_counter() - t0
         stats, reports = self.gather_step_stats(lrs)
         for path, why in self.ledger.add(reports, int(stats[:, 2].sum())):
@@ -590,6 +594,25 @@ class Trainer:
         return {"step": step, "loss": loss, **lrs,
                 "samples_per_sec": self.topo.batch_size / dt, **self.clipper.record(), "step_time": dt,
                 "loader_wait": wait, "loader_wait_frac": wait / dt, "bad_samples": self.ledger.count, **stage_fields}
+
+    def step_batches(self):
+        """This step's micro-batches. For a ``token_mean`` family every rank first learns the global
+        batch's loss units (label tokens, counted on the last stage of each data-parallel replica),
+        and each micro-batch's labels carry ``units / (micro-batches x data-parallel ranks)``: the
+        engine's mean over micro-batches and ranks of ``sum / that`` is the mean over every label
+        token of the step, whatever the tokens per micro-batch (not the mean of per-micro-batch
+        means that ``loss / accumulation_steps`` gives)."""
+        if not self.family.token_mean:
+            return self.train_iter
+        A, D = self.topo.accumulation_steps, self.topo.data_parallel
+        batches = [next(self.train_iter) for _ in range(A)] if self.train_iter is not None else None
+        units = 0
+        if batches is not None and self.topo.is_last_stage(self.rank):
+            units = sum(self.family.loss_units(*labels) for _, labels in batches)
+        t = torch.tensor([float(units)], dtype=torch.float64, device=self.engine.device)
+        dist.all_reduce(t)
+        norm = torch.tensor(max(float(t.item()), 1.0) / (A * D), dtype=torch.float32)
+        return iter([(inputs, tuple(labels) + (norm,)) for inputs, labels in batches]) if batches else None
 
     def gather_step_stats(self, lrs: list) -> tuple:
         """(world x fields tensor of every rank's step counters, the bad-file reports new to the run)."""
@@ -640,7 +663,7 @@ class Trainer:
     # ---- evaluate and save -----------------------------------------------------------------------
     def evaluate(self, step: int) -> Optional[dict]:
         """The family's evaluation on ``data.val``, from the last layer's eval-mode outputs."""
-        from mmpipe.data.loader import ImageTextDataset, eval_batches
+        from mmpipe.data.loader import eval_batches
         cfg, val = self.cfg, self.val_samples
         if not val:
             return None
@@ -648,7 +671,7 @@ class Trainer:
 
         def val_batches():
             if self.reads_data:
-                ds = ImageTextDataset(val, self.image_size, decode_size=cfg.data.decode_size)
+                ds = self.family.dataset(val, self.tok, cfg.data, self.image_size, decode_size=cfg.data.decode_size)
                 # separate counters: val samples must not count against the training set's bad
                 # fraction, nor their decode time as training loader wait
                 return list(_as_pipe_batches((self.collate([ds[i] for i in mb]) for mb in idx), DataStats(),

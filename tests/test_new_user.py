@@ -157,8 +157,7 @@ def test_pretrained_dir_with_a_tokenizer_uses_it_and_pools_at_its_eos(legacy_cli
     cfg = mmpipe.load_config(TINY, [f"model.pretrained={d}", f"train.output_dir={tmp_path / 'run'}"])
     tok = prepare_tokenizer(cfg, ClipFamily, 0)
     from mmpipe.config import replace
-    from mmpipe.data.tokenizer import eos_id
-    cfg = replace(cfg, model=ClipFamily.resolve(cfg.model, len(tok), eos_id(tok), cfg.data))
+    cfg = replace(cfg, model=ClipFamily.resolve(cfg.model, tok, cfg.data))
     assert len(tok) == len(legacy_clip["tok"]) and cfg.model.text.eos_token_id == 3  # the directory's own
     assert not os.path.exists(tmp_path / "run" / "tokenizer")  # none trained
     m = mmpipe.build_model(cfg).eval()
@@ -180,7 +179,8 @@ def test_pretrained_dir_with_a_tokenizer_uses_it_and_pools_at_its_eos(legacy_cli
     big = mmpipe.load_config(TINY, [f"model.pretrained={legacy_clip['dir']}", "model.text.pretrained=null"])
     from mmpipe.config import family_of
     with pytest.raises(ConfigError, match="it is not their tokenizer"):
-        family_of(big).resolve(big.model, 5000, 3, big.data)
+        from mmpipe.data.tokenizer import StandInTokenizer
+        family_of(big).resolve(big.model, StandInTokenizer(5000), big.data)
 
 
 def test_a_cache_must_hold_the_pretrained_weights_tokenizer_ids(legacy_clip, tiny_data, tmp_path):

@@ -108,10 +108,10 @@ class ToyFamily(Family):
         return model_cfg.image_size
 
     @classmethod
-    def resolve(cls, model_cfg, num_tokens, eos_id, data_cfg):
+    def resolve(cls, model_cfg, tokenizer, data_cfg):
         out = thawed_copy(model_cfg)
         if out.vocab_size is None:
-            out.vocab_size = num_tokens
+            out.vocab_size = len(tokenizer)
         return out
 
     def layers(self):

@@ -374,7 +374,8 @@ def test_a_resolved_config_is_derived_not_mutated_and_sealed():
     from mmpipe.config import family_of, replace
     cfg = mmpipe.load_config(TINY)
     before = cfg.to_dict()
-    model = family_of(cfg).resolve(cfg.model, 77, 3, cfg.data)
+    from mmpipe.data.tokenizer import StandInTokenizer
+    model = family_of(cfg).resolve(cfg.model, StandInTokenizer(77), cfg.data)
     resolved = replace(cfg, model=model, parallel__micro_batch_size=2)
     assert cfg.to_dict() == before  # the input is unchanged
     assert resolved.model.text.vocab_size == 77 and resolved.parallel.micro_batch_size == 2

@@ -12,7 +12,9 @@ learned; system text, prompts, role markers, image tokens and padding are -100. 
 than ``max_length`` is cut after its last complete image; if an image itself does not fit, the
 sample is dropped (and counted), never cut through its image tokens.
 
-The plain template (when the tokenizer has no chat template of its own)::
+The chat template is the tokenizer's own (``tokenizer.chat_template``, e.g. a Qwen2 or Llama
+tokenizer directory): each assistant turn is what rendering one more message adds after the
+generation prompt, so label boundaries are exact. Without one, the plain template::
 
     <|system|>\\n{text}<|end|>\\n<|user|>\\n{text}<|end|>\\n<|assistant|>\\n{text}<|end|>\\n
 """
@@ -105,9 +107,9 @@ def read_swift_jsonl(path: str) -> list:
     return out
 
 
-def read_chat(path: str, image_folder: Optional[str] = None) -> list:
-    if not os.path.isfile(path):
-        raise DataError(f"data.train: file not found: {path} (LLaVA .json or ms-swift .jsonl)")
+def read_chat(path: str, image_folder: Optional[str] = None, key: str = "data.train") -> list:
+    if not path or not os.path.isfile(path):
+        raise DataError(f"{key}: file not found: {path} (give a LLaVA .json or an ms-swift .jsonl chat file)")
     return read_llava_json(path, image_folder) if path.endswith(".json") else read_swift_jsonl(path)
 
 
@@ -128,7 +130,9 @@ class ChatEncoder:
         return out
 
     def pieces(self, messages) -> list:
-        """[(text, learned)] in the plain template."""
+        """[(text, learned)]: the tokenizer's chat template, else the plain one."""
+        if getattr(self.tok, "chat_template", None):
+            return self._template_pieces(messages)
         out = []
         for role, text in messages:
             learned = role == "assistant"
@@ -136,6 +140,34 @@ class ChatEncoder:
             out.append((text + "<|end|>", learned))
             out.append(("\n", False))
         return out
+
+    def _render(self, messages, generation_prompt: bool = False) -> str:
+        if not messages:
+            return ""
+        return self.tok.apply_chat_template([{"role": r, "content": t} for r, t in messages], tokenize=False,
+                                            add_generation_prompt=generation_prompt)
+
+    def _template_pieces(self, messages) -> list:
+        out, done = [], ""
+        for i, (role, _) in enumerate(messages):
+            if role != "assistant":
+                continue
+            prompt, full = self._render(messages[:i], True), self._render(messages[:i + 1])
+            if not (prompt.startswith(done) and full.startswith(prompt)):
+                raise DataError("data.tokenizer: its chat template does not render a conversation prefix by prefix "
+                                "(turn i's text changes when turn i+1 is added), so assistant turns cannot be "
+                                "labelled; remove chat_template from its tokenizer_config.json to use mmpipe's "
+                                "plain template")
+            out += [(prompt[len(done):], False), (full[len(prompt):], True)]
+            done = full
+        tail = self._render(messages)[len(done):]
+        return out + ([(tail, False)] if tail else [])
+
+    def prompt_ids(self, messages) -> list:
+        """Token ids of ``messages`` followed by the assistant's turn header (generation)."""
+        if getattr(self.tok, "chat_template", None):
+            return self._ids(self._render(messages, True))
+        return [t for text, _ in self.pieces(messages) for t in self._ids(text)] + self._ids("<|assistant|>\n")
 
     def encode(self, sample: ChatSample) -> Encoded:
         ids, labels = [], []
@@ -166,12 +198,22 @@ class ChatEncoder:
         return Encoded(enc.input_ids[:cut], labels, enc.images[:keep_images], True)
 
 
+def chat_special_tokens(tokenizer) -> tuple:
+    """``<image>``, and the plain template's role markers when the tokenizer has no template."""
+    return (IMAGE,) if getattr(tokenizer, "chat_template", None) else SPECIAL_TOKENS
+
+
 def add_chat_tokens(tokenizer):
-    """Make ``<image>`` and the role markers single special tokens of ``tokenizer`` (in place)."""
-    missing = [t for t in SPECIAL_TOKENS if t not in tokenizer.get_vocab()]
+    """Make the chat tokens single special tokens of ``tokenizer`` (in place, in a fixed order)."""
+    missing = [t for t in chat_special_tokens(tokenizer) if t not in tokenizer.get_vocab()]
     if missing:
-        tokenizer.add_special_tokens({"additional_special_tokens": missing})
+        tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
     return tokenizer
+
+
+def chat_texts(samples: list) -> list:
+    """The message texts of chat samples, without image markers (tokenizer training)."""
+    return [t.replace(IMAGE, " ") for s in samples for _, t in s.messages]
 
 
 class ChatDataset:
@@ -180,13 +222,20 @@ class ChatDataset:
     replaced by the next usable one, deterministically (every stage and layout agrees), and
     reported in the item's ``bad`` list, as for image-caption data."""
 
-    def __init__(self, samples: list, encoder: ChatEncoder, image_size: int):
+    def __init__(self, samples: list, encoder: ChatEncoder, image_size: int, decode_size: Optional[int] = None,
+                 augment=None):
         self.samples, self.encoder, self.image_size = samples, encoder, image_size
+        self.decode_size, self.augment = decode_size or image_size, augment
 
     def __len__(self):
         return len(self.samples)
 
-    def _load(self, j: int):
+    @property
+    def lengths(self) -> list:
+        """Encoded token counts (length grouping); an unusable sample counts as 0."""
+        return [len(self.encoder.encode(s).input_ids) if s.error is None else 0 for s in self.samples]
+
+    def _load(self, j: int, epoch: int = 0):
         from mmpipe.data.loader import decode_sample, finish_pixels
         s = self.samples[j]
         if s.error is not None:
@@ -196,19 +245,19 @@ class ChatDataset:
             return None, (s.where, f"dropped: {enc.dropped}")
         images = []
         for path in enc.images:
-            pixels, why = decode_sample(path, IMAGE, self.image_size)
+            pixels, why = decode_sample(path, IMAGE, self.decode_size)
             if pixels is None:
                 return None, (path, why)
-            images.append(finish_pixels(pixels, self.image_size, None, j, 0))
+            images.append(finish_pixels(pixels, self.image_size, self.augment, j, epoch))
         return {"input_ids": enc.input_ids, "labels": enc.labels, "images": images, "truncated": enc.truncated}, None
 
     def __getitem__(self, item) -> dict:
         from mmpipe.data.loader import _item_key
-        idx, _ = _item_key(item)
+        idx, epoch = _item_key(item)
         bad = []
         for step in range(len(self)):
             j = (idx + step) % len(self)
-            fields, why = self._load(j)
+            fields, why = self._load(j, epoch)
             if fields is not None:
                 return {**fields, "index": j, "key": self.samples[j].where, "bad": bad}
             bad.append(why)
@@ -216,16 +265,18 @@ class ChatDataset:
 
 
 class ChatCollate:
-    """Samples -> the VLM's batch: ``pixel_values`` every image of the micro-batch in order (None
-    when it has none), ``input_ids`` padded with the pad id, ``attention_mask``, ``labels`` padded
+    """Samples -> the VLM's batch: ``pixel_values`` every image of the micro-batch in order (uint8;
+    a (0, 3, S, S) tensor when it has none: pipeline stages exchange tensors only), ``input_ids``
+    padded with the pad id to a multiple of ``pad_multiple``, ``attention_mask``, ``labels`` padded
     with -100; plus ``index``, ``keys``, ``bad`` and the count of truncated samples."""
 
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
+    def __init__(self, pad_id: int, image_size: int, pad_multiple: int = 1):
+        self.pad_id, self.image_size, self.pad_multiple = pad_id, image_size, max(1, pad_multiple)
 
     def __call__(self, items: list) -> dict:
         import torch
         n = max(len(it["input_ids"]) for it in items)
+        n = -(-n // self.pad_multiple) * self.pad_multiple
         ids = torch.full((len(items), n), self.pad_id, dtype=torch.int64)
         labels = torch.full((len(items), n), -100, dtype=torch.int64)
         mask = torch.zeros((len(items), n), dtype=torch.int64)
@@ -235,7 +286,9 @@ class ChatCollate:
             labels[i, :k] = torch.as_tensor(it["labels"])
             mask[i, :k] = 1
         images = [im for it in items for im in it["images"]]
-        return {"pixel_values": torch.stack(images) if images else None, "input_ids": ids, "attention_mask": mask,
+        pixels = (torch.stack(images) if images else
+                  torch.zeros((0, 3, self.image_size, self.image_size), dtype=torch.uint8))
+        return {"pixel_values": pixels, "input_ids": ids, "attention_mask": mask,
                 "labels": labels, "index": torch.tensor([it["index"] for it in items]),
                 "keys": [it["key"] for it in items], "bad": [b for it in items for b in it["bad"]],
                 "truncated": sum(bool(it["truncated"]) for it in items)}

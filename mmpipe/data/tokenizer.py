@@ -66,6 +66,27 @@ def train_tokenizer(texts, vocab_size: int, out_dir: str):
     return fast
 
 
+class StandInTokenizer:
+    """What ``Family.resolve`` reads of the tokenizer a run would train, without training it
+    (``mmpipe plan``): its size, the EOS id of mmpipe's WordPiece ([SEP] = 3), and the family's
+    special tokens appended after the vocabulary."""
+
+    def __init__(self, size: int, specials=()):
+        self._vocab = {t: size + i for i, t in enumerate(specials)}
+        self._size = size + len(self._vocab)
+        self.eos_token_id = self.sep_token_id = SPECIALS.index("[SEP]")
+        self.pad_token_id = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return self._vocab[token]
+
+    def get_vocab(self) -> dict:
+        return dict(self._vocab)
+
+
 def eos_id(tok) -> int:
     return tok.eos_token_id if tok.eos_token_id is not None else tok.sep_token_id
 

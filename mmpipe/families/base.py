@@ -47,6 +47,14 @@ class Family:
     freeze_shortcuts: ClassVar[dict] = {}  # optim.<flag> -> group it freezes
     hf_adapter: ClassVar[Optional[type]] = None  # from_hf / to_hf / hf_config
     training_unsupported: ClassVar[Optional[str]] = None  # why ``mmpipe train`` cannot run it yet
+    lr_shortcuts: ClassVar[dict] = {}  # optim.<key> -> group whose lr it sets (ms-swift's vit_lr, aligner_lr)
+    special_tokens: ClassVar[tuple] = ()  # tokens the tokenizer must hold as single special tokens
+    # the activations' shapes change between micro-batches (e.g. the number of images): the
+    # pipeline engine then sends tensor shapes with every activation
+    dynamic_shapes: ClassVar[bool] = False
+    # the loss is a mean over units (e.g. label tokens) of the whole global batch, not a mean of
+    # per-micro-batch means: ``loss_units`` counts them and ``loss`` takes the normaliser
+    token_mean: ClassVar[bool] = False
 
     # ---- config: class methods, no model built ------------------------------------------------
     @classmethod
@@ -63,9 +71,35 @@ class Family:
         return None, None
 
     @classmethod
-    def resolve(cls, model_cfg, num_tokens: int, eos_id: int, data_cfg):
+    def resolve(cls, model_cfg, tokenizer, data_cfg):
         """A new ``model:`` section with the fields left to the tokenizer filled (never mutates)."""
         return model_cfg
+
+    # ---- data: class methods (read before any model is built) ---------------------------------
+    @classmethod
+    def read_records(cls, path: str, data_cfg, key: str) -> list:
+        """The training / val records of ``path`` (``key`` names it in errors). Default: an
+        image-caption manifest."""
+        from mmpipe.data.manifest import read_manifest
+        return read_manifest(path, key)
+
+    @classmethod
+    def record_texts(cls, records: list) -> list:
+        """Texts to train a tokenizer on."""
+        return [s.text for s in records]
+
+    @classmethod
+    def prepare_tokenizer(cls, tokenizer):
+        """Give the tokenizer what the family needs (in place, deterministically: every process
+        gets the same ids): by default its ``special_tokens``."""
+        missing = [t for t in cls.special_tokens if t not in tokenizer.get_vocab()]
+        if missing:
+            tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
+        return tokenizer
+
+    @classmethod
+    def check_source(cls, kind: str) -> None:
+        """Refuse a data source kind (manifest, cache, shards) the family cannot read (one line)."""
 
     def __init__(self, model_cfg, seed: int = 0):
         self.cfg = model_cfg
@@ -155,6 +189,15 @@ class Family:
         return None
 
     # ---- data ---------------------------------------------------------------------------------
+    def dataset(self, records: list, tokenizer, data_cfg, image_size: int, augment=None, decode_size=None):
+        """The indexable dataset of ``records`` (items for ``collate``)."""
+        from mmpipe.data.loader import ImageTextDataset
+        return ImageTextDataset(records, image_size, augment, decode_size or image_size)
+
+    def loss_units(self, *labels) -> int:
+        """With ``token_mean``: how many units (label tokens) a micro-batch's loss sums over."""
+        raise NotImplementedError
+
     def collate(self, tokenizer, data_cfg):
         """The collate function run in loader workers: decoded samples -> batch dict holding the
         ``inputs`` and ``labels`` fields (plus ``index``, ``keys``, ``bad``). Must be picklable."""

@@ -56,10 +56,12 @@ class ClipFamily(Family):
         return None, None
 
     @classmethod
-    def resolve(cls, model_cfg, num_tokens: int, eos_id: int, data_cfg):
+    def resolve(cls, model_cfg, tokenizer, data_cfg):
         """Text-tower fields a config may leave to the tokenizer. With pretrained text weights the
         tokenizer must fit their vocabulary, and pooling reads the EOS of the tokenizer actually used."""
+        from mmpipe.data.tokenizer import eos_id as eos_of
         from mmpipe.fields import thawed_copy
+        num_tokens, eos_id = len(tokenizer), eos_of(tokenizer)
         out = thawed_copy(model_cfg)
         t = out.text
         key, weights_dir = cls.tokenizer_weights(model_cfg)

@@ -1,13 +1,14 @@
 """The LLaVA-style VLM family (``model.type: vlm``): CLIP ViT features (``vision_feature_layer``)
 -> projector -> a transformers causal LM (Llama or Qwen2), trained on the next-token loss of the
 label tokens. Model, weights (``model.pretrained``: a local ``LlavaForConditionalGeneration``
-directory) and the plain model's loss match transformers'; chat data, pipelining with tied
-embeddings across stages, and generation follow (issue 11)."""
+directory) and the plain model's loss match transformers'. Trained on chat data
+(``mmpipe.data.chat``) with the token-mean loss over the global batch (``token_mean``)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from mmpipe.data.chat import SPECIAL_TOKENS
 from mmpipe.errors import ConfigError
 from mmpipe.families import register_family
 from mmpipe.families.base import Family, Layer, PlainModel
@@ -32,16 +33,30 @@ _RULES = [("vision.embed.", ["vision_tower.", "vision_tower.vision_model.", "mod
           ("llm.head.lm_head.", ["language_model.lm_head.", "lm_head."])]
 
 
+def _llava_config(cfg):
+    top = hf.load_hf_config(cfg.pretrained, "model.pretrained")
+    if not hasattr(top, "text_config") or not hasattr(top, "vision_config"):
+        raise ConfigError(f"model.pretrained: {cfg.pretrained} is not a LlavaForConditionalGeneration directory")
+    return top
+
+
+def _vision_config(cfg):
+    if cfg.pretrained:
+        return _llava_config(cfg).vision_config
+    from transformers import CLIPVisionConfig
+    return CLIPVisionConfig(**{f: getattr(cfg.vision, f) for f in _VISION_FIELDS if getattr(cfg.vision, f) is not None})
+
+
 def _hf_configs(cfg):
     """(vision config, text config, image token id) from ``model.pretrained`` or the config fields."""
     if cfg.pretrained:
-        top = hf.load_hf_config(cfg.pretrained, "model.pretrained")
-        if not hasattr(top, "text_config") or not hasattr(top, "vision_config"):
-            raise ConfigError(f"model.pretrained: {cfg.pretrained} is not a LlavaForConditionalGeneration directory")
-        return top.vision_config, top.text_config, top.image_token_id
-    from transformers import CLIPVisionConfig, LlamaConfig, Qwen2Config
-    vision = CLIPVisionConfig(**{f: getattr(cfg.vision, f) for f in _VISION_FIELDS
-                                 if getattr(cfg.vision, f) is not None})
+        top = _llava_config(cfg)
+        text = top.text_config
+        if cfg.llm.vocab_size and cfg.llm.vocab_size > text.vocab_size:  # tokens the tokenizer added
+            text.vocab_size = cfg.llm.vocab_size
+        return top.vision_config, text, top.image_token_id
+    from transformers import LlamaConfig, Qwen2Config
+    vision = _vision_config(cfg)
     if cfg.llm.vocab_size is None:
         raise ConfigError("model.llm.vocab_size is unset and no tokenizer fixed it: set data.tokenizer, "
                           "model.llm.vocab_size or model.pretrained")
@@ -59,9 +74,71 @@ class VlmFamily(Family):
     inputs = ("pixel_values", "input_ids", "attention_mask")
     labels = ("labels",)
     default_groups = {"vision": [r"^vision\."], "projector": [r"^projector\."], "llm": [r"^llm\."]}
-    freeze_shortcuts = {"freeze_vision": "vision", "freeze_projector": "projector", "freeze_text": "llm"}
-    training_unsupported = ("training VLMs needs the chat data path (LLaVA JSON / ms-swift JSONL), which is not "
-                            "wired into mmpipe train yet; the model is usable through mmpipe.build_model")
+    # ms-swift's names, and mmpipe's own (as for CLIP)
+    freeze_shortcuts = {"freeze_vit": "vision", "freeze_aligner": "projector", "freeze_llm": "llm",
+                        "freeze_vision": "vision", "freeze_projector": "projector", "freeze_text": "llm"}
+    lr_shortcuts = {"vit_lr": "vision", "aligner_lr": "projector"}
+    special_tokens = SPECIAL_TOKENS  # the plain template's (a tokenizer with a chat template adds only <image>)
+    dynamic_shapes = True  # images per micro-batch vary (0 for text-only micro-batches)
+    token_mean = True
+
+    # ---- data ----------------------------------------------------------------------------------
+    @classmethod
+    def read_records(cls, path, data_cfg, key):
+        from mmpipe.data.chat import read_chat
+        return read_chat(path, data_cfg.image_folder, key)
+
+    @classmethod
+    def record_texts(cls, records):
+        from mmpipe.data.chat import chat_texts
+        return chat_texts(records)
+
+    @classmethod
+    def prepare_tokenizer(cls, tokenizer):
+        from mmpipe.data.chat import add_chat_tokens
+        return add_chat_tokens(tokenizer)
+
+    @classmethod
+    def check_source(cls, kind):
+        if kind != "manifest":
+            raise ConfigError(f"model.type=vlm reads chat data (data.train: LLaVA .json or ms-swift .jsonl), not "
+                              f"{'data.cache' if kind == 'cache' else 'tar shards'}; unset it and give the chat file")
+
+    @classmethod
+    def tokenizer_weights(cls, model_cfg):
+        if model_cfg.pretrained:
+            return "model.pretrained", model_cfg.pretrained
+        if model_cfg.llm.pretrained:
+            return "model.llm.pretrained", model_cfg.llm.pretrained
+        return None, None
+
+    @classmethod
+    def resolve(cls, model_cfg, tokenizer, data_cfg):
+        """``model.llm.vocab_size`` (at least the tokenizer's size), ``model.image_token_id`` (the
+        tokenizer's ``<image>``) and the rotary table's length, when left unset."""
+        from mmpipe.data.chat import IMAGE
+        from mmpipe.fields import thawed_copy
+        out = thawed_copy(model_cfg)
+        n = len(tokenizer)
+        image_id = tokenizer.convert_tokens_to_ids(IMAGE)
+        if out.image_token_id is None:
+            out.image_token_id = image_id
+        elif out.image_token_id != image_id:
+            raise ConfigError(f"model.image_token_id={out.image_token_id} but the tokenizer's {IMAGE} is {image_id}: "
+                              "unset model.image_token_id, or use the tokenizer the model was trained with")
+        key, weights = cls.tokenizer_weights(model_cfg)
+        if weights:
+            c = hf.load_hf_config(weights, key)
+            size = getattr(c, "text_config", c).vocab_size
+            if n > size:  # new tokens (e.g. <image>) get rows of their own, as resize_token_embeddings does
+                out.llm.vocab_size = n
+        elif out.llm.vocab_size is None:
+            out.llm.vocab_size = n
+        elif out.llm.vocab_size < n:
+            raise ConfigError(f"model.llm.vocab_size={out.llm.vocab_size} is smaller than the tokenizer's {n} tokens")
+        if not weights and out.llm.max_position_embeddings is None:
+            out.llm.max_position_embeddings = max(2 * data_cfg.max_length, 64)
+        return out
 
     @classmethod
     def validate(cls, model_cfg, where: str) -> None:
@@ -73,7 +150,7 @@ class VlmFamily(Family):
 
     @classmethod
     def image_size(cls, model_cfg) -> int:
-        return _hf_configs(model_cfg)[0].image_size
+        return _vision_config(model_cfg).image_size
 
     def __init__(self, model_cfg, seed: int = 0):
         super().__init__(model_cfg, seed)
@@ -162,17 +239,49 @@ class VlmFamily(Family):
             setattr(model.get_submodule(".".join(path)), last, model.get_parameter(a))
         return model
 
-    def loss(self, outputs, labels) -> torch.Tensor:
-        return m.causal_lm_loss(outputs, labels)
+    def loss(self, outputs, labels, normaliser=None) -> torch.Tensor:
+        return m.causal_lm_loss(outputs, labels, normaliser)
+
+    def evaluate(self, outputs, labels, samples) -> dict:
+        """Validation loss (mean over label tokens) and next-token accuracy over the real rows
+        (the padding rows of the last micro-batch excluded)."""
+        total = torch.zeros(3, dtype=torch.float64)
+        left = len(samples)
+        for logits, (lab, *_) in zip(outputs, labels):
+            k = min(left, lab.shape[0])
+            left -= k
+            if k:
+                total += m.token_stats(logits[:k].float().cpu(), lab[:k].cpu()).cpu()
+        loss, n, right = total.tolist()
+        return {"val_loss": loss / max(n, 1), "token_accuracy": right / max(n, 1), "val_tokens": int(n)}
+
+    def eval_line(self, record) -> str:
+        return (f"val loss {record['val_loss']:.4f}, token accuracy {record['token_accuracy']:.3f} "
+                f"({record['val_tokens']} tokens)")
+
+    def loss_units(self, labels) -> int:
+        return m.label_tokens(labels)
+
+    def n_image_tokens(self) -> int:
+        s, p = self.vision_cfg.image_size, self.vision_cfg.patch_size
+        return (s // p) ** 2 + (self.cfg.vision_feature_select_strategy == "full")
+
+    def encoder(self, tokenizer, max_length: int):
+        from mmpipe.data.chat import ChatEncoder
+        return ChatEncoder(tokenizer, self.image_token_id, self.n_image_tokens(), max_length)
+
+    def dataset(self, records, tokenizer, data_cfg, image_size, augment=None, decode_size=None):
+        from mmpipe.data.chat import ChatDataset
+        return ChatDataset(records, self.encoder(tokenizer, data_cfg.max_length), image_size, decode_size, augment)
 
     def collate(self, tokenizer, data_cfg):
         from mmpipe.data.chat import ChatCollate
-        return ChatCollate(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        return ChatCollate(pad, self.vision_cfg.image_size, data_cfg.pad_multiple)
 
     def example_batch(self, micro_batch_size: int, max_length: int, device) -> dict:
         g = torch.Generator().manual_seed(0)
-        s, p = self.vision_cfg.image_size, self.vision_cfg.patch_size
-        n_img = (s // p) ** 2 + (self.cfg.vision_feature_select_strategy == "full")
+        s, n_img = self.vision_cfg.image_size, self.n_image_tokens()
         ids = torch.randint(0, self.text_cfg.vocab_size, (micro_batch_size, max(max_length, n_img + 1)), generator=g)
         ids[ids == self.image_token_id] = 0
         ids[:, :n_img] = self.image_token_id

@@ -45,7 +45,7 @@ class TokenEmbed(nn.Module):
 
     def forward(self, input_ids, image_features=None):
         h = self.embed_tokens(input_ids)
-        if image_features is None:
+        if image_features is None:  # (an empty tensor still merges: a pipeline stage sends its gradient back)
             return h
         where = (input_ids == self.image_token_id).unsqueeze(-1)
         feats = image_features.reshape(-1, h.shape[-1]).to(h.dtype)
@@ -88,12 +88,38 @@ class LmHead(nn.Module):
         return self.lm_head(self.norm(hidden))
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """transformers' ``ForCausalLMLoss`` (mean over label tokens; -100 ignored)."""
+def shifted(labels: torch.Tensor) -> torch.Tensor:
+    """The next-token targets: position t predicts labels[t + 1] (the last position: none)."""
+    return nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+
+
+def label_tokens(labels: torch.Tensor) -> int:
+    """How many tokens a micro-batch's loss is over."""
+    return int((shifted(labels) != -100).sum())
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, normaliser=None) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss``: the mean over label tokens (-100 ignored); with
+    ``normaliser`` (a tensor), the sum over label tokens divided by it, as transformers does with
+    ``num_items_in_batch``: the trainer passes the global batch's label-token count / (micro-batches
+    x data-parallel ranks), so that DeepSpeed's mean over micro-batches and ranks is the token mean."""
     logits = logits.float()
-    labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device),
-                                       ignore_index=-100, reduction="mean")
+    target = shifted(labels).reshape(-1).to(logits.device)
+    flat = logits.reshape(-1, logits.shape[-1])
+    if normaliser is None:
+        return nn.functional.cross_entropy(flat, target, ignore_index=-100, reduction="mean")
+    total = nn.functional.cross_entropy(flat, target, ignore_index=-100, reduction="sum")
+    return total / normaliser.to(total.device, total.dtype).reshape(())
+
+
+def token_stats(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[summed loss, label tokens, correctly predicted tokens] of a micro-batch (evaluation)."""
+    target = shifted(labels).to(logits.device)
+    keep = target != -100
+    loss = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                       ignore_index=-100, reduction="sum")
+    right = ((logits.argmax(-1) == target) & keep).sum()
+    return torch.stack([loss.double(), keep.sum().double(), right.double()])
 
 
 # ---- layer steps ---------------------------------------------------------------------------------
@@ -102,9 +128,19 @@ def vision_embed_step(part, acts):
     return (part(pixels) if pixels is not None else None), ids, mask
 
 
+def _through(part, h):
+    """``h`` (holding no images) passed on, with a zero-weight path through ``part``'s parameters:
+    every layout gives them a zero gradient (not none) for a micro-batch without images, and the
+    tensor a pipeline stage sends keeps a gradient of its own."""
+    anchor = [p.reshape(-1)[:1].sum() for p in part.parameters() if p.requires_grad]
+    return h + sum(anchor).to(h.dtype) * 0.0 if anchor else h
+
+
 def vision_block_step(part, acts):
     h, ids, mask = acts
-    return (part(h) if h is not None else None), ids, mask
+    if h is None:
+        return None, ids, mask
+    return (part(h) if h.shape[0] else _through(part, h)), ids, mask
 
 
 def projector_step(part, acts):
