@@ -256,7 +256,10 @@ class GradClipper:
     # -- where the gradients are -----------------------------------------------------------------
     def _hook(self, optimizer, args, kwargs):
         named = [(g.get("name"), [p.grad for p in g["params"] if p.grad is not None]) for g in optimizer.param_groups]
-        self._clip(named, scale=1.0)
+        # a tied parameter's copy on a later pipeline stage (``ds_pipe_replicated``) is scaled but counted once
+        skip = {id(p.grad) for g in optimizer.param_groups for p in g["params"]
+                if p.grad is not None and getattr(p, "ds_pipe_replicated", False)}
+        self._clip(named, scale=1.0, skip=skip)
         return None
 
     def _zero_pre_step(self):
@@ -266,7 +269,7 @@ class GradClipper:
         self._clip(named, scale=float(getattr(zo, "loss_scale", 1.0) or 1.0))
 
     # -- the arithmetic --------------------------------------------------------------------------
-    def _clip(self, named_grads, scale: float) -> None:
+    def _clip(self, named_grads, scale: float, skip=frozenset()) -> None:
         t0 = time.perf_counter()
         sq = torch.zeros(max(1, len(self.names)), dtype=torch.float64)
         grads: dict = {}
@@ -274,7 +277,9 @@ class GradClipper:
             if name not in self.names or not gs:
                 continue
             grads.setdefault(name, []).extend(gs)
-            sq[self.names.index(name)] += float(sum(n.double() ** 2 for n in torch._foreach_norm(gs, 2.0)))
+            counted = [g for g in gs if id(g) not in skip]
+            if counted:
+                sq[self.names.index(name)] += float(sum(n.double() ** 2 for n in torch._foreach_norm(counted, 2.0)))
         if self.needs_reduce:
             dev = next((x.device for gs in grads.values() for x in gs), self.engine.device)
             t = sq.to(dev)

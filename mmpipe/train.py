@@ -472,9 +472,6 @@ class Trainer:
 
     def check_frozen_stages(self) -> None:
         cfg, plan = self.cfg, self.plan
-        if plan.num_stages > 1 and self.family.tied_weights():
-            raise _everywhere(ConfigError, f"model.type={cfg.model.type} ties {self.family.tied_weights()[0]}, "
-                              "which pipeline stages cannot share yet: use parallel.pipeline_stages=1")
         if plan.num_stages == 1 or (cfg.parallel.zero_stage == 0 and cfg.train.precision == "fp32"):
             return
         for s_, names in enumerate(plan.stages):
@@ -490,7 +487,7 @@ class Trainer:
         from mmpipe.optim import GradClipper, apply_freeze, innermost_optimizer, lr_lambda, param_groups
         cfg = self.cfg
         strategy = strategy_for(self.topo)(self.family, self.plan, self.topo, self.forward_only)
-        model = strategy.build_module(dynamic_shape=cfg.data.padding == "batch")
+        model = strategy.build_module(dynamic_shape=cfg.data.padding == "batch" or self.family.dynamic_shapes)
         apply_freeze(strategy.named_parameters(model), self.groups)
         torch_groups = param_groups(strategy.named_parameters(model), self.groups)
         if not torch_groups:  # every layer of this stage is frozen: it still runs, forward only
@@ -667,7 +664,7 @@ class Trainer:
         cfg, val = self.cfg, self.val_samples
         if not val:
             return None
-        idx, n_real = eval_batches(val, self.topo.micro_batch_size)
+        idx, n_real = eval_batches(val, self.topo.micro_batch_size, pad=not self.family.dynamic_shapes)
 
         def val_batches():
             if self.reads_data:

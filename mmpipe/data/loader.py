@@ -433,11 +433,15 @@ def make_loader(dataset, batch_sampler, collate, data_cfg, device_is_cpu: bool) 
                       pin_memory=data_cfg.pin_memory and not device_is_cpu, **kw)
 
 
-def eval_batches(samples: list[Sample], micro_batch_size: int, multiple: int = 1) -> tuple[list[list[int]], int]:
+def eval_batches(samples: list[Sample], micro_batch_size: int, multiple: int = 1,
+                 pad: bool = True) -> tuple[list[list[int]], int]:
     """Sequential micro-batches over ``samples`` padded (by repeating the last sample) so their count
-    is a multiple of ``multiple`` and every micro-batch is full: the pipeline needs fixed shapes.
+    is a multiple of ``multiple`` and every micro-batch is full: the pipeline needs fixed shapes
+    (``pad=False``, for families whose shapes change anyway: the last micro-batch may be short).
     Returns (micro-batches, number of real samples)."""
     n = len(samples)
+    if not pad:
+        return [list(range(i, min(n, i + micro_batch_size))) for i in range(0, n, micro_batch_size)], n
     count = math.ceil(n / micro_batch_size)
     count = math.ceil(count / multiple) * multiple
     idx = list(range(n)) + [n - 1] * (count * micro_batch_size - n)

@@ -184,6 +184,11 @@ class Family:
         the same micro-batches and the val samples (padded batches: only ``len(samples)`` rows count)."""
         return {}
 
+    # Optional ``eval_stats(outputs, *labels) -> tensor``: a family that scores against its labels
+    # reduces each eval micro-batch to a fixed-size tensor on the last stage (e.g. summed loss,
+    # tokens, correct tokens), and ``evaluate`` gets those instead of the last layer's outputs.
+    eval_stats = None
+
     def eval_line(self, record: dict) -> str:
         """The one-line summary of an eval record the trainer prints (None: its numbers, in order)."""
         return None

@@ -94,8 +94,12 @@ class PlainRunner:
     @torch.no_grad()
     def eval_outputs(self, batches, n_micro: int) -> Optional[list]:
         module = self.engine.module
+        stats = module.family.eval_stats
         module.eval()
-        out = [module.eval_outputs(*self._to_device(inputs)) for inputs, _ in batches]
+        out = []
+        for inputs, labels in batches:
+            o = module.eval_outputs(*self._to_device(inputs))
+            out.append(stats(o, *self._to_device(labels)) if stats is not None else o)
         module.train()
         return out
 
@@ -121,8 +125,17 @@ class PipelineRunner:
     def eval_outputs(self, batches, n_micro: int) -> Optional[list]:
         from mmpipe.parallel.ds_compat import reset_total_loss
         reset_total_loss(self.engine)
-        out = self.engine.eval_batch(iter(batches) if batches is not None else None, compute_loss=False,
-                                     reduce_output=None, bcast_loss=False, num_micro_batches=n_micro)
+        module = self.engine.module
+        stats = module.family.eval_stats
+        loss_fn = module.loss_fn
+        if stats is not None:  # the last stage reduces each micro-batch against its labels
+            module.loss_fn = lambda outputs, labels: stats(outputs, *labels)
+        try:
+            out = self.engine.eval_batch(iter(batches) if batches is not None else None,
+                                         compute_loss=stats is not None, reduce_output=None, bcast_loss=False,
+                                         num_micro_batches=n_micro)
+        finally:
+            module.loss_fn = loss_fn
         if not self.engine.is_last_stage():
             return None
         return list(out)

@@ -25,6 +25,49 @@ class MMPipelineModule(PipelineModule):
         loss_fn = LabelLoss(family) if family.labels else None
         super().__init__(layers=layers, num_stages=None if topology else num_stages, topology=topology,
                          loss_fn=loss_fn, partition_method="uniform", **kwargs)
+        self.family = family
+        self.mm_ties = self._tie(family.tied_weights())
+
+    def _tie(self, pairs) -> list:
+        """Tied parameters (``Family.tied_weights``): one parameter when both layers are on this
+        stage; across stages, a copy on each, made equal at start (broadcast from the first) and
+        kept equal by summing their gradients before the optimizer step (DeepSpeed's
+        ``ReduceTiedGrads`` reads ``get_tied_weights_and_groups``), the later copy marked
+        ``ds_pipe_replicated`` so gradient norms count it once. Returns [(param, group)] of this rank."""
+        import torch.distributed as dist
+        mine = dict(self.plain_named_parameters())
+        out = []
+        for a, b in pairs:
+            sa, sb = (self.stage_owner(self.layer_names.index(self._layer_of(n))) for n in (a, b))
+            if sa == sb:
+                if a in mine:
+                    owner, last = plain_to_pipe(self, b)
+                    setattr(owner, last, mine[a])
+                continue
+            for dp in range(self._grid.data_parallel_size):
+                ranks = sorted({self._grid.stage_to_global(stage_id=s, data=dp) for s in (sa, sb)})
+                group = dist.new_group(ranks=ranks)
+                if self.global_rank not in ranks:
+                    continue
+                p = mine[a] if a in mine else mine[b]
+                dist.broadcast(p.data, src=self._grid.stage_to_global(stage_id=sa, data=dp), group=group)
+                if b in mine:
+                    p.ds_pipe_replicated = True
+                out.append((p, group))
+        return out
+
+    def _layer_of(self, plain_name: str) -> str:
+        return max((n for n in self.layer_names if plain_name.startswith(n + ".")), key=len)
+
+    def get_tied_weights_and_groups(self):
+        return super().get_tied_weights_and_groups() + [(p, g) for p, g in self.mm_ties if p.requires_grad]
+
+    def allreduce_tied_weight_gradients(self):
+        import torch.distributed as dist
+        super().allreduce_tied_weight_gradients()
+        for p, g in self.mm_ties:
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=g)
 
     def _partition_layers(self, method="uniform"):
         if len(self.mm_parts) != self.num_stages + 1 or self.mm_parts[-1] != len(self._layer_specs):
@@ -42,6 +85,16 @@ class MMPipelineModule(PipelineModule):
 
     def stage_layer_names(self) -> list[list[str]]:
         return stage_lists(self.layer_names, self.parts)
+
+
+def plain_to_pipe(module: "MMPipelineModule", plain_name: str) -> tuple:
+    """(owning submodule, attribute) of a plain parameter name on this stage."""
+    layer = module._layer_of(plain_name)
+    for f in module.forward_funcs:
+        if isinstance(f, PipeLayer) and f.name == layer:
+            *path, last = plain_name[len(layer) + 1:].split(".")
+            return f.part.get_submodule(".".join(path)), last
+    raise KeyError(plain_name)
 
 
 class LabelLoss:

@@ -242,17 +242,13 @@ class VlmFamily(Family):
     def loss(self, outputs, labels, normaliser=None) -> torch.Tensor:
         return m.causal_lm_loss(outputs, labels, normaliser)
 
+    def eval_stats(self, logits, labels) -> torch.Tensor:
+        return m.token_stats(logits, labels)
+
     def evaluate(self, outputs, labels, samples) -> dict:
-        """Validation loss (mean over label tokens) and next-token accuracy over the real rows
-        (the padding rows of the last micro-batch excluded)."""
-        total = torch.zeros(3, dtype=torch.float64)
-        left = len(samples)
-        for logits, (lab, *_) in zip(outputs, labels):
-            k = min(left, lab.shape[0])
-            left -= k
-            if k:
-                total += m.token_stats(logits[:k].float().cpu(), lab[:k].cpu()).cpu()
-        loss, n, right = total.tolist()
+        """Validation loss (mean over label tokens) and next-token accuracy (micro-batches are not
+        padded: ``dynamic_shapes``)."""
+        loss, n, right = torch.stack([o.double().cpu() for o in outputs]).sum(0).tolist()
         return {"val_loss": loss / max(n, 1), "token_accuracy": right / max(n, 1), "val_tokens": int(n)}
 
     def eval_line(self, record) -> str:
