@@ -544,7 +544,8 @@ class Trainer:
                          f"device={self.device_name}" + (f" resume@{self.start_step}" if self.resume else ""))
         if self.layer_names is not None:
             for s, names in enumerate(stage_lists(self.layer_names, self.parts)):
-                self.writer.info(f"stage {s}: {names[0]} .. {names[-1]} ({len(names)} layers)")
+                fo = ", forward-only" if all(n in self.forward_only for n in names) else ""
+                self.writer.info(f"stage {s}: {names[0]} .. {names[-1]} ({len(names)} layers{fo})")
 
     def build_data(self) -> None:
         from mmpipe.data.source import build_train_loader

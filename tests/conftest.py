@@ -12,6 +12,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+TINY_VLM = os.path.join(ROOT, "configs", "tiny_vlm.yaml")
 TRAIN_PY = os.path.join(ROOT, "launch", "train.py")
 ACCEL_YAML = os.path.join(ROOT, "launch", "accelerate", "cpu_2proc.yaml")
 
@@ -27,6 +28,24 @@ def tiny_data(tmp_path_factory):
     with open(info["train"], "a") as fh:
         fh.write(json.dumps({"image": "images/does_not_exist.jpg", "text": "a small red circle"}) + "\n")
         fh.write(json.dumps({"image": "images/corrupt.jpg", "text": "a large blue square"}) + "\n")
+    return {"dir": str(out), "train": info["train"], "val": info["val"]}
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_data(tmp_path_factory):
+    """70 synthetic chat samples (ms-swift JSONL; about a third text-only, so some micro-batches
+    hold no image) + three unusable lines: a missing image, a corrupt JPEG, an <image> count that
+    does not match the images."""
+    from mmpipe.data.synth import synth_vlm
+    out = tmp_path_factory.mktemp("tinychat")
+    info = synth_vlm(str(out), 70, val_fraction=0.1, size=32, seed=1, text_only=0.3, progress=False)
+    with open(out / "images" / "corrupt.jpg", "wb") as fh:
+        fh.write(b"\xff\xd8\xff\xe0 this is not a jpeg at all" * 3)
+    turn = [{"role": "user", "content": "<image>\nwhat colour is the shape?"}, {"role": "assistant", "content": "red"}]
+    with open(info["train"], "a") as fh:
+        fh.write(json.dumps({"messages": turn, "images": ["images/does_not_exist.jpg"]}) + "\n")
+        fh.write(json.dumps({"messages": turn, "images": ["images/corrupt.jpg"]}) + "\n")
+        fh.write(json.dumps({"messages": turn, "images": []}) + "\n")
     return {"dir": str(out), "train": info["train"], "val": info["val"]}
 
 
@@ -100,21 +119,26 @@ def runs(tmp_path_factory, tiny_data):
     return Runs(tmp_path_factory.mktemp("runs"), tiny_data)
 
 
-# Model families the shared parity and resume tests run on: name -> the module that registers it
+# Model families the shared grouped-clipping tests run on: name -> the module that registers it
 # (None: built in). A plugin module defines its family and ``FAMILY_CONFIG`` (a tiny run config).
 FAMILIES = {"clip": None, "toy": "test_toy_family"}
+# ... and the layout-parity and resume tests (the VLM: its tiny config, on chat data)
+PARITY_FAMILIES = {**FAMILIES, "vlm": None}
 
 
 @pytest.fixture(scope="session")
-def family_runs_of(tmp_path_factory, tiny_data, runs):
+def family_runs_of(tmp_path_factory, tiny_data, tiny_chat_data, runs):
     """family name -> its Runs (CLIP's are the shared ``runs``)."""
     cache = {"clip": runs}
 
     def get(name: str) -> Runs:
         if name not in cache:
+            d = tmp_path_factory.mktemp(f"runs_{name}")
+            if name == "vlm":
+                cache[name] = Runs(d, tiny_chat_data, TINY_VLM)
+                return cache[name]
             import importlib
             module = FAMILIES[name]
-            d = tmp_path_factory.mktemp(f"runs_{name}")
             cfg = d / f"{name}.yaml"
             cfg.write_text(importlib.import_module(module).FAMILY_CONFIG)
             cache[name] = Runs(d, tiny_data, str(cfg), env={"MMPIPE_PLUGINS": module})
@@ -126,6 +150,14 @@ def family_runs_of(tmp_path_factory, tiny_data, runs):
 def family(request):
     """A registered family's name; tests taking it run once per family."""
     if FAMILIES[request.param]:
+        import importlib
+        importlib.import_module(FAMILIES[request.param])
+    return request.param
+
+
+@pytest.fixture(params=list(PARITY_FAMILIES))
+def parity_family(request):
+    if PARITY_FAMILIES[request.param]:
         import importlib
         importlib.import_module(FAMILIES[request.param])
     return request.param

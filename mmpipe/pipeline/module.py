@@ -77,11 +77,15 @@ class MMPipelineModule(PipelineModule):
         set_stage_bounds(self, self.mm_parts)
 
     def plain_named_parameters(self):
-        """This stage's parameters under the plain model's names (for groups and freezing)."""
+        """This stage's parameters under the plain model's names (for groups and freezing); a
+        tied parameter held twice on this stage once, under its first name."""
+        seen = set()
         for layer in self.forward_funcs:
             if isinstance(layer, PipeLayer):
                 for k, p in layer.named_parameters():
-                    yield plain_state_key(layer.name, k), p
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        yield plain_state_key(layer.name, k), p
 
     def stage_layer_names(self) -> list[list[str]]:
         return stage_lists(self.layer_names, self.parts)

@@ -1,0 +1,87 @@
+"""VLM training runs (multi-process, CPU + gloo), sharing the VLM's runs with test_parity: the
+token-mean loss under a different accumulation split, ms-swift's freeze flags at P = 2 with the
+vision tower alone (forward-only) on stage 0, and unusable chat lines skipped with one line each."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+import mmpipe
+from conftest import train_losses
+from mmpipe.checkpoint import load_model_weights
+from test_parity import assert_weights_close, reference
+
+
+def test_accumulation_split_does_not_change_the_step(family_runs_of):
+    """Micro-batch 4 x accumulation 2 and micro-batch 2 x accumulation 4 (the reference) see the
+    same global batches: with the loss a mean over all label tokens of the step (not a mean of
+    per-micro-batch means) the weights are the same."""
+    runs = family_runs_of("vlm")
+    ref = reference(runs)
+    out, _ = runs.get("p2_mbs4", 2, ["parallel.pipeline_stages=2", "parallel.micro_batch_size=4"],
+                      flags=["--stop-at", "4"])
+    np.testing.assert_allclose(train_losses(out), train_losses(ref)[:4], rtol=1e-4)
+    w = load_model_weights(os.path.join(out, "checkpoints"), "global_step4")
+    assert_weights_close(w, load_model_weights(os.path.join(ref, "checkpoints"), "global_step4"))
+
+
+def test_micro_batch_means_would_differ(family_runs_of, tiny_chat_data):
+    """The reference data really has micro-batches with different label-token counts, and some
+    without images (what makes the previous test able to fail)."""
+    from mmpipe.data.chat import read_chat
+    from mmpipe.data.tokenizer import load_tokenizer
+    from mmpipe.families import build_family
+    from mmpipe.families.vlm.model import label_tokens
+    ref = reference(family_runs_of("vlm"))
+    tok = load_tokenizer(os.path.join(ref, "tokenizer"))
+    cfg = mmpipe.load_config(os.path.join(ref, "config.yaml"))
+    fam = build_family(cfg.model, 0)
+    ds = fam.dataset(read_chat(tiny_chat_data["train"]), tok, cfg.data, 32)
+    collate = fam.collate(tok, cfg.data)
+    batches = [collate([ds[i], ds[i + 1]]) for i in range(0, 40, 2)]
+    counts = {label_tokens(b["labels"]) for b in batches}
+    assert len(counts) > 2
+    assert any(b["pixel_values"].shape[0] == 0 for b in batches)
+    assert any(b["pixel_values"].shape[0] > 0 for b in batches)
+
+
+def test_freeze_vit_and_aligner_stage0_forward_only(family_runs_of, tmp_path):
+    runs = family_runs_of("vlm")
+    cfg = mmpipe.load_config(runs.config, ["model.llm.vocab_size=200", "model.image_token_id=199"])
+    from mmpipe.families import build_family
+    names = build_family(cfg.model, 0).layer_names()
+    vision = [n for n in names if n.startswith("vision.")]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"stages": [vision, names[len(vision):]]}))
+    out, proc = runs.get("frozen", 2, ["parallel.pipeline_stages=2", "optim.freeze_vit=true", "optim.freeze_aligner=true",
+                                       f"parallel.plan={plan}"], flags=["--stop-at", "3"])
+    log = proc.stdout + proc.stderr
+    assert f"stage 0: vision.embed .. {vision[-1]} ({len(vision)} layers, forward-only)" in log
+    init = mmpipe.build_model(mmpipe.load_config(os.path.join(out, "config.yaml"))).state_dict()
+    sd = load_model_weights(os.path.join(out, "checkpoints"), "global_step3")
+    frozen = [k for k in sd if k.startswith(("vision.", "projector."))]
+    assert frozen and all(torch.equal(sd[k], init[k]) for k in frozen)
+    assert not torch.equal(sd["llm.blocks.0.mlp.up_proj.weight"], init["llm.blocks.0.mlp.up_proj.weight"])
+    ckpt = os.path.join(out, "checkpoints", "global_step3")
+    stage0 = torch.load(os.path.join(ckpt, "mp_rank_00_model_states.pt"), weights_only=False)["optimizer"]
+    stage1 = torch.load(os.path.join(ckpt, "mp_rank_01_model_states.pt"), weights_only=False)["optimizer"]
+    assert stage0["state"] == {}  # the frozen vision stage holds no optimizer state
+    assert {g["name"] for g in stage1["param_groups"]} == {"llm"}  # nor does the frozen projector
+
+
+def test_unusable_chat_lines_are_skipped_with_one_line_each(family_runs_of, tiny_chat_data):
+    """A full epoch (9 steps of 8 > 66 lines) meets every line once."""
+    runs = family_runs_of("vlm")
+    out, proc = runs.get("p1_epoch", 1, ["parallel.pipeline_stages=1", "train.steps=9"], "python")
+    log = proc.stdout + proc.stderr
+    warnings = [line for line in log.splitlines() if "skipped bad sample" in line]
+    assert any("does_not_exist.jpg" in w for w in warnings)
+    assert any("corrupt.jpg" in w for w in warnings)
+    n_lines = sum(1 for _ in open(tiny_chat_data["train"]))
+    assert any(f"train.jsonl line {n_lines}" in w and "0 image(s)" in w for w in warnings), warnings
+    assert len(warnings) == 3
+    rec = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in x]
+    assert rec[-1]["bad_samples"] == 3
