@@ -111,7 +111,7 @@ def test_chat_batches_hold_every_image_in_order_and_skip_bad_samples(tok, tmp_pa
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     image_id = tok.convert_tokens_to_ids(IMAGE)
     ds = ChatDataset(read_chat(str(tmp_path / "chat.jsonl")), ChatEncoder(tok, image_id, N, 64), 32)
-    batch = ChatCollate(tok.pad_token_id)([ds[i] for i in range(4)])
+    batch = ChatCollate(tok.pad_token_id, 32)([ds[i] for i in range(4)])
     assert batch["pixel_values"].shape == (4, 3, 32, 32) and batch["pixel_values"].dtype == torch.uint8
     assert [int(i) for i in batch["index"]] == [0, 1, 3, 3]  # row 2's missing image: the next usable row
     assert batch["bad"] == [(str(tmp_path / "missing.jpg"), "missing file")]
@@ -146,7 +146,7 @@ def test_a_chat_batch_trains_the_vlm_plain_model(tok, tmp_path):
                                     f"model.image_token_id={image_id}"])
     model = mmpipe.build_model(cfg)
     ds = ChatDataset(read_chat(str(tmp_path / "chat.jsonl")), ChatEncoder(tok, image_id, 16, 64), 32)
-    b = ChatCollate(tok.pad_token_id)([ds[0], ds[1]])
+    b = ChatCollate(tok.pad_token_id, 32)([ds[0], ds[1]])
     loss = model(b["pixel_values"], b["input_ids"], b["attention_mask"], b["labels"])
     assert torch.isfinite(loss) and loss > 0
     loss.backward()
@@ -181,3 +181,35 @@ def test_synth_vlm_writes_a_learnable_chat_set(tok, tmp_path, capsys):
     assert both > 0
     ds = ChatDataset(train, ChatEncoder(tok, tok.convert_tokens_to_ids(IMAGE), N, 64), 32)
     assert all(ds[i]["bad"] == [] for i in range(len(ds)))
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_the_tokenizers_own_chat_template_is_used(tmp_path):
+    """With a chat template (a ChatML one, as Qwen2's tokenizer has), the ids are the rendered
+    conversation's and exactly each assistant turn (its text and its end marker) is learned; only
+    <image> is added to the tokenizer (no plain-template role markers)."""
+    from mmpipe.data.chat import ChatSample
+    from mmpipe.data.tokenizer import train_tokenizer
+    t = train_tokenizer(["what colour is the circle", "red two shapes how many and", "user assistant"], 200,
+                        str(tmp_path / "tok"))
+    t.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    t.chat_template = CHATML
+    add_chat_tokens(t)
+    assert "<|user|>" not in t.get_vocab() and IMAGE in t.get_vocab()
+    image_id = t.convert_tokens_to_ids(IMAGE)
+    enc = ChatEncoder(t, image_id, N, 128).encode(ChatSample(tuple(CONV), ("x.jpg",)))
+    rendered = t.apply_chat_template([{"role": r, "content": c} for r, c in CONV], tokenize=False)
+    want = []
+    for k, part in enumerate(rendered.split(IMAGE)):
+        want += ([image_id] * N if k else []) + t(part, add_special_tokens=False)["input_ids"]
+    assert enc.input_ids == want
+    learned = [i for i, lab in zip(enc.input_ids, enc.labels) if lab != -100]
+    end = t.convert_tokens_to_ids("<|im_end|>")
+    assert learned == t("red", add_special_tokens=False)["input_ids"] + [end] + \
+        t("two", add_special_tokens=False)["input_ids"] + [end]
+    # generation prompt: the conversation so far, then the assistant header
+    prompt = ChatEncoder(t, image_id, N, 128).prompt_ids(CONV[:1])
+    assert t.decode(prompt[-3:]).replace(" ", "").endswith("<|im_start|>assistant")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import mmpipe
+from conftest import TINY_VLM
 
 IMAGE_TOKEN = 99
 N_PATCHES = 16  # (32 / 8)^2, CLS dropped
@@ -102,9 +103,35 @@ def test_projector_only_training_keeps_the_frozen_llm_on_the_gradient_path(llava
     assert all(p.grad is None for n, p in model.named_parameters() if not n.startswith("projector."))
 
 
-def test_training_a_vlm_says_what_is_missing(tmp_path, capsys):
+@pytest.mark.parametrize("sets,expect", [
+    (["data.cache=/tmp"], "model.type=vlm reads chat data"),
+    (["data.train=/nonexistent/chat.jsonl"], "data.train: file not found: /nonexistent/chat.jsonl"),
+    (["model.pretrained=/nonexistent"], "model.pretrained: directory not found: /nonexistent"),
+    (["model.llm.arch=mistral"], "model.llm.arch='mistral' is not one of llama, qwen2"),
+    (["optim.vit_lr=1e-4", "optim.groups.vision.lr=2e-4"], "optim.vit_lr=0.0001 contradicts optim.groups.vision.lr"),
+])
+def test_vlm_config_mistakes_are_one_line(tmp_path, capsys, sets, expect):
     from mmpipe.cli import main
-    rc = main(["train", "--set", "model.type=vlm", "--set", "model.pretrained=/nonexistent",
-               "--set", f"train.output_dir={tmp_path / 'o'}", "--set", "data.train=x.jsonl"])
+    args = ["train", "--config", TINY_VLM, "--set", f"train.output_dir={tmp_path / 'o'}",
+            "--set", f"data.train={tmp_path / 'chat.jsonl'}"]
+    (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, '
+                                         '{"role": "assistant", "content": "hello"}]}\n')
+    for s_ in sets:
+        args += ["--set", s_]
+    rc = main(args)
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc != 0 and len(err) == 1 and "chat data path" in err[0], err
+    assert rc != 0 and len(err) == 1 and expect in err[0], err
+
+
+def test_ms_swift_flags_set_groups():
+    """optim.freeze_vit / freeze_aligner / freeze_llm freeze the vision / projector / llm groups;
+    optim.vit_lr and aligner_lr set their lr (ms-swift's names)."""
+    from mmpipe.optim import resolve_groups
+    from mmpipe.families.vlm import VlmFamily
+    cfg = mmpipe.load_config(TINY_VLM, ["optim.freeze_llm=true", "optim.vit_lr=1e-5", "optim.aligner_lr=3e-4"])
+    g = {x.name: x for x in resolve_groups(cfg.optim, VlmFamily)}
+    assert g["llm"].frozen and not g["vision"].frozen and not g["projector"].frozen
+    assert g["vision"].lr == 1e-5 and g["projector"].lr == 3e-4 and g["llm"].lr == cfg.optim.lr
+    cfg = mmpipe.load_config(TINY_VLM, ["optim.freeze_vit=true", "optim.freeze_aligner=true"])
+    g = {x.name: x for x in resolve_groups(cfg.optim, VlmFamily)}
+    assert g["vision"].frozen and g["projector"].frozen and not g["llm"].frozen
