@@ -1,4 +1,4 @@
-"""``mmpipe`` command line: train | data synth|prepare|check | config.
+"""``mmpipe`` command line: train | generate | data synth|prepare|check | config | plan | bench.
 
 Config mistakes and bad paths end as one line, ``mmpipe: error: ...``, exit status 2.
 """
@@ -29,6 +29,24 @@ def cmd_train(args) -> int:
     from mmpipe.train import run
     cfg = load_config(args.config, args.overrides)
     run(cfg, resume=args.resume, stop_at=args.stop_at, overwrite=args.overwrite)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from mmpipe.families.vlm.generate import Generator, exact_match
+    if args.eval:
+        r = exact_match(args.run, args.eval, args.limit, args.step)
+        print(f"exact match {r['exact_match']:.3f} on {r['n']} held-out questions (image questions "
+              f"{r['exact_match_image_questions']:.3f}); best constant answer '{r['constant_answer']}' "
+              f"{r['constant_baseline']:.3f} ({r['exact_match'] / max(r['constant_baseline'], 1e-9):.1f}x); best "
+              f"answer per question without the image {r['question_prior_baseline']:.3f}")
+        for e in r["examples"][:3]:
+            print(f"  Q: {e['question']}  A: {e['got']!r}  (want {e['want']!r})")
+        return 0
+    if not args.prompt:
+        raise ConfigError("mmpipe generate: give --prompt (and --image), or --eval CHAT_FILE")
+    g = Generator(args.run, step=args.step)
+    print(g.answer(args.prompt, args.image, max_new_tokens=args.max_new_tokens))
     return 0
 
 
@@ -91,6 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = _train_parser(sub.add_parser("train", help="train (run under deepspeed / accelerate launch / python)"))
     t.set_defaults(func=cmd_train)
+    g = sub.add_parser("generate", help="greedy answer of a VLM run's checkpoint (any layout) to an image + prompt")
+    g.add_argument("--run", required=True, help="run directory (train.output_dir of a model.type=vlm run)")
+    g.add_argument("--image", help="image file (omit for a text-only prompt)")
+    g.add_argument("--prompt", help="the user's question")
+    g.add_argument("--eval", metavar="CHAT_FILE", help="instead: exact-match accuracy on the first question of each "
+                   "conversation in a chat file (vs constant-answer baselines); written to RUN/exact_match.json")
+    g.add_argument("--limit", type=int, default=None, help="with --eval: at most this many questions")
+    g.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.set_defaults(func=cmd_generate)
     d = sub.add_parser("data", help="data tools").add_subparsers(dest="data_cmd", required=True)
     s = d.add_parser("synth", help="write a learnable synthetic image-caption (or, --kind vlm, chat) data set")
     s.add_argument("--out", required=True)

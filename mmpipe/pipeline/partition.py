@@ -81,14 +81,19 @@ def modality_partition(costs: Sequence[float], segments: Sequence[str], num_stag
     """Stages never mix segments (e.g. vision | text, or vision | projector | llm): the K contiguous
     segments share the P stages, each getting at least one, with the counts chosen (exactly, by
     dynamic programming) to minimise the slowest stage; each segment is split exactly. With fewer
-    stages than segments, stages must mix them: the exact min-max partition over all layers."""
+    stages than segments (a VLM's vision | projector | llm on 2 stages), stages hold whole
+    segments: the exact min-max partition over the segments, so a stage boundary never falls
+    inside one (the vision tower and projector stay apart from the decoder)."""
     n = len(costs)
     if num_stages == 1:
         return [0, n]
     runs = segment_runs(segments)
     K = len(runs)
-    if K == 1 or num_stages < K:
+    if K == 1:
         return min_max_partition(costs, num_stages)
+    if num_stages < K:
+        cut = min_max_partition([sum(costs[a:b]) for a, b in runs], num_stages)
+        return [runs[k][0] for k in cut[:-1]] + [n]
     seg_costs = [list(costs[a:b]) for a, b in runs]
     # cost[j][k]: bottleneck of segment j split into k stages (None when it has fewer layers than k)
     cost = [{k: bottleneck(c, min_max_partition(c, k)) for k in range(1, min(len(c), num_stages - K + 1) + 1)}

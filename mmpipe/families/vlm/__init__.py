@@ -229,6 +229,12 @@ class VlmFamily(Family):
             sd[k] = t
         module.load_state_dict(sd, strict=True)
 
+    @property
+    def hf(self):
+        """The transformers adapter: ``to_hf`` / ``from_hf``, ``hf_config()`` (LlavaConfig), ``hf_model``."""
+        from mmpipe.families.vlm.adapter import VlmHF
+        return VlmHF(self)
+
     def tied_weights(self) -> list:
         return [("llm.embed.embed_tokens.weight", "llm.head.lm_head.weight")] if self.tied else []
 

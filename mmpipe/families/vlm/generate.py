@@ -1,0 +1,114 @@
+"""Greedy answers from a VLM run's checkpoint (any layout), on one device, with transformers'
+``generate`` and its KV cache (the checkpoint is loaded into ``LlavaForConditionalGeneration``,
+whose arithmetic the family matches).
+
+    mmpipe generate --run runs/demo_vlm --image data/synth_vlm/images/000001.jpg --prompt "what colour is the shape?"
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from mmpipe.errors import ConfigError
+
+
+class Generator:
+    def __init__(self, run_dir: str, step: Optional[int] = None, device: str = "cpu"):
+        import mmpipe
+        from mmpipe.families import build_family
+        from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+        from mmpipe.train import prepare_tokenizer
+        cfg_path = os.path.join(run_dir, "config.yaml")
+        if not os.path.isfile(cfg_path):
+            raise ConfigError(f"--run {run_dir}: no config.yaml (not an mmpipe run directory)")
+        cfg = mmpipe.load_config(cfg_path)
+        if cfg.model.type != "vlm":
+            raise ConfigError(f"--run {run_dir}: model.type={cfg.model.type}; mmpipe generate answers with a VLM run")
+        cfg = mmpipe.config.replace(cfg, train__output_dir=run_dir)
+        self.family = build_family(cfg.model, cfg.train.seed)
+        self.tok = prepare_tokenizer(cfg, type(self.family), 0) if cfg.data.tokenizer or \
+            self.family.tokenizer_weights(cfg.model)[1] else self._run_tokenizer(run_dir)
+        self.encoder = self.family.encoder(self.tok, cfg.data.max_length)
+        self.model = self.family.hf.hf_model(mmpipe.load_weights(run_dir, step)).to(device)
+        self.device, self.mean, self.std = device, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+        self.size = self.family.vision_cfg.image_size
+        end = self.tok.convert_tokens_to_ids("<|end|>") if "<|end|>" in self.tok.get_vocab() else None
+        self.stop = [t for t in (end, self.tok.eos_token_id) if t is not None]
+
+    def _run_tokenizer(self, run_dir):
+        from mmpipe.data.tokenizer import load_tokenizer
+        return type(self.family).prepare_tokenizer(load_tokenizer(os.path.join(run_dir, "tokenizer"),
+                                                                  "tokenizer in the run directory"))
+
+    def pixels(self, image_path: str) -> torch.Tensor:
+        from mmpipe.data.loader import decode_sample
+        from mmpipe.families.towers.common import normalize_pixels
+        pixels, why = decode_sample(image_path, "<image>", self.size)
+        if pixels is None:
+            raise ConfigError(f"--image {image_path}: {why}")
+        return normalize_pixels(pixels.unsqueeze(0), self.mean, self.std, torch.float32)
+
+    def prompt(self, prompt: str, image: Optional[str] = None, history: tuple = ()) -> tuple:
+        """(input ids (1, T), pixel values (1, 3, S, S) or None) of a user turn and the assistant header."""
+        from mmpipe.data.chat import IMAGE
+        text = prompt if image is None or IMAGE in prompt else f"{IMAGE}\n{prompt}"
+        ids = torch.tensor([self.encoder.prompt_ids(tuple(history) + (("user", text),))], device=self.device)
+        return ids, (self.pixels(image).to(self.device) if image else None)
+
+    @torch.no_grad()
+    def generate_ids(self, prompt: str, image: Optional[str] = None, max_new_tokens: int = 24, stop: bool = True,
+                     history: tuple = ()) -> list:
+        """The greedy continuation's token ids (KV cache); ``stop``: end at the end-of-turn token."""
+        ids, pix = self.prompt(prompt, image, history)
+        extra = {"pixel_values": pix} if pix is not None else {}
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra,
+                                  max_new_tokens=max_new_tokens, min_new_tokens=0 if stop else max_new_tokens,
+                                  do_sample=False, use_cache=True, eos_token_id=self.stop if stop else None,
+                                  pad_token_id=self.tok.pad_token_id)
+        return out[0, ids.shape[1]:].tolist()
+
+    def answer(self, prompt: str, image: Optional[str] = None, max_new_tokens: int = 24, history: tuple = ()) -> str:
+        new = [t for t in self.generate_ids(prompt, image, max_new_tokens, history=history) if t not in self.stop]
+        return self.tok.decode(new, skip_special_tokens=True).strip()
+
+
+def exact_match(run_dir: str, chat_file: str, limit: Optional[int] = None, step: Optional[int] = None,
+                progress: bool = True) -> dict:
+    """Greedy answers to the first question of each held-out conversation, scored by exact match
+    (case and surrounding spaces ignored), against two baselines: the best constant answer over
+    the set, and the best constant answer per question (what a model that ignores the image can
+    reach at most). Written to ``RUN/exact_match.json``."""
+    import json
+    from collections import Counter, defaultdict
+
+    from mmpipe.data.chat import IMAGE, read_chat
+    gen = Generator(run_dir, step)
+    items = [s for s in read_chat(chat_file, key="--eval") if s.error is None][:limit]
+    it = items
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(items, desc="answering", unit="q")
+    rows = []
+    norm = lambda s: " ".join(s.lower().split())  # noqa: E731
+    for s in it:
+        (_, question), (_, want) = s.messages[0], s.messages[1]
+        got = gen.answer(question.replace(IMAGE, "").strip(), s.images[0] if s.images else None)
+        rows.append({"question": question.replace(IMAGE, "").strip(), "image": s.images[0] if s.images else None,
+                     "want": norm(want), "got": norm(got)})
+    n = max(1, len(rows))
+    acc = sum(r["want"] == r["got"] for r in rows) / n
+    constant = Counter(r["want"] for r in rows).most_common(1)[0] if rows else ("", 0)
+    by_q = defaultdict(Counter)
+    for r in rows:
+        by_q[r["question"]][r["want"]] += 1
+    prior = sum(c.most_common(1)[0][1] for c in by_q.values()) / n
+    image_rows = [r for r in rows if r["image"]]
+    out = {"n": len(rows), "exact_match": acc, "constant_answer": constant[0], "constant_baseline": constant[1] / n,
+           "question_prior_baseline": prior,
+           "exact_match_image_questions": sum(r["want"] == r["got"] for r in image_rows) / max(1, len(image_rows)),
+           "examples": rows[:8]}
+    with open(os.path.join(run_dir, "exact_match.json"), "w") as fh:
+        json.dump(out, fh, indent=1)
+    return out
