@@ -230,17 +230,22 @@ def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: 
     cfg = load_config(config, extra)
     from mmpipe.config import family_of
     size = family_of(cfg).image_size(cfg.model)
-    cache = os.path.join(tmp, f"cache{size}")
-    if not os.path.isdir(cache):
-        prepare(info["train"], cache, size, cfg.data.max_length, vocab_size=cfg.data.tokenizer_vocab_size,
-                workers=2, progress=False)
-    common = [f"data.cache={cache}", "data.train=null", "data.val=null", f"train.steps={args.steps}"] + extra
+    vlm = cfg.model.type == "vlm"
+    if vlm:  # chat data is read as it is (the VLM has no cache)
+        common = [f"data.train={info['train']}", "data.val=null", f"train.steps={args.steps}"] + extra
+    else:
+        cache = os.path.join(tmp, f"cache{size}")
+        if not os.path.isdir(cache):
+            prepare(info["train"], cache, size, cfg.data.max_length, vocab_size=cfg.data.tokenizer_vocab_size,
+                    workers=2, progress=False)
+        common = [f"data.cache={cache}", "data.train=null", "data.val=null", f"train.steps={args.steps}"] + extra
     # a fresh profile (also cached for the runs' own placement decisions), taken next to the runs
     plan = plan_all(load_config(config, extra + common), 2, threads=1, refresh=True, repeats=9,
                     log=lambda s: print(f"[bench] {s}", flush=True))
     M = plan["micro_batches"]
     batch = cfg.train.batch_size
-    placements = ["modality", "parameters", "uniform", "balanced", "auto"] if not extra else ["modality", "parameters", "auto"]
+    placements = (["modality", "balanced", "auto"] if vlm else
+                  ["modality", "parameters", "uniform", "balanced", "auto"] if not extra else ["modality", "parameters", "auto"])
     slug = re.sub(r"\W+", "_", title).strip("_")
     best: dict = {}  # variant -> (step time, run dir): best of the rounds, as in bench data
     for rnd in range(args.rounds):
@@ -254,6 +259,8 @@ def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: 
                 sets = common + ["parallel.pipeline_stages=2", f"parallel.placement={pl}"]
                 if pl == "auto" and not extra:
                     sets.append(f"log.trace=[{args.steps - 1},{args.steps}]")
+                if vlm:  # a tokenizer trained per run: the same data gives the same one
+                    sets.append(f"data.tokenizer_vocab_size={cfg.data.tokenizer_vocab_size}")
                 launch(2, config, sets, out)
                 st = measured_from_run(out, skip=args.warmup)["step_time"]
             if pl not in best or st < best[pl][0]:
@@ -274,8 +281,11 @@ def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: 
                     shutil.copy(os.path.join(out, f), os.path.join(art, f"balance_{slug}_auto_{f}"))
     write_plan_png(os.path.join(art, f"balance_{slug}.png"), plan, measured)
     mod = measured["modality"]
+    share = ""
+    if vlm:  # the vision tower's share of the profiled step (forward + backward)
+        share = f"; vision tower {vision_share(plan):.0%} of the single-process step"
     lines = [f"**{title}** ({', '.join(extra) or 'all trainable'}; predicted single process "
-             f"{1e3 * single_process_time(plan['profile'], M):.0f} ms, measured {1e3 * single:.0f} ms per step)", "",
+             f"{1e3 * single_process_time(plan['profile'], M):.0f} ms, measured {1e3 * single:.0f} ms per step{share})", "",
              "| placement | stage sizes | samples/s | vs single process | vs modality | step ms predicted / measured "
              "| error | idle per stage predicted / measured |", "|---|---|---|---|---|---|---|---|"]
     lines.append(f"| single process, 1 thread | 1 stage | {batch / single:.1f} | 1.00x | | | | |")
@@ -290,22 +300,50 @@ def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: 
     return table, {pl: meas["step_time"] for pl, _, meas, _ in rows} | {"single": single}
 
 
+def vision_share(plan: dict) -> float:
+    """The vision tower's share (forward + backward) of the profiled single-process compute."""
+    from mmpipe.planner import layer_costs
+    costs = layer_costs(plan["profile"])
+    t = [c.fwd_ms + c.bwd_ms for c in costs]
+    return sum(x for n, x in zip(plan["names"], t) if n.startswith("vision.")) / sum(t)
+
+
 def bench_balance(args) -> int:
     """Samples/s of every placement on an image-heavy and a text-heavy dual encoder (P = 2, 1 thread
     per rank), against the single-process baseline (1 thread, same model and batch), with the
     simulator's prediction beside each measurement."""
-    from mmpipe.data.synth import synth
+    from mmpipe.data.synth import synth, synth_vlm
     tmp = tempfile.mkdtemp(prefix="mmpipe-bench-balance-")
     os.environ["OMP_NUM_THREADS"] = "1"  # every rank (and the baseline) computes on one thread
     print(f"[bench] synthetic data and caches in {tmp} ...", flush=True)
+    art = os.path.join(os.getcwd(), "benchmarks")
+    os.makedirs(art, exist_ok=True)
+    if args.model == "vlm":
+        # every sample has an image (the tower runs in every micro-batch, at its profiled cost)
+        info = synth_vlm(os.path.join(tmp, "chat"), args.n, val_fraction=0.0, size=64, seed=0, text_only=0.0,
+                         progress=False)
+        table, s = _balance_model(args, "VLM, image-heavy", os.path.join(ROOT, "configs", "bench_vlm.yaml"), [],
+                                  info, tmp, art)
+        notes = (f"2 ranks x 1 thread (OMP_NUM_THREADS=1), {args.steps} steps per run, median step after the first "
+                 f"{args.warmup}, best of {args.rounds} interleaved rounds per variant; micro-batch 4 x 8 per step; "
+                 f"ms-swift JSONL chat data read as is (every sample one 64 px image = 64 image tokens, answers of "
+                 f"1-4 words, padded per micro-batch). modality = vision + projector | decoder (what Megatron, "
+                 f"torchtitan and ms-swift do before hand-tuning the first stage's decoder layers); auto = the "
+                 f"simulator's faster split. auto vs modality {s['modality'] / s['auto']:.2f}x. Predictions: the "
+                 f"profile is taken at data.max_length (96), the longest a micro-batch can be; real micro-batches are "
+                 f"shorter, so predictions are upper bounds for the decoder stages. Chart: "
+                 f"benchmarks/balance_VLM_image_heavy.png.")
+        print(notes)
+        if not args.no_append:
+            cmd = "mmpipe bench balance " + " ".join(shlex.quote(a) for a in sys.argv[3:])
+            append_benchmarks("Stage balance: VLM, modality vs auto", cmd, table, notes)
+        return 0
     info = synth(os.path.join(tmp, "data"), args.n, val_fraction=0.0, size=96, seed=0, progress=False)
     models = [("image-heavy", os.path.join(ROOT, "configs", "bench_image_heavy.yaml"), []),
               ("text-heavy", os.path.join(ROOT, "configs", "bench_text_heavy.yaml"), [])]
     if not args.no_frozen:
         models.append(("image-heavy, vision frozen", os.path.join(ROOT, "configs", "bench_image_heavy.yaml"),
                        ["optim.freeze_vision=true"]))
-    art = os.path.join(os.getcwd(), "benchmarks")
-    os.makedirs(art, exist_ok=True)
     sections, summary = [], {}
     for title, config, extra in models:
         table, summary[title] = _balance_model(args, title, config, extra, info, tmp, art)
@@ -353,6 +391,8 @@ def add_parser(sub) -> None:
     bb.add_argument("--warmup", type=int, default=2)
     bb.add_argument("--n", type=int, default=400, help="synthetic training pairs")
     bb.add_argument("--no-frozen", action="store_true", help="skip the frozen-vision variant")
+    bb.add_argument("--model", choices=("clip", "vlm"), default="clip",
+                    help="clip: image- and text-heavy dual encoders; vlm: an image-heavy LLaVA-style VLM")
     bb.add_argument("--rounds", type=int, default=2, help="interleaved repetitions; the best is kept")
     bb.add_argument("--no-append", action="store_true")
     bb.set_defaults(func=bench_balance)

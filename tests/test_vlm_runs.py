@@ -85,3 +85,29 @@ def test_unusable_chat_lines_are_skipped_with_one_line_each(family_runs_of, tiny
     assert len(warnings) == 3
     rec = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl")) if '"loss"' in x]
     assert rec[-1]["bad_samples"] == 3
+
+
+def test_generate_from_a_pipelined_checkpoint_matches_the_plain_model(family_runs_of, tiny_chat_data, capsys):
+    """`mmpipe generate` (transformers' generate with the KV cache, on the P = 2 run's checkpoint)
+    continues greedily exactly as mmpipe's own plain model does without a cache."""
+    from mmpipe.cli import main
+    from mmpipe.data.chat import IMAGE, read_chat
+    from mmpipe.families.vlm.generate import Generator
+    ref = reference(family_runs_of("vlm"))
+    sample = next(s for s in read_chat(tiny_chat_data["val"]) if s.images)
+    question = sample.messages[0][1].replace(IMAGE, "").strip()
+    g = Generator(ref)
+    got = g.generate_ids(question, sample.images[0], max_new_tokens=6, stop=False)
+    model = mmpipe.build_model(mmpipe.load_config(os.path.join(ref, "config.yaml"))).eval()
+    model.load_state_dict(mmpipe.load_weights(ref))
+    ids, pix = g.prompt(question, sample.images[0])
+    want = []
+    with torch.no_grad():
+        for _ in range(6):
+            logits = model.eval_outputs(pix, ids, torch.ones_like(ids))
+            nxt = int(logits[0, -1].argmax())
+            want.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+    assert got == want and len(got) == 6
+    assert main(["generate", "--run", ref, "--image", sample.images[0], "--prompt", question]) == 0
+    assert capsys.readouterr().out.strip() == g.answer(question, sample.images[0])
