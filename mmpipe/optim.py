@@ -122,9 +122,12 @@ def apply_freeze(named_params, groups: list[Group]) -> None:
 
 
 def param_groups(named_params, groups: list[Group]) -> list[dict]:
-    """torch param groups: per named group, a decayed and an undecayed part (both carry ``name``).
-    Frozen parameters are left out entirely (no optimizer state). Stages hold different groups;
-    nothing in DeepSpeed may depend on the group count matching across stages (see ds_config)."""
+    """torch param groups: per named group, a decayed and an undecayed part (both carry ``name``),
+    and a part of its own for a tied parameter's copy on a later pipeline stage
+    (``ds_pipe_replicated``, marked ``replica``: scaled with its group, counted once in norms, also
+    where ZeRO flattens each group's gradients). Frozen parameters are left out entirely (no
+    optimizer state). Stages hold different groups; nothing in DeepSpeed may depend on the group
+    count matching across stages (see ds_config)."""
     named_params = list(named_params)
     assignment = assign_groups([n for n, _ in named_params], groups)
     by_name = {g.name: g for g in groups}
@@ -133,14 +136,16 @@ def param_groups(named_params, groups: list[Group]) -> list[dict]:
         g = by_name[assignment[n]]
         if g.frozen or not p.requires_grad:
             continue
-        buckets.setdefault((g.name, wants_decay(n, p)), []).append(p)
+        replica = bool(getattr(p, "ds_pipe_replicated", False))
+        buckets.setdefault((g.name, wants_decay(n, p), replica), []).append(p)
     out = []
     for g in groups:
-        for decay in (True, False):
-            params = buckets.get((g.name, decay))
-            if params:
-                out.append({"name": g.name, "params": params, "lr": g.lr,
-                            "weight_decay": g.weight_decay if decay else 0.0})
+        for replica in (False, True):
+            for decay in (True, False):
+                params = buckets.get((g.name, decay, replica))
+                if params:
+                    out.append({"name": g.name, "params": params, "lr": g.lr,
+                                "weight_decay": g.weight_decay if decay else 0.0, **({"replica": True} if replica else {})})
     return out
 
 
@@ -255,31 +260,31 @@ class GradClipper:
 
     # -- where the gradients are -----------------------------------------------------------------
     def _hook(self, optimizer, args, kwargs):
-        named = [(g.get("name"), [p.grad for p in g["params"] if p.grad is not None]) for g in optimizer.param_groups]
-        # a tied parameter's copy on a later pipeline stage (``ds_pipe_replicated``) is scaled but counted once
-        skip = {id(p.grad) for g in optimizer.param_groups for p in g["params"]
-                if p.grad is not None and getattr(p, "ds_pipe_replicated", False)}
-        self._clip(named, scale=1.0, skip=skip)
+        named = [(g.get("name"), [p.grad for p in g["params"] if p.grad is not None], g.get("replica", False))
+                 for g in optimizer.param_groups]
+        self._clip(named, scale=1.0)
         return None
 
     def _zero_pre_step(self):
         from mmpipe.parallel.ds_compat import zero_group_grads
         zo = self._zero
-        named = [(group.get("name"), zero_group_grads(zo, i)) for i, group in enumerate(zo.optimizer.param_groups)]
+        named = [(group.get("name"), zero_group_grads(zo, i), group.get("replica", False))
+                 for i, group in enumerate(zo.optimizer.param_groups)]
         self._clip(named, scale=float(getattr(zo, "loss_scale", 1.0) or 1.0))
 
     # -- the arithmetic --------------------------------------------------------------------------
-    def _clip(self, named_grads, scale: float, skip=frozenset()) -> None:
+    def _clip(self, named_grads, scale: float) -> None:
+        """``named_grads``: (group name, gradients, replica) per optimizer group; a replica group (a
+        tied parameter's later copy) is scaled with its group but not counted in its norm."""
         t0 = time.perf_counter()
         sq = torch.zeros(max(1, len(self.names)), dtype=torch.float64)
         grads: dict = {}
-        for name, gs in named_grads:
+        for name, gs, replica in named_grads:
             if name not in self.names or not gs:
                 continue
             grads.setdefault(name, []).extend(gs)
-            counted = [g for g in gs if id(g) not in skip]
-            if counted:
-                sq[self.names.index(name)] += float(sum(n.double() ** 2 for n in torch._foreach_norm(counted, 2.0)))
+            if not replica:
+                sq[self.names.index(name)] += float(sum(n.double() ** 2 for n in torch._foreach_norm(gs, 2.0)))
         if self.needs_reduce:
             dev = next((x.device for gs in grads.values() for x in gs), self.engine.device)
             t = sq.to(dev)

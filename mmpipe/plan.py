@@ -57,7 +57,7 @@ def probe_batch(cfg, family, source, tok, m: int, image_size: int, device) -> tu
             raise DataError(f"no usable sample in {source.shard_urls[0]}")
         items = [items[i % len(items)] for i in range(m)]
     else:
-        ds = source.dataset(cfg, image_size)
+        ds = source.dataset(cfg, image_size, family=family, tok=tok)
         items = [ds[i % len(ds)] for i in range(m)]
     b = collate(items)
     return tuple(b[f].to(device) for f in family.inputs)

@@ -135,3 +135,32 @@ def test_ms_swift_flags_set_groups():
     cfg = mmpipe.load_config(TINY_VLM, ["optim.freeze_vit=true", "optim.freeze_aligner=true"])
     g = {x.name: x for x in resolve_groups(cfg.optim, VlmFamily)}
     assert g["vision"].frozen and g["projector"].frozen and not g["llm"].frozen
+
+
+def test_vision_and_llm_from_their_own_directories(tmp_path):
+    """model.vision.pretrained (a CLIPVisionModel) + model.llm.pretrained (a LlamaForCausalLM): the
+    tower holds the CLIP weights, a text-only batch gives the bare LM's loss, and a tokenizer that
+    adds <image> beyond the LM's vocabulary gets a row of its own (the LM's rows kept)."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    clip = CLIPVisionModel(CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                            num_attention_heads=4, image_size=32, patch_size=8))
+    lm = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=100, max_position_embeddings=64)).eval()
+    clip.save_pretrained(str(tmp_path / "clip"))
+    lm.save_pretrained(str(tmp_path / "lm"))
+    cfg = mmpipe.load_config(None, ["model.type=vlm", f"model.vision.pretrained={tmp_path / 'clip'}",
+                                    f"model.llm.pretrained={tmp_path / 'lm'}", "model.llm.vocab_size=101",
+                                    "model.image_token_id=100"])
+    ours = mmpipe.build_model(cfg).eval()
+    assert torch.equal(ours.vision.embed.embeddings.patch_embedding.weight,
+                       clip.vision_model.embeddings.patch_embedding.weight)
+    assert torch.equal(ours.get_parameter("vision.blocks.1.mlp.fc1.weight"),
+                       clip.vision_model.encoder.layers[1].mlp.fc1.weight)
+    emb = ours.llm.embed.embed_tokens.weight
+    assert emb.shape == (101, 32) and torch.equal(emb[:100], lm.model.embed_tokens.weight)
+    _, ids, mask, _ = _batch(with_images=False)
+    with torch.no_grad():  # over the LM's 100 tokens, the logits are the LM's own
+        logits = ours.eval_outputs(None, ids, mask)
+        torch.testing.assert_close(logits[..., :100], lm(input_ids=ids, attention_mask=mask).logits, atol=1e-5,
+                                   rtol=0)

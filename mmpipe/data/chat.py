@@ -270,13 +270,13 @@ class ChatCollate:
     padded with the pad id to a multiple of ``pad_multiple``, ``attention_mask``, ``labels`` padded
     with -100; plus ``index``, ``keys``, ``bad`` and the count of truncated samples."""
 
-    def __init__(self, pad_id: int, image_size: int, pad_multiple: int = 1):
-        self.pad_id, self.image_size, self.pad_multiple = pad_id, image_size, max(1, pad_multiple)
+    def __init__(self, pad_id: int, image_size: int, pad_multiple: int = 1, pad_to: Optional[int] = None):
+        self.pad_id, self.image_size, self.pad_multiple, self.pad_to = pad_id, image_size, max(1, pad_multiple), pad_to
 
     def __call__(self, items: list) -> dict:
         import torch
         n = max(len(it["input_ids"]) for it in items)
-        n = -(-n // self.pad_multiple) * self.pad_multiple
+        n = self.pad_to or -(-n // self.pad_multiple) * self.pad_multiple
         ids = torch.full((len(items), n), self.pad_id, dtype=torch.int64)
         labels = torch.full((len(items), n), -100, dtype=torch.int64)
         mask = torch.zeros((len(items), n), dtype=torch.int64)

@@ -31,6 +31,11 @@ _RULES = [("vision.embed.", ["vision_tower.", "vision_tower.vision_model.", "mod
           ("llm.blocks.", ["language_model.model.layers.", "model.language_model.layers."]),
           ("llm.head.norm.", ["language_model.model.norm.", "model.language_model.norm."]),
           ("llm.head.lm_head.", ["language_model.lm_head.", "lm_head."])]
+# the same for a vision-only directory (CLIPVisionModel or CLIPModel) and an LM-only one
+# (LlamaForCausalLM / Qwen2ForCausalLM)
+_VISION_RULES = [("vision.embed.", ["vision_model."]), ("vision.blocks.", ["vision_model.encoder.layers."])]
+_LLM_RULES = [("llm.embed.", ["model."]), ("llm.blocks.", ["model.layers."]), ("llm.head.norm.", ["model.norm."]),
+              ("llm.head.lm_head.", ["lm_head."])]
 
 
 def _llava_config(cfg):
@@ -43,6 +48,13 @@ def _llava_config(cfg):
 def _vision_config(cfg):
     if cfg.pretrained:
         return _llava_config(cfg).vision_config
+    if cfg.vision.pretrained:
+        c = hf.load_hf_config(cfg.vision.pretrained, "model.vision.pretrained")
+        c = getattr(c, "vision_config", c)
+        if c.model_type != "clip_vision_model":
+            raise ConfigError(f"model.vision.pretrained: {cfg.vision.pretrained} holds a {c.model_type}, not a CLIP "
+                              "vision model (CLIPVisionModel or CLIPModel)")
+        return c
     from transformers import CLIPVisionConfig
     return CLIPVisionConfig(**{f: getattr(cfg.vision, f) for f in _VISION_FIELDS if getattr(cfg.vision, f) is not None})
 
@@ -57,6 +69,17 @@ def _hf_configs(cfg):
         return top.vision_config, text, top.image_token_id
     from transformers import LlamaConfig, Qwen2Config
     vision = _vision_config(cfg)
+    if cfg.llm.pretrained:
+        text = hf.load_hf_config(cfg.llm.pretrained, "model.llm.pretrained")
+        text = getattr(text, "text_config", text)
+        if text.model_type not in ("llama", "qwen2"):
+            raise ConfigError(f"model.llm.pretrained: {cfg.llm.pretrained} holds a {text.model_type} model; "
+                              "model.type=vlm takes llama or qwen2 decoders")
+        if cfg.llm.vocab_size and cfg.llm.vocab_size > text.vocab_size:
+            text.vocab_size = cfg.llm.vocab_size
+        if cfg.image_token_id is None:
+            raise ConfigError("model.image_token_id is unset: set it (or data.tokenizer with an <image> token)")
+        return vision, text, cfg.image_token_id
     if cfg.llm.vocab_size is None:
         raise ConfigError("model.llm.vocab_size is unset and no tokenizer fixed it: set data.tokenizer, "
                           "model.llm.vocab_size or model.pretrained")
@@ -162,7 +185,14 @@ class VlmFamily(Family):
             raise ConfigError(f"model.vision_feature_layer={k}: the vision tower has {L} blocks")
         self.arch = "qwen2" if self.text_cfg.model_type == "qwen2" else "llama"
         self.tied = bool(getattr(self.text_cfg, "tie_word_embeddings", False))
-        self._source = hf.WeightSource(model_cfg.pretrained, "model.pretrained") if model_cfg.pretrained else None
+        # (weights, name rules) in the order they are looked up
+        self._sources = ([(hf.WeightSource(model_cfg.pretrained, "model.pretrained"), _RULES)]
+                         if model_cfg.pretrained else [])
+        if model_cfg.vision.pretrained and not model_cfg.pretrained:
+            self._sources.append((hf.WeightSource(model_cfg.vision.pretrained, "model.vision.pretrained"),
+                                  _VISION_RULES))
+        if model_cfg.llm.pretrained and not model_cfg.pretrained:
+            self._sources.append((hf.WeightSource(model_cfg.llm.pretrained, "model.llm.pretrained"), _LLM_RULES))
         self._layers = ([Layer("vision.embed", "vision", m.vision_embed_step)]
                         + [Layer(f"vision.blocks.{i}", "vision", m.vision_block_step)
                            for i in range(self.vision_blocks)]
@@ -204,27 +234,41 @@ class VlmFamily(Family):
         return N
 
     def hf_name(self, name: str):
-        """The transformers tensor name of a plain weight in ``model.pretrained`` (None: not there)."""
-        for mine, theirs in _RULES:
-            if name.startswith(mine):
-                for prefix in theirs:
-                    if prefix + name[len(mine):] in self._source:
-                        return prefix + name[len(mine):]
+        """(source, transformers tensor name) of a plain weight in the pretrained directories, or
+        (None, None): the layer has no pretrained weights (e.g. a new projector)."""
+        for source, rules in self._sources:
+            for mine, theirs in rules:
+                if name.startswith(mine):
+                    for prefix in theirs:
+                        if prefix + name[len(mine):] in source:
+                            return source, prefix + name[len(mine):]
         if self.tied and name == "llm.head.lm_head.weight":  # a tied head is saved as the embedding
             return self.hf_name("llm.embed.embed_tokens.weight")
+        return None, None
+
+    def _covers(self, name: str):
+        """The source whose rules cover layer ``name`` (None: no pretrained weights for it)."""
+        for source, rules in self._sources:
+            if any((name + ".").startswith(mine) or mine.startswith(name + ".") for mine, _ in rules):
+                return source
         return None
 
     def load_pretrained(self, module: nn.Module, name: str) -> None:
-        if self._source is None:
+        covering = self._covers(name)
+        if covering is None:
             return
         sd = {}
         for k, v in module.state_dict().items():
-            theirs = self.hf_name(f"{name}.{k}")
+            source, theirs = self.hf_name(f"{name}.{k}")
             if theirs is None:
-                raise ConfigError(f"model.pretrained: {self.cfg.pretrained} has no weight for {name}.{k}")
-            t = self._source.get(theirs)
+                raise ConfigError(f"{covering.key}: {covering.path} has no weight for {name}.{k}")
+            t = source.get(theirs)
+            grown = (k in ("embed_tokens.weight", "lm_head.weight") and t.dim() == 2 and t.shape[1] == v.shape[1]
+                     and t.shape[0] < v.shape[0])
+            if grown:  # tokens the tokenizer added (e.g. <image>): their rows keep the seeded init
+                t = torch.cat([t.to(v.dtype), v[t.shape[0]:]])
             if t.shape != v.shape:
-                raise ConfigError(f"model.pretrained: weight '{theirs}' in {self.cfg.pretrained} has shape "
+                raise ConfigError(f"{source.key}: weight '{theirs}' in {source.path} has shape "
                                   f"{tuple(t.shape)}, the model expects {tuple(v.shape)} for {name}.{k}")
             sd[k] = t
         module.load_state_dict(sd, strict=True)
@@ -279,7 +323,8 @@ class VlmFamily(Family):
     def collate(self, tokenizer, data_cfg):
         from mmpipe.data.chat import ChatCollate
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        return ChatCollate(pad, self.vision_cfg.image_size, data_cfg.pad_multiple)
+        return ChatCollate(pad, self.vision_cfg.image_size, data_cfg.pad_multiple,
+                           data_cfg.max_length if data_cfg.padding == "max_length" else None)
 
     def example_batch(self, micro_batch_size: int, max_length: int, device) -> dict:
         g = torch.Generator().manual_seed(0)
