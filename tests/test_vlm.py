@@ -154,9 +154,9 @@ def test_vision_and_llm_from_their_own_directories(tmp_path):
                                     "model.image_token_id=100"])
     ours = mmpipe.build_model(cfg).eval()
     assert torch.equal(ours.vision.embed.embeddings.patch_embedding.weight,
-                       clip.vision_model.embeddings.patch_embedding.weight)
+                       clip.embeddings.patch_embedding.weight)
     assert torch.equal(ours.get_parameter("vision.blocks.1.mlp.fc1.weight"),
-                       clip.vision_model.encoder.layers[1].mlp.fc1.weight)
+                       clip.encoder.layers[1].mlp.fc1.weight)
     emb = ours.llm.embed.embed_tokens.weight
     assert emb.shape == (101, 32) and torch.equal(emb[:100], lm.model.embed_tokens.weight)
     _, ids, mask, _ = _batch(with_images=False)

@@ -33,7 +33,8 @@ _RULES = [("vision.embed.", ["vision_tower.", "vision_tower.vision_model.", "mod
           ("llm.head.lm_head.", ["language_model.lm_head.", "lm_head."])]
 # the same for a vision-only directory (CLIPVisionModel or CLIPModel) and an LM-only one
 # (LlamaForCausalLM / Qwen2ForCausalLM)
-_VISION_RULES = [("vision.embed.", ["vision_model."]), ("vision.blocks.", ["vision_model.encoder.layers."])]
+_VISION_RULES = [("vision.embed.", ["vision_model.", ""]),
+                 ("vision.blocks.", ["vision_model.encoder.layers.", "encoder.layers."])]
 _LLM_RULES = [("llm.embed.", ["model."]), ("llm.blocks.", ["model.layers."]), ("llm.head.norm.", ["model.norm."]),
               ("llm.head.lm_head.", ["lm_head."])]
 
