@@ -29,9 +29,11 @@ def test_accumulation_split_does_not_change_the_step(family_runs_of):
 
 
 def test_micro_batch_means_would_differ(family_runs_of, tiny_chat_data):
-    """The reference data really has micro-batches with different label-token counts, and some
-    without images (what makes the previous test able to fail)."""
+    """The micro-batches the runs train on (the sampler's, for the reference's 6 steps) hold
+    different numbers of label tokens, and some hold no image at all (what makes the layout and
+    accumulation tests able to fail)."""
     from mmpipe.data.chat import read_chat
+    from mmpipe.data.loader import MicroBatchSampler
     from mmpipe.data.tokenizer import load_tokenizer
     from mmpipe.families import build_family
     from mmpipe.families.vlm.model import label_tokens
@@ -41,9 +43,10 @@ def test_micro_batch_means_would_differ(family_runs_of, tiny_chat_data):
     fam = build_family(cfg.model, 0)
     ds = fam.dataset(read_chat(tiny_chat_data["train"]), tok, cfg.data, 32)
     collate = fam.collate(tok, cfg.data)
-    batches = [collate([ds[i], ds[i + 1]]) for i in range(0, 40, 2)]
-    counts = {label_tokens(b["labels"]) for b in batches}
-    assert len(counts) > 2
+    sampler = MicroBatchSampler(len(ds), 2, 4, 1, 0, cfg.train.seed)
+    batches = [collate([ds[i] for i in mb]) for step in range(6) for mb in sampler.micro_batches(step)]
+    counts = [label_tokens(b["labels"]) for b in batches]
+    assert len(set(counts)) > 2, counts
     assert any(b["pixel_values"].shape[0] == 0 for b in batches)
     assert any(b["pixel_values"].shape[0] > 0 for b in batches)
 
