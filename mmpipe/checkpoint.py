@@ -110,15 +110,54 @@ def _set_rng_state(state: dict) -> None:
         get_accelerator().set_rng_state(state["device"])
 
 
+COMPLETE_FILE = "COMPLETE"  # written by rank 0 once every rank has written every file of a checkpoint
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _step_of(tag: str) -> int:
+    return int(tag[len("global_step"):]) if tag.startswith("global_step") and tag[11:].isdigit() else -1
+
+
+def is_complete(tag_dir: str) -> bool:
+    return os.path.isfile(os.path.join(tag_dir, COMPLETE_FILE))
+
+
+def remove_partial(root: str) -> list:
+    """Delete checkpoint directories newer than ``latest`` that were never completed (a run killed
+    while saving); returns their names. Checkpoints up to ``latest`` are kept as they are."""
+    if not os.path.isdir(root):
+        return []
+    latest = os.path.join(root, "latest")
+    done = _step_of(open(latest).read().strip()) if os.path.isfile(latest) else -1
+    gone = []
+    for t in os.listdir(root):
+        if _step_of(t) > done and not is_complete(os.path.join(root, t)):
+            shutil.rmtree(os.path.join(root, t), ignore_errors=True)
+            gone.append(t)
+    return sorted(gone, key=_step_of)
+
+
 def save(engine, root: str, step: int, client_state: dict, layer_names: Optional[list] = None,
          parts: Optional[list] = None, keep: int = 0, record: Optional[dict] = None) -> str:
     """DeepSpeed's checkpoint of ``engine`` at ``step`` plus this rank's RNG, the layer table and
-    (rank 0) the run ``record`` with the step and the client state's data position."""
+    (rank 0) the run ``record`` with the step and the client state's data position. Atomic: after
+    every rank has written all its files, rank 0 marks the directory complete, then moves
+    ``latest`` to it (a rename); a run killed before that leaves ``latest`` on the previous
+    complete checkpoint."""
     tag = tag_for(step)
-    engine.save_checkpoint(root, tag=tag, client_state=dict(client_state, step=step))
+    engine.save_checkpoint(root, tag=tag, client_state=dict(client_state, step=step), save_latest=False)
     rank = dist.get_rank() if dist.is_initialized() else 0
     d = os.path.join(root, tag)
     torch.save(_rng_state(), os.path.join(d, f"rng_rank{rank}.pt"))
+    _test_die_in_save(step, rank)
     if rank == 0 and layer_names is not None:
         with open(os.path.join(d, LAYERS_FILE), "w") as fh:
             json.dump({"layers": layer_names, "parts": parts}, fh)
@@ -126,12 +165,27 @@ def save(engine, root: str, step: int, client_state: dict, layer_names: Optional
         with open(os.path.join(d, RECORD_FILE), "w") as fh:
             json.dump({**record, "step": step, "data": client_state.get("data")}, fh, indent=1)
     if dist.is_initialized():
-        dist.barrier()
-    if rank == 0 and keep > 0:
-        tags = sorted((t for t in os.listdir(root) if t.startswith("global_step")), key=lambda t: int(t[11:]))
-        for old in tags[:-keep]:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+        dist.barrier()  # every rank's files are written
+    if rank == 0:
+        files = sorted(os.listdir(d))
+        _write_atomic(os.path.join(d, COMPLETE_FILE), json.dumps({"step": step, "files": files}))
+        _write_atomic(os.path.join(root, "latest"), tag)
+        if keep > 0:
+            tags = sorted((t for t in os.listdir(root) if _step_of(t) >= 0 and is_complete(os.path.join(root, t))),
+                          key=_step_of)
+            for old in tags[:-keep]:
+                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()  # nobody continues (or exits) before latest names the new checkpoint
     return d
+
+
+def _test_die_in_save(step: int, rank: int) -> None:
+    """Test hook: ``MMPIPE_TEST_DIE_IN_SAVE=STEP:RANK`` ends that rank abruptly (no cleanup, as
+    kill -9 does) in the middle of that step's checkpoint, after its DeepSpeed files."""
+    spec = os.environ.get("MMPIPE_TEST_DIE_IN_SAVE")
+    if spec and spec == f"{step}:{rank}":
+        os._exit(137)
 
 
 def load(engine, root: str, layout: Optional[dict] = None) -> dict:
@@ -139,6 +193,8 @@ def load(engine, root: str, layout: Optional[dict] = None) -> dict:
     restore this rank's RNG. Returns client state."""
     if not os.path.isfile(os.path.join(root, "latest")):
         raise MmpipeError(f"--resume: no checkpoint in {root} (no 'latest' file); run without --resume first")
+    tag_dir = os.path.join(root, latest_tag(root))
+    check_complete(tag_dir)
     saved = saved_layout(root)
     if layout is not None and saved is not None:
         check_layout(saved, layout, os.path.join(root, latest_tag(root)))
@@ -151,6 +207,24 @@ def load(engine, root: str, layout: Optional[dict] = None) -> dict:
     if os.path.isfile(rng):
         _set_rng_state(torch.load(rng, weights_only=False))
     return client or {}
+
+
+def check_complete(tag_dir: str) -> None:
+    """A checkpoint mmpipe marked complete holds every file it listed (one line naming what is
+    missing otherwise); one saved before checkpoints were marked is taken as it is."""
+    marker = os.path.join(tag_dir, COMPLETE_FILE)
+    if not os.path.isdir(tag_dir):
+        raise MmpipeError(f"--resume: {tag_dir} (named by 'latest') does not exist; point latest at a complete "
+                          "checkpoint or run without --resume")
+    if not os.path.isfile(marker):
+        return
+    with open(marker) as fh:
+        files = json.load(fh).get("files", [])
+    missing = [f for f in files if not os.path.exists(os.path.join(tag_dir, f))]
+    if missing:
+        raise MmpipeError(f"--resume: checkpoint {tag_dir} is incomplete: {', '.join(missing[:4])}"
+                          f"{' ...' if len(missing) > 4 else ''} missing; restore them, or point latest at an "
+                          "earlier checkpoint")
 
 
 def latest_tag(root: str) -> str:

@@ -50,6 +50,13 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from mmpipe.export import export
+    out = export(args.run, args.out, args.step, args.dtype)
+    print(f"wrote {out} (load with transformers' from_pretrained)")
+    return 0
+
+
 def cmd_data_synth(args) -> int:
     from mmpipe.data.synth import synth, synth_vlm
     if args.kind == "vlm":
@@ -119,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.set_defaults(func=cmd_generate)
+    e = sub.add_parser("export", help="a run's checkpoint (any layout) as a transformers directory")
+    e.add_argument("--run", required=True, help="run directory (train.output_dir)")
+    e.add_argument("--out", required=True, help="directory to write (save_pretrained layout)")
+    e.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    e.add_argument("--dtype", default="fp32", help="fp32 or bf16 weights")
+    e.set_defaults(func=cmd_export)
     d = sub.add_parser("data", help="data tools").add_subparsers(dest="data_cmd", required=True)
     s = d.add_parser("synth", help="write a learnable synthetic image-caption (or, --kind vlm, chat) data set")
     s.add_argument("--out", required=True)

@@ -378,6 +378,9 @@ class Trainer:
                 clear_run_dir(self.out_dir, keep=(c.data.tokenizer, c.parallel.plan, c.data.cache,
                                                   c.train.deepspeed_config))
             os.makedirs(self.out_dir, exist_ok=True)
+            if self.resume:  # a run killed while saving: its partial checkpoint is never loaded
+                for tag in checkpoint.remove_partial(self.ckpt_dir):
+                    _warn(f"removed the incomplete checkpoint {self.ckpt_dir}/{tag} (the run stopped while saving it)")
         dist.barrier()
         self.build_family()
         self.place()

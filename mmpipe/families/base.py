@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from mmpipe.families.towers.common import part_seed
+from mmpipe.errors import ConfigError
 
 
 class Layer(NamedTuple):
@@ -168,6 +169,10 @@ class Family:
 
     def plain_model(self, forward_only: frozenset = frozenset()) -> "PlainModel":
         return PlainModel(self, forward_only)
+
+    def hf_export(self, state: dict, tokenizer) -> tuple:
+        """(transformers model holding ``state``, processor) for ``mmpipe export``."""
+        raise ConfigError(f"model.type={self.name}: no transformers export for this family yet")
 
     def tied_weights(self) -> list:
         """[(plain name, plain name)] of parameters that are one (e.g. input embedding and LM head)."""

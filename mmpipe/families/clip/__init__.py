@@ -164,6 +164,20 @@ class ClipFamily(Family):
         return {"pixel_values": pix.to(device), "input_ids": ids.to(device),
                 "attention_mask": torch.ones_like(ids).to(device)}
 
+    def hf_export(self, state, tokenizer):
+        """``CLIPModel`` + ``CLIPProcessor`` (CLIP ViT + CLIP text towers)."""
+        from transformers import CLIPModel, CLIPProcessor
+
+        from mmpipe.export import image_processor
+        if self.vision.arch != "clip_vit" or self.text.arch != "clip_text":
+            raise ConfigError(f"mmpipe export: a {self.vision.arch} + {self.text.arch} model has no transformers "
+                              "export yet (CLIPModel needs model.vision.arch=clip_vit and model.text.arch=clip_text)")
+        adapter = self.hf
+        model = CLIPModel(adapter.hf_config())
+        model.load_state_dict(adapter.to_hf(state), strict=True)
+        proc = CLIPProcessor(image_processor(self.vision.image_size, self.vision.mean, self.vision.std), tokenizer)
+        return model.eval(), proc
+
     @property
     def hf(self):
         """The transformers adapter: ``to_hf`` / ``from_hf`` state dicts, ``hf_config()`` (CLIPConfig)."""

@@ -91,6 +91,11 @@ def _hf_configs(cfg):
     return vision, text, cfg.image_token_id
 
 
+# mmpipe's plain chat template as a jinja chat_template (exported with the tokenizer)
+PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
 @register_family
 class VlmFamily(Family):
     name = "vlm"
@@ -273,6 +278,21 @@ class VlmFamily(Family):
                                   f"{tuple(t.shape)}, the model expects {tuple(v.shape)} for {name}.{k}")
             sd[k] = t
         module.load_state_dict(sd, strict=True)
+
+    def hf_export(self, state, tokenizer):
+        """``LlavaForConditionalGeneration`` + ``LlavaProcessor`` (with the run's chat template)."""
+        from transformers import LlavaProcessor
+
+        from mmpipe.data.chat import IMAGE
+        from mmpipe.export import image_processor
+        if not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = PLAIN_TEMPLATE
+        proc = LlavaProcessor(image_processor(self.vision_cfg.image_size, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD), tokenizer,
+                              patch_size=self.vision_cfg.patch_size,
+                              vision_feature_select_strategy=self.cfg.vision_feature_select_strategy,
+                              chat_template=tokenizer.chat_template, image_token=IMAGE,
+                              num_additional_image_tokens=1)
+        return self.hf.hf_model(state), proc
 
     @property
     def hf(self):
