@@ -195,6 +195,23 @@ def innermost_optimizer(opt):
     return opt
 
 
+def _test_inject_nan(named_grads, step: int) -> None:
+    """Test hook: ``MMPIPE_TEST_NAN_GRAD=STEP:RANK`` (``STEP-:RANK``: that step and every later one)
+    puts a NaN into one gradient of that rank before the norms are taken."""
+    import os
+    spec = os.environ.get("MMPIPE_TEST_NAN_GRAD")
+    if not spec:
+        return
+    at, rank = spec.split(":")
+    me = dist.get_rank() if dist.is_initialized() else 0
+    hit = step >= int(at[:-1]) if at.endswith("-") else step == int(at)
+    if hit and me == int(rank):
+        for _, gs, _ in named_grads:
+            if gs:
+                gs[0].view(-1)[0] = float("nan")
+                return
+
+
 def clip_coef(norm: float, limit: Optional[float]) -> float:
     """``torch.nn.utils.clip_grad_norm_``'s coefficient: min(1, limit / (norm + 1e-6))."""
     if limit is None or not math.isfinite(limit) or not math.isfinite(norm):
@@ -244,19 +261,34 @@ class GradClipper:
         self.wait_seconds = 0.0  # time in the norm all-reduce, including waiting for other stages
         self._handle = None
         self._zero = None
+        self.skip = False  # this step's gradients are not finite (on some rank): no optimizer step anywhere
+        self.step_no = 0  # the trainer's step (test hook)
         stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
         self.deepspeed_clips = stage >= 2
         if self.deepspeed_clips:  # per-group limits are refused before this (train.Trainer.validate)
             self.ds_limit = float(engine.gradient_clipping() or 0.0) or None
             return
-        if not enabled and max_norm is None and all(v is None for v in self.limits.values()):
-            return  # nothing to clip and norms not wanted: no hook, no extra collective
+        # the norms are always computed (one small all-reduce): a non-finite one skips the step
         from mmpipe.parallel.ds_compat import is_zero_optimizer, wrap_zero_step
         if is_zero_optimizer(engine.optimizer):
             self._zero = engine.optimizer
             wrap_zero_step(self._zero, self._zero_pre_step)
-        else:
-            self._handle = self.inner.register_step_pre_hook(self._hook)
+        self._wrap_inner_step()
+
+    def _wrap_inner_step(self) -> None:
+        """The inner torch optimizer's ``step`` runs only when the step's gradients are finite
+        (every DeepSpeed wrapper calls it; skipping it leaves weights, moments and Adam's step count
+        as they were, and DeepSpeed's copies to bf16/partitioned weights then copy unchanged values)."""
+        inner, original = self.inner, self.inner.step
+
+        def step(*args, **kwargs):
+            if self._zero is None:  # the gradients of every group are in place now
+                self._hook(inner, args, kwargs)
+            if self.skip:
+                return None
+            return original(*args, **kwargs)
+
+        inner.step = step
 
     # -- where the gradients are -----------------------------------------------------------------
     def _hook(self, optimizer, args, kwargs):
@@ -275,8 +307,11 @@ class GradClipper:
     # -- the arithmetic --------------------------------------------------------------------------
     def _clip(self, named_grads, scale: float) -> None:
         """``named_grads``: (group name, gradients, replica) per optimizer group; a replica group (a
-        tied parameter's later copy) is scaled with its group but not counted in its norm."""
+        tied parameter's later copy) is scaled with its group but not counted in its norm. A
+        non-finite norm (reduced over the ranks that hold different gradients, so every rank sees
+        it) sets ``skip``: the optimizer step is left out on every rank."""
         t0 = time.perf_counter()
+        _test_inject_nan(named_grads, self.step_no)
         sq = torch.zeros(max(1, len(self.names)), dtype=torch.float64)
         grads: dict = {}
         for name, gs, replica in named_grads:
@@ -295,12 +330,14 @@ class GradClipper:
             # otherwise show at the next step's first receive): counted apart from the compute
             self.wait_seconds += time.perf_counter() - t1
             t0 += time.perf_counter() - t1
-        norms = {n: math.sqrt(v) / scale for n, v in zip(self.names, sq.tolist())}  # of unscaled gradients
+        norms = {n: math.sqrt(v) / scale if math.isfinite(v) else float("nan")
+                 for n, v in zip(self.names, sq.tolist())}  # of unscaled gradients
         coefs = {n: clip_coef(norms[n], self.limits[n]) for n in self.names}
         total = math.sqrt(sum(v * v for v in norms.values()))
         clipped_total = math.sqrt(sum((norms[n] * coefs[n]) ** 2 for n in self.names))
         global_coef = clip_coef(clipped_total, self.max_norm)
-        for n, gs in grads.items():
+        self.skip = not math.isfinite(total)
+        for n, gs in ([] if self.skip else grads.items()):
             c = coefs[n] * global_coef
             if c != 1.0:
                 torch._foreach_mul_(gs, c)
@@ -315,7 +352,8 @@ class GradClipper:
             self.last_norm = None if norm is None else float(norm)
             self.last_coef = 1.0 if self.last_norm is None else clip_coef(self.last_norm, self.ds_limit)
         out = {"grad_norm": self.last_norm, "clip_coef": self.last_coef, "clip_time": self.seconds,
-               "clip_wait": self.wait_seconds}
+               "clip_wait": self.wait_seconds, "skipped": bool(self.skip)}
+        self.skip = False
         for n in self.names:
             out[f"grad_norm.{n}"] = self.group_norms.get(n)
             out[f"clip_coef.{n}"] = self.group_coefs.get(n)

@@ -341,16 +341,22 @@ class Trainer:
         # auto micro-batch), freezes it, and saves it as-is
         self.cfg, self.resume, self.stop_at, self.overwrite = cfg, resume, stop_at, overwrite
         self.last_eval = None
+        self.stop_requested = None  # this rank's signal name
+        self.stop_signal = self.stop_signal_rank = None  # agreed by every rank at a step boundary
+        self.timed_save = False
+        self.bad_run = self.skipped_total = 0
 
     # ---- the loop ------------------------------------------------------------------------------
     def train(self) -> dict:
         self.setup()
         cfg, step = self.cfg, self.start_step
         end = min(cfg.train.steps, self.stop_at) if self.stop_at else cfg.train.steps
+        saved_at = step
         while step < end:
             step += 1
             record = self.step(step, tracing=bool(cfg.log.trace) and cfg.log.trace[0] <= step <= cfg.log.trace[1])
             self.writer.log_step(record)
+            self.check_bad_steps(step, record)
             if cfg.log.trace is not None and step == min(cfg.log.trace[1], end):
                 self.write_trace()
             msg = self.ledger.error()
@@ -360,16 +366,50 @@ class Trainer:
                 self.log_memory()
             if eval_due(step, cfg.train.eval_every, cfg.train.steps):  # before the save: a resume continues after it
                 self.last_eval = self.evaluate(step) or self.last_eval
-            if step == end or (cfg.train.save_every and step % cfg.train.save_every == 0):
+            if step == end or (cfg.train.save_every and step % cfg.train.save_every == 0) or self.timed_save:
                 self.save(step)
+                saved_at = step
+            if self.stop_signal and step < end:  # preempted: every rank stops here, after a checkpoint
+                if saved_at != step:
+                    self.save(step)
+                self.writer.info(f"stopped at step {step} by {self.stop_signal} ({self.stop_signal_rank}): checkpoint "
+                                 f"saved; continue with --resume")
+                break
         self.writer.close()
         dist.barrier()
         return {"step": step, "eval": self.last_eval, "bad_samples": self.ledger.count}
 
+    def check_bad_steps(self, step: int, record: dict) -> None:
+        """A skipped step (non-finite gradients on some rank) is counted; ``train.max_bad_steps``
+        consecutive ones stop the run with one line."""
+        self.bad_run = self.bad_run + 1 if record.get("skipped") else 0
+        limit = self.cfg.train.max_bad_steps
+        if limit and self.bad_run >= limit:
+            norms = ", ".join(f"{k}={v:.4g}" for k, v in record.items() if k.startswith("grad_norm.") and v is not None)
+            raise _everywhere(MmpipeError, f"step {step}: {self.bad_run} consecutive steps skipped for non-finite "
+                              f"gradients ({norms or 'grad_norm=' + str(record.get('grad_norm'))}); "
+                              "train.max_bad_steps stops the run here: lower optim.lr, clip gradients "
+                              "(optim.max_grad_norm) or check the data")
+
+    def on_signal(self, signum, frame) -> None:
+        """SIGTERM / SIGINT: stop at the next step boundary with a checkpoint (all ranks agree
+        through the step's gather); a second signal stops at once."""
+        import signal
+        if self.stop_requested:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.stop_requested = signal.Signals(signum).name
+
     # ---- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
+        import signal
         self.validate()
         self.rank, self.world = init_distributed()
+        import threading
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(s, self.on_signal)
+        self.last_save_time = time.time()
         self.out_dir = self.cfg.train.output_dir
         self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
         if self.rank == 0:
@@ -526,6 +566,7 @@ class Trainer:
         if self.resume:
             client = agree(self.rank, lambda: checkpoint.load(self.engine, self.ckpt_dir, self.layout))
             self.start_step = int(client.get("step", 0))
+            self.skipped_total = int(client.get("skipped_steps", 0))
             self.ledger.load_state_dict(client.get("data", {}))
 
     def write_run_files(self) -> None:
@@ -575,6 +616,7 @@ class Trainer:
         """One optimizer step, then one small gather: data counters (summed over the reading ranks),
         every group's lr (wherever it lives) and stage timings. Returns the metrics record."""
         lrs = lr_fields(self.inner, self.trainable)  # the lr this step uses (the scheduler moves it in the step)
+        self.clipper.step_no = step
         t0 = time.perf_counter()
         loss = self.runner.train_step(self.step_batches(), step, tracing)
         dt = time.perf_counter() - t0
@@ -585,15 +627,23 @@ class Trainer:
         n_lr = len(self.trainable)
         wait = float(stats[:, 1].sum()) / self.topo.data_parallel  # mean over the first-stage ranks
         lr_now = [float(np.nanmax(col)) if not np.isnan(col).all() else float("nan")
-                  for col in stats[:, 3:3 + n_lr].T.numpy()]
+                  for col in stats[:, 5:5 + n_lr].T.numpy()]
+        self.timed_save = bool(stats[:, 4].max() > 0)
+        if stats[:, 3].max() > 0 and self.stop_signal is None:
+            r = int(stats[:, 3].max()) - 1
+            names = [None] * self.world
+            dist.all_gather_object(names, self.stop_requested)
+            self.stop_signal, self.stop_signal_rank = names[r], f"rank {r}"
         stage_fields = {}
         if self.runner.clock is not None:
             from mmpipe.pipeline.instrument import stage_record
-            per_stage = {s: stats[ranks, 3 + n_lr:].mean(0).tolist() for s, ranks in enumerate(self.stage_ranks)}
+            per_stage = {s: stats[ranks, 5 + n_lr:].mean(0).tolist() for s, ranks in enumerate(self.stage_ranks)}
             stage_fields = stage_record(per_stage, self.topo.pipeline_stages)
         lrs = lr_record(lr_now, self.trainable, self.cfg.optim.lr, ds_scheduler="scheduler" in self.ds_cfg)
-        return {"step": step, "loss": loss, **lrs,
-                "samples_per_sec": self.topo.batch_size / dt, **self.clipper.record(), "step_time": dt,
+        clip = self.clipper.record()
+        self.skipped_total += int(clip.get("skipped", False))
+        return {"step": step, "loss": loss, **lrs, "skipped_steps": self.skipped_total,
+                "samples_per_sec": self.topo.batch_size / dt, **clip, "step_time": dt,
                 "loader_wait": wait, "loader_wait_frac": wait / dt, "bad_samples": self.ledger.count, **stage_fields}
 
     def step_batches(self):
@@ -626,7 +676,11 @@ class Trainer:
             timings[FIELDS.index("comm")] += w
         bad = self.data_stats
         reports = self.ledger.unknown(bad.reports)
-        mine = torch.tensor([len(reports), bad.wait, bad.drawn] + lrs + timings, dtype=torch.float64,
+        # a stop signal on any rank, rank 0's save clock: every rank acts on them at this step boundary
+        stop = 1.0 + self.rank if self.stop_requested else 0.0
+        minutes = self.cfg.train.save_every_minutes
+        timed = float(bool(minutes) and self.rank == 0 and time.time() - self.last_save_time >= 60 * minutes)
+        mine = torch.tensor([len(reports), bad.wait, bad.drawn, stop, timed] + lrs + timings, dtype=torch.float64,
                             device=self.engine.device)  # NCCL gathers device tensors only
         everyone = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(everyone, mine)
@@ -689,5 +743,7 @@ class Trainer:
 
     def save(self, step: int) -> None:
         checkpoint.save(self.engine, self.ckpt_dir, step, {"bad_samples": self.ledger.count,
-                                                           "data": self.ledger.state_dict()},
+                                                           "data": self.ledger.state_dict(),
+                                                           "skipped_steps": self.skipped_total},
                         self.layer_names, self.parts, keep=self.cfg.train.keep_checkpoints, record=self.record)
+        self.last_save_time, self.timed_save = time.time(), False
