@@ -31,7 +31,7 @@ def _by_step(out):
 
 
 def _rank_pid(out: str, local_rank: int) -> int:
-    ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    ps = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
     for line in ps.splitlines():
         pid, args = line.strip().split(" ", 1)
         if f"--local_rank={local_rank}" in args and out in args and "train.py" in args:
@@ -41,7 +41,7 @@ def _rank_pid(out: str, local_rank: int) -> int:
 
 def test_sigterm_to_one_rank_stops_every_rank_at_a_step_boundary(runs, tmp_path):
     out = str(tmp_path / "preempted")
-    steps = 60
+    steps = 2000  # far more than the test waits for: the signal arrives mid-training
     args = runs.base(out) + ["--set", "parallel.pipeline_stages=2", "--set", f"train.steps={steps}"]
     port = str(29500 + (os.getpid() % 1000) + 31)
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", port, TRAIN_PY] + args
@@ -52,6 +52,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_a_step_boundary(runs, tmp_path)
         if os.path.isfile(metrics) and any('"step": 3,' in line for line in open(metrics)):
             break
         time.sleep(0.1)
+    assert proc.poll() is None
     os.kill(_rank_pid(out, 1), signal.SIGTERM)
     log, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, log[-3000:]
@@ -59,14 +60,16 @@ def test_sigterm_to_one_rank_stops_every_rank_at_a_step_boundary(runs, tmp_path)
     assert len(stopped) == 1 and "by SIGTERM (rank 1)" in stopped[0], log[-3000:]
     k = int(stopped[0].split("stopped at step ")[1].split()[0])
     assert 3 <= k < steps and _latest(out) == f"global_step{k}"
-    launch(2, args + ["--resume"])
-    straight, _ = runs.get("p2_60", 2, ["parallel.pipeline_stages=2", f"train.steps={steps}"])
+    end = k + 3  # resume for three steps; the straight run (same config) stops there too
+    launch(2, args + ["--resume", "--stop-at", str(end)])
+    straight = str(tmp_path / "straight")
+    launch(2, runs.base(straight) + ["--set", "parallel.pipeline_stages=2", "--set", f"train.steps={steps}",
+                                     "--stop-at", str(end)])
     got, want = _by_step(out), _by_step(straight)
-    assert sorted(got) == list(range(1, steps + 1))
-    np.testing.assert_allclose([got[s] for s in range(1, steps + 1)], [want[s] for s in range(1, steps + 1)],
-                               rtol=1e-6)
-    assert_weights_close(load_model_weights(os.path.join(out, "checkpoints"), f"global_step{steps}"),
-                         load_model_weights(os.path.join(straight, "checkpoints"), f"global_step{steps}"),
+    assert sorted(got) == list(range(1, end + 1))
+    np.testing.assert_allclose([got[s] for s in range(1, end + 1)], [want[s] for s in range(1, end + 1)], rtol=1e-6)
+    assert_weights_close(load_model_weights(os.path.join(out, "checkpoints"), f"global_step{end}"),
+                         load_model_weights(os.path.join(straight, "checkpoints"), f"global_step{end}"),
                          rtol=1e-6, atol=1e-7)
 
 
