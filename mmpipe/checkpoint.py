@@ -78,14 +78,19 @@ def _describe(layout: dict) -> str:
     return s
 
 
-def check_layout(saved: dict, current: dict, where: str) -> None:
-    """Same-layout resume only (DeepSpeed's per-stage files): say what the checkpoint holds."""
+def same_layout(saved: dict, current: dict) -> bool:
+    """Whether DeepSpeed's own per-stage files fit this run (else the layout-free path)."""
     keys = ["pipeline_stages", "zero_stage", "stages"] + (["data_parallel"] if saved["zero_stage"] > 0 else [])
-    if any(saved.get(k) != current.get(k) for k in keys):
+    return all(saved.get(k) == current.get(k) for k in keys)
+
+
+def check_layout(saved: dict, current: dict, where: str) -> None:
+    """A checkpoint without layout-free optimizer state resumes on its own layout only."""
+    if not same_layout(saved, current):
         raise MmpipeError(f"--resume: {where} was saved with {_describe(saved)} (placement {saved['placement']}); "
                           f"this run has {_describe(current)}: resume with the checkpoint's layout "
                           "(parallel.pipeline_stages, parallel.placement or parallel.plan, parallel.zero_stage and the "
-                          "number of ranks); resuming on another layout is not supported yet")
+                          "number of ranks); it was saved before mmpipe wrote layout-free optimizer state")
 
 
 def tag_for(step: int) -> str:
@@ -146,7 +151,8 @@ def remove_partial(root: str) -> list:
 
 
 def save(engine, root: str, step: int, client_state: dict, layer_names: Optional[list] = None,
-         parts: Optional[list] = None, keep: int = 0, record: Optional[dict] = None) -> str:
+         parts: Optional[list] = None, keep: int = 0, record: Optional[dict] = None,
+         plain_optimizer: Optional[tuple] = None) -> str:
     """DeepSpeed's checkpoint of ``engine`` at ``step`` plus this rank's RNG, the layer table and
     (rank 0) the run ``record`` with the step and the client state's data position. Atomic: after
     every rank has written all its files, rank 0 marks the directory complete, then moves
@@ -163,7 +169,11 @@ def save(engine, root: str, step: int, client_state: dict, layer_names: Optional
             json.dump({"layers": layer_names, "parts": parts}, fh)
     if rank == 0 and record is not None:
         with open(os.path.join(d, RECORD_FILE), "w") as fh:
-            json.dump({**record, "step": step, "data": client_state.get("data")}, fh, indent=1)
+            json.dump({**record, "step": step, "data": client_state.get("data"),
+                       "client": {k: v for k, v in client_state.items() if k != "data"}}, fh, indent=1)
+    if plain_optimizer is not None:
+        inner, named_params, stage, dp_rank = plain_optimizer
+        save_plain_optimizer(engine, inner, named_params, d, stage, dp_rank)
     if dist.is_initialized():
         dist.barrier()  # every rank's files are written
     if rank == 0:
@@ -180,6 +190,88 @@ def save(engine, root: str, step: int, client_state: dict, layer_names: Optional
     return d
 
 
+OPTIM_FILE = "optim_stage{}.safetensors"  # per pipeline stage: plain name -> fp32 master and Adam moments
+
+
+def _adam_step(inner) -> float:
+    return next((float(s["step"]) for s in inner.state.values() if "step" in s), 0.0)
+
+
+def save_plain_optimizer(engine, inner, named_params, tag_dir: str, stage: int, dp_rank: int) -> None:
+    """This stage's optimizer state under plain parameter names (layout-free): the fp32 master
+    weight and both Adam moments of every trainable parameter, assembled from ZeRO partitions or
+    DeepSpeed's bf16 optimizer (``deepspeed.utils.safe_get_full_*``, a collective over the
+    data-parallel group) or read from the torch optimizer; written by data-parallel rank 0."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from safetensors.torch import save_file
+    out = {}
+    for name, p in named_params:
+        if not p.requires_grad:
+            continue
+        fp32 = safe_get_full_fp32_param(p)
+        if fp32 is None:  # the torch optimizer holds the model's own (fp32) parameter
+            st = inner.state.get(p, {})
+            fp32, m, v = p.data, st.get("exp_avg"), st.get("exp_avg_sq")
+        else:
+            m, v = safe_get_full_optimizer_state(p, "exp_avg"), safe_get_full_optimizer_state(p, "exp_avg_sq")
+        out[f"{name}::fp32"] = fp32.detach().float().cpu().contiguous()
+        if m is not None:
+            out[f"{name}::exp_avg"] = m.detach().float().cpu().contiguous()
+            out[f"{name}::exp_avg_sq"] = v.detach().float().cpu().contiguous()
+    if dp_rank == 0:
+        save_file(out, os.path.join(tag_dir, OPTIM_FILE.format(stage)), metadata={"adam_step": str(_adam_step(inner))})
+
+
+def has_plain_optimizer(tag_dir: str) -> bool:
+    return bool(glob.glob(os.path.join(tag_dir, OPTIM_FILE.format("*"))))
+
+
+def load_elsewhere(engine, inner, named_params, tag_dir: str, step: int, aliases: Optional[dict] = None) -> None:
+    """Resume a checkpoint saved in another layout: weights (plain names), fp32 masters, Adam
+    moments and step count (``save_plain_optimizer``), the lr schedule and the engine's step."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    from safetensors import safe_open
+    state, adam_step = {}, 0.0
+    for f in sorted(glob.glob(os.path.join(tag_dir, OPTIM_FILE.format("*")))):
+        with safe_open(f, "pt") as fh:
+            adam_step = float(fh.metadata().get("adam_step", 0))
+            state.update({k: fh.get_tensor(k) for k in fh.keys()})
+    from mmpipe.parallel.ds_compat import ensure_zero_optimizer_state
+    ensure_zero_optimizer_state(engine.optimizer, inner, adam_step)
+    weights = load_model_weights(os.path.dirname(tag_dir), os.path.basename(tag_dir))
+    for a, b in (aliases or {}).items():  # a tied parameter saved once (one stage) restores both copies
+        for f in ("fp32", "exp_avg", "exp_avg_sq"):
+            if f"{a}::{f}" not in state and f"{b}::{f}" in state:
+                state[f"{a}::{f}"] = state[f"{b}::{f}"]
+    for name, p in named_params:
+        if name not in weights:
+            raise MmpipeError(f"--resume: {tag_dir} holds no weight for {name}: it is another model's checkpoint")
+        fp32 = state.get(f"{name}::fp32", weights[name].float()).to(p.device)
+        with torch.no_grad():
+            p.data.copy_(fp32.to(p.dtype))
+        if not p.requires_grad or f"{name}::exp_avg" not in state:
+            continue
+        m, v = state[f"{name}::exp_avg"].to(p.device), state[f"{name}::exp_avg_sq"].to(p.device)
+        if hasattr(p, "_hp_mapping") or hasattr(p, "ds_id"):
+            safe_set_full_fp32_param(p, fp32)
+            safe_set_full_optimizer_state(p, m, "exp_avg")
+            safe_set_full_optimizer_state(p, v, "exp_avg_sq")
+        else:
+            inner.state[p] = {"step": torch.tensor(adam_step), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    for s in inner.state.values():
+        if "step" in s:
+            s["step"] = torch.tensor(adam_step) if torch.is_tensor(s["step"]) else adam_step
+    sched = engine.lr_scheduler
+    if sched is not None:  # the schedule at the step reached (LambdaLR, or DeepSpeed's WarmupLR & co.)
+        if hasattr(sched, "last_batch_iteration"):
+            sched.last_batch_iteration = step - 1
+        else:
+            sched.last_epoch = step - 1
+        sched.step()
+    engine.global_steps = step
+    engine.global_samples = step * engine.train_batch_size()
+
+
 def _test_die_in_save(step: int, rank: int) -> None:
     """Test hook: ``MMPIPE_TEST_DIE_IN_SAVE=STEP:RANK`` ends that rank abruptly (no cleanup, as
     kill -9 does) in the middle of that step's checkpoint, after its DeepSpeed files."""
@@ -188,16 +280,24 @@ def _test_die_in_save(step: int, rank: int) -> None:
         os._exit(137)
 
 
-def load(engine, root: str, layout: Optional[dict] = None) -> dict:
-    """Load the latest checkpoint into ``engine`` (after checking it was saved in ``layout``);
-    restore this rank's RNG. Returns client state."""
+def load(engine, root: str, layout: Optional[dict] = None, inner=None, named_params=None,
+         aliases: Optional[dict] = None) -> dict:
+    """Load the latest checkpoint into ``engine``: in the layout it was saved in, DeepSpeed's own
+    files (and this rank's RNG); in another (P, DP, ZeRO stage, stage boundaries), the plain
+    weights and layout-free optimizer state (``load_elsewhere``). Returns the client state."""
     if not os.path.isfile(os.path.join(root, "latest")):
         raise MmpipeError(f"--resume: no checkpoint in {root} (no 'latest' file); run without --resume first")
     tag_dir = os.path.join(root, latest_tag(root))
     check_complete(tag_dir)
     saved = saved_layout(root)
-    if layout is not None and saved is not None:
-        check_layout(saved, layout, os.path.join(root, latest_tag(root)))
+    if layout is not None and saved is not None and not same_layout(saved, layout):
+        if not has_plain_optimizer(tag_dir):
+            check_layout(saved, layout, tag_dir)
+        record = read_record(tag_dir)
+        client = dict(record.get("client") or {"data": record.get("data")})
+        client["step"] = int(record["step"])
+        load_elsewhere(engine, inner, named_params, tag_dir, client["step"], aliases)
+        return client
     path, client = engine.load_checkpoint(root, load_lr_scheduler_states=True, load_optimizer_states=True)
     if path is None:
         raise MmpipeError(f"--resume: DeepSpeed could not load the checkpoint in {root}")

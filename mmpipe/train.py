@@ -542,6 +542,7 @@ class Trainer:
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=torch_groups, config=self.ds_cfg,
                                                     lr_scheduler=scheduler)
         self.runner = strategy.runner(self.engine, cfg.log.stage_timing)
+        self.named_params = list(strategy.named_parameters(model))  # plain names (layout-free checkpoints)
         pipelined = self.topo.pipeline_stages > 1
         self.layer_names = self.plan.layers if pipelined else None
         self.parts = self.plan.parts if pipelined else None
@@ -564,7 +565,9 @@ class Trainer:
         self.ledger = BadSampleLedger(self.cfg.data.max_bad_fraction, int(n_train))
         self.start_step = 0
         if self.resume:
-            client = agree(self.rank, lambda: checkpoint.load(self.engine, self.ckpt_dir, self.layout))
+            ties = {a: b for pair in self.family.tied_weights() for a, b in (pair, pair[::-1])}
+            client = agree(self.rank, lambda: checkpoint.load(self.engine, self.ckpt_dir, self.layout, self.inner,
+                                                              self.named_params, ties))
             self.start_step = int(client.get("step", 0))
             self.skipped_total = int(client.get("skipped_steps", 0))
             self.ledger.load_state_dict(client.get("data", {}))
@@ -745,5 +748,6 @@ class Trainer:
         checkpoint.save(self.engine, self.ckpt_dir, step, {"bad_samples": self.ledger.count,
                                                            "data": self.ledger.state_dict(),
                                                            "skipped_steps": self.skipped_total},
-                        self.layer_names, self.parts, keep=self.cfg.train.keep_checkpoints, record=self.record)
+                        self.layer_names, self.parts, keep=self.cfg.train.keep_checkpoints, record=self.record,
+                        plain_optimizer=(self.inner, self.named_params, self.stage, self.dp_rank))
         self.last_save_time, self.timed_save = time.time(), False

@@ -71,6 +71,24 @@ def wrap_zero_step(zero_optimizer, before: Callable[[], None]) -> None:
     zero_optimizer.step = step
 
 
+def ensure_zero_optimizer_state(ds_optimizer, inner, step: float) -> None:
+    """``DeepSpeedZeroOptimizer`` and ``BF16_Optimizer`` create the Adam state of their flat fp32
+    partitions at the first step and only then link it to the parameters
+    (``safe_set_full_optimizer_state`` needs that link): create it (zeros, at ``step``) and link
+    it, for a resume before any step."""
+    groups = (getattr(ds_optimizer, "single_partition_of_fp32_groups", None)
+              or getattr(ds_optimizer, "fp32_groups_flat_partition", None))
+    if groups is None or not hasattr(ds_optimizer, "_lazy_init_hp_params_optimizer_state"):
+        return
+    import torch
+    for flat in groups:
+        if flat not in inner.state:
+            inner.state[flat] = {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(flat),
+                                 "exp_avg_sq": torch.zeros_like(flat)}
+    ds_optimizer._hp_optimizer_states_linked = False
+    ds_optimizer._lazy_init_hp_params_optimizer_state()
+
+
 def zero_group_grads(zero_optimizer, i: int) -> list:
     """The reduced gradient partition(s) of param group ``i`` of a ``DeepSpeedZeroOptimizer``."""
     flat = zero_optimizer._get_preflattened_grad_partition(i)
