@@ -280,8 +280,44 @@ def _test_die_in_save(step: int, rank: int) -> None:
         os._exit(137)
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_model(tag_dir: str, model: dict) -> None:
+    """The checkpoint's record was written for this model config (one line naming what differs)."""
+    record = read_record(tag_dir)
+    if not record or "model" not in record:
+        return
+    saved, now = _flat(record["model"]), _flat(model)
+    diff = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    if diff:
+        shown = ", ".join(f"model.{k}: {saved.get(k)!r} saved, {now.get(k)!r} now" for k in diff[:3])
+        raise MmpipeError(f"--resume: {tag_dir} was saved by another model config ({shown}"
+                          f"{' ...' if len(diff) > 3 else ''}); resume with the config it was trained with "
+                          "(its config.yaml), or start a new train.output_dir")
+
+
+def _readable(what: str, fn):
+    """Run a checkpoint read; a corrupt or unreadable file becomes one line naming it."""
+    try:
+        return fn()
+    except MmpipeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch/DeepSpeed read errors of damaged files
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise MmpipeError(f"--resume: cannot read {what}: {type(e).__name__}: {first}; restore the file or point "
+                          "latest at an earlier checkpoint") from None
+
+
 def load(engine, root: str, layout: Optional[dict] = None, inner=None, named_params=None,
-         aliases: Optional[dict] = None) -> dict:
+         aliases: Optional[dict] = None, model: Optional[dict] = None) -> dict:
     """Load the latest checkpoint into ``engine``: in the layout it was saved in, DeepSpeed's own
     files (and this rank's RNG); in another (P, DP, ZeRO stage, stage boundaries), the plain
     weights and layout-free optimizer state (``load_elsewhere``). Returns the client state."""
@@ -289,6 +325,8 @@ def load(engine, root: str, layout: Optional[dict] = None, inner=None, named_par
         raise MmpipeError(f"--resume: no checkpoint in {root} (no 'latest' file); run without --resume first")
     tag_dir = os.path.join(root, latest_tag(root))
     check_complete(tag_dir)
+    if model is not None:
+        check_model(tag_dir, model)
     saved = saved_layout(root)
     if layout is not None and saved is not None and not same_layout(saved, layout):
         if not has_plain_optimizer(tag_dir):
@@ -296,9 +334,10 @@ def load(engine, root: str, layout: Optional[dict] = None, inner=None, named_par
         record = read_record(tag_dir)
         client = dict(record.get("client") or {"data": record.get("data")})
         client["step"] = int(record["step"])
-        load_elsewhere(engine, inner, named_params, tag_dir, client["step"], aliases)
+        _readable(tag_dir, lambda: load_elsewhere(engine, inner, named_params, tag_dir, client["step"], aliases))
         return client
-    path, client = engine.load_checkpoint(root, load_lr_scheduler_states=True, load_optimizer_states=True)
+    path, client = _readable(tag_dir, lambda: engine.load_checkpoint(root, load_lr_scheduler_states=True,
+                                                                      load_optimizer_states=True))
     if path is None:
         raise MmpipeError(f"--resume: DeepSpeed could not load the checkpoint in {root}")
     rank = dist.get_rank() if dist.is_initialized() else 0

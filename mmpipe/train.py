@@ -566,8 +566,9 @@ class Trainer:
         self.start_step = 0
         if self.resume:
             ties = {a: b for pair in self.family.tied_weights() for a, b in (pair, pair[::-1])}
+            model = self.cfg.to_dict()["model"]
             client = agree(self.rank, lambda: checkpoint.load(self.engine, self.ckpt_dir, self.layout, self.inner,
-                                                              self.named_params, ties))
+                                                              self.named_params, ties, model))
             self.start_step = int(client.get("step", 0))
             self.skipped_total = int(client.get("skipped_steps", 0))
             self.ledger.load_state_dict(client.get("data", {}))

@@ -124,3 +124,27 @@ def test_max_bad_steps_stops_the_run_with_one_line(runs, tmp_path):
     lines = [line for line in str(e.value).splitlines() if line.startswith("mmpipe: ")]
     assert len(lines) == 1 and "step 3: 2 consecutive steps skipped for non-finite gradients" in lines[0], lines
     assert "grad_norm.vision=nan" in lines[0]
+
+
+@pytest.mark.parametrize("damage,sets,expect", [
+    ("truncate", [], "cannot read"),
+    (None, ["model.projection_dim=24"], "was saved by another model config (model.projection_dim: 32 saved, 24 now)"),
+])
+def test_unusable_checkpoints_are_one_line(runs, tmp_path, damage, sets, expect):
+    import shutil
+    ref = reference(runs)
+    out = str(tmp_path / "copy")
+    shutil.copytree(ref, out)
+    if damage == "truncate":
+        for f in os.listdir(os.path.join(out, "checkpoints", "global_step6")):
+            if f.startswith("layer_"):
+                path = os.path.join(out, "checkpoints", "global_step6", f)
+                open(path, "r+b").truncate(100)
+    args = runs.base(out) + ["--set", "parallel.pipeline_stages=1", "--set", "train.steps=8"]
+    for s in sets:
+        args += ["--set", s]
+    with pytest.raises(AssertionError) as e:
+        launch(1, args + ["--resume"], "python")
+    lines = [line for line in str(e.value).splitlines() if line.startswith("mmpipe: ")]
+    assert len(lines) == 1 and expect in lines[0] and "global_step6" in lines[0], str(e.value)[-2000:]
+    assert "Traceback" not in str(e.value)
