@@ -134,6 +134,9 @@ class TrainConfig(Section):
     save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
     save_every_minutes: Optional[float] = _f(None, "also checkpoint at the first step boundary after this many minutes "
                                              "since the last save (rank 0's clock; preemptible jobs)")
+    collective_timeout_minutes: float = _f(30.0, "a rank that stops answering (hung; or dead, under NCCL) ends the "
+                                           "run after this long; under gloo a dead rank's closed connections end it "
+                                           "at once")
     max_bad_steps: int = _f(3, "stop after this many consecutive steps skipped for non-finite gradients (0 = never)")
     eval_every: int = _f(0, "zero-shot retrieval eval every N steps (0 = only at the end)")
     keep_checkpoints: int = _f(2, "checkpoints kept on disk (oldest removed); 0 = keep all")

@@ -351,8 +351,11 @@ class GradClipper:
             norm = self.engine.get_global_grad_norm()
             self.last_norm = None if norm is None else float(norm)
             self.last_coef = 1.0 if self.last_norm is None else clip_coef(self.last_norm, self.ds_limit)
+        # fp16: DeepSpeed's loss scaler skips an overflowing step itself; it counts the same
+        ds_skipped = int(getattr(self.engine, "skipped_steps", 0) or 0)
+        overflow, self._ds_skipped = ds_skipped > getattr(self, "_ds_skipped", 0), ds_skipped
         out = {"grad_norm": self.last_norm, "clip_coef": self.last_coef, "clip_time": self.seconds,
-               "clip_wait": self.wait_seconds, "skipped": bool(self.skip)}
+               "clip_wait": self.wait_seconds, "skipped": bool(self.skip or overflow)}
         self.skip = False
         for n in self.names:
             out[f"grad_norm.{n}"] = self.group_norms.get(n)

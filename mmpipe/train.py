@@ -39,7 +39,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> tuple[int, int]:
+def init_distributed(timeout_minutes: Optional[float] = None) -> tuple[int, int]:
     """Join (or, under plain ``python``, create) the process group with the accelerator's backend."""
     if "RANK" not in os.environ:  # plain `python launch/train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -52,7 +52,9 @@ def init_distributed() -> tuple[int, int]:
     if get_accelerator().device_name() != "cpu":  # before the first collective: NCCL uses the current device
         get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        from datetime import timedelta
+        kw = {"timeout": timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **kw)
     if get_accelerator().device_name() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or dist.get_world_size())
         from mmpipe.topology import threads_per_rank
@@ -404,7 +406,7 @@ class Trainer:
     def setup(self) -> None:
         import signal
         self.validate()
-        self.rank, self.world = init_distributed()
+        self.rank, self.world = init_distributed(self.cfg.train.collective_timeout_minutes)
         import threading
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGTERM, signal.SIGINT):
