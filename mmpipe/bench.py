@@ -335,11 +335,7 @@ def bench_balance(args) -> int:
                  f"max_length and the decoder stages cheaper than predicted (a first run so padded measured auto "
                  f"1.02x vs modality against 1.12x predicted). Chart: "
                  f"benchmarks/balance_VLM_image_heavy.png.")
-        print(notes)
-        if not args.no_append:
-            cmd = "mmpipe bench balance " + " ".join(shlex.quote(a) for a in sys.argv[3:])
-            append_benchmarks("Stage balance: VLM, modality vs auto", cmd, table, notes)
-        return 0
+        return _report_balance(args, "Stage balance: VLM, modality vs auto", table, notes)
     info = synth(os.path.join(tmp, "data"), args.n, val_fraction=0.0, size=96, seed=0, progress=False)
     models = [("image-heavy", os.path.join(ROOT, "configs", "bench_image_heavy.yaml"), []),
               ("text-heavy", os.path.join(ROOT, "configs", "bench_text_heavy.yaml"), [])]
@@ -363,10 +359,14 @@ def bench_balance(args) -> int:
              f"benchmarks/balance_*.png (bars: predicted busy/idle per stage, dashes: measured step); trace of the "
              f"image-heavy auto run: benchmarks/balance_image_heavy_auto_trace.json (ui.perfetto.dev) and "
              f"_timeline.png.")
+    return _report_balance(args, "Stage balance: placements vs single process", table, notes)
+
+
+def _report_balance(args, title: str, table: str, notes: str) -> int:
     print(notes)
     if not args.no_append:
         cmd = "mmpipe bench balance " + " ".join(shlex.quote(a) for a in sys.argv[3:])
-        append_benchmarks("Stage balance: placements vs single process", cmd, table, notes)
+        append_benchmarks(title, cmd, table, notes)
     return 0
 
 
