@@ -53,6 +53,9 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> tuple[int, int]
         get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
         from datetime import timedelta
+        if get_accelerator().device_name() == "cpu":
+            from mmpipe.parallel.ds_compat import skip_cpu_shm_allreduce
+            skip_cpu_shm_allreduce()
         kw = {"timeout": timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **kw)
     if get_accelerator().device_name() == "cpu" and "OMP_NUM_THREADS" not in os.environ:

@@ -89,6 +89,16 @@ def ensure_zero_optimizer_state(ds_optimizer, inner, step: float) -> None:
     ds_optimizer._lazy_init_hp_params_optimizer_state()
 
 
+def skip_cpu_shm_allreduce() -> None:
+    """On the CPU accelerator DeepSpeed's process-group wrapper builds its shared-memory all-reduce
+    (used only by ``inference_all_reduce``, never by training) and gives every rank a ~65 MB
+    buffer in /dev/shm that outlives the run; mmpipe does not use it, so it is not built."""
+    import importlib
+    # (``import deepspeed.comm.torch as m`` would bind the ``torch`` name deepspeed.comm imports)
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    ds_torch.build_shm_op = lambda: None
+
+
 def zero_group_grads(zero_optimizer, i: int) -> list:
     """The reduced gradient partition(s) of param group ``i`` of a ``DeepSpeedZeroOptimizer``."""
     flat = zero_optimizer._get_preflattened_grad_partition(i)
