@@ -204,6 +204,9 @@ def save_plain_optimizer(engine, inner, named_params, tag_dir: str, stage: int, 
     data-parallel group) or read from the torch optimizer; written by data-parallel rank 0."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from safetensors.torch import save_file
+
+    from mmpipe.parallel.ds_compat import relink_optimizer_state
+    relink_optimizer_state(engine.optimizer)
     out = {}
     for name, p in named_params:
         if not p.requires_grad:
@@ -212,14 +215,24 @@ def save_plain_optimizer(engine, inner, named_params, tag_dir: str, stage: int, 
         if fp32 is None:  # the torch optimizer holds the model's own (fp32) parameter
             st = inner.state.get(p, {})
             fp32, m, v = p.data, st.get("exp_avg"), st.get("exp_avg_sq")
-        else:
-            m, v = safe_get_full_optimizer_state(p, "exp_avg"), safe_get_full_optimizer_state(p, "exp_avg_sq")
+        else:  # (no state yet, e.g. every step so far skipped: the moments are left out)
+            m, v = _full_state(p, "exp_avg"), _full_state(p, "exp_avg_sq")
         out[f"{name}::fp32"] = fp32.detach().float().cpu().contiguous()
         if m is not None:
             out[f"{name}::exp_avg"] = m.detach().float().cpu().contiguous()
             out[f"{name}::exp_avg_sq"] = v.detach().float().cpu().contiguous()
     if dp_rank == 0:
         save_file(out, os.path.join(tag_dir, OPTIM_FILE.format(stage)), metadata={"adam_step": str(_adam_step(inner))})
+
+
+def _full_state(p, key: str):
+    """A parameter's whole Adam state ``key`` (a collective over its data-parallel group; every
+    rank calls it for the same parameters), None when the optimizer holds none yet."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+    try:
+        return safe_get_full_optimizer_state(p, key)
+    except ValueError:
+        return None
 
 
 def has_plain_optimizer(tag_dir: str) -> bool:
@@ -262,12 +275,14 @@ def load_elsewhere(engine, inner, named_params, tag_dir: str, step: int, aliases
         if "step" in s:
             s["step"] = torch.tensor(adam_step) if torch.is_tensor(s["step"]) else adam_step
     sched = engine.lr_scheduler
-    if sched is not None:  # the schedule at the step reached (LambdaLR, or DeepSpeed's WarmupLR & co.)
-        if hasattr(sched, "last_batch_iteration"):
-            sched.last_batch_iteration = step - 1
-        else:
-            sched.last_epoch = step - 1
-        sched.step()
+    if sched is not None and hasattr(sched, "lr_lambdas"):  # mmpipe's schedule (LambdaLR) at the step reached
+        sched.last_epoch = step
+        lrs = [base * f(step) for base, f in zip(sched.base_lrs, sched.lr_lambdas)]
+        for g, lr in zip(sched.optimizer.param_groups, lrs):
+            g["lr"] = lr
+        sched._last_lr = lrs
+    elif sched is not None and hasattr(sched, "last_batch_iteration"):  # DeepSpeed's WarmupLR & co.
+        sched.step(step - 1)
     engine.global_steps = step
     engine.global_samples = step * engine.train_batch_size()
 

@@ -288,6 +288,7 @@ class GradClipper:
                 return None
             return original(*args, **kwargs)
 
+        step._wrapped_by_lr_sched = True  # (torch's LR scheduler checks that its own wrapper is still there)
         inner.step = step
 
     # -- where the gradients are -----------------------------------------------------------------

@@ -99,6 +99,16 @@ def skip_cpu_shm_allreduce() -> None:
     ds_torch.build_shm_op = lambda: None
 
 
+def relink_optimizer_state(ds_optimizer) -> None:
+    """``DeepSpeedZeroOptimizer`` / ``BF16_Optimizer`` link each parameter to its Adam state once,
+    right after the first param group's first step, when the other groups have no state yet (their
+    fragments stay empty for good): link again, once every group has stepped, before reading the
+    state with ``safe_get_full_optimizer_state``."""
+    if hasattr(ds_optimizer, "_lazy_init_hp_params_optimizer_state"):
+        ds_optimizer._hp_optimizer_states_linked = False
+        ds_optimizer._lazy_init_hp_params_optimizer_state()
+
+
 def zero_group_grads(zero_optimizer, i: int) -> list:
     """The reduced gradient partition(s) of param group ``i`` of a ``DeepSpeedZeroOptimizer``."""
     flat = zero_optimizer._get_preflattened_grad_partition(i)
