@@ -27,15 +27,14 @@ def _from_step4(ref: str, out: str) -> None:
         (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(out, f))
 
 
+@pytest.mark.parametrize("family", ["clip", "vlm"])  # (the toy family's layouts: covered by these two)
 @pytest.mark.parametrize("key,nprocs,launcher,sets", [
     ("el_p1", 1, "python", ["parallel.pipeline_stages=1"]),
     ("el_p3", 3, "deepspeed", ["parallel.pipeline_stages=3"]),
     ("el_p2dp2_z1", 4, "deepspeed", ["parallel.pipeline_stages=2", "parallel.zero_stage=1"]),
 ])
-def test_resume_on_another_layout(parity_family, family_runs_of, tmp_path, key, nprocs, launcher, sets):
-    if parity_family == "toy":
-        pytest.skip("the toy family's layouts are covered by clip and vlm")
-    runs = family_runs_of(parity_family)
+def test_resume_on_another_layout(family, family_runs_of, tmp_path, key, nprocs, launcher, sets):
+    runs = family_runs_of(family)
     ref = reference(runs)
     out = str(tmp_path / key)
     _from_step4(ref, out)
