@@ -147,8 +147,8 @@ class LogConfig(Section):
     progress: bool = _f(True, "progress bar on the reporting rank")
     every: int = _f(1, "print a log line every N steps")
     tensorboard: bool = _f(False, "also write TensorBoard events into output_dir/tb")
-    grad_norm: bool = _f(True, "log global and per-group gradient norms every step (one small all-reduce); "
-                               "false skips it when nothing is clipped")
+    grad_norm: bool = _f(True, "log global and per-group gradient norms every step (they are always computed: a "
+                               "non-finite norm skips the step); kept for older configs")
     stage_timing: bool = _f(True, "time every pipeline instruction per stage; busy/data/idle fractions per stage in "
                             "metrics.jsonl")
     trace: Optional[list] = _f(None, "[first, last] steps to record as OUTPUT/trace.json (Perfetto/Chrome) and "

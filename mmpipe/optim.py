@@ -236,7 +236,7 @@ class GradClipper:
       are refused there (``train.run``).
     """
 
-    def __init__(self, engine, groups: list[Group], max_norm: Optional[float], enabled: bool = True):
+    def __init__(self, engine, groups: list[Group], max_norm: Optional[float]):
         self.engine = engine
         self.max_norm = max_norm
         self.groups = [g for g in groups if not g.frozen]

@@ -552,7 +552,7 @@ class Trainer:
         self.layer_names = self.plan.layers if pipelined else None
         self.parts = self.plan.parts if pipelined else None
         # under ZeRO-2/3 DeepSpeed clips (its gradient buckets are not read here); the clipper logs its norm
-        self.clipper = GradClipper(self.engine, self.groups, cfg.optim.max_grad_norm, enabled=cfg.log.grad_norm)
+        self.clipper = GradClipper(self.engine, self.groups, cfg.optim.max_grad_norm)
         self.layout = checkpoint.layout_record(self.topo, cfg, self.layer_names, self.parts)
         self.record = checkpoint.run_record(cfg, self.layout, self.plan.to_json())
         self.trainable = [g for g in self.groups if not g.frozen]

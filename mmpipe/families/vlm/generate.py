@@ -19,28 +19,22 @@ class Generator:
         import mmpipe
         from mmpipe.families import build_family
         from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-        from mmpipe.train import prepare_tokenizer
+        from mmpipe.config import family_of
+        from mmpipe.export import run_tokenizer
         cfg_path = os.path.join(run_dir, "config.yaml")
         if not os.path.isfile(cfg_path):
             raise ConfigError(f"--run {run_dir}: no config.yaml (not an mmpipe run directory)")
         cfg = mmpipe.load_config(cfg_path)
         if cfg.model.type != "vlm":
             raise ConfigError(f"--run {run_dir}: model.type={cfg.model.type}; mmpipe generate answers with a VLM run")
-        cfg = mmpipe.config.replace(cfg, train__output_dir=run_dir)
         self.family = build_family(cfg.model, cfg.train.seed)
-        self.tok = prepare_tokenizer(cfg, type(self.family), 0) if cfg.data.tokenizer or \
-            self.family.tokenizer_weights(cfg.model)[1] else self._run_tokenizer(run_dir)
+        self.tok = run_tokenizer(cfg, family_of(cfg), run_dir)
         self.encoder = self.family.encoder(self.tok, cfg.data.max_length)
         self.model = self.family.hf.hf_model(mmpipe.load_weights(run_dir, step)).to(device)
         self.device, self.mean, self.std = device, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
         self.size = self.family.vision_cfg.image_size
         end = self.tok.convert_tokens_to_ids("<|end|>") if "<|end|>" in self.tok.get_vocab() else None
         self.stop = [t for t in (end, self.tok.eos_token_id) if t is not None]
-
-    def _run_tokenizer(self, run_dir):
-        from mmpipe.data.tokenizer import load_tokenizer
-        return type(self.family).prepare_tokenizer(load_tokenizer(os.path.join(run_dir, "tokenizer"),
-                                                                  "tokenizer in the run directory"))
 
     def pixels(self, image_path: str) -> torch.Tensor:
         from mmpipe.data.loader import decode_sample
