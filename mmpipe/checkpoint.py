@@ -288,11 +288,12 @@ def load_elsewhere(engine, inner, named_params, tag_dir: str, step: int, aliases
 
 
 def _test_die_in_save(step: int, rank: int) -> None:
-    """Test hook: ``MMPIPE_TEST_DIE_IN_SAVE=STEP:RANK`` ends that rank abruptly (no cleanup, as
-    kill -9 does) in the middle of that step's checkpoint, after its DeepSpeed files."""
+    """Test hook: ``MMPIPE_TEST_DIE_IN_SAVE=STEP:RANK`` kills that rank with SIGKILL (no cleanup)
+    in the middle of that step's checkpoint, after its DeepSpeed files."""
     spec = os.environ.get("MMPIPE_TEST_DIE_IN_SAVE")
     if spec and spec == f"{step}:{rank}":
-        os._exit(137)
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

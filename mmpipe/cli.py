@@ -52,8 +52,11 @@ def cmd_generate(args) -> int:
 
 def cmd_export(args) -> int:
     from mmpipe.export import export
-    out = export(args.run, args.out, args.step, args.dtype)
-    print(f"wrote {out} (load with transformers' from_pretrained)")
+    out, kind, why = export(args.run, args.out, args.step, args.dtype, args.format)
+    if kind == "mmpipe":
+        print(f"wrote {out} in mmpipe's format (load with mmpipe.build_model({out!r})): {why}")
+    else:
+        print(f"wrote {out} as transformers' {kind} ({why}; load with {kind}.from_pretrained)")
     return 0
 
 
@@ -126,11 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.set_defaults(func=cmd_generate)
-    e = sub.add_parser("export", help="a run's checkpoint (any layout) as a transformers directory")
+    e = sub.add_parser("export", help="a run's checkpoint (any layout) as a transformers directory (or mmpipe's "
+                       "own format where transformers has no matching class)")
     e.add_argument("--run", required=True, help="run directory (train.output_dir)")
     e.add_argument("--out", required=True, help="directory to write (save_pretrained layout)")
     e.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     e.add_argument("--dtype", default="fp32", help="fp32 or bf16 weights")
+    e.add_argument("--format", default="auto", help="auto (transformers where a class computes the same outputs, "
+                   "else mmpipe's), hf, or mmpipe (safetensors + config.yaml, for mmpipe.build_model)")
     e.set_defaults(func=cmd_export)
     d = sub.add_parser("data", help="data tools").add_subparsers(dest="data_cmd", required=True)
     s = d.add_parser("synth", help="write a learnable synthetic image-caption (or, --kind vlm, chat) data set")
@@ -190,9 +196,12 @@ def run_guarded(func, args) -> int:
     except RuntimeError as e:  # torch.distributed's DistBackendError is one
         if not _peer_lost(e):
             raise
-        # another rank exited (its own error line is printed by it): one line here, no traceback
-        print(f"mmpipe: [rank {rank}] stopped: lost contact with another rank ({_first_line(e)})",
-              file=sys.stderr, flush=True)
+        # another rank exited (its own error line is printed by it): one line here naming it, no traceback
+        from mmpipe.parallel.roster import describe_lost
+        who = describe_lost()
+        what = f"{who} is gone" if who else "lost contact with another rank"
+        print(f"mmpipe: [rank {rank}] stopped: {what}; resume from the last complete checkpoint with --resume "
+              f"({_first_line(e)})", file=sys.stderr, flush=True)
         return 3
 
 
@@ -205,7 +214,7 @@ def _peer_lost(e: BaseException) -> bool:
     msg = str(e)
     return os.environ.get("WORLD_SIZE", "1") != "1" and any(
         s in msg for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                           "NCCL communicator was aborted"))
+                           "NCCL communicator was aborted", "Timed out", "timed out", "Timeout"))
 
 
 def main(argv=None) -> int:

@@ -23,3 +23,8 @@ class ConfigError(MmpipeError):
 
 class DataError(MmpipeError):
     """A data problem that stops the run (missing manifest, too many bad samples)."""
+
+
+class NoHFFormat(ConfigError):
+    """The model has no transformers class computing the same outputs (``mmpipe export`` then
+    writes mmpipe's own format); the message says why."""

@@ -1,19 +1,31 @@
-"""``mmpipe export --run DIR [--step N] --out DIR [--dtype fp32|bf16]``: a run's checkpoint (any
-layout, no DeepSpeed engine) as a transformers directory: safetensors weights, config, the run's
-tokenizer and an image processor whose preprocessing is the run's (square resize + centre crop to
-the tower's size, the tower's mean/std).
+"""``mmpipe export --run DIR [--step N] --out DIR [--dtype fp32|bf16] [--format auto|hf|mmpipe]``: a
+run's checkpoint (any layout, no DeepSpeed engine) as a directory others load.
+
+transformers format (``hf``): safetensors weights, config, the run's tokenizer and an image processor
+whose preprocessing is the run's (square resize + centre crop to the tower's size, its mean/std):
 
 - CLIP ViT + CLIP text -> ``CLIPModel`` + ``CLIPProcessor``
+- CLIP ViT + BERT pooled by its pooler -> ``VisionTextDualEncoderModel`` + its processor
 - VLM -> ``LlavaForConditionalGeneration`` + ``LlavaProcessor`` (the run's chat template)
+
+mmpipe's own format (``mmpipe``; what ``auto`` picks when no transformers class computes the same
+outputs, e.g. a ResNet image tower): ``model.safetensors`` in the plain model's names, ``config.yaml``
+(the run's ``model`` section), the config files of its pretrained directories (no weights), the
+tokenizer and the image processor; ``mmpipe.build_model(DIR)`` returns the trained model.
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from typing import Optional
 
 import torch
 
-from mmpipe.errors import ConfigError
+from mmpipe.errors import ConfigError, NoHFFormat
+
+MARKER = "mmpipe_export.json"
+_PRETRAINED_FILES = ("config.json", "preprocessor_config.json")
 
 
 def run_tokenizer(cfg, family_cls, run_dir: str):
@@ -38,7 +50,8 @@ def image_processor(size: int, mean, std):
                               image_mean=list(mean), image_std=list(std), do_convert_rgb=True)
 
 
-def export(run_dir: str, out: str, step: Optional[int] = None, dtype: str = "fp32") -> str:
+def export(run_dir: str, out: str, step: Optional[int] = None, dtype: str = "fp32", fmt: str = "auto") -> tuple:
+    """Write the export; returns (out, what was written: a transformers class or "mmpipe", why)."""
     import mmpipe
     from mmpipe.config import family_of
     from mmpipe.families import build_family
@@ -47,14 +60,95 @@ def export(run_dir: str, out: str, step: Optional[int] = None, dtype: str = "fp3
         raise ConfigError(f"--run {run_dir}: no config.yaml (not an mmpipe run directory)")
     if dtype not in ("fp32", "bf16"):
         raise ConfigError(f"--dtype {dtype}: give fp32 or bf16")
+    if fmt not in ("auto", "hf", "mmpipe"):
+        raise ConfigError(f"--format {fmt}: give auto, hf or mmpipe")
     cfg = mmpipe.load_config(cfg_path)
     state = mmpipe.load_weights(run_dir, step)  # one line when there is no checkpoint
     family = build_family(cfg.model, cfg.train.seed)
     tok = run_tokenizer(cfg, family_of(cfg), run_dir)
-    model, processor = family.hf_export(state, tok)
-    if dtype == "bf16":
-        model = model.to(torch.bfloat16)
     os.makedirs(out, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    processor.save_pretrained(out)
-    return out
+    if fmt != "mmpipe":
+        try:
+            model, processor = family.hf_export(state, tok)
+        except NoHFFormat as e:
+            if fmt == "hf":
+                raise ConfigError(f"--format hf: {e}; export with --format mmpipe") from None
+            why = str(e)
+        else:
+            if dtype == "bf16":
+                model = model.to(torch.bfloat16)
+            model.save_pretrained(out, safe_serialization=True)
+            processor.save_pretrained(out)
+            return out, type(model).__name__, "transformers"
+    else:
+        why = "--format mmpipe"
+    if dtype == "bf16":
+        state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
+    _save_own(cfg, family, state, tok, out)
+    return out, "mmpipe", why
+
+
+def _save_own(cfg, family, state: dict, tok, out: str) -> None:
+    """mmpipe's own format: plain weights, the model section (pretrained directories replaced by
+    copies of their config files), tokenizer, image processor."""
+    import yaml
+    from safetensors.torch import save_file
+
+    import mmpipe
+    model_section = cfg.to_dict()["model"]
+
+    def localise(section: dict, where: str) -> None:
+        for k, v in section.items():
+            if isinstance(v, dict):
+                localise(v, f"{where}.{k}")
+            elif k == "pretrained" and v:
+                rel = os.path.join("pretrained", where.replace(".", "_"))
+                os.makedirs(os.path.join(out, rel), exist_ok=True)
+                for f in _PRETRAINED_FILES:
+                    if os.path.isfile(os.path.join(v, f)):
+                        shutil.copy(os.path.join(v, f), os.path.join(out, rel, f))
+                section[k] = rel
+    localise(model_section, "model")
+    with open(os.path.join(out, "config.yaml"), "w") as fh:
+        fh.write("# mmpipe export: mmpipe.build_model(<this directory>) returns the trained model\n")
+        yaml.safe_dump({"model": model_section, "data": {"max_length": cfg.data.max_length}}, fh, sort_keys=False)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt"})
+    tok.save_pretrained(out)
+    proc = family.preprocessor()
+    if proc is not None:
+        proc.save_pretrained(out)
+    with open(os.path.join(out, MARKER), "w") as fh:
+        json.dump({"format": "mmpipe", "model_type": family.name, "mmpipe_version": mmpipe.__version__}, fh)
+
+
+def is_export(path) -> bool:
+    return isinstance(path, (str, os.PathLike)) and os.path.isfile(os.path.join(path, MARKER))
+
+
+def load_export_weights(path: str) -> dict:
+    from safetensors.torch import load_file
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def build_exported(path: str, seed=None):
+    """The plain model of an mmpipe-format export with its weights (pretrained paths resolved in it)."""
+    import mmpipe
+    from mmpipe.families import build_family
+    cfg = mmpipe.load_config(os.path.join(path, "config.yaml"))
+
+    def resolve(section) -> None:
+        for name in getattr(section, "__dataclass_fields__", {}):
+            v = getattr(section, name)
+            if hasattr(v, "__dataclass_fields__"):
+                resolve(v)
+            elif name == "pretrained" and v and not os.path.isabs(v):
+                object.__setattr__(section, name, os.path.join(path, v))
+    from mmpipe.fields import thawed_copy
+    model_cfg = thawed_copy(cfg.model)
+    resolve(model_cfg)
+    family = build_family(model_cfg, 0 if seed is None else seed)
+    family.skip_pretrained = True
+    model = family.plain_model()
+    model.load_state_dict(load_export_weights(path), strict=True)
+    return model

@@ -410,6 +410,9 @@ class Trainer:
         import signal
         self.validate()
         self.rank, self.world = init_distributed(self.cfg.train.collective_timeout_minutes)
+        if self.world > 1:
+            from mmpipe.parallel import roster
+            roster.gather()  # so that a rank losing contact can name the one that is gone
         import threading
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGTERM, signal.SIGINT):

@@ -56,7 +56,8 @@ def test_vlm_run_exports_to_llava_and_its_processor(family_runs_of, tiny_chat_da
 
     from mmpipe.export import export
     ref = reference(family_runs_of("vlm"))
-    out = export(ref, str(tmp_path / "llava_hf"))
+    out, kind, _ = export(ref, str(tmp_path / "llava_hf"))
+    assert kind == "LlavaForConditionalGeneration"
     hf, proc = LlavaForConditionalGeneration.from_pretrained(out).eval(), LlavaProcessor.from_pretrained(out)
     ours = mmpipe.build_model(mmpipe.load_config(os.path.join(ref, "config.yaml"))).eval()
     ours.load_state_dict(mmpipe.load_weights(ref))
@@ -87,3 +88,79 @@ def test_export_bf16_and_bad_input(runs, tmp_path, capsys):
         assert main(["export", *args, "--out", str(tmp_path / "x")]) != 0
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and expect in err[0], err
+
+
+BERT_TOWER = ["model.text.arch=bert", "model.text.hidden_size=32", "model.text.num_hidden_layers=2",
+              "model.text.num_attention_heads=2", "model.text.intermediate_size=64"]
+
+
+def test_clip_vit_bert_run_exports_to_vision_text_dual_encoder(runs, tmp_path):
+    """CLIP ViT + BERT pooled by its pooler, trained at P=2 -> VisionTextDualEncoderModel + its
+    processor; transformers' image/text embeddings equal mmpipe's on a real image and caption."""
+    from transformers import VisionTextDualEncoderModel, VisionTextDualEncoderProcessor
+
+    from mmpipe.cli import main
+    from mmpipe.data.loader import load_image
+    run, _ = runs.get("bert_pooler_p2", 2, ["parallel.pipeline_stages=2", "model.text.pooling=pooler", *BERT_TOWER])
+    out = str(tmp_path / "vtde")
+    assert main(["export", "--run", run, "--out", out]) == 0
+    hf = VisionTextDualEncoderModel.from_pretrained(out).eval()
+    proc = VisionTextDualEncoderProcessor.from_pretrained(out)
+    cfg = mmpipe.load_config(os.path.join(run, "config.yaml"))
+    ours = mmpipe.build_model(cfg).eval()
+    ours.load_state_dict(mmpipe.load_weights(run))
+    assert not torch.equal(ours.state_dict()["text.head.pooler.dense.weight"],
+                           mmpipe.build_model(cfg).state_dict()["text.head.pooler.dense.weight"])  # it trained
+    png, caption = _png(tmp_path, 32), "a small red circle at the top left"
+    enc = proc(text=[caption, "two blue squares"], images=[Image.open(png)], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        want_img = ours.encode_image(load_image(png, 32).unsqueeze(0))
+        want_txt = ours.encode_text(enc["input_ids"], enc["attention_mask"])
+        got_img = hf.get_image_features(pixel_values=enc["pixel_values"]).pooler_output
+        got_txt = hf.get_text_features(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).pooler_output
+    assert enc["attention_mask"][1].sum() < enc["attention_mask"][0].sum()  # padding is exercised
+    torch.testing.assert_close(got_img, want_img, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_txt, want_txt, atol=1e-5, rtol=0)
+
+
+def test_resnet_run_exports_in_mmpipe_format(runs, tiny_data, tmp_path, capsys):
+    """A ResNet image tower has no transformers dual encoder: ``auto`` writes mmpipe's format (the
+    pretrained BERT directory's config travels, its weights do not) and ``mmpipe.build_model(out)``
+    is the trained model; ``--format hf`` says why not in one line."""
+    import shutil
+
+    from transformers import BertConfig, BertModel
+
+    from mmpipe.cli import main
+    bert_dir = str(tmp_path / "bert")
+    torch.manual_seed(0)
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                         vocab_size=320, max_position_embeddings=16), add_pooling_layer=False).save_pretrained(bert_dir)
+    from mmpipe.data.manifest import read_manifest
+    from mmpipe.data.tokenizer import train_tokenizer
+    train_tokenizer([r.text for r in read_manifest(tiny_data["train"])], 300, bert_dir)  # "its" tokenizer
+    unset = [f"model.vision.{f}=null" for f in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                 "intermediate_size", "patch_size")]
+    run, _ = runs.get("resnet_bert_p1", 1, ["parallel.pipeline_stages=1", "model.vision.arch=resnet", *unset,
+                                             "model.text.arch=bert", f"model.text.pretrained={bert_dir}"],
+                      launcher="python")
+    out = str(tmp_path / "own")
+    capsys.readouterr()
+    assert main(["export", "--run", run, "--out", out]) == 0
+    said = capsys.readouterr().out
+    assert "in mmpipe's format" in said and "no dual encoder with a resnet image tower" in said, said
+    assert main(["export", "--run", run, "--out", str(tmp_path / "x"), "--format", "hf"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--format hf: transformers has no dual encoder with a resnet" in err[0], err
+    ours = mmpipe.build_model(mmpipe.load_config(os.path.join(run, "config.yaml"))).eval()
+    ours.load_state_dict(mmpipe.load_weights(run))
+    shutil.rmtree(bert_dir)  # the export stands alone
+    got = mmpipe.build_model(out).eval()
+    assert got.state_dict().keys() == ours.state_dict().keys()
+    assert all(torch.equal(got.state_dict()[k], v) for k, v in ours.state_dict().items())
+    pix = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    ids = torch.randint(5, 300, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(got.encode_image(pix), ours.encode_image(pix), atol=0, rtol=0)
+        torch.testing.assert_close(got.encode_text(ids, torch.ones_like(ids)),
+                                   ours.encode_text(ids, torch.ones_like(ids)), atol=0, rtol=0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -82,9 +83,11 @@ def test_a_rank_dying_while_saving_leaves_latest_on_the_complete_checkpoint(runs
     for s in REF[2]:
         args += ["--set", s]
     t0 = time.monotonic()
-    with pytest.raises(AssertionError, match="launch failed"):
+    with pytest.raises(AssertionError, match="launch failed") as e:
         launch(2, args, env={"MMPIPE_TEST_DIE_IN_SAVE": "4:1"})
     assert time.monotonic() - t0 < 120  # start-up (~15 s) + 4 steps + the survivor's exit
+    lines = [line for line in str(e.value).splitlines() if line.startswith("mmpipe: [rank 0] stopped")]
+    assert len(lines) == 1 and re.search(r"stopped: rank 1 \(pid \d+\) is gone", lines[0]), str(e.value)[-3000:]
     ck = os.path.join(out, "checkpoints")
     assert _latest(out) == "global_step2"
     assert not os.path.isfile(os.path.join(ck, "global_step4", "COMPLETE"))

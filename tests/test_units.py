@@ -323,6 +323,8 @@ def test_bad_tower_config_is_one_line():
     with pytest.raises(ConfigError, match="model.vision: .*attention heads"):
         mmpipe.build_model(load_config(None, ["model.vision.hidden_size=30", "model.vision.num_attention_heads=4",
                                               "model.text.vocab_size=10"]))
+    with pytest.raises(ConfigError, match="model.text.pooling=pooler is BERT's pooler .* use eos, cls or mean"):
+        mmpipe.build_model(load_config(None, ["model.text.pooling=pooler", "model.text.vocab_size=10"]))
 
 
 def test_retrieval_metrics():

@@ -105,6 +105,7 @@ class Family:
     def __init__(self, model_cfg, seed: int = 0):
         self.cfg = model_cfg
         self.seed = seed
+        self.skip_pretrained = False  # set when all weights come from elsewhere (an mmpipe export)
 
     # ---- structure ----------------------------------------------------------------------------
     def layers(self) -> list:
@@ -121,7 +122,8 @@ class Family:
         """The layer seeded from (seed, name): identical in one process and on any pipeline stage."""
         with part_seed(self.seed, name):
             module = self.build_unseeded(name)
-        self.load_pretrained(module, name)
+        if not getattr(self, "skip_pretrained", False):
+            self.load_pretrained(module, name)
         return module
 
     def layer_names(self) -> list:
@@ -171,8 +173,15 @@ class Family:
         return PlainModel(self, forward_only)
 
     def hf_export(self, state: dict, tokenizer) -> tuple:
-        """(transformers model holding ``state``, processor) for ``mmpipe export``."""
-        raise ConfigError(f"model.type={self.name}: no transformers export for this family yet")
+        """(transformers model holding ``state``, processor) for ``mmpipe export``; raises
+        ``mmpipe.errors.NoHFFormat`` (saying why) when no transformers class computes the same outputs,
+        and ``mmpipe export`` writes mmpipe's own format instead."""
+        from mmpipe.errors import NoHFFormat
+        raise NoHFFormat(f"model.type={self.name} has no transformers format")
+
+    def preprocessor(self):
+        """The image processor matching this family's preprocessing (saved with an export), or None."""
+        return None
 
     def tied_weights(self) -> list:
         """[(plain name, plain name)] of parameters that are one (e.g. input embedding and LM head)."""

@@ -19,7 +19,7 @@ from mmpipe.families.towers.text import TextSpec
 from mmpipe.families.towers.vision import VisionSpec
 
 _CHOICES = {"vision.arch": ("clip_vit", "resnet"), "vision.variant": ("resnet18", "resnet34", "resnet50"),
-            "text.arch": ("clip_text", "bert"), "text.pooling": ("auto", "eos", "cls", "mean")}
+            "text.arch": ("clip_text", "bert"), "text.pooling": ("auto", "eos", "cls", "mean", "pooler")}
 
 
 @register_family
@@ -137,7 +137,8 @@ class ClipFamily(Family):
         else:
             source, rules = self._top_weights, hf.CLIP_TOP_RULES
         if source is not None:
-            hf.load_part_weights(module, name, source, rules)
+            # BERT's pooler is optional in saved BERTs (sentence encoders drop it): fresh when absent
+            hf.load_part_weights(module, name, source, rules, optional=("text.head.pooler.",))
 
     def plain_model(self, forward_only: frozenset = frozenset()) -> m.DualEncoder:
         return m.DualEncoder(self, forward_only)
@@ -165,18 +166,22 @@ class ClipFamily(Family):
                 "attention_mask": torch.ones_like(ids).to(device)}
 
     def hf_export(self, state, tokenizer):
-        """``CLIPModel`` + ``CLIPProcessor`` (CLIP ViT + CLIP text towers)."""
-        from transformers import CLIPModel, CLIPProcessor
+        """``CLIPModel`` + ``CLIPProcessor`` (CLIP ViT + CLIP text) or ``VisionTextDualEncoderModel`` +
+        its processor (CLIP ViT + BERT with its pooler); other towers raise ``NoHFFormat``."""
+        from mmpipe.errors import NoHFFormat
+        from mmpipe.families.clip.adapter import format_of
+        kind, why = format_of(self)
+        if kind is None:
+            raise NoHFFormat(why)
+        if kind == "CLIPModel":
+            from transformers import CLIPProcessor as P
+        else:
+            from transformers import VisionTextDualEncoderProcessor as P
+        return self.hf.hf_model(state), P(self.preprocessor(), tokenizer)
 
+    def preprocessor(self):
         from mmpipe.export import image_processor
-        if self.vision.arch != "clip_vit" or self.text.arch != "clip_text":
-            raise ConfigError(f"mmpipe export: a {self.vision.arch} + {self.text.arch} model has no transformers "
-                              "export yet (CLIPModel needs model.vision.arch=clip_vit and model.text.arch=clip_text)")
-        adapter = self.hf
-        model = CLIPModel(adapter.hf_config())
-        model.load_state_dict(adapter.to_hf(state), strict=True)
-        proc = CLIPProcessor(image_processor(self.vision.image_size, self.vision.mean, self.vision.std), tokenizer)
-        return model.eval(), proc
+        return image_processor(self.vision.image_size, self.vision.mean, self.vision.std)
 
     @property
     def hf(self):

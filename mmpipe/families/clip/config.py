@@ -32,7 +32,8 @@ class TextConfig(Section):
     intermediate_size: Optional[int] = option(None, "MLP width")
     vocab_size: Optional[int] = option(None, "vocabulary size; unset = the tokenizer's size")
     max_position_embeddings: Optional[int] = option(None, "longest sequence the position table holds")
-    pooling: str = option("auto", "auto (clip_text: EOS token, bert: mean), eos, cls or mean")
+    pooling: str = option("auto", "auto (clip_text: EOS token, bert: mean), eos, cls, mean, or pooler (bert: its "
+                                  "dense+tanh pooler over [CLS], as transformers' VisionTextDualEncoderModel)")
     eos_token_id: Optional[int] = option(None, "EOS id for eos pooling; unset = the tokenizer's EOS/SEP id")
 
 

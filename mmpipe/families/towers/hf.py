@@ -74,14 +74,21 @@ def load_preprocessor_stats(path: Optional[str]):
 
 
 class WeightSource:
-    """Lazy reader over model.safetensors / sharded safetensors / pytorch_model.bin in a directory."""
+    """Lazy reader over model.safetensors / sharded safetensors / pytorch_model.bin in a directory
+    (the files are opened on first use, so a model built without its pretrained weights, such as an
+    ``mmpipe export`` directory, never needs them)."""
 
     def __init__(self, path: str, key: str):
         self.path = check_dir(path, key)
         self.key = key
-        self._index: dict[str, str] = {}
+        self._index: Optional[dict] = None
         self._handles = {}
         self._torch_sd = None
+
+    def _files(self) -> dict:
+        if self._index is not None:
+            return self._index
+        path = self.path
         st_index = os.path.join(path, "model.safetensors.index.json")
         st = os.path.join(path, "model.safetensors")
         if os.path.isfile(st_index):
@@ -100,33 +107,41 @@ class WeightSource:
                     self._index = {k: f for k in self._torch_sd}
                     break
             else:
-                raise ConfigError(f"{key}: {path} holds no model.safetensors or pytorch_model.bin")
+                raise ConfigError(f"{self.key}: {path} holds no model.safetensors or pytorch_model.bin")
+        return self._index
 
     def __contains__(self, name: str) -> bool:
-        return name in self._index
+        return name in self._files()
 
     def keys(self):
-        return self._index.keys()
+        return self._files().keys()
 
     def get(self, name: str) -> torch.Tensor:
+        f = self._files()[name]
         if self._torch_sd is not None:
             return self._torch_sd[name]
-        f = self._index[name]
         if f not in self._handles:
             from safetensors import safe_open
             self._handles[f] = safe_open(f, "pt")
         return self._handles[f].get_tensor(name)
 
 
-def load_part_weights(module: torch.nn.Module, part_name: str, source: WeightSource, rules) -> None:
-    """Fill ``module`` (the part called ``part_name``) from ``source`` using the name ``rules``."""
+def load_part_weights(module: torch.nn.Module, part_name: str, source: WeightSource, rules,
+                      optional: tuple = ()) -> None:
+    """Fill ``module`` (the part called ``part_name``) from ``source`` using the name ``rules``.
+    Weights under an ``optional`` prefix that the source lacks keep the module's own (seeded) values."""
     sd = {}
+    fresh = []
     for k, v in module.state_dict().items():
         full = f"{part_name}.{k}" if k else part_name
         hf = translate(full, rules)
         if hf is None or hf not in source:
             # tolerate a "bert." / "model." wrapper prefix in the saved names
             alt = next((p + hf for p in ("bert.", "model.") if hf is not None and p + hf in source), None)
+            if alt is None and full.startswith(optional):
+                sd[k] = v
+                fresh.append(hf)
+                continue
             if alt is None:
                 raise ConfigError(f"{source.key}: {source.path} has no weight '{hf}' for {full} "
                                   "(is this the right architecture?)")
@@ -138,4 +153,8 @@ def load_part_weights(module: torch.nn.Module, part_name: str, source: WeightSou
             raise ConfigError(f"{source.key}: weight '{hf}' in {source.path} has shape {tuple(t.shape)}, "
                               f"the model expects {tuple(v.shape)} for {full}")
         sd[k] = t
+    if fresh:
+        import warnings
+        warnings.warn(f"{source.key}: {source.path} has no {', '.join(fresh)}: initialised fresh (train them)",
+                      stacklevel=2)
     module.load_state_dict(sd, strict=True)

@@ -47,15 +47,23 @@ class TokenEmbed(nn.Module):
 
 
 class TextHead(nn.Module):
-    def __init__(self, how: str, eos_token_id: Optional[int], final_layer_norm: Optional[nn.Module]):
+    """Pooled features: optional final layer norm (CLIP), then EOS / CLS / mean pooling, or BERT's
+    own pooler (``pooler``: dense + tanh over [CLS], ``BertModel``'s ``pooler_output``)."""
+
+    def __init__(self, how: str, eos_token_id: Optional[int], final_layer_norm: Optional[nn.Module],
+                 pooler: Optional[nn.Module] = None):
         super().__init__()
         self.how, self.eos_token_id = how, eos_token_id
         if final_layer_norm is not None:
             self.final_layer_norm = final_layer_norm
+        if pooler is not None:
+            self.pooler = pooler
 
     def forward(self, hidden, input_ids, attention_mask):
         if hasattr(self, "final_layer_norm"):
             hidden = self.final_layer_norm(hidden)
+        if self.how == "pooler":
+            return self.pooler(hidden)
         return pool(hidden, input_ids, attention_mask, self.how, self.eos_token_id)
 
 
@@ -114,6 +122,9 @@ class TextSpec:
         self.width = c.hidden_size
         self.max_length = c.max_position_embeddings
         how = cfg.pooling
+        if how == "pooler" and cfg.arch != "bert":
+            raise ConfigError(f"model.text.pooling=pooler is BERT's pooler (dense + tanh over [CLS]); "
+                              f"model.text.arch={cfg.arch} has none: use eos, cls or mean")
         if how == "auto":
             how = "eos" if cfg.arch == "clip_text" else "mean"
         self.pooling = how
@@ -138,7 +149,11 @@ class TextSpec:
             m = TokenEmbed(E(c))
         elif name == "head":
             ln = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps) if self.arch == "clip_text" else None
-            m = TextHead(self.pooling, self.eos_token_id, ln)
+            pooler = None
+            if self.pooling == "pooler":
+                from transformers.models.bert.modeling_bert import BertPooler
+                pooler = BertPooler(c)
+            m = TextHead(self.pooling, self.eos_token_id, ln, pooler)
         else:
             m = _block_cls(self.arch)(c)
         init_transformer_part(m)

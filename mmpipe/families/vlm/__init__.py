@@ -284,15 +284,18 @@ class VlmFamily(Family):
         from transformers import LlavaProcessor
 
         from mmpipe.data.chat import IMAGE
-        from mmpipe.export import image_processor
         if not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = PLAIN_TEMPLATE
-        proc = LlavaProcessor(image_processor(self.vision_cfg.image_size, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD), tokenizer,
+        proc = LlavaProcessor(self.preprocessor(), tokenizer,
                               patch_size=self.vision_cfg.patch_size,
                               vision_feature_select_strategy=self.cfg.vision_feature_select_strategy,
                               chat_template=tokenizer.chat_template, image_token=IMAGE,
                               num_additional_image_tokens=1)
         return self.hf.hf_model(state), proc
+
+    def preprocessor(self):
+        from mmpipe.export import image_processor
+        return image_processor(self.vision_cfg.image_size, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
 
     @property
     def hf(self):
