@@ -83,8 +83,13 @@ def test_export_bf16_and_bad_input(runs, tmp_path, capsys):
     with safe_open(os.path.join(out, "model.safetensors"), "pt") as fh:
         assert all(fh.get_tensor(k).dtype == torch.bfloat16 for k in fh.keys())
     capsys.readouterr()
+    import shutil
+    empty = tmp_path / "no_checkpoints"
+    empty.mkdir()
+    shutil.copy(os.path.join(ref, "config.yaml"), empty / "config.yaml")
     for args, expect in ((["--run", str(tmp_path / "nothing")], "no config.yaml"),
-                         (["--run", ref, "--step", "5"], "no checkpoint for step 5")):
+                         (["--run", ref, "--step", "5"], "no checkpoint for step 5"),
+                         (["--run", str(empty)], f"{empty}: not a run directory")):
         assert main(["export", *args, "--out", str(tmp_path / "x")]) != 0
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and expect in err[0], err

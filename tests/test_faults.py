@@ -132,6 +132,7 @@ def test_max_bad_steps_stops_the_run_with_one_line(runs, tmp_path):
 @pytest.mark.parametrize("damage,sets,expect", [
     ("truncate", [], "cannot read"),
     (None, ["model.projection_dim=24"], "was saved by another model config (model.projection_dim: 32 saved, 24 now)"),
+    ("remove", [], "--resume: no checkpoint in"),
 ])
 def test_unusable_checkpoints_are_one_line(runs, tmp_path, damage, sets, expect):
     import shutil
@@ -143,11 +144,14 @@ def test_unusable_checkpoints_are_one_line(runs, tmp_path, damage, sets, expect)
             if f.startswith("layer_"):
                 path = os.path.join(out, "checkpoints", "global_step6", f)
                 open(path, "r+b").truncate(100)
+    if damage == "remove":
+        shutil.rmtree(os.path.join(out, "checkpoints"))
     args = runs.base(out) + ["--set", "parallel.pipeline_stages=1", "--set", "train.steps=8"]
     for s in sets:
         args += ["--set", s]
     with pytest.raises(AssertionError) as e:
         launch(1, args + ["--resume"], "python")
     lines = [line for line in str(e.value).splitlines() if line.startswith("mmpipe: ")]
-    assert len(lines) == 1 and expect in lines[0] and "global_step6" in lines[0], str(e.value)[-2000:]
+    where = os.path.join(out, "checkpoints") if damage == "remove" else "global_step6"
+    assert len(lines) == 1 and expect in lines[0] and where in lines[0], str(e.value)[-2000:]
     assert "Traceback" not in str(e.value)
