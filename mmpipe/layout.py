@@ -1,0 +1,453 @@
+"""Which parallel layout should a run use? A cost model for every layout of N ranks, and the chooser.
+
+From the layer profile (``mmpipe.plan.get_profile``: forward/backward/optimizer time, activation,
+parameter and output bytes per layer, at the run's micro-batch and threads per rank) and measured
+collective costs (``CommModel``: all-reduce, reduce-scatter and all-gather latency + seconds per
+byte per group size, and stage-to-stage send/recv, on the run's backend), predict per optimizer
+step, for a world of N ranks and a global batch B of micro-batches of m samples:
+
+- **data parallel** (P = 1) with ZeRO 0/1/2/3, M = B / (m N) micro-batches per rank:
+  step = M (F + B) + optimizer + collectives, where the collectives are
+  ZeRO-0: all-reduce(gradients); ZeRO-1: the same + all-gather(weights) after the sharded step;
+  ZeRO-2: reduce-scatter(gradients) per micro-batch + all-gather(weights);
+  ZeRO-3: per micro-batch all-gather(weights) for forward and again for backward + reduce-scatter(gradients).
+  Memory per rank: weights + gradients + optimizer state (ZeRO-1 shards the optimizer state, ZeRO-2
+  also the gradients, ZeRO-3 everything, plus the largest layer gathered) + one micro-batch's
+  activations.
+- **pipelines** P | N with DP = N / P, modality and auto placement, ZeRO 0/1: DeepSpeed's 1F1B
+  schedule replayed by ``mmpipe.pipeline.simulate`` with the stages' costs and the measured
+  send/recv, then the data-parallel all-reduce of the largest stage's gradients (and, under ZeRO-1,
+  its sharded step and all-gather). Memory per stage: ``mmpipe.profile.stage_memory``.
+
+When the N ranks share fewer cores than they compute with (N x threads > cores, this CPU machine),
+compute is stretched by that oversubscription. Every layout that does not fit the memory budget says
+why. ``choose`` takes the fastest that fits.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+OPS = ("allreduce", "allgather", "reduce_scatter")
+
+
+@dataclass
+class CommModel:
+    """Collective and point-to-point costs: ``ops[op][n] = (latency s, s per byte)`` for a group of
+    n ranks (bytes = the full buffer: the gradients reduced, the weights gathered); ``p2p``: one
+    send/recv of a buffer."""
+    backend: str = "gloo"
+    ops: dict = field(default_factory=dict)
+    p2p: tuple = (0.0, 0.0)
+    measured: bool = False
+
+    def time(self, op: str, n: int, nbytes: float) -> float:
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        table = {int(k): v for k, v in self.ops.get(op, {}).items()}
+        if not table:
+            return 0.0
+        if n in table:
+            lat, spb = table[n]
+            return lat + spb * nbytes
+        # ring scaling from the nearest measured group size: latency ~ (n-1), bytes ~ (n-1)/n
+        k = min(table, key=lambda x: abs(x - n))
+        lat, spb = table[k]
+        return lat * (n - 1) / max(1, k - 1) + spb * nbytes * ((n - 1) / n) / ((k - 1) / k)
+
+    def to_dict(self) -> dict:
+        return {"backend": self.backend, "ops": {op: {str(n): list(v) for n, v in t.items()} for op, t in self.ops.items()},
+                "p2p": list(self.p2p), "measured": self.measured}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CommModel":
+        return cls(d["backend"], {op: {int(n): tuple(v) for n, v in t.items()} for op, t in d["ops"].items()},
+                   tuple(d["p2p"]), d.get("measured", True))
+
+
+# ---- memory -------------------------------------------------------------------------------------------
+def state_bytes(precision: str) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer-state) bytes per trainable parameter: fp32 = 4, 4, 8 (Adam m, v);
+    bf16/fp16 = 2, 2, 16 (fp32 master, m, v and the fp32 gradient accumulator)."""
+    return (4, 4, 8) if precision == "fp32" else (2, 2, 16)
+
+
+def dp_memory(costs: list, precision: str, zero: int, n: int) -> int:
+    """Peak bytes of one data-parallel rank holding the whole model (see the module doc)."""
+    w, g, o = state_bytes(precision)
+    trainable = sum(c.trainable for c in costs)
+    frozen = sum(c.params - c.trainable for c in costs)
+    if zero == 0:
+        static = trainable * (w + g + o)
+    elif zero == 1:
+        static = trainable * (w + g + o / n)
+    elif zero == 2:
+        static = trainable * (w + (g + o) / n)
+    else:  # everything sharded; the largest layer is gathered whole (weights, and gradients in backward)
+        static = trainable * (w + g + o) / n + max((c.params * w + c.trainable * g) for c in costs)
+    static += frozen * w / (n if zero == 3 else 1)
+    acts = sum(c.act_bytes for c in costs) + max(c.out_bytes for c in costs)
+    return int(static + acts)
+
+
+# ---- prediction ---------------------------------------------------------------------------------------
+@dataclass
+class LayoutPrediction:
+    name: str
+    pipeline_stages: int
+    data_parallel: int
+    zero_stage: int
+    placement: Optional[str]
+    micro_batches: int  # per data-parallel rank per step
+    step_time: float = float("nan")
+    samples_per_s: float = 0.0
+    bubble: float = 0.0
+    memory: list = field(default_factory=list)  # peak bytes per stage (DP: one entry)
+    compute: float = 0.0
+    comm: float = 0.0
+    fits: bool = True
+    why: str = ""  # why it does not fit / cannot run
+    parts: Optional[list] = None
+    clipping: str = "grouped"
+
+    @property
+    def peak(self) -> int:
+        return max(self.memory) if self.memory else 0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "peak": self.peak}
+
+
+def _scaled(prof: dict, factor: float) -> dict:
+    if factor == 1.0:
+        return prof
+    layers = [{**c, "fwd_ms": c["fwd_ms"] * factor, "bwd_ms": c["bwd_ms"] * factor, "opt_ms": c["opt_ms"] * factor}
+              for c in prof["layers"]]
+    return {**prof, "layers": layers}
+
+
+def oversubscription(world: int, threads: int, cores: Optional[int]) -> float:
+    """How much slower each rank computes when ``world`` ranks of ``threads`` threads share ``cores``."""
+    if not cores:
+        return 1.0
+    return max(1.0, world * threads / cores)
+
+
+def predict_layouts(prof: dict, comm: CommModel, world: int, batch_size: int, micro_batch_size: int,
+                    precision: str, names: list, segments: list, memory_budget: Optional[int] = None,
+                    cores: Optional[int] = None, zero_stages=(0, 1, 2, 3), placements=("modality", "auto"),
+                    max_pipeline: Optional[int] = None, grouped_clip: bool = False) -> list:
+    """Every layout of ``world`` ranks (see the module doc), predicted; a list of ``LayoutPrediction``."""
+    from mmpipe.errors import ConfigError
+    from mmpipe.planner import layer_costs, place, predict, stage_times
+    from mmpipe.profile import stage_memory
+    threads = int(prof.get("key", {}).get("threads", 1))
+    prof = _scaled(prof, oversubscription(world, threads, cores))
+    costs = layer_costs(prof)
+    w_b, g_b, _ = state_bytes(precision)
+    out = []
+
+    # data parallel
+    for z in zero_stages:
+        n = world
+        name = f"DP{n} ZeRO-{z}" if n > 1 else "single process"
+        if n == 1 and z > 0:
+            continue
+        row = LayoutPrediction(name, 1, n, z, None, 0, clipping="grouped" if z < 2 else "DeepSpeed global")
+        if batch_size % (micro_batch_size * n):
+            row.fits, row.why = False, f"batch {batch_size} is not a multiple of micro-batch {micro_batch_size} x {n}"
+            out.append(row)
+            continue
+        if z >= 2 and grouped_clip:
+            row.fits, row.why = False, "per-group max_grad_norm needs ZeRO 0/1"
+        M = batch_size // (micro_batch_size * n)
+        row.micro_batches = M
+        fb = sum(c.fwd_ms + c.bwd_ms for c in costs) / 1e3
+        opt = sum(c.opt_ms for c in costs) / 1e3
+        G = sum(c.trainable for c in costs) * g_b
+        W = sum(c.params for c in costs) * w_b
+        if z == 0:
+            cm = comm.time("allreduce", n, G)
+        elif z == 1:
+            cm = comm.time("allreduce", n, G) + comm.time("allgather", n, W)
+        elif z == 2:
+            cm = M * comm.time("reduce_scatter", n, G) + comm.time("allgather", n, W)
+        else:
+            cm = M * (2 * comm.time("allgather", n, W) + comm.time("reduce_scatter", n, G))
+        row.compute = M * fb + (opt / n if z >= 1 else opt)
+        row.comm = cm
+        row.step_time = row.compute + cm
+        row.samples_per_s = batch_size / row.step_time
+        row.memory = [dp_memory(costs, precision, z, n)]
+        out.append(row)
+
+    # pipelines
+    for P in range(2, min(world, max_pipeline or len(names)) + 1):
+        if world % P:
+            continue
+        D = world // P
+        for z in (0, 1) if D > 1 else (0,):
+            for pl in placements:
+                tag = f"PP{P}" + (f"xDP{D}" if D > 1 else "") + f" {pl}" + (f" ZeRO-{z}" if D > 1 else "")
+                row = LayoutPrediction(tag, P, D, z, pl, 0)
+                if batch_size % (micro_batch_size * D):
+                    row.fits, row.why = False, f"batch {batch_size} is not a multiple of micro-batch {micro_batch_size} x {D}"
+                    out.append(row)
+                    continue
+                M = batch_size // (micro_batch_size * D)
+                row.micro_batches = M
+                try:
+                    plan = place(names, segments, P, pl, M, prof=prof, micro_batch_size=micro_batch_size,
+                                 precision=precision, zero_stage=z, data_parallel=D)
+                except ConfigError as e:
+                    row.fits, row.why = False, str(e)
+                    out.append(row)
+                    continue
+                parts = plan.parts
+                label = plan.chosen or pl
+                row.placement = label if pl != "auto" else f"auto:{label}"
+                sim = predict(prof, parts, M)
+                t = stage_times(prof, parts)
+                dp_comm, opt_saving = 0.0, 0.0
+                for s in range(P):
+                    G = sum(c.trainable for c in costs[parts[s]:parts[s + 1]]) * g_b
+                    W = sum(c.params for c in costs[parts[s]:parts[s + 1]]) * w_b
+                    c_s = comm.time("allreduce", D, G) + (comm.time("allgather", D, W) if z == 1 else 0.0)
+                    dp_comm = max(dp_comm, c_s)
+                    if z == 1:
+                        opt_saving = max(opt_saving, t["opt"][s] * (1 - 1 / D))
+                row.parts = list(parts)
+                row.step_time = sim.step_time - opt_saving + dp_comm
+                row.compute = M * max(f + b for f, b in zip(t["F"], t["B"]))
+                row.comm = dp_comm + sim.step_time - max(sim.busy)  # waiting, transfers and the reduction
+                row.bubble = sim.bubble
+                row.samples_per_s = batch_size / row.step_time
+                row.memory = stage_memory(costs, parts, M, precision, z, D)
+                out.append(row)
+    if memory_budget:
+        for row in out:
+            if row.fits and row.peak > memory_budget:
+                row.fits = False
+                row.why = (f"needs {row.peak / 2**30:.2f} GB on its fullest rank, over the "
+                           f"{memory_budget / 2**30:.2f} GB budget")
+    return out
+
+
+def choose(rows: list) -> tuple:
+    """(the fastest layout that fits, one line saying why)."""
+    ok = sorted((r for r in rows if r.fits), key=lambda r: r.step_time)
+    if not ok:
+        from mmpipe.errors import ConfigError
+        raise ConfigError("parallel.layout=auto: no layout fits: " + "; ".join(f"{r.name}: {r.why}" for r in rows)
+                          + " (raise parallel.memory_budget_gb, use more ranks, or freeze/shrink the model)")
+    best = ok[0]
+    runner_up = f", next {ok[1].name} {1e3 * ok[1].step_time:.1f} ms" if len(ok) > 1 else ""
+    dropped = [r.name for r in rows if not r.fits]
+    why = (f"fastest predicted step that fits: {best.name} {1e3 * best.step_time:.1f} ms{runner_up}"
+           + (f"; not fitting: {', '.join(dropped)}" if dropped else ""))
+    return best, why
+
+
+def format_table(rows: list, chosen: Optional[LayoutPrediction], batch_size: int) -> str:
+    lines = ["| layout | step ms | samples/s | bubble | peak MB/rank | compute ms | comm+wait ms | clipping | fits |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (not r.fits, r.step_time if r.step_time == r.step_time else 1e9)):
+        mark = " **chosen**" if chosen is not None and r.name == chosen.name else ""
+        if r.micro_batches == 0:
+            lines.append(f"| {r.name} | - | - | - | - | - | - | {r.clipping} | no: {r.why} |")
+            continue
+        fits = "yes" if r.fits else f"no: {r.why}"
+        lines.append(f"| {r.name}{mark} | {1e3 * r.step_time:.1f} | {r.samples_per_s:.1f} | {r.bubble:.0%} | "
+                     f"{r.peak / 2**20:.1f} | {1e3 * r.compute:.1f} | {1e3 * r.comm:.1f} | {r.clipping} | {fits} |")
+    return "\n".join(lines)
+
+
+def write_png(path: str, rows: list, chosen: Optional[LayoutPrediction] = None,
+              measured: Optional[dict] = None, title: str = "") -> None:
+    """Predicted step time (and measured, if given) per layout; layouts that do not fit hatched."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in rows if r.micro_batches]
+    fig, ax = plt.subplots(figsize=(2 + 0.9 * len(rows), 4))
+    xs = range(len(rows))
+    ax.bar(xs, [1e3 * r.step_time for r in rows], 0.4 if measured else 0.7,
+           color=["C2" if chosen is not None and r.name == chosen.name else "C0" for r in rows],
+           hatch=None, label="predicted")
+    for i, r in enumerate(rows):
+        if not r.fits:
+            ax.text(i, 1e3 * r.step_time, "does not fit", ha="center", va="bottom", fontsize=7, rotation=90)
+    if measured:
+        ax.bar([i + 0.4 for i in xs], [1e3 * measured.get(r.name, float("nan")) for r in rows], 0.4, color="C1",
+               label="measured")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([r.name for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("ms per step")
+    ax.set_title(title or "layouts: predicted step time (green: chosen)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- measuring the collectives --------------------------------------------------------------------------
+def _coll_worker(rank: int, n: int, port: int, sizes: list, repeats: int, backend: str, device: str, out) -> None:
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, rank=rank, world_size=n)
+    res = {op: {} for op in OPS}
+    res["p2p"] = {}
+    for nbytes in sizes:
+        numel = max(n, nbytes // 4 // n * n)
+        full = torch.zeros(numel, dtype=torch.float32, device=device)
+        shard = torch.zeros(numel // n, dtype=torch.float32, device=device)
+        ops = {"allreduce": lambda: dist.all_reduce(full),
+               "allgather": lambda: dist.all_gather_into_tensor(full, shard),
+               "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full)}
+        if n == 2:
+            def pingpong():
+                if rank == 0:
+                    dist.send(full, 1)
+                    dist.recv(full, 1)
+                else:
+                    dist.recv(full, 0)
+                    dist.send(full, 0)
+            ops["p2p"] = pingpong
+        for op, f in ops.items():
+            times = []
+            for _ in range(repeats + 2):
+                dist.barrier()
+                t0 = time.perf_counter()
+                f()
+                times.append(time.perf_counter() - t0)
+            res[op][numel * 4] = statistics.median(times[2:]) / (2 if op == "p2p" else 1)
+    if rank == 0:
+        out.put(res)
+    dist.destroy_process_group()
+
+
+def _fit(samples: dict) -> tuple:
+    from mmpipe.profile import fit_comm
+    return fit_comm({int(k): v for k, v in samples.items()})
+
+
+def measure_collectives(group_sizes: list, sizes=(4096, 1 << 18, 1 << 21, 1 << 23), repeats: int = 5,
+                        log=None) -> CommModel:
+    """Time all-reduce, all-gather, reduce-scatter (and send/recv at 2) for each group size with the
+    accelerator's backend, in spawned processes; fit latency + bytes / bandwidth per op and size."""
+    import socket
+
+    import torch.multiprocessing as mp
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    backend = acc.communication_backend_name()
+    device = acc.device_name() if acc.device_name() == "cpu" else f"{acc.device_name()}:0"
+    model = CommModel(backend=backend, measured=True)
+    for n in sorted(set(group_sizes) | {2}):
+        if n < 2:
+            continue
+        if log:
+            log(f"timing collectives over {n} processes ({backend}) ...")
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_coll_worker, args=(r, n, port, list(sizes), repeats, backend, device, q))
+                 for r in range(n)]
+        for p in procs:
+            p.start()
+        res = q.get(timeout=600)
+        for p in procs:
+            p.join()
+        for op in OPS:
+            model.ops.setdefault(op, {})[n] = _fit(res[op])
+        if res["p2p"]:
+            model.p2p = _fit(res["p2p"])
+    return model
+
+
+def get_comm_model(group_sizes: list, use_cache: bool = True, log=None) -> CommModel:
+    """``measure_collectives`` cached per backend, device, host and group sizes (``$MMPIPE_CACHE``)."""
+    import socket
+
+    from deepspeed.accelerator import get_accelerator
+
+    from mmpipe.plan import _write_json, cache_dir
+    acc = get_accelerator()
+    sizes = sorted(set(n for n in group_sizes if n >= 2) | {2})
+    key = f"comm-{acc.communication_backend_name()}-{acc.device_name()}-{socket.gethostname()}-" + "_".join(map(str, sizes))
+    path = os.path.join(cache_dir(), key + ".json")
+    if use_cache and os.path.isfile(path):
+        with open(path) as fh:
+            if log:
+                log(f"collective costs from cache {path}")
+            return CommModel.from_dict(json.load(fh))
+    model = measure_collectives(sizes, log=log)
+    if use_cache:
+        _write_json(path, model.to_dict())
+    return model
+
+
+def cores() -> int:
+    return os.cpu_count() or 1
+
+
+def device_memory_bytes(world: int) -> int:
+    """One rank's memory: the accelerator's, or (CPU) this machine's RAM shared by ``world`` ranks."""
+    from deepspeed.accelerator import get_accelerator
+    acc = get_accelerator()
+    if acc.device_name() != "cpu":
+        return int(acc.total_memory())
+    import psutil
+    return int(psutil.virtual_memory().total // max(1, world))
+
+
+def divisors_of(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: bool = True, log=print,
+                 comm: Optional[CommModel] = None) -> dict:
+    """Profile (at the threads a rank of ``world`` gets), measure collectives, predict every layout."""
+    from mmpipe.optim import frozen_layout, resolve_groups
+    from mmpipe.plan import get_profile, resolve_for_plan
+    from mmpipe.topology import threads_per_rank
+    from deepspeed.accelerator import get_accelerator
+    mbs = cfg.parallel.micro_batch_size
+    if mbs == "auto":
+        from mmpipe.errors import ConfigError
+        raise ConfigError("parallel.layout=auto needs an integer parallel.micro_batch_size (the layouts are "
+                          "compared at one micro-batch shape)")
+    rcfg, family = resolve_for_plan(cfg)
+    groups = resolve_groups(rcfg.optim, type(family))
+    _, frozen, forward_only = frozen_layout(family, groups)
+    threads = threads_per_rank(world)
+    prof = get_profile(rcfg, family, mbs, forward_only, frozen, threads=threads, use_cache=use_cache, log=log)
+    comm = comm or get_comm_model([d for d in divisors_of(world) if d >= 2], use_cache=use_cache, log=log)
+    if comm.measured:  # the stage-to-stage model from the same measurement as the collectives
+        prof = {**prof, "comm": {**prof["comm"], "latency_s": comm.p2p[0], "s_per_byte": comm.p2p[1]}}
+    gb = memory_gb if memory_gb is not None else cfg.parallel.memory_budget_gb
+    budget = int(gb * 2**30) if gb else device_memory_bytes(world)
+    on_cpu = get_accelerator().device_name() == "cpu"
+    grouped_clip = any(g.max_grad_norm is not None for g in groups)
+    rows = predict_layouts(prof, comm, world, cfg.train.batch_size, mbs, cfg.train.precision, family.layer_names(),
+                           family.segments(), memory_budget=budget, cores=cores() if on_cpu else None,
+                           grouped_clip=grouped_clip)
+    best, why = choose(rows)
+    return {"world": world, "batch_size": cfg.train.batch_size, "micro_batch_size": mbs, "threads": threads,
+            "memory_budget": budget, "rows": rows, "chosen": best, "why": why, "comm": comm, "profile": prof}
+
+
+def layouts_json(result: dict) -> dict:
+    return {"world": result["world"], "batch_size": result["batch_size"],
+            "micro_batch_size": result["micro_batch_size"], "threads_per_rank": result["threads"],
+            "memory_budget": result["memory_budget"], "chosen": result["chosen"].to_dict(), "why": result["why"],
+            "layouts": [r.to_dict() for r in result["rows"]], "comm": result["comm"].to_dict()}

@@ -1,0 +1,113 @@
+"""The layout cost model on hand-built profiles with known answers, and the chooser."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mmpipe.layout import CommModel, choose, dp_memory, predict_layouts
+from mmpipe.planner import layer_costs
+
+
+def _layer(name, fwd, bwd, params, act=1000, out=4000, trainable=None, opt=0.0):
+    return {"name": name, "fwd_ms": fwd, "bwd_ms": bwd, "act_bytes": act, "out_bytes": out,
+            "param_bytes": 4 * params, "params": params, "trainable": params if trainable is None else trainable,
+            "opt_ms": opt}
+
+
+def _prof(layers, lat=1e-4, spb=1e-9):
+    return {"key": {"threads": 1}, "layers": layers, "comm": {"latency_s": lat, "s_per_byte": spb}}
+
+
+NAMES = ["vision.0", "vision.1", "text.0", "text.1"]
+SEGS = ["vision", "vision", "text", "text"]
+
+
+def _by_name(rows):
+    return {r.name: r for r in rows}
+
+
+def test_data_parallel_step_is_compute_plus_the_gradient_all_reduce():
+    layers = [_layer(n, 2.0, 4.0, 1000, opt=0.5) for n in NAMES]
+    comm = CommModel(ops={"allreduce": {2: (1e-3, 2e-9)}, "allgather": {2: (5e-4, 1e-9)},
+                          "reduce_scatter": {2: (5e-4, 1e-9)}})
+    rows = _by_name(predict_layouts(_prof(layers), comm, world=2, batch_size=16, micro_batch_size=4,
+                                    precision="fp32", names=NAMES, segments=SEGS))
+    M = 16 // (4 * 2)
+    grads = 4 * 1000 * 4  # fp32 gradient bytes of every trainable parameter
+    weights = 4 * 1000 * 4
+    compute = M * 4 * (2.0 + 4.0) / 1e3
+    assert rows["DP2 ZeRO-0"].step_time == pytest.approx(compute + 4 * 0.5e-3 + 1e-3 + 2e-9 * grads, rel=1e-12)
+    # ZeRO-1: half the optimizer step per rank, and the updated weights all-gathered
+    assert rows["DP2 ZeRO-1"].step_time == pytest.approx(compute + 2 * 0.5e-3 + 1e-3 + 2e-9 * grads
+                                                         + 5e-4 + 1e-9 * weights, rel=1e-12)
+    # ZeRO-3: every micro-batch gathers the weights twice and reduce-scatters the gradients
+    assert rows["DP2 ZeRO-3"].step_time == pytest.approx(
+        compute + 2 * 0.5e-3 + M * (2 * (5e-4 + 1e-9 * weights) + 5e-4 + 1e-9 * grads), rel=1e-12)
+    assert rows["DP2 ZeRO-0"].samples_per_s == pytest.approx(16 / rows["DP2 ZeRO-0"].step_time)
+    assert rows["DP2 ZeRO-0"].bubble == 0
+
+
+def test_zero3_memory_is_a_shard_of_everything_plus_the_gathered_layer():
+    layers = [_layer("a", 1, 1, 1000, act=100, out=40), _layer("b", 1, 1, 3000, act=300, out=40)]
+    costs = layer_costs(_prof(layers))
+    n = 4
+    want = (4000 * (4 + 4 + 8)) / n + (3000 * 4 + 3000 * 4) + (100 + 300) + 40
+    assert dp_memory(costs, "fp32", 3, n) == int(want)
+    assert dp_memory(costs, "fp32", 0, n) == int(4000 * 16 + 400 + 40)
+    assert dp_memory(costs, "fp32", 1, n) == int(4000 * (8 + 8 / n) + 440)
+    assert dp_memory(costs, "fp32", 2, n) == int(4000 * (4 + 12 / n) + 440)
+    # bf16: 2-byte weights and gradients, fp32 master + Adam moments + fp32 accumulator
+    assert dp_memory(costs, "bf16", 0, n) == int(4000 * (2 + 2 + 16) + 440)
+
+
+def test_the_chooser_prefers_data_parallel_when_it_fits_and_communication_is_cheap():
+    layers = [_layer(n, 3.0, 6.0, 1000) for n in NAMES]
+    cheap = CommModel(ops={op: {2: (1e-5, 1e-12)} for op in ("allreduce", "allgather", "reduce_scatter")})
+    rows = predict_layouts(_prof(layers, lat=1e-5, spb=1e-12), cheap, world=2, batch_size=16, micro_batch_size=2,
+                           precision="fp32", names=NAMES, segments=SEGS, memory_budget=1 << 30)
+    best, why = choose(rows)
+    assert best.pipeline_stages == 1 and best.data_parallel == 2, why
+    pp = _by_name(rows)["PP2 modality"]
+    assert pp.bubble > 0 and pp.step_time > best.step_time  # the pipeline pays its fill and drain
+
+
+def test_the_chooser_takes_a_pipeline_when_memory_forces_it():
+    big = 10_000_000  # parameters per layer: the whole model's state does not fit one rank, a half does
+    layers = [_layer(n, 3.0, 6.0, big) for n in NAMES]
+    cheap = CommModel(ops={op: {2: (1e-5, 1e-12)} for op in ("allreduce", "allgather", "reduce_scatter")})
+    half = 2 * big * 16  # one stage: weights + gradients + Adam state of two layers
+    rows = predict_layouts(_prof(layers), cheap, world=2, batch_size=16, micro_batch_size=2, precision="fp32",
+                           names=NAMES, segments=SEGS, memory_budget=int(half * 1.1))
+    best, why = choose(rows)
+    assert best.pipeline_stages == 2, why
+    byname = _by_name(rows)
+    for name in ("DP2 ZeRO-0", "DP2 ZeRO-1", "DP2 ZeRO-2", "DP2 ZeRO-3"):
+        assert not byname[name].fits and "over the" in byname[name].why
+    assert "not fitting: DP2 ZeRO-0" in why
+
+
+def test_a_slow_network_makes_the_pipeline_win_and_group_sizes_scale():
+    layers = [_layer(n, 3.0, 6.0, 2_000_000) for n in NAMES]
+    slow = CommModel(ops={op: {2: (1e-3, 1e-8)} for op in ("allreduce", "allgather", "reduce_scatter")})
+    rows = predict_layouts(_prof(layers, lat=1e-4, spb=1e-10), slow, world=2, batch_size=64, micro_batch_size=4,
+                           precision="fp32", names=NAMES, segments=SEGS)
+    best, _ = choose(rows)
+    assert best.pipeline_stages == 2
+    # a group size not measured is scaled from the nearest by the ring formula
+    c = CommModel(ops={"allreduce": {2: (1e-3, 1e-9)}})
+    assert c.time("allreduce", 4, 1e6) == pytest.approx(3e-3 + 1e-9 * 1e6 * (3 / 4) / (1 / 2))
+    assert c.time("allreduce", 1, 1e6) == 0.0
+
+
+def test_four_ranks_list_every_divisor_layout_and_oversubscription_stretches_compute():
+    layers = [_layer(n, 3.0, 6.0, 1000) for n in NAMES]
+    comm = CommModel(ops={op: {2: (1e-4, 1e-10), 4: (2e-4, 1e-10)} for op in ("allreduce", "allgather",
+                                                                               "reduce_scatter")})
+    rows = _by_name(predict_layouts(_prof(layers), comm, world=4, batch_size=32, micro_batch_size=2,
+                                    precision="fp32", names=NAMES, segments=SEGS, cores=2))
+    assert {"DP4 ZeRO-0", "DP4 ZeRO-3", "PP2xDP2 modality ZeRO-0", "PP2xDP2 auto ZeRO-1", "PP4 modality"} <= set(rows)
+    # 4 single-thread ranks on 2 cores: every rank computes at half speed
+    M = 32 // (2 * 4)
+    assert rows["DP4 ZeRO-0"].compute == pytest.approx(M * 2 * (4 * 9.0) / 1e3)
+    assert all(math.isfinite(r.step_time) for r in rows.values() if r.fits)
