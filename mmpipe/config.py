@@ -66,7 +66,11 @@ class DataConfig(Section):
 
 @dataclass
 class ParallelConfig(Section):
-    pipeline_stages: int = _f(1, "P: pipeline stages; the data-parallel degree is world_size / P")
+    layout: str = _f("manual", "manual (the P, placement and ZeRO stage set here) or auto: the run predicts every "
+                     "layout of its ranks (data parallel with ZeRO 0-3, each pipeline P dividing the world size, "
+                     "P x DP; see mmpipe plan --world) and takes the fastest that fits memory, logged and saved "
+                     "in layout.json")
+    pipeline_stages: int = _f(1, "P: pipeline stages; the data-parallel degree is world_size / P; auto = layout auto")
     placement: str = _f("modality", "modality (stages never mix branches, split between branches by measured cost), "
                         "balanced (boundaries anywhere), auto (whichever the simulator predicts faster), or "
                         "DeepSpeed's uniform, parameters, type:REGEX")
@@ -319,6 +323,10 @@ def load_config(path: Optional[str] = None, overrides=()) -> RunConfig:
         data.setdefault("optim", {})
         if isinstance(data["optim"].get("groups", {}), dict):
             data["optim"].setdefault("groups", {})
+    par = data.get("parallel")
+    if isinstance(par, dict) and par.get("pipeline_stages") == "auto":  # P chosen with the rest of the layout
+        par["pipeline_stages"] = 1
+        par.setdefault("layout", "auto")
     cfg = _build(RunConfig, data, "", where + (" (+ --set)" if overrides else ""), explicit, family)
     cfg.explicit = frozenset(explicit)
     cfg.source = path
@@ -344,6 +352,11 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"{where}: parallel.placement={placement!r} is not one of modality, balanced, auto, uniform, "
                           "parameters, type:REGEX")
     mbs = cfg.parallel.micro_batch_size
+    if cfg.parallel.layout not in ("manual", "auto"):
+        raise ConfigError(f"{where}: parallel.layout={cfg.parallel.layout!r} is not one of manual, auto")
+    if cfg.parallel.layout == "auto" and mbs == "auto":
+        raise ConfigError(f"{where}: parallel.layout=auto compares layouts at one micro-batch size: set "
+                          "parallel.micro_batch_size to a number")
     if isinstance(mbs, str) and mbs != "auto":
         raise ConfigError(f"{where}: parallel.micro_batch_size must be a positive integer or auto, got {mbs!r}")
     for key, choices in (("data.augment", ("none", "crop", "crop_flip")), ("data.padding", ("batch", "max_length"))):

@@ -296,9 +296,11 @@ def write_png(path: str, rows: list, chosen: Optional[LayoutPrediction] = None,
 def _coll_worker(rank: int, n: int, port: int, sizes: list, repeats: int, backend: str, device: str, out) -> None:
     import statistics
     import time
+    import warnings
 
     import torch
     import torch.distributed as dist
+    warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group(backend, rank=rank, world_size=n)

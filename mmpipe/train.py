@@ -228,7 +228,7 @@ def check_run_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
 
 # what a run writes into its directory (--overwrite removes exactly these)
 RUN_FILES = ("checkpoints", "metrics.jsonl", "tokenizer", "config.yaml", "ds_config.json", "plan.json", "samples",
-             "trace.json", "timeline.png", "tb")
+             "trace.json", "timeline.png", "tb", "layout.json")
 
 
 def clear_run_dir(out_dir: str, keep=()) -> None:
@@ -408,11 +408,18 @@ class Trainer:
     # ---- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
         import signal
+        auto_layout = self.cfg.parallel.layout == "auto"
+        requested = self.cfg
+        if auto_layout:  # everything but the layout is checked first, with a stand-in (data parallel)
+            from mmpipe.config import replace
+            self.cfg = replace(requested, parallel__pipeline_stages=1, parallel__zero_stage=0)
         self.validate()
         self.rank, self.world = init_distributed(self.cfg.train.collective_timeout_minutes)
         if self.world > 1:
             from mmpipe.parallel import roster
             roster.gather()  # so that a rank losing contact can name the one that is gone
+        if auto_layout:
+            self.choose_layout(requested)
         import threading
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGTERM, signal.SIGINT):
@@ -436,6 +443,38 @@ class Trainer:
         self.restore()
         self.write_run_files()
         self.build_data()
+
+    def choose_layout(self, requested) -> None:
+        """``parallel.layout: auto``: rank 0 predicts every layout of this world (``mmpipe.layout``)
+        and every rank takes the fastest that fits; a resume keeps the layout its run chose."""
+        from mmpipe.config import replace
+        out = requested.train.output_dir
+        saved = os.path.join(out, "layout.json")
+
+        def decide():
+            if self.resume and os.path.isfile(saved):
+                with open(saved) as fh:
+                    doc = json.load(fh)
+                if doc.get("world") == self.world:
+                    c = doc["chosen"]
+                    return {"chosen": c, "why": f"kept from {saved} ({doc['why']})", "doc": None}
+            from mmpipe.layout import layouts_json, plan_layouts
+            res = plan_layouts(requested, self.world, log=lambda m: _warn(f"layout: {m}"))
+            doc = layouts_json(res)
+            return {"chosen": doc["chosen"], "why": res["why"], "doc": doc}
+        choice = _rank0_decides(self.rank, decide)
+        c = choice["chosen"]
+        placement = (c["placement"] or requested.parallel.placement).split(":")[0]
+        self.cfg = replace(requested, parallel__pipeline_stages=c["pipeline_stages"],
+                           parallel__zero_stage=c["zero_stage"], parallel__placement=placement)
+        if self.rank == 0:
+            _warn(f"parallel.layout=auto -> {c['name']}: pipeline_stages={c['pipeline_stages']} data_parallel="
+                  f"{c['data_parallel']} zero_stage={c['zero_stage']}" + (f" placement={placement}"
+                                                                          if c["pipeline_stages"] > 1 else "")
+                  + f" ({choice['why']})")
+            if choice["doc"] is not None:
+                self.layout_doc = choice["doc"]
+        self.validate()
 
     def validate(self) -> None:
         """Everything that needs no process group, first: config mistakes end as one line, raised
@@ -592,6 +631,9 @@ class Trainer:
             save_yaml(cfg, os.path.join(out, "config.yaml"))
             with open(os.path.join(out, "ds_config.json"), "w") as fh:
                 json.dump(self.ds_cfg, fh, indent=2)
+            if getattr(self, "layout_doc", None) is not None:  # parallel.layout=auto: what it chose and why
+                with open(os.path.join(out, "layout.json"), "w") as fh:
+                    json.dump(self.layout_doc, fh, indent=1)
             plan_file = os.path.join(out, "plan.json")
             # a resume keeps the plan (and its predictions) it continues
             if self.layer_names is not None and not (self.resume and os.path.isfile(plan_file)):

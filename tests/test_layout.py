@@ -111,3 +111,30 @@ def test_four_ranks_list_every_divisor_layout_and_oversubscription_stretches_com
     M = 32 // (2 * 4)
     assert rows["DP4 ZeRO-0"].compute == pytest.approx(M * 2 * (4 * 9.0) / 1e3)
     assert all(math.isfinite(r.step_time) for r in rows.values() if r.fits)
+
+
+def test_layout_auto_trains_at_world_size_two_and_records_its_choice(runs, tmp_path):
+    """``parallel.layout: auto``: rank 0 predicts every layout of the 2 ranks, all take the chosen
+    one, log it, save it (layout.json and the run's config.yaml) and train."""
+    import json
+    import os
+
+    import mmpipe
+    from conftest import launch
+    from mmpipe.metrics import read_metrics
+    out = str(tmp_path / "auto")
+    proc = launch(2, runs.base(out, "--set", "parallel.pipeline_stages=auto"))
+    log = proc.stdout + proc.stderr
+    with open(os.path.join(out, "layout.json")) as fh:
+        doc = json.load(fh)
+    chosen = doc["chosen"]
+    assert f"parallel.layout=auto -> {chosen['name']}" in log
+    assert {r["name"] for r in doc["layouts"]} >= {"DP2 ZeRO-0", "DP2 ZeRO-3", "PP2 modality"}
+    fits = [r for r in doc["layouts"] if r["fits"]]
+    assert chosen["step_time"] == min(r["step_time"] for r in fits)
+    saved = mmpipe.load_config(os.path.join(out, "config.yaml"))
+    assert saved.parallel.layout == "auto"
+    assert (saved.parallel.pipeline_stages, saved.parallel.zero_stage) == (chosen["pipeline_stages"],
+                                                                           chosen["zero_stage"])
+    recs = read_metrics(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in recs] == list(range(1, 7)) and all(math.isfinite(r["loss"]) for r in recs)
