@@ -175,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench(sub)
     from mmpipe.plan import add_parser as add_plan
     add_plan(sub)
+    from mmpipe.report import add_parser as add_report
+    add_report(sub)
     c = sub.add_parser("config", help="print the resolved run config, or --reference for every key")
     c.add_argument("--config", "-c")
     c.add_argument("--set", dest="overrides", action="append", default=[])

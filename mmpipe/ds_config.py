@@ -81,11 +81,18 @@ def resolve(cfg: RunConfig, world_size: int) -> tuple[dict, Topology]:
             f"{topo.accumulation_steps}; write \"auto\"")
 
     _fill(ds, cfg, topo)
+    for block in MONITORS:  # DeepSpeed's monitors write into the run directory unless told otherwise
+        if isinstance(ds.get(block), dict) and ds[block].get("enabled") and not ds[block].get("output_path") \
+                and block != "wandb":
+            ds[block]["output_path"] = os.path.join(cfg.train.output_dir, "ds_monitor", "")
     leftovers = [k for k, v in _walk(ds) if v == AUTO]
     if leftovers:
         raise ConfigError(f"{where}: mmpipe cannot fill \"auto\" for {', '.join(leftovers)}; give a value")
     acc.log()
     return ds, topo
+
+
+MONITORS = ("tensorboard", "csv_monitor", "wandb", "comet")
 
 
 def _adopt(ds: dict, cfg: RunConfig, where: str, origin: dict) -> None:

@@ -361,6 +361,8 @@ class Trainer:
             step += 1
             record = self.step(step, tracing=bool(cfg.log.trace) and cfg.log.trace[0] <= step <= cfg.log.trace[1])
             self.writer.log_step(record)
+            if self.ds_monitor is not None:
+                self.monitor_step(step, record)
             self.check_bad_steps(step, record)
             if cfg.log.trace is not None and step == min(cfg.log.trace[1], end):
                 self.write_trace()
@@ -383,6 +385,20 @@ class Trainer:
         self.writer.close()
         dist.barrier()
         return {"step": step, "eval": self.last_eval, "bad_samples": self.ledger.count}
+
+    def monitor_step(self, step: int, record: Optional[dict], prefix: str = "mmpipe/") -> None:
+        """The step's metrics.jsonl scalars to DeepSpeed's own monitors (``tensorboard``,
+        ``csv_monitor``, ``wandb``, ``comet`` blocks of the DeepSpeed JSON), as ``mmpipe/<key>``.
+        DeepSpeed writes them from rank 0; the record is the reporting rank's."""
+        src = self.topo.reporting_rank
+        if src != 0:
+            box = [record if self.rank == src else None]
+            dist.broadcast_object_list(box, src=src)
+            record = box[0]
+        if self.rank == 0:
+            events = [(f"{prefix}{k}", float(v), step) for k, v in (record or {}).items()
+                      if k != "step" and isinstance(v, (int, float)) and v is not None]
+            self.ds_monitor.write_events(events)
 
     def check_bad_steps(self, step: int, record: dict) -> None:
         """A skipped step (non-finite gradients on some rank) is counted; ``train.max_bad_steps``
@@ -589,6 +605,8 @@ class Trainer:
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=torch_groups, config=self.ds_cfg,
                                                     lr_scheduler=scheduler)
         self.runner = strategy.runner(self.engine, cfg.log.stage_timing)
+        monitor = getattr(self.engine, "monitor", None)
+        self.ds_monitor = monitor if monitor is not None and monitor.enabled else None
         self.named_params = list(strategy.named_parameters(model))  # plain names (layout-free checkpoints)
         pipelined = self.topo.pipeline_stages > 1
         self.layer_names = self.plan.layers if pipelined else None
@@ -789,10 +807,12 @@ class Trainer:
 
         batches = agree(self.rank, val_batches)  # a val set that cannot be read stops every stage alike
         outputs = self.runner.eval_outputs(batches, len(idx))
-        if outputs is None or not self.is_reporter:
-            return None
-        record = {"step": step, **self.family.evaluate(outputs, [b[1] for b in batches], val[:n_real])}
-        self.writer.log_eval(record, self.family.eval_line(record))
+        record = None
+        if outputs is not None and self.is_reporter:
+            record = {"step": step, **self.family.evaluate(outputs, [b[1] for b in batches], val[:n_real])}
+            self.writer.log_eval(record, self.family.eval_line(record))
+        if self.ds_monitor is not None:  # every rank joins (the record travels from the reporting rank)
+            self.monitor_step(step, record, "mmpipe/eval/")
         return record
 
     def save(self, step: int) -> None:

@@ -130,12 +130,20 @@ class PipelineRunner:
         loss_fn = module.loss_fn
         if stats is not None:  # the last stage reduces each micro-batch against its labels
             module.loss_fn = lambda outputs, labels: stats(outputs, *labels)
+        # DeepSpeed's monitors (tensorboard/csv blocks) make eval_batch log a mean eval loss from rank
+        # 0, which has no outputs here (and fails on them): mmpipe logs its own eval metrics
+        monitor = getattr(self.engine, "monitor", None)
+        enabled = monitor.enabled if monitor is not None else False
         try:
+            if monitor is not None:
+                monitor.enabled = False
             out = self.engine.eval_batch(iter(batches) if batches is not None else None,
                                          compute_loss=stats is not None, reduce_output=None, bcast_loss=False,
                                          num_micro_batches=n_micro)
         finally:
             module.loss_fn = loss_fn
+            if monitor is not None:
+                monitor.enabled = enabled
         if not self.engine.is_last_stage():
             return None
         return list(out)

@@ -1,0 +1,115 @@
+"""``mmpipe report --run DIR``: PNG charts of a run's ``metrics.jsonl`` over steps, in DIR/report/:
+``loss.png`` (training loss, and the eval metrics when there are any), ``throughput.png``
+(samples/s and step time), ``stages.png`` (per-stage busy / data / idle share of each step) and
+``grad_norms.png`` (per-group gradient norms, and the clip limits' effect)."""
+from __future__ import annotations
+
+import os
+
+from mmpipe.errors import MmpipeError
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def write_report(run_dir: str, out: str = None) -> list:
+    from mmpipe.metrics import read_metrics
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise MmpipeError(f"--run {run_dir}: no metrics.jsonl (not an mmpipe run directory, or it has not "
+                          "finished a step)")
+    recs = read_metrics(path)
+    if not recs:
+        raise MmpipeError(f"{path}: no training steps recorded yet")
+    evals = read_metrics(path, kind="eval")
+    out = out or os.path.join(run_dir, "report")
+    os.makedirs(out, exist_ok=True)
+    plt = _plt()
+    steps = [r["step"] for r in recs]
+    written = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        p = os.path.join(out, name)
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r.get("loss") for r in recs], label="train loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    skipped = [r["step"] for r in recs if r.get("skipped")]
+    for s in skipped:
+        ax.axvline(s, color="r", alpha=0.3)
+    if evals:
+        ax2 = ax.twinx()
+        for key in [k for k in evals[0] if k not in ("kind", "step", "n") and isinstance(evals[0][k], float)][:4]:
+            ax2.plot([e["step"] for e in evals], [e.get(key) for e in evals], "o--", label=f"eval {key}")
+        ax2.set_ylabel("eval")
+        ax2.legend(loc="upper right", fontsize=7)
+    ax.legend(loc="upper left", fontsize=7)
+    ax.set_title("loss" + (f" (red: {len(skipped)} skipped steps)" if skipped else ""))
+    save(fig, "loss.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r.get("samples_per_sec") for r in recs], label="samples/s")
+    ax.set_xlabel("step")
+    ax.set_ylabel("samples/s")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [1e3 * r.get("step_time", float("nan")) for r in recs], "C1", alpha=0.6, label="step ms")
+    ax2.set_ylabel("step ms")
+    ax.legend(loc="upper left", fontsize=7)
+    ax2.legend(loc="upper right", fontsize=7)
+    ax.set_title("throughput")
+    save(fig, "throughput.png")
+
+    P = sum(1 for k in recs[0] if k.startswith("stage") and k.endswith(".busy"))
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 1.3 * max(1, P)))
+    if P:
+        for s in range(P):
+            busy = sum(r.get(f"stage{s}.busy", 0) for r in recs) / len(recs)
+            data = sum(r.get(f"stage{s}.data", 0) for r in recs) / len(recs)
+            idle = sum(r.get(f"stage{s}.idle", 0) for r in recs) / len(recs)
+            ax.barh(s, busy, color="C0", label="busy" if s == 0 else None)
+            ax.barh(s, data, left=busy, color="C2", label="data" if s == 0 else None)
+            ax.barh(s, idle, left=busy + data, color="C3", alpha=0.5, label="idle" if s == 0 else None)
+            ax.text(0.01, s, f"busy {busy:.0%} idle {idle:.0%}", va="center", fontsize=8, color="w")
+        ax.set_yticks(range(P))
+        ax.set_yticklabels([f"stage {s}" for s in range(P)])
+        ax.set_xlim(0, 1)
+        ax.set_xlabel("share of the step (mean over steps)")
+        ax.legend(fontsize=7, loc="lower right")
+        ax.set_title("per-stage busy / data / idle")
+    else:
+        ax.text(0.5, 0.5, "no stage timing in this run (log.stage_timing false)", ha="center")
+    save(fig, "stages.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    groups = [k for k in recs[0] if k.startswith("grad_norm.")]
+    for k in groups or ["grad_norm"]:
+        ax.plot(steps, [r.get(k) for r in recs], label=k)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("gradient norm (before clipping)")
+    ax.legend(fontsize=7)
+    ax.set_title("per-group gradient norms")
+    save(fig, "grad_norms.png")
+    return written
+
+
+def cmd_report(args) -> int:
+    for p in write_report(args.run, args.out):
+        print(f"wrote {p}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("report", help="PNG charts of a run: loss, throughput, per-stage busy/idle, gradient norms")
+    p.add_argument("--run", required=True, help="run directory (train.output_dir)")
+    p.add_argument("--out", help="where the PNGs go (default: RUN/report)")
+    p.set_defaults(func=cmd_report)
