@@ -138,14 +138,20 @@ def oversubscription(world: int, threads: int, cores: Optional[int]) -> float:
 def predict_layouts(prof: dict, comm: CommModel, world: int, batch_size: int, micro_batch_size: int,
                     precision: str, names: list, segments: list, memory_budget: Optional[int] = None,
                     cores: Optional[int] = None, zero_stages=(0, 1, 2, 3), placements=("modality", "auto"),
-                    max_pipeline: Optional[int] = None, grouped_clip: bool = False) -> list:
-    """Every layout of ``world`` ranks (see the module doc), predicted; a list of ``LayoutPrediction``."""
+                    max_pipeline: Optional[int] = None, grouped_clip: bool = False,
+                    fetch_units: Optional[int] = None) -> list:
+    """Every layout of ``world`` ranks (see the module doc), predicted; a list of ``LayoutPrediction``.
+    ``fetch_units``: modules that own parameters (ZeRO-3 gathers each one separately, twice per
+    micro-batch: its latency term); default one per layer."""
     from mmpipe.errors import ConfigError
     from mmpipe.planner import layer_costs, place, predict, stage_times
     from mmpipe.profile import stage_memory
     threads = int(prof.get("key", {}).get("threads", 1))
-    prof = _scaled(prof, oversubscription(world, threads, cores))
+    raw = prof
+    over = oversubscription(world, threads, cores)  # data parallel: every rank computes all the time
+    prof = _scaled(raw, over)
     costs = layer_costs(prof)
+    units = fetch_units or len(costs)
     w_b, g_b, _ = state_bytes(precision)
     out = []
 
@@ -174,10 +180,11 @@ def predict_layouts(prof: dict, comm: CommModel, world: int, batch_size: int, mi
             cm = comm.time("allreduce", n, G) + comm.time("allgather", n, W)
         elif z == 2:
             cm = M * comm.time("reduce_scatter", n, G) + comm.time("allgather", n, W)
-        else:
-            cm = M * (2 * comm.time("allgather", n, W) + comm.time("reduce_scatter", n, G))
+        else:  # every parameter-owning module gathered for forward and again for backward
+            lat = comm.time("allgather", n, 1.0)
+            cm = M * (2 * comm.time("allgather", n, W) + 2 * (units - 1) * lat + comm.time("reduce_scatter", n, G))
         row.compute = M * fb + (opt / n if z >= 1 else opt)
-        row.comm = cm
+        row.comm = cm * over  # collectives between oversubscribed ranks wait for the cores too
         row.step_time = row.compute + cm
         row.samples_per_s = batch_size / row.step_time
         row.memory = [dp_memory(costs, precision, z, n)]
@@ -208,13 +215,23 @@ def predict_layouts(prof: dict, comm: CommModel, world: int, batch_size: int, mi
                 parts = plan.parts
                 label = plan.chosen or pl
                 row.placement = label if pl != "auto" else f"auto:{label}"
-                sim = predict(prof, parts, M)
-                t = stage_times(prof, parts)
+                # oversubscription counts the ranks busy at once: a pipeline's idle stages free their cores
+                f = over
+                for _ in range(4):
+                    sim = predict(_scaled(raw, f), parts, M)
+                    load = D * sum(b / sim.step_time for b in sim.busy) * threads
+                    f_new = max(1.0, load / cores) if cores else 1.0
+                    if abs(f_new - f) < 1e-3:
+                        break
+                    f = f_new
+                sprof = _scaled(raw, f)
+                sim = predict(sprof, parts, M)
+                t = stage_times(sprof, parts)
                 dp_comm, opt_saving = 0.0, 0.0
                 for s in range(P):
                     G = sum(c.trainable for c in costs[parts[s]:parts[s + 1]]) * g_b
                     W = sum(c.params for c in costs[parts[s]:parts[s + 1]]) * w_b
-                    c_s = comm.time("allreduce", D, G) + (comm.time("allgather", D, W) if z == 1 else 0.0)
+                    c_s = (comm.time("allreduce", D, G) + (comm.time("allgather", D, W) if z == 1 else 0.0)) * f
                     dp_comm = max(dp_comm, c_s)
                     if z == 1:
                         opt_saving = max(opt_saving, t["opt"][s] * (1 - 1 / D))
@@ -398,6 +415,17 @@ def get_comm_model(group_sizes: list, use_cache: bool = True, log=None) -> CommM
     return model
 
 
+def fetch_units(family) -> int:
+    """Modules that own parameters directly: what ZeRO-3 gathers one at a time (built on meta)."""
+    import torch
+    n = 0
+    for name in family.layer_names():
+        with torch.device("meta"):
+            m = family.build_unseeded(name)
+        n += sum(1 for mod in m.modules() if any(True for _ in mod.parameters(recurse=False)))
+    return n
+
+
 def cores() -> int:
     return os.cpu_count() or 1
 
@@ -442,7 +470,7 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
     grouped_clip = any(g.max_grad_norm is not None for g in groups)
     rows = predict_layouts(prof, comm, world, cfg.train.batch_size, mbs, cfg.train.precision, family.layer_names(),
                            family.segments(), memory_budget=budget, cores=cores() if on_cpu else None,
-                           grouped_clip=grouped_clip)
+                           grouped_clip=grouped_clip, fetch_units=fetch_units(family))
     best, why = choose(rows)
     return {"world": world, "batch_size": cfg.train.batch_size, "micro_batch_size": mbs, "threads": threads,
             "memory_budget": budget, "rows": rows, "chosen": best, "why": why, "comm": comm, "profile": prof}

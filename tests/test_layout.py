@@ -32,7 +32,7 @@ def test_data_parallel_step_is_compute_plus_the_gradient_all_reduce():
     comm = CommModel(ops={"allreduce": {2: (1e-3, 2e-9)}, "allgather": {2: (5e-4, 1e-9)},
                           "reduce_scatter": {2: (5e-4, 1e-9)}})
     rows = _by_name(predict_layouts(_prof(layers), comm, world=2, batch_size=16, micro_batch_size=4,
-                                    precision="fp32", names=NAMES, segments=SEGS))
+                                    precision="fp32", names=NAMES, segments=SEGS, fetch_units=10))
     M = 16 // (4 * 2)
     grads = 4 * 1000 * 4  # fp32 gradient bytes of every trainable parameter
     weights = 4 * 1000 * 4
@@ -41,9 +41,11 @@ def test_data_parallel_step_is_compute_plus_the_gradient_all_reduce():
     # ZeRO-1: half the optimizer step per rank, and the updated weights all-gathered
     assert rows["DP2 ZeRO-1"].step_time == pytest.approx(compute + 2 * 0.5e-3 + 1e-3 + 2e-9 * grads
                                                          + 5e-4 + 1e-9 * weights, rel=1e-12)
-    # ZeRO-3: every micro-batch gathers the weights twice and reduce-scatters the gradients
+    # ZeRO-3: every micro-batch gathers the weights twice (each of the 10 parameter-owning modules on
+    # its own: 2 x 9 more gather latencies) and reduce-scatters the gradients
     assert rows["DP2 ZeRO-3"].step_time == pytest.approx(
-        compute + 2 * 0.5e-3 + M * (2 * (5e-4 + 1e-9 * weights) + 5e-4 + 1e-9 * grads), rel=1e-12)
+        compute + 2 * 0.5e-3 + M * (2 * (5e-4 + 1e-9 * weights) + 2 * 9 * (5e-4 + 1e-9) + 5e-4 + 1e-9 * grads),
+        rel=1e-12)
     assert rows["DP2 ZeRO-0"].samples_per_s == pytest.approx(16 / rows["DP2 ZeRO-0"].step_time)
     assert rows["DP2 ZeRO-0"].bubble == 0
 
@@ -107,9 +109,14 @@ def test_four_ranks_list_every_divisor_layout_and_oversubscription_stretches_com
     rows = _by_name(predict_layouts(_prof(layers), comm, world=4, batch_size=32, micro_batch_size=2,
                                     precision="fp32", names=NAMES, segments=SEGS, cores=2))
     assert {"DP4 ZeRO-0", "DP4 ZeRO-3", "PP2xDP2 modality ZeRO-0", "PP2xDP2 auto ZeRO-1", "PP4 modality"} <= set(rows)
-    # 4 single-thread ranks on 2 cores: every rank computes at half speed
+    # 4 single-thread ranks on 2 cores: every rank computes at half speed ...
     M = 32 // (2 * 4)
     assert rows["DP4 ZeRO-0"].compute == pytest.approx(M * 2 * (4 * 9.0) / 1e3)
+    # ... but a pipeline's waiting ranks free their cores: PP4 is stretched by less than 2x
+    plain = _by_name(predict_layouts(_prof(layers), comm, world=4, batch_size=32, micro_batch_size=2,
+                                     precision="fp32", names=NAMES, segments=SEGS, cores=None))
+    ratio = rows["PP4 modality"].step_time / plain["PP4 modality"].step_time
+    assert 1.0 < ratio < 2.0 - 0.1
     assert all(math.isfinite(r.step_time) for r in rows.values() if r.fits)
 
 
