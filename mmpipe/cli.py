@@ -50,6 +50,16 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_plan_any(args) -> int:
+    """``mmpipe plan``: one pipeline's placements (``mmpipe.plan``), or with --world every layout
+    of N ranks (``mmpipe.layout``)."""
+    if args.world and not args.run:
+        from mmpipe.layout import cmd_plan_world
+        return cmd_plan_world(args)
+    from mmpipe.plan import cmd_plan
+    return cmd_plan(args)
+
+
 def cmd_export(args) -> int:
     from mmpipe.export import export
     out, kind, why = export(args.run, args.out, args.step, args.dtype, args.format)
@@ -174,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mmpipe.bench import add_parser as add_bench
     add_bench(sub)
     from mmpipe.plan import add_parser as add_plan
-    add_plan(sub)
+    add_plan(sub).set_defaults(func=cmd_plan_any)
     from mmpipe.report import add_parser as add_report
     add_report(sub)
     c = sub.add_parser("config", help="print the resolved run config, or --reference for every key")

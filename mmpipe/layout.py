@@ -331,14 +331,8 @@ def _coll_worker(rank: int, n: int, port: int, sizes: list, repeats: int, backen
                "allgather": lambda: dist.all_gather_into_tensor(full, shard),
                "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full)}
         if n == 2:
-            def pingpong():
-                if rank == 0:
-                    dist.send(full, 1)
-                    dist.recv(full, 1)
-                else:
-                    dist.recv(full, 0)
-                    dist.send(full, 0)
-            ops["p2p"] = pingpong
+            from mmpipe.profile import pingpong
+            ops["p2p"] = lambda: pingpong(rank, full)
         for op, f in ops.items():
             times = []
             for _ in range(repeats + 2):
@@ -474,6 +468,28 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
     best, why = choose(rows)
     return {"world": world, "batch_size": cfg.train.batch_size, "micro_batch_size": mbs, "threads": threads,
             "memory_budget": budget, "rows": rows, "chosen": best, "why": why, "comm": comm, "profile": prof}
+
+
+def cmd_plan_world(args) -> int:
+    """``mmpipe plan --world N [--memory-gb M]``: every layout of N ranks predicted, the fastest that
+    fits marked; layouts.json and layouts.png."""
+    from mmpipe.config import load_config
+    cfg = load_config(args.config, args.overrides)
+    log = lambda m: print(f"[plan] {m}", flush=True)  # noqa: E731
+    res = plan_layouts(cfg, args.world, args.memory_gb, use_cache=not args.no_cache, log=log)
+    print(f"{args.world} ranks, batch {cfg.train.batch_size}, micro-batch {res['micro_batch_size']}, "
+          f"{res['threads']} thread(s) per rank, {res['comm'].backend}, memory budget "
+          f"{res['memory_budget'] / 2**30:.2f} GB per rank; predicted per optimizer step:")
+    print(format_table(res["rows"], res["chosen"], cfg.train.batch_size))
+    print(f"\nchosen: {res['chosen'].name} ({res['why']})")
+    out = args.out or os.path.join(cfg.train.output_dir, "plan")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "layouts.json"), "w") as fh:
+        json.dump(layouts_json(res), fh, indent=1)
+    write_png(os.path.join(out, "layouts.png"), res["rows"], res["chosen"],
+              title=f"{args.world} ranks: predicted step per layout (green: chosen)")
+    print(f"wrote {out}/layouts.json and {out}/layouts.png (train with --set parallel.layout=auto to use it)")
+    return 0
 
 
 def layouts_json(result: dict) -> dict:

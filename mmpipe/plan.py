@@ -336,8 +336,6 @@ def cmd_plan(args) -> int:
         print(compare_with_run(cfg, args.run, use_cache=not args.no_cache, log=log))
         return 0
     cfg = load_config(args.config, args.overrides)
-    if args.world:
-        return cmd_plan_world(cfg, args, log)
     stages = args.stages or cfg.parallel.pipeline_stages
     if stages < 2:
         from mmpipe.errors import ConfigError
@@ -368,28 +366,6 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def cmd_plan_world(cfg, args, log) -> int:
-    """``mmpipe plan --world N [--memory-gb M]``: every layout of N ranks predicted, the fastest that
-    fits marked; layouts.json and layouts.png."""
-    import json
-
-    from mmpipe.layout import format_table, layouts_json, plan_layouts, write_png
-    res = plan_layouts(cfg, args.world, args.memory_gb, use_cache=not args.no_cache, log=log)
-    print(f"{args.world} ranks, batch {cfg.train.batch_size}, micro-batch {res['micro_batch_size']}, "
-          f"{res['threads']} thread(s) per rank, {res['comm'].backend}, memory budget "
-          f"{res['memory_budget'] / 2**30:.2f} GB per rank; predicted per optimizer step:")
-    print(format_table(res["rows"], res["chosen"], cfg.train.batch_size))
-    print(f"\nchosen: {res['chosen'].name} ({res['why']})")
-    out = args.out or os.path.join(cfg.train.output_dir, "plan")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "layouts.json"), "w") as fh:
-        json.dump(layouts_json(res), fh, indent=1)
-    write_png(os.path.join(out, "layouts.png"), res["rows"], res["chosen"],
-              title=f"{args.world} ranks: predicted step per layout (green: chosen)")
-    print(f"wrote {out}/layouts.json and {out}/layouts.png (train with --set parallel.layout=auto to use it)")
-    return 0
-
-
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="profile the layers, place the pipeline stages, predict the schedule")
     p.add_argument("--config", "-c")
@@ -406,3 +382,4 @@ def add_parser(sub) -> None:
     p.add_argument("--out", help="where plan.json and plan.png go (default: OUTPUT_DIR/plan)")
     p.add_argument("--no-cache", action="store_true", help="profile again even if a cached profile matches")
     p.set_defaults(func=cmd_plan)
+    return p

@@ -173,6 +173,17 @@ def optimizer_ms(layer, repeats: int) -> float:
 
 
 # ---- stage-to-stage transfers ------------------------------------------------------------------------
+def pingpong(rank: int, buf) -> None:
+    """Rank 0 sends ``buf`` to rank 1 and receives it back (one round trip)."""
+    import torch.distributed as dist
+    if rank == 0:
+        dist.send(buf, 1)
+        dist.recv(buf, 1)
+    else:
+        dist.recv(buf, 0)
+        dist.send(buf, 0)
+
+
 def _p2p_worker(rank: int, port: int, sizes: list, repeats: int, backend: str, device: str, out) -> None:
     import os
 
@@ -187,12 +198,7 @@ def _p2p_worker(rank: int, port: int, sizes: list, repeats: int, backend: str, d
         for _ in range(repeats + 2):  # ping-pong: half a round trip is one transfer
             dist.barrier()
             t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
+            pingpong(rank, buf)
             times.append((time.perf_counter() - t0) / 2)
         res[n] = statistics.median(times[2:])
     if rank == 0:

@@ -145,3 +145,25 @@ def test_layout_auto_trains_at_world_size_two_and_records_its_choice(runs, tmp_p
                                                                            chosen["zero_stage"])
     recs = read_metrics(os.path.join(out, "metrics.jsonl"))
     assert [r["step"] for r in recs] == list(range(1, 7)) and all(math.isfinite(r["loss"]) for r in recs)
+
+
+def test_plan_world_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
+    import json
+    import os
+
+    from PIL import Image
+
+    from conftest import TINY
+    from mmpipe.cli import main
+    out = str(tmp_path / "plan")
+    assert main(["plan", "--config", TINY, "--world", "2", "--out", out]) == 0
+    text = capsys.readouterr().out
+    with open(os.path.join(out, "layouts.json")) as fh:
+        doc = json.load(fh)
+    assert f"| {doc['chosen']['name']} **chosen** |" in text and f"chosen: {doc['chosen']['name']}" in text
+    assert len(doc["layouts"]) == 6 and doc["comm"]["measured"]  # DP2 ZeRO-0..3, PP2 modality and auto
+    with Image.open(os.path.join(out, "layouts.png")) as im:
+        assert im.format == "PNG"
+    assert main(["plan", "--config", TINY, "--world", "2", "--memory-gb", "1e-6", "--out", out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parallel.layout=auto: no layout fits: DP2 ZeRO-0: needs" in err[0], err
