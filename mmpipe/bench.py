@@ -395,13 +395,49 @@ def _predicted_opt_state(row, prof) -> float:
     return trainable * per / (row.data_parallel if row.zero_stage >= 1 else 1)
 
 
+def _strategies_table(world: int, res: dict, rows: list, measured: dict, mem: dict, batch: int, single: float,
+                      art: str, summary: list) -> list:
+    """Markdown lines of one world size: predicted beside measured per layout, the ranking verdict, PNG."""
+    from mmpipe.layout import write_png
+    lines = [f"**{world} rank(s)** ({res['threads']} thread(s) per rank on {os.cpu_count()} cores; "
+             f"chosen by the cost model: {res['chosen'].name})", "",
+             "| layout | step ms predicted / measured | error | samples/s measured | vs single process | "
+             "idle predicted / measured | optimizer state MB predicted / measured | max RSS MB | clipping |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: measured[r.name]["step_time"]):
+        m = measured[r.name]
+        st = m["step_time"]
+        idle = (sum(m["idle_frac"]) / len(m["idle_frac"])) if m["idle_frac"] else 0.0
+        opt_p = _predicted_opt_state(r, res["profile"]) / 2**20
+        mark = " **chosen**" if r.name == res["chosen"].name else ""
+        lines.append(f"| {r.name}{mark} | {1e3 * r.step_time:.0f} / {1e3 * st:.0f} | "
+                     f"{100 * (r.step_time / st - 1):+.0f}% | {batch / st:.1f} | {single / st:.2f}x | "
+                     f"{r.bubble:.0%} / {idle:.0%} | {opt_p:.1f} / {mem[r.name][0]:.1f} | {mem[r.name][1]} | "
+                     f"{r.clipping} |")
+    if world == 1:
+        return lines
+    meas = {r.name: measured[r.name]["step_time"] for r in rows}
+    pred_rank = sorted(rows, key=lambda r: r.step_time)
+    swaps = [(a.name, b.name) for i, a in enumerate(pred_rank) for b in pred_rank[i + 1:]
+             if meas[a.name] > meas[b.name] * 1.10]  # predicted faster, measured >10% slower
+    errors = [abs(r.step_time / meas[r.name] - 1) for r in rows]
+    ranking = "matches" if not swaps else "swapped pairs beyond 10%: " + ", ".join(f"{a} before {b}" for a, b in swaps)
+    verdict = (f"ranking: {ranking}; chosen layout {meas[res['chosen'].name] / min(meas.values()):.2f}x the fastest "
+               f"measured ({min(meas, key=meas.get)}); prediction error max {100 * max(errors):.0f}%, mean "
+               f"{100 * sum(errors) / len(errors):.0f}%")
+    summary.append(f"{world} ranks: {verdict}")
+    write_png(os.path.join(art, f"strategies_{world}ranks.png"), rows, res["chosen"], meas,
+              title=f"{world} ranks: step time per layout, predicted vs measured (green: chosen)")
+    return lines + ["", verdict]
+
+
 def bench_strategies(args) -> int:
     """The same model, data and global batch on 1, 2 and 4 ranks in every layout: measured step,
     samples/s, stage idle and memory beside the cost model's predictions (``mmpipe.layout``)."""
     from mmpipe.config import load_config
     from mmpipe.data.cache import prepare
     from mmpipe.data.synth import synth
-    from mmpipe.layout import plan_layouts, write_png
+    from mmpipe.layout import plan_layouts
     from mmpipe.plan import measured_from_run
     tmp = tempfile.mkdtemp(prefix="mmpipe-bench-strategies-")
     art = os.path.join(os.getcwd(), "benchmarks")
@@ -435,37 +471,7 @@ def bench_strategies(args) -> int:
                                    max((int(x) for _, _, x in found), default=0))
         if world == 1:
             single = measured[rows[0].name]["step_time"]
-        lines = [f"**{world} rank(s)** ({res['threads']} thread(s) per rank on {os.cpu_count()} cores; "
-                 f"chosen by the cost model: {res['chosen'].name})", "",
-                 "| layout | step ms predicted / measured | error | samples/s measured | vs single process | "
-                 "idle predicted / measured | optimizer state MB predicted / measured | max RSS MB | clipping |",
-                 "|---|---|---|---|---|---|---|---|---|"]
-        for r in sorted(rows, key=lambda r: measured[r.name]["step_time"]):
-            m = measured[r.name]
-            st = m["step_time"]
-            idle = (sum(m["idle_frac"]) / len(m["idle_frac"])) if m["idle_frac"] else 0.0
-            opt_p = _predicted_opt_state(r, res["profile"]) / 2**20
-            mark = " **chosen**" if r.name == res["chosen"].name else ""
-            lines.append(f"| {r.name}{mark} | {1e3 * r.step_time:.0f} / {1e3 * st:.0f} | "
-                         f"{100 * (r.step_time / st - 1):+.0f}% | {batch / st:.1f} | {single / st:.2f}x | "
-                         f"{r.bubble:.0%} / {idle:.0%} | {opt_p:.1f} / {mem[r.name][0]:.1f} | {mem[r.name][1]} | "
-                         f"{r.clipping} |")
-        if world > 1:
-            pred_rank = sorted(rows, key=lambda r: r.step_time)
-            meas = {r.name: measured[r.name]["step_time"] for r in rows}
-            fastest = min(meas.values())
-            swaps = [(a.name, b.name) for i, a in enumerate(pred_rank) for b in pred_rank[i + 1:]
-                     if meas[a.name] > meas[b.name] * 1.10]  # predicted faster, measured >10% slower
-            errors = [abs(r.step_time / meas[r.name] - 1) for r in rows]
-            chosen_ratio = meas[res["chosen"].name] / fastest
-            verdict = (f"ranking: {'matches' if not swaps else 'swapped pairs beyond 10%: ' + ', '.join(f'{a} before {b}' for a, b in swaps)}"
-                       f"; chosen layout {chosen_ratio:.2f}x the fastest measured ({min(meas, key=meas.get)}); "
-                       f"prediction error max {100 * max(errors):.0f}%, mean {100 * sum(errors) / len(errors):.0f}%")
-            lines += ["", verdict]
-            summary.append(f"{world} ranks: {verdict}")
-            write_png(os.path.join(art, f"strategies_{world}ranks.png"), rows, res["chosen"],
-                      {n: v["step_time"] for n, v in measured.items()},
-                      title=f"{world} ranks: step time per layout, predicted vs measured (green: chosen)")
+        lines = _strategies_table(world, res, rows, measured, mem, batch, single, art, summary)
         table = "\n".join(lines)
         print(table, flush=True)
         sections.append(table)

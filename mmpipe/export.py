@@ -52,8 +52,8 @@ def image_processor(size: int, mean, std):
 
 def export(run_dir: str, out: str, step: Optional[int] = None, dtype: str = "fp32", fmt: str = "auto") -> tuple:
     """Write the export; returns (out, what was written: a transformers class or "mmpipe", why)."""
-    import mmpipe
-    from mmpipe.config import family_of
+    from mmpipe.checkpoint import load_weights
+    from mmpipe.config import family_of, load_config
     from mmpipe.families import build_family
     cfg_path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(cfg_path):
@@ -62,8 +62,8 @@ def export(run_dir: str, out: str, step: Optional[int] = None, dtype: str = "fp3
         raise ConfigError(f"--dtype {dtype}: give fp32 or bf16")
     if fmt not in ("auto", "hf", "mmpipe"):
         raise ConfigError(f"--format {fmt}: give auto, hf or mmpipe")
-    cfg = mmpipe.load_config(cfg_path)
-    state = mmpipe.load_weights(run_dir, step)  # one line when there is no checkpoint
+    cfg = load_config(cfg_path)
+    state = load_weights(run_dir, step)  # one line when there is no checkpoint
     family = build_family(cfg.model, cfg.train.seed)
     tok = run_tokenizer(cfg, family_of(cfg), run_dir)
     os.makedirs(out, exist_ok=True)
@@ -94,7 +94,7 @@ def _save_own(cfg, family, state: dict, tok, out: str) -> None:
     import yaml
     from safetensors.torch import save_file
 
-    import mmpipe
+    from mmpipe._version import __version__
     model_section = cfg.to_dict()["model"]
 
     def localise(section: dict, where: str) -> None:
@@ -119,7 +119,7 @@ def _save_own(cfg, family, state: dict, tok, out: str) -> None:
     if proc is not None:
         proc.save_pretrained(out)
     with open(os.path.join(out, MARKER), "w") as fh:
-        json.dump({"format": "mmpipe", "model_type": family.name, "mmpipe_version": mmpipe.__version__}, fh)
+        json.dump({"format": "mmpipe", "model_type": family.name, "mmpipe_version": __version__}, fh)
 
 
 def is_export(path) -> bool:
@@ -133,9 +133,9 @@ def load_export_weights(path: str) -> dict:
 
 def build_exported(path: str, seed=None):
     """The plain model of an mmpipe-format export with its weights (pretrained paths resolved in it)."""
-    import mmpipe
+    from mmpipe.config import load_config
     from mmpipe.families import build_family
-    cfg = mmpipe.load_config(os.path.join(path, "config.yaml"))
+    cfg = load_config(os.path.join(path, "config.yaml"))
 
     def resolve(section) -> None:
         for name in getattr(section, "__dataclass_fields__", {}):

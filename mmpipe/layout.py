@@ -143,106 +143,14 @@ def predict_layouts(prof: dict, comm: CommModel, world: int, batch_size: int, mi
     """Every layout of ``world`` ranks (see the module doc), predicted; a list of ``LayoutPrediction``.
     ``fetch_units``: modules that own parameters (ZeRO-3 gathers each one separately, twice per
     micro-batch: its latency term); default one per layer."""
-    from mmpipe.errors import ConfigError
-    from mmpipe.planner import layer_costs, place, predict, stage_times
-    from mmpipe.profile import stage_memory
-    threads = int(prof.get("key", {}).get("threads", 1))
-    raw = prof
-    over = oversubscription(world, threads, cores)  # data parallel: every rank computes all the time
-    prof = _scaled(raw, over)
-    costs = layer_costs(prof)
-    units = fetch_units or len(costs)
-    w_b, g_b, _ = state_bytes(precision)
-    out = []
-
-    # data parallel
-    for z in zero_stages:
-        n = world
-        name = f"DP{n} ZeRO-{z}" if n > 1 else "single process"
-        if n == 1 and z > 0:
-            continue
-        row = LayoutPrediction(name, 1, n, z, None, 0, clipping="grouped" if z < 2 else "DeepSpeed global")
-        if batch_size % (micro_batch_size * n):
-            row.fits, row.why = False, f"batch {batch_size} is not a multiple of micro-batch {micro_batch_size} x {n}"
-            out.append(row)
-            continue
-        if z >= 2 and grouped_clip:
-            row.fits, row.why = False, "per-group max_grad_norm needs ZeRO 0/1"
-        M = batch_size // (micro_batch_size * n)
-        row.micro_batches = M
-        fb = sum(c.fwd_ms + c.bwd_ms for c in costs) / 1e3
-        opt = sum(c.opt_ms for c in costs) / 1e3
-        G = sum(c.trainable for c in costs) * g_b
-        W = sum(c.params for c in costs) * w_b
-        if z == 0:
-            cm = comm.time("allreduce", n, G)
-        elif z == 1:
-            cm = comm.time("allreduce", n, G) + comm.time("allgather", n, W)
-        elif z == 2:
-            cm = M * comm.time("reduce_scatter", n, G) + comm.time("allgather", n, W)
-        else:  # every parameter-owning module gathered for forward and again for backward
-            lat = comm.time("allgather", n, 1.0)
-            cm = M * (2 * comm.time("allgather", n, W) + 2 * (units - 1) * lat + comm.time("reduce_scatter", n, G))
-        row.compute = M * fb + (opt / n if z >= 1 else opt)
-        row.comm = cm * over  # collectives between oversubscribed ranks wait for the cores too
-        row.step_time = row.compute + cm
-        row.samples_per_s = batch_size / row.step_time
-        row.memory = [dp_memory(costs, precision, z, n)]
-        out.append(row)
-
-    # pipelines
+    ctx = _Ctx(prof, comm, world, batch_size, micro_batch_size, precision, cores)
+    out = [_dp_row(ctx, z, grouped_clip, fetch_units or len(ctx.costs)) for z in zero_stages if world > 1 or z == 0]
     for P in range(2, min(world, max_pipeline or len(names)) + 1):
         if world % P:
             continue
         D = world // P
         for z in (0, 1) if D > 1 else (0,):
-            for pl in placements:
-                tag = f"PP{P}" + (f"xDP{D}" if D > 1 else "") + f" {pl}" + (f" ZeRO-{z}" if D > 1 else "")
-                row = LayoutPrediction(tag, P, D, z, pl, 0)
-                if batch_size % (micro_batch_size * D):
-                    row.fits, row.why = False, f"batch {batch_size} is not a multiple of micro-batch {micro_batch_size} x {D}"
-                    out.append(row)
-                    continue
-                M = batch_size // (micro_batch_size * D)
-                row.micro_batches = M
-                try:
-                    plan = place(names, segments, P, pl, M, prof=prof, micro_batch_size=micro_batch_size,
-                                 precision=precision, zero_stage=z, data_parallel=D)
-                except ConfigError as e:
-                    row.fits, row.why = False, str(e)
-                    out.append(row)
-                    continue
-                parts = plan.parts
-                label = plan.chosen or pl
-                row.placement = label if pl != "auto" else f"auto:{label}"
-                # oversubscription counts the ranks busy at once: a pipeline's idle stages free their cores
-                f = over
-                for _ in range(4):
-                    sim = predict(_scaled(raw, f), parts, M)
-                    load = D * sum(b / sim.step_time for b in sim.busy) * threads
-                    f_new = max(1.0, load / cores) if cores else 1.0
-                    if abs(f_new - f) < 1e-3:
-                        break
-                    f = f_new
-                sprof = _scaled(raw, f)
-                sim = predict(sprof, parts, M)
-                t = stage_times(sprof, parts)
-                dp_comm, opt_saving = 0.0, 0.0
-                for s in range(P):
-                    G = sum(c.trainable for c in costs[parts[s]:parts[s + 1]]) * g_b
-                    W = sum(c.params for c in costs[parts[s]:parts[s + 1]]) * w_b
-                    c_s = (comm.time("allreduce", D, G) + (comm.time("allgather", D, W) if z == 1 else 0.0)) * f
-                    dp_comm = max(dp_comm, c_s)
-                    if z == 1:
-                        opt_saving = max(opt_saving, t["opt"][s] * (1 - 1 / D))
-                row.parts = list(parts)
-                row.step_time = sim.step_time - opt_saving + dp_comm
-                row.compute = M * max(f + b for f, b in zip(t["F"], t["B"]))
-                row.comm = dp_comm + sim.step_time - max(sim.busy)  # waiting, transfers and the reduction
-                row.bubble = sim.bubble
-                row.samples_per_s = batch_size / row.step_time
-                row.memory = stage_memory(costs, parts, M, precision, z, D)
-                out.append(row)
+            out += [_pp_row(ctx, P, D, z, pl, names, segments) for pl in placements]
     if memory_budget:
         for row in out:
             if row.fits and row.peak > memory_budget:
@@ -250,6 +158,100 @@ def predict_layouts(prof: dict, comm: CommModel, world: int, batch_size: int, mi
                 row.why = (f"needs {row.peak / 2**30:.2f} GB on its fullest rank, over the "
                            f"{memory_budget / 2**30:.2f} GB budget")
     return out
+
+
+class _Ctx:
+    """What every layout's prediction shares: the raw profile, the data-parallel stretch, sizes."""
+
+    def __init__(self, prof, comm, world, batch_size, micro_batch_size, precision, cores):
+        from mmpipe.planner import layer_costs
+        self.raw, self.comm, self.world, self.batch = prof, comm, world, batch_size
+        self.mbs, self.precision, self.cores = micro_batch_size, precision, cores
+        self.threads = int(prof.get("key", {}).get("threads", 1))
+        self.over = oversubscription(world, self.threads, cores)  # data parallel: every rank always computes
+        self.costs = layer_costs(_scaled(prof, self.over))
+        self.w_b, self.g_b, _ = state_bytes(precision)
+
+    def micro_batches(self, row, dp: int) -> int:
+        if self.batch % (self.mbs * dp):
+            row.fits, row.why = False, f"batch {self.batch} is not a multiple of micro-batch {self.mbs} x {dp}"
+            return 0
+        return self.batch // (self.mbs * dp)
+
+
+def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: int) -> LayoutPrediction:
+    n, comm, costs = ctx.world, ctx.comm, ctx.costs
+    row = LayoutPrediction(f"DP{n} ZeRO-{z}" if n > 1 else "single process", 1, n, z, None, 0,
+                           clipping="grouped" if z < 2 else "DeepSpeed global")
+    M = row.micro_batches = ctx.micro_batches(row, n)
+    if not M:
+        return row
+    if z >= 2 and grouped_clip:
+        row.fits, row.why = False, "per-group max_grad_norm needs ZeRO 0/1"
+    fb = sum(c.fwd_ms + c.bwd_ms for c in costs) / 1e3
+    opt = sum(c.opt_ms for c in costs) / 1e3
+    G = sum(c.trainable for c in costs) * ctx.g_b
+    W = sum(c.params for c in costs) * ctx.w_b
+    if z == 0:
+        cm = comm.time("allreduce", n, G)
+    elif z == 1:
+        cm = comm.time("allreduce", n, G) + comm.time("allgather", n, W)
+    elif z == 2:
+        cm = M * comm.time("reduce_scatter", n, G) + comm.time("allgather", n, W)
+    else:  # every parameter-owning module gathered for forward and again for backward
+        lat = comm.time("allgather", n, 1.0)
+        cm = M * (2 * comm.time("allgather", n, W) + 2 * (units - 1) * lat + comm.time("reduce_scatter", n, G))
+    row.compute = M * fb + (opt / n if z >= 1 else opt)
+    row.comm = cm * ctx.over  # collectives between oversubscribed ranks wait for the cores too
+    row.step_time = row.compute + row.comm
+    row.samples_per_s = ctx.batch / row.step_time
+    row.memory = [dp_memory(costs, ctx.precision, z, n)]
+    return row
+
+
+def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: list) -> LayoutPrediction:
+    from mmpipe.errors import ConfigError
+    from mmpipe.planner import place, predict, stage_times
+    from mmpipe.profile import stage_memory
+    tag = f"PP{P}" + (f"xDP{D}" if D > 1 else "") + f" {pl}" + (f" ZeRO-{z}" if D > 1 else "")
+    row = LayoutPrediction(tag, P, D, z, pl, 0)
+    M = row.micro_batches = ctx.micro_batches(row, D)
+    if not M:
+        return row
+    try:
+        plan = place(names, segments, P, pl, M, prof=_scaled(ctx.raw, ctx.over), micro_batch_size=ctx.mbs,
+                     precision=ctx.precision, zero_stage=z, data_parallel=D)
+    except ConfigError as e:
+        row.fits, row.why = False, str(e)
+        return row
+    parts = row.parts = list(plan.parts)
+    row.placement = pl if pl != "auto" else f"auto:{plan.chosen or pl}"
+    # oversubscription counts the ranks busy at once: a pipeline's idle stages free their cores
+    f = ctx.over
+    for _ in range(4):
+        sim = predict(_scaled(ctx.raw, f), parts, M)
+        load = D * sum(b / sim.step_time for b in sim.busy) * ctx.threads
+        f_new = max(1.0, load / ctx.cores) if ctx.cores else 1.0
+        if abs(f_new - f) < 1e-3:
+            break
+        f = f_new
+    sprof = _scaled(ctx.raw, f)
+    sim, t = predict(sprof, parts, M), stage_times(sprof, parts)
+    dp_comm = opt_saving = 0.0
+    for s in range(P):
+        G = sum(c.trainable for c in ctx.costs[parts[s]:parts[s + 1]]) * ctx.g_b
+        W = sum(c.params for c in ctx.costs[parts[s]:parts[s + 1]]) * ctx.w_b
+        c_s = (ctx.comm.time("allreduce", D, G) + (ctx.comm.time("allgather", D, W) if z == 1 else 0.0)) * f
+        dp_comm = max(dp_comm, c_s)
+        if z == 1:
+            opt_saving = max(opt_saving, t["opt"][s] * (1 - 1 / D))
+    row.step_time = sim.step_time - opt_saving + dp_comm
+    row.compute = M * max(a + b for a, b in zip(t["F"], t["B"]))
+    row.comm = dp_comm + sim.step_time - max(sim.busy)  # waiting, transfers and the reduction
+    row.bubble = sim.bubble
+    row.samples_per_s = ctx.batch / row.step_time
+    row.memory = stage_memory(ctx.costs, parts, M, ctx.precision, z, D)
+    return row
 
 
 def choose(rows: list) -> tuple:

@@ -68,6 +68,23 @@ def write_report(run_dir: str, out: str = None) -> list:
     ax.set_title("throughput")
     save(fig, "throughput.png")
 
+    save(_stages_chart(plt, recs), "stages.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    groups = [k for k in recs[0] if k.startswith("grad_norm.")]
+    for k in groups or ["grad_norm"]:
+        ax.plot(steps, [r.get(k) for r in recs], label=k)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("gradient norm (before clipping)")
+    ax.legend(fontsize=7)
+    ax.set_title("per-group gradient norms")
+    save(fig, "grad_norms.png")
+    return written
+
+
+def _stages_chart(plt, recs: list):
+    """Per-stage busy / data / idle share of the step, averaged over the steps."""
     P = sum(1 for k in recs[0] if k.startswith("stage") and k.endswith(".busy"))
     fig, ax = plt.subplots(figsize=(7, 1.2 + 1.3 * max(1, P)))
     if P:
@@ -87,19 +104,7 @@ def write_report(run_dir: str, out: str = None) -> list:
         ax.set_title("per-stage busy / data / idle")
     else:
         ax.text(0.5, 0.5, "no stage timing in this run (log.stage_timing false)", ha="center")
-    save(fig, "stages.png")
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    groups = [k for k in recs[0] if k.startswith("grad_norm.")]
-    for k in groups or ["grad_norm"]:
-        ax.plot(steps, [r.get(k) for r in recs], label=k)
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("gradient norm (before clipping)")
-    ax.legend(fontsize=7)
-    ax.set_title("per-group gradient norms")
-    save(fig, "grad_norms.png")
-    return written
+    return fig
 
 
 def cmd_report(args) -> int:
