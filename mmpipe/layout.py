@@ -42,6 +42,18 @@ class CommModel:
     ops: dict = field(default_factory=dict)
     p2p: tuple = (0.0, 0.0)
     measured: bool = False
+    # ZeRO-3's fixed cost per module per pass (forward or backward), bandwidth excluded, by group size:
+    # (a module whose parameters are partitioned and gathered, one whose parameters stay persistent)
+    zero3: dict = field(default_factory=dict)
+
+    def zero3_module(self, n: int) -> Optional[tuple]:
+        if n <= 1 or not self.zero3:
+            return None
+        table = {int(k): v for k, v in self.zero3.items()}
+        if n in table:
+            return tuple(table[n])
+        k = min(table, key=lambda x: abs(x - n))  # hooks are per rank; the gather latency grows like a ring
+        return tuple(v * (n - 1) / max(1, k - 1) if i == 0 else v for i, v in enumerate(table[k]))
 
     def time(self, op: str, n: int, nbytes: float) -> float:
         if n <= 1 or nbytes <= 0:
@@ -59,12 +71,14 @@ class CommModel:
 
     def to_dict(self) -> dict:
         return {"backend": self.backend, "ops": {op: {str(n): list(v) for n, v in t.items()} for op, t in self.ops.items()},
-                "p2p": list(self.p2p), "measured": self.measured}
+                "p2p": list(self.p2p), "measured": self.measured,
+                "zero3": {str(n): list(v) for n, v in self.zero3.items()}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CommModel":
         return cls(d["backend"], {op: {int(n): tuple(v) for n, v in t.items()} for op, t in d["ops"].items()},
-                   tuple(d["p2p"]), d.get("measured", True))
+                   tuple(d["p2p"]), d.get("measured", True),
+                   {int(n): tuple(v) for n, v in d.get("zero3", {}).items()})
 
 
 # ---- memory -------------------------------------------------------------------------------------------
@@ -139,12 +153,14 @@ def predict_layouts(prof: dict, comm: CommModel, world: int, batch_size: int, mi
                     precision: str, names: list, segments: list, memory_budget: Optional[int] = None,
                     cores: Optional[int] = None, zero_stages=(0, 1, 2, 3), placements=("modality", "auto"),
                     max_pipeline: Optional[int] = None, grouped_clip: bool = False,
-                    fetch_units: Optional[int] = None) -> list:
+                    fetch_units=None) -> list:
     """Every layout of ``world`` ranks (see the module doc), predicted; a list of ``LayoutPrediction``.
-    ``fetch_units``: modules that own parameters (ZeRO-3 gathers each one separately, twice per
-    micro-batch: its latency term); default one per layer."""
+    ``fetch_units``: (modules whose parameters ZeRO-3 partitions, modules whose parameters it keeps
+    persistent), or one count of partitioned modules; ZeRO-3 fetches each module separately, twice
+    per micro-batch. Default: one partitioned module per layer."""
     ctx = _Ctx(prof, comm, world, batch_size, micro_batch_size, precision, cores)
-    out = [_dp_row(ctx, z, grouped_clip, fetch_units or len(ctx.costs)) for z in zero_stages if world > 1 or z == 0]
+    units = fetch_units if isinstance(fetch_units, tuple) else (fetch_units or len(ctx.costs), 0)
+    out = [_dp_row(ctx, z, grouped_clip, units) for z in zero_stages if world > 1 or z == 0]
     for P in range(2, min(world, max_pipeline or len(names)) + 1):
         if world % P:
             continue
@@ -179,7 +195,7 @@ class _Ctx:
         return self.batch // (self.mbs * dp)
 
 
-def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: int) -> LayoutPrediction:
+def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple) -> LayoutPrediction:
     n, comm, costs = ctx.world, ctx.comm, ctx.costs
     row = LayoutPrediction(f"DP{n} ZeRO-{z}" if n > 1 else "single process", 1, n, z, None, 0,
                            clipping="grouped" if z < 2 else "DeepSpeed global")
@@ -198,11 +214,17 @@ def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: int) -> LayoutPredicti
         cm = comm.time("allreduce", n, G) + comm.time("allgather", n, W)
     elif z == 2:
         cm = M * comm.time("reduce_scatter", n, G) + comm.time("allgather", n, W)
-    else:  # every parameter-owning module gathered for forward and again for backward
-        lat = comm.time("allgather", n, 1.0)
-        cm = M * (2 * comm.time("allgather", n, W) + 2 * (units - 1) * lat + comm.time("reduce_scatter", n, G))
+    else:  # every parameter-owning module fetched for forward and again for backward
+        cm = M * (2 * comm.time("allgather", n, W) + comm.time("reduce_scatter", n, G))
+    fixed = 0.0
+    if z == 3:
+        per = comm.zero3_module(n)
+        if per:  # measured with n ranks at once (their contention included): not stretched again
+            fixed = M * 2 * (units[0] * per[0] + units[1] * per[1])
+        else:  # unmeasured: one gather latency per further module
+            cm += M * 2 * (units[0] + units[1] - 1) * comm.time("allgather", n, 1.0)
     row.compute = M * fb + (opt / n if z >= 1 else opt)
-    row.comm = cm * ctx.over  # collectives between oversubscribed ranks wait for the cores too
+    row.comm = cm * ctx.over + fixed  # collectives between oversubscribed ranks wait for the cores too
     row.step_time = row.compute + row.comm
     row.samples_per_s = ctx.batch / row.step_time
     row.memory = [dp_memory(costs, ctx.precision, z, n)]
@@ -313,16 +335,16 @@ def write_png(path: str, rows: list, chosen: Optional[LayoutPrediction] = None,
 
 # ---- measuring the collectives --------------------------------------------------------------------------
 def _coll_worker(rank: int, n: int, port: int, sizes: list, repeats: int, backend: str, device: str, out) -> None:
-    import statistics
-    import time
     import warnings
 
     import torch
     import torch.distributed as dist
     warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n),
+                      LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group(backend, rank=rank, world_size=n)
+    import deepspeed
+    deepspeed.init_distributed(backend, verbose=False)
     res = {op: {} for op in OPS}
     res["p2p"] = {}
     for nbytes in sizes:
@@ -336,16 +358,80 @@ def _coll_worker(rank: int, n: int, port: int, sizes: list, repeats: int, backen
             from mmpipe.profile import pingpong
             ops["p2p"] = lambda: pingpong(rank, full)
         for op, f in ops.items():
-            times = []
-            for _ in range(repeats + 2):
-                dist.barrier()
-                t0 = time.perf_counter()
-                f()
-                times.append(time.perf_counter() - t0)
-            res[op][numel * 4] = statistics.median(times[2:]) / (2 if op == "p2p" else 1)
+            res[op][numel * 4] = _median_time(f, repeats) / (2 if op == "p2p" else 1)
+    res["zero3"] = _zero3_probe(device, repeats)
     if rank == 0:
         out.put(res)
     dist.destroy_process_group()
+
+
+def _median_time(f, repeats: int) -> float:
+    import statistics
+    import time
+
+    import torch.distributed as dist
+    times = []
+    for _ in range(repeats + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
+
+
+ZERO3_PERSISTENCE = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (numel)
+
+
+def _zero3_probe(device: str, repeats: int, modules: int = 16) -> dict:
+    """DeepSpeed ZeRO-3's cost per module per pass on this backend: forward + backward of a chain of
+    ``modules`` tiny-input modules under a ZeRO-3 engine minus under a ZeRO-0 engine, for modules
+    whose weights are partitioned (a 512x256 Linear, above the persistence threshold: gathered and
+    released every pass) and modules small enough to stay persistent (LayerNorm(256): hooks only)."""
+    import logging
+    import statistics
+    import time
+
+    import deepspeed
+    import torch
+    from deepspeed.utils import logger
+    from torch import nn
+    logger.setLevel(logging.ERROR)
+
+    class Chain(nn.Module):
+        def __init__(self, big: bool):
+            super().__init__()
+            self.big = big
+            self.m = nn.ModuleList(nn.Linear(512, 256) if big else nn.LayerNorm(256) for _ in range(modules))
+
+        def forward(self, x):
+            for m in self.m:
+                y = m(x)
+                x = torch.cat([y, y], -1) if self.big else y
+            return x.sum()
+
+    res = {}
+    for big in (True, False):
+        t = {}
+        for z in (0, 3):
+            net = Chain(big)
+            cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                   "zero_optimization": {"stage": z}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+            eng, *_ = deepspeed.initialize(model=net, config=cfg, model_parameters=net.parameters())
+            x = torch.randn(1, 512 if big else 256, device=device)
+            times = []
+            for _ in range(repeats + 2):  # forward + backward timed, each followed by a step, as in training
+                torch.distributed.barrier()
+                t0 = time.perf_counter()
+                eng.backward(eng(x))
+                times.append(time.perf_counter() - t0)
+                eng.step()
+            t[z] = statistics.median(times[2:])
+            if hasattr(eng, "destroy"):
+                eng.destroy()
+        key = "partitioned" if big else "persistent"
+        res[key] = max(0.0, (t[3] - t[0]) / (2 * modules))
+    res["partitioned_bytes"] = (512 * 256 + 256) * 4
+    return res
 
 
 def _fit(samples: dict) -> tuple:
@@ -353,10 +439,11 @@ def _fit(samples: dict) -> tuple:
     return fit_comm({int(k): v for k, v in samples.items()})
 
 
-def measure_collectives(group_sizes: list, sizes=(4096, 1 << 18, 1 << 21, 1 << 23), repeats: int = 5,
+def measure_collectives(group_sizes: list, sizes=(4096, 1 << 18, 1 << 21, 1 << 23), repeats: int = 9,
                         log=None) -> CommModel:
     """Time all-reduce, all-gather, reduce-scatter (and send/recv at 2) for each group size with the
-    accelerator's backend, in spawned processes; fit latency + bytes / bandwidth per op and size."""
+    accelerator's backend, in spawned processes; fit latency + bytes / bandwidth per op and size; and
+    ZeRO-3's fixed cost per module (``_zero3_probe``)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -386,6 +473,10 @@ def measure_collectives(group_sizes: list, sizes=(4096, 1 << 18, 1 << 21, 1 << 2
             model.ops.setdefault(op, {})[n] = _fit(res[op])
         if res["p2p"]:
             model.p2p = _fit(res["p2p"])
+        z3 = res["zero3"]  # per module-pass, less the bandwidth share its gathers and reduce-scatter count
+        b = z3["partitioned_bytes"]
+        bw = (2 * model.ops["allgather"][n][1] + model.ops["reduce_scatter"][n][1]) * b / 2
+        model.zero3[n] = (max(0.0, z3["partitioned"] - bw), z3["persistent"])
     return model
 
 
@@ -398,7 +489,7 @@ def get_comm_model(group_sizes: list, use_cache: bool = True, log=None) -> CommM
     from mmpipe.plan import _write_json, cache_dir
     acc = get_accelerator()
     sizes = sorted(set(n for n in group_sizes if n >= 2) | {2})
-    key = f"comm-{acc.communication_backend_name()}-{acc.device_name()}-{socket.gethostname()}-" + "_".join(map(str, sizes))
+    key = f"comm2-{acc.communication_backend_name()}-{acc.device_name()}-{socket.gethostname()}-" + "_".join(map(str, sizes))
     path = os.path.join(cache_dir(), key + ".json")
     if use_cache and os.path.isfile(path):
         with open(path) as fh:
@@ -411,15 +502,19 @@ def get_comm_model(group_sizes: list, use_cache: bool = True, log=None) -> CommM
     return model
 
 
-def fetch_units(family) -> int:
-    """Modules that own parameters directly: what ZeRO-3 gathers one at a time (built on meta)."""
+def fetch_units(family) -> tuple:
+    """(modules owning a parameter larger than ZeRO-3's persistence threshold: partitioned, gathered
+    for every pass; other modules owning parameters: persistent, hooks only), built on meta."""
     import torch
-    n = 0
+    big = small = 0
     for name in family.layer_names():
         with torch.device("meta"):
             m = family.build_unseeded(name)
-        n += sum(1 for mod in m.modules() if any(True for _ in mod.parameters(recurse=False)))
-    return n
+        for mod in m.modules():
+            own = [p.numel() for p in mod.parameters(recurse=False)]
+            if own:
+                big, small = (big + 1, small) if max(own) > ZERO3_PERSISTENCE else (big, small + 1)
+    return big, small
 
 
 def cores() -> int:

@@ -92,7 +92,7 @@ def profile_key(cfg, family, micro_batch_size: int, threads: int, device: str, f
             "micro_batch_size": micro_batch_size, "max_length": cfg.data.max_length, "precision": cfg.train.precision,
             "device": device, "threads": threads, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "forward_only": sorted(forward_only),
-            "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 2}
+            "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 3}
 
 
 def cache_dir() -> str:
