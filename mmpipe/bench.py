@@ -383,22 +383,12 @@ def _layout_sets(row) -> list:
     return sets
 
 
-def _predicted_opt_state(row, prof) -> float:
-    """Adam moments on the fullest rank (fp32 runs), bytes."""
-    from mmpipe.planner import layer_costs
-    costs = layer_costs(prof)
-    per = 8
-    if row.parts:
-        trainable = max(sum(c.trainable for c in costs[a:b]) for a, b in zip(row.parts, row.parts[1:]))
-    else:
-        trainable = sum(c.trainable for c in costs)
-    return trainable * per / (row.data_parallel if row.zero_stage >= 1 else 1)
-
-
 def _strategies_table(world: int, res: dict, rows: list, measured: dict, mem: dict, batch: int, single: float,
                       art: str, summary: list) -> list:
     """Markdown lines of one world size: predicted beside measured per layout, the ranking verdict, PNG."""
-    from mmpipe.layout import write_png
+    from mmpipe.layout import optimizer_state_bytes, write_png
+    from mmpipe.planner import layer_costs
+    costs, precision = layer_costs(res["profile"]), res["precision"]
     lines = [f"**{world} rank(s)** ({res['threads']} thread(s) per rank on {os.cpu_count()} cores; "
              f"chosen by the cost model: {res['chosen'].name})", "",
              "| layout | step ms predicted / measured | error | samples/s measured | vs single process | "
@@ -408,7 +398,7 @@ def _strategies_table(world: int, res: dict, rows: list, measured: dict, mem: di
         m = measured[r.name]
         st = m["step_time"]
         idle = (sum(m["idle_frac"]) / len(m["idle_frac"])) if m["idle_frac"] else 0.0
-        opt_p = _predicted_opt_state(r, res["profile"]) / 2**20
+        opt_p = optimizer_state_bytes(costs, precision, r.zero_stage, r.data_parallel, r.parts) / 2**20
         mark = " **chosen**" if r.name == res["chosen"].name else ""
         lines.append(f"| {r.name}{mark} | {1e3 * r.step_time:.0f} / {1e3 * st:.0f} | "
                      f"{100 * (r.step_time / st - 1):+.0f}% | {batch / st:.1f} | {single / st:.2f}x | "
@@ -437,7 +427,8 @@ def bench_strategies(args) -> int:
     from mmpipe.config import load_config
     from mmpipe.data.cache import prepare
     from mmpipe.data.synth import synth
-    from mmpipe.layout import plan_layouts
+    from mmpipe.layout import comm_group_sizes, plan_layouts
+    from mmpipe.topology import threads_per_rank
     from mmpipe.plan import measured_from_run
     tmp = tempfile.mkdtemp(prefix="mmpipe-bench-strategies-")
     art = os.path.join(os.getcwd(), "benchmarks")
@@ -453,9 +444,13 @@ def bench_strategies(args) -> int:
     cfg = load_config(config, common)
     batch = cfg.train.batch_size
     log = lambda m: print(f"[bench] {m}", flush=True)  # noqa: E731
-    sections, summary = [], []
+    sections, summary, refreshed = [], [], set()
     for world in [1] + list(args.worlds):
-        res = plan_layouts(cfg, world, use_cache=not args.refresh, log=log)
+        # --refresh: one fresh profile per thread count and one timing per set of group sizes
+        threads, sizes = threads_per_rank(world), tuple(comm_group_sizes(world))
+        res = plan_layouts(cfg, world, log=log, refresh=args.refresh and threads not in refreshed,
+                           refresh_comm=args.refresh and sizes not in refreshed)
+        refreshed |= {threads, sizes}
         rows = [r for r in res["rows"] if r.micro_batches and r.fits]
         measured, mem = {}, {}
         for rnd in range(args.rounds):

@@ -106,6 +106,16 @@ def dp_memory(costs: list, precision: str, zero: int, n: int) -> int:
     return int(static + acts)
 
 
+def optimizer_state_bytes(costs: list, precision: str, zero: int, dp: int, parts: Optional[list] = None) -> float:
+    """Optimizer state on the fullest rank: the largest stage's (or, without ``parts``, the whole
+    model's) trainable parameters times the state bytes per parameter, sharded over ``dp`` ranks
+    from ZeRO-1 on (the term ``dp_memory`` and ``stage_memory`` count)."""
+    o = state_bytes(precision)[2]
+    spans = list(zip(parts, parts[1:])) if parts else [(0, len(costs))]
+    trainable = max(sum(c.trainable for c in costs[a:b]) for a, b in spans)
+    return trainable * o / (dp if zero >= 1 else 1)
+
+
 # ---- prediction ---------------------------------------------------------------------------------------
 @dataclass
 class LayoutPrediction:
@@ -480,8 +490,9 @@ def measure_collectives(group_sizes: list, sizes=(4096, 1 << 18, 1 << 21, 1 << 2
     return model
 
 
-def get_comm_model(group_sizes: list, use_cache: bool = True, log=None) -> CommModel:
-    """``measure_collectives`` cached per backend, device, host and group sizes (``$MMPIPE_CACHE``)."""
+def get_comm_model(group_sizes: list, use_cache: bool = True, log=None, refresh: bool = False) -> CommModel:
+    """``measure_collectives`` cached per backend, device, host and group sizes (``$MMPIPE_CACHE``);
+    ``refresh``: measure again and replace the cached entry."""
     import socket
 
     from deepspeed.accelerator import get_accelerator
@@ -491,7 +502,7 @@ def get_comm_model(group_sizes: list, use_cache: bool = True, log=None) -> CommM
     sizes = sorted(set(n for n in group_sizes if n >= 2) | {2})
     key = f"comm2-{acc.communication_backend_name()}-{acc.device_name()}-{socket.gethostname()}-" + "_".join(map(str, sizes))
     path = os.path.join(cache_dir(), key + ".json")
-    if use_cache and os.path.isfile(path):
+    if use_cache and not refresh and os.path.isfile(path):
         with open(path) as fh:
             if log:
                 log(f"collective costs from cache {path}")
@@ -535,9 +546,17 @@ def divisors_of(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def comm_group_sizes(world: int) -> list:
+    """The group sizes whose collectives a world's layouts use (2 is always timed: send/recv)."""
+    return sorted({d for d in divisors_of(world) if d >= 2} | {2})
+
+
 def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: bool = True, log=print,
-                 comm: Optional[CommModel] = None) -> dict:
-    """Profile (at the threads a rank of ``world`` gets), measure collectives, predict every layout."""
+                 comm: Optional[CommModel] = None, refresh: bool = False,
+                 refresh_comm: Optional[bool] = None) -> dict:
+    """Profile (at the threads a rank of ``world`` gets), measure collectives, predict every layout;
+    ``refresh`` / ``refresh_comm`` (default: ``refresh``): profile / time the collectives again,
+    replacing the cached entries."""
     from mmpipe.optim import frozen_layout, resolve_groups
     from mmpipe.plan import get_profile, resolve_for_plan
     from mmpipe.topology import threads_per_rank
@@ -551,8 +570,10 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
     groups = resolve_groups(rcfg.optim, type(family))
     _, frozen, forward_only = frozen_layout(family, groups)
     threads = threads_per_rank(world)
-    prof = get_profile(rcfg, family, mbs, forward_only, frozen, threads=threads, use_cache=use_cache, log=log)
-    comm = comm or get_comm_model([d for d in divisors_of(world) if d >= 2], use_cache=use_cache, log=log)
+    prof = get_profile(rcfg, family, mbs, forward_only, frozen, threads=threads, use_cache=use_cache, log=log,
+                       refresh=refresh)
+    comm = comm or get_comm_model(comm_group_sizes(world), use_cache=use_cache, log=log,
+                                  refresh=refresh if refresh_comm is None else refresh_comm)
     if comm.measured:  # the stage-to-stage model from the same measurement as the collectives
         prof = {**prof, "comm": {**prof["comm"], "latency_s": comm.p2p[0], "s_per_byte": comm.p2p[1]}}
     gb = memory_gb if memory_gb is not None else cfg.parallel.memory_budget_gb
@@ -564,6 +585,7 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
                            grouped_clip=grouped_clip, fetch_units=fetch_units(family))
     best, why = choose(rows)
     return {"world": world, "batch_size": cfg.train.batch_size, "micro_batch_size": mbs, "threads": threads,
+            "precision": cfg.train.precision,
             "memory_budget": budget, "rows": rows, "chosen": best, "why": why, "comm": comm, "profile": prof}
 
 

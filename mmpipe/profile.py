@@ -3,7 +3,8 @@
 Every pipeline layer is run the way a pipeline stage runs it: its float inputs detached (as if
 received from the previous stage), forward, then backward from the gradient of its outputs. That
 gives, per layer and micro-batch shape:
-- ``fwd_ms`` / ``bwd_ms``: median wall time after warm-up (synchronised on accelerators);
+- ``fwd_ms`` / ``bwd_ms``: median wall time after warm-up (synchronised on accelerators), each
+  pass timed cache-cold, as it runs inside a pipeline stage (``CacheEvictor``);
   a frozen layer with nothing trainable upstream runs forward only (no autograd graph at all),
   a frozen layer after a trainable one still pays the backward through its activations;
 - ``act_bytes``: memory autograd keeps for backward (saved tensors, counted once per storage,
