@@ -384,16 +384,16 @@ def _layout_sets(row) -> list:
 
 
 def _strategies_table(world: int, res: dict, rows: list, measured: dict, mem: dict, batch: int, single: float,
-                      art: str, summary: list) -> list:
+                      art: str, summary: list, rounds: dict) -> list:
     """Markdown lines of one world size: predicted beside measured per layout, the ranking verdict, PNG."""
     from mmpipe.layout import optimizer_state_bytes, write_png
     from mmpipe.planner import layer_costs
     costs, precision = layer_costs(res["profile"]), res["precision"]
     lines = [f"**{world} rank(s)** ({res['threads']} thread(s) per rank on {os.cpu_count()} cores; "
              f"chosen by the cost model: {res['chosen'].name})", "",
-             "| layout | step ms predicted / measured | error | samples/s measured | vs single process | "
-             "idle predicted / measured | optimizer state MB predicted / measured | max RSS MB | clipping |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| layout | step ms predicted / measured | error | rounds: slowest / fastest | samples/s measured | "
+             "vs single process | idle predicted / measured | optimizer state MB predicted / measured | max RSS MB | "
+             "clipping |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: measured[r.name]["step_time"]):
         m = measured[r.name]
         st = m["step_time"]
@@ -401,7 +401,8 @@ def _strategies_table(world: int, res: dict, rows: list, measured: dict, mem: di
         opt_p = optimizer_state_bytes(costs, precision, r.zero_stage, r.data_parallel, r.parts) / 2**20
         mark = " **chosen**" if r.name == res["chosen"].name else ""
         lines.append(f"| {r.name}{mark} | {1e3 * r.step_time:.0f} / {1e3 * st:.0f} | "
-                     f"{100 * (r.step_time / st - 1):+.0f}% | {batch / st:.1f} | {single / st:.2f}x | "
+                     f"{100 * (r.step_time / st - 1):+.0f}% | {max(rounds[r.name]) / min(rounds[r.name]):.2f}x | "
+                     f"{batch / st:.1f} | {single / st:.2f}x | "
                      f"{r.bubble:.0%} / {idle:.0%} | {opt_p:.1f} / {mem[r.name][0]:.1f} | {mem[r.name][1]} | "
                      f"{r.clipping} |")
     if world == 1:
@@ -411,10 +412,12 @@ def _strategies_table(world: int, res: dict, rows: list, measured: dict, mem: di
     swaps = [(a.name, b.name) for i, a in enumerate(pred_rank) for b in pred_rank[i + 1:]
              if meas[a.name] > meas[b.name] * 1.10]  # predicted faster, measured >10% slower
     errors = [abs(r.step_time / meas[r.name] - 1) for r in rows]
+    spread = max(max(rounds[r.name]) / min(rounds[r.name]) for r in rows)
     ranking = "matches" if not swaps else "swapped pairs beyond 10%: " + ", ".join(f"{a} before {b}" for a, b in swaps)
     verdict = (f"ranking: {ranking}; chosen layout {meas[res['chosen'].name] / min(meas.values()):.2f}x the fastest "
                f"measured ({min(meas, key=meas.get)}); prediction error max {100 * max(errors):.0f}%, mean "
-               f"{100 * sum(errors) / len(errors):.0f}%")
+               f"{100 * sum(errors) / len(errors):.0f}%; the same layout's rounds differ by up to "
+               f"{100 * (spread - 1):.0f}%")
     summary.append(f"{world} ranks: {verdict}")
     write_png(os.path.join(art, f"strategies_{world}ranks.png"), rows, res["chosen"], meas,
               title=f"{world} ranks: step time per layout, predicted vs measured (green: chosen)")
@@ -452,13 +455,14 @@ def bench_strategies(args) -> int:
                            refresh_comm=args.refresh and sizes not in refreshed)
         refreshed |= {threads, sizes}
         rows = [r for r in res["rows"] if r.micro_batches and r.fits]
-        measured, mem = {}, {}
+        measured, mem, rounds = {}, {}, {}
         for rnd in range(args.rounds):
             for r in rows:
                 log(f"{world} rank(s): {r.name} (round {rnd + 1}/{args.rounds}) ...")
                 out = os.path.join(tmp, f"w{world}_{re.sub(r'[^A-Za-z0-9]+', '_', r.name)}_{rnd}")
                 text = launch(world, config, common + _layout_sets(r), out)
                 m = measured_from_run(out, skip=args.warmup)
+                rounds.setdefault(r.name, []).append(m["step_time"])
                 if r.name not in measured or m["step_time"] < measured[r.name]["step_time"]:
                     measured[r.name] = m
                     found = _MEM_LINE.findall(text)
@@ -466,7 +470,7 @@ def bench_strategies(args) -> int:
                                    max((int(x) for _, _, x in found), default=0))
         if world == 1:
             single = measured[rows[0].name]["step_time"]
-        lines = _strategies_table(world, res, rows, measured, mem, batch, single, art, summary)
+        lines = _strategies_table(world, res, rows, measured, mem, batch, single, art, summary, rounds)
         table = "\n".join(lines)
         print(table, flush=True)
         sections.append(table)

@@ -45,6 +45,9 @@ class CommModel:
     # ZeRO-3's fixed cost per module per pass (forward or backward), bandwidth excluded, by group size:
     # (a module whose parameters are partitioned and gathered, one whose parameters stay persistent)
     zero3: dict = field(default_factory=dict)
+    # CPU only: how much slower one rank computes when n single-thread ranks compute at once on this
+    # machine's cores, measured (time-sharing and the shared cache and memory included), by n
+    stretch: dict = field(default_factory=dict)
 
     def zero3_module(self, n: int) -> Optional[tuple]:
         if n <= 1 or not self.zero3:
@@ -72,13 +75,15 @@ class CommModel:
     def to_dict(self) -> dict:
         return {"backend": self.backend, "ops": {op: {str(n): list(v) for n, v in t.items()} for op, t in self.ops.items()},
                 "p2p": list(self.p2p), "measured": self.measured,
-                "zero3": {str(n): list(v) for n, v in self.zero3.items()}}
+                "zero3": {str(n): list(v) for n, v in self.zero3.items()},
+                "stretch": {str(n): v for n, v in self.stretch.items()}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CommModel":
         return cls(d["backend"], {op: {int(n): tuple(v) for n, v in t.items()} for op, t in d["ops"].items()},
                    tuple(d["p2p"]), d.get("measured", True),
-                   {int(n): tuple(v) for n, v in d.get("zero3", {}).items()})
+                   {int(n): tuple(v) for n, v in d.get("zero3", {}).items()},
+                   {int(n): float(v) for n, v in d.get("stretch", {}).items()})
 
 
 # ---- memory -------------------------------------------------------------------------------------------
@@ -152,10 +157,14 @@ def _scaled(prof: dict, factor: float) -> dict:
     return {**prof, "layers": layers}
 
 
-def oversubscription(world: int, threads: int, cores: Optional[int]) -> float:
-    """How much slower each rank computes when ``world`` ranks of ``threads`` threads share ``cores``."""
+def oversubscription(world: int, threads: int, cores: Optional[int], measured: Optional[dict] = None) -> float:
+    """How much slower each rank computes when ``world`` ranks of ``threads`` threads share ``cores``:
+    the measured stretch for that many ranks (``CommModel.stretch``) where there is one, else the
+    share of a core each thread gets."""
     if not cores:
         return 1.0
+    if measured and threads == 1 and world in measured:
+        return max(1.0, measured[world])
     return max(1.0, world * threads / cores)
 
 
@@ -194,7 +203,10 @@ class _Ctx:
         self.raw, self.comm, self.world, self.batch = prof, comm, world, batch_size
         self.mbs, self.precision, self.cores = micro_batch_size, precision, cores
         self.threads = int(prof.get("key", {}).get("threads", 1))
-        self.over = oversubscription(world, self.threads, cores)  # data parallel: every rank always computes
+        # data parallel: every rank always computes
+        self.over = oversubscription(world, self.threads, cores, comm.stretch)
+        # what sharing costs beyond each rank's share of the cores (a pipeline scales it by its load)
+        self.penalty = self.over / oversubscription(world, self.threads, cores)
         self.costs = layer_costs(_scaled(prof, self.over))
         self.w_b, self.g_b, _ = state_bytes(precision)
 
@@ -263,7 +275,7 @@ def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: l
     for _ in range(4):
         sim = predict(_scaled(ctx.raw, f), parts, M)
         load = D * sum(b / sim.step_time for b in sim.busy) * ctx.threads
-        f_new = max(1.0, load / ctx.cores) if ctx.cores else 1.0
+        f_new = max(1.0, load / ctx.cores) * ctx.penalty if ctx.cores else 1.0
         if abs(f_new - f) < 1e-3:
             break
         f = f_new
@@ -370,6 +382,7 @@ def _coll_worker(rank: int, n: int, port: int, sizes: list, repeats: int, backen
         for op, f in ops.items():
             res[op][numel * 4] = _median_time(f, repeats) / (2 if op == "p2p" else 1)
     res["zero3"] = _zero3_probe(device, repeats)
+    res["stretch"] = _stretch_probe(rank) if device == "cpu" else 1.0
     if rank == 0:
         out.put(res)
     dist.destroy_process_group()
@@ -387,6 +400,39 @@ def _median_time(f, repeats: int) -> float:
         f()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[2:])
+
+
+def _stretch_probe(rank: int, iters: int = 30) -> float:
+    """Median time of a transformer-sized MLP forward + backward with every rank computing at once,
+    over its time with rank 0 computing alone (the others block in a barrier)."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    x = torch.randn(256, 256)
+
+    def work() -> float:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            mlp(x).sum().backward()
+        return time.perf_counter() - t0
+    work()  # warm-up
+    alone = []
+    for _ in range(3):
+        dist.barrier()
+        if rank == 0:
+            alone.append(work())
+        dist.barrier()
+    together = []
+    for _ in range(3):
+        dist.barrier()
+        together.append(work())
+    t = torch.tensor([statistics.median(together)])
+    dist.all_reduce(t)  # the mean over ranks
+    return float(t) / dist.get_world_size() / statistics.median(alone) if rank == 0 else 0.0
 
 
 ZERO3_PERSISTENCE = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (numel)
@@ -487,6 +533,8 @@ def measure_collectives(group_sizes: list, sizes=(4096, 1 << 18, 1 << 21, 1 << 2
         b = z3["partitioned_bytes"]
         bw = (2 * model.ops["allgather"][n][1] + model.ops["reduce_scatter"][n][1]) * b / 2
         model.zero3[n] = (max(0.0, z3["partitioned"] - bw), z3["persistent"])
+        if device == "cpu":
+            model.stretch[n] = res["stretch"]
     return model
 
 
@@ -500,7 +548,7 @@ def get_comm_model(group_sizes: list, use_cache: bool = True, log=None, refresh:
     from mmpipe.plan import _write_json, cache_dir
     acc = get_accelerator()
     sizes = sorted(set(n for n in group_sizes if n >= 2) | {2})
-    key = f"comm2-{acc.communication_backend_name()}-{acc.device_name()}-{socket.gethostname()}-" + "_".join(map(str, sizes))
+    key = f"comm3-{acc.communication_backend_name()}-{acc.device_name()}-{socket.gethostname()}-" + "_".join(map(str, sizes))
     path = os.path.join(cache_dir(), key + ".json")
     if use_cache and not refresh and os.path.isfile(path):
         with open(path) as fh:

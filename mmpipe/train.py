@@ -498,7 +498,6 @@ class Trainer:
         from deepspeed.accelerator import get_accelerator
 
         from mmpipe.config import family_of, replace
-        from mmpipe.data.source import open_source
         from mmpipe.ds_config import resolve
         from mmpipe.optim import resolve_groups
         # the run's own copy: adopting DeepSpeed-JSON / Accelerate values is part of its resolution
@@ -529,10 +528,7 @@ class Trainer:
             self.reads_inputs = self.stage == 0
             self.reads_data = self.reads_inputs or (bool(self.family_cls.labels) and self.topo.is_last_stage(rank))
             self.image_size = self.family_cls.image_size(cfg.model)
-            self.source = open_source(cfg, self.image_size, read=self.reads_data or rank == 0, family=self.family_cls)
-            # every rank reads the val records (no images): all stages need the eval micro-batch count
-            self.val_samples = (self.family_cls.read_records(cfg.data.val, cfg.data, "data.val") if cfg.data.val
-                                else None)
+            self.open_data(cfg, read=self.reads_data or rank == 0)
             self.groups = resolve_groups(cfg.optim, self.family_cls)
             if cfg.parallel.zero_stage >= 2 and any(g.max_grad_norm is not None for g in self.groups):
                 raise ConfigError(f"per-group clipping (optim.groups.*.max_grad_norm) supports ZeRO 0/1, not "
@@ -541,6 +537,21 @@ class Trainer:
         except MmpipeError as e:
             e.everywhere = True
             raise
+
+    def open_data(self, cfg, read: bool) -> None:
+        """The training source and the val records (every rank reads those: all stages need the eval
+        micro-batch count). ``parallel.layout: auto`` validates twice (a stand-in layout, then the
+        chosen one): the data opened the first time is kept when it is the same data."""
+        from mmpipe.data.source import open_source
+        key = (repr(cfg.data), self.image_size, self.family_cls)
+        kept = getattr(self, "_opened", None)
+        if kept and kept[0] == key and (kept[1] or not read):
+            self.source, self.val_samples = kept[2], kept[3]
+            return
+        self.source = open_source(cfg, self.image_size, read=read, family=self.family_cls)
+        self.val_samples = (self.family_cls.read_records(cfg.data.val, cfg.data, "data.val") if cfg.data.val
+                            else None)
+        self._opened = (key, read, self.source, self.val_samples)
 
     def build_family(self) -> None:
         """The tokenizer, the resolved model config (fields left to the tokenizer filled) and the family."""
