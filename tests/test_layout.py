@@ -140,6 +140,24 @@ def test_four_ranks_list_every_divisor_layout_and_oversubscription_stretches_com
     assert all(math.isfinite(r.step_time) for r in rows.values() if r.fits)
 
 
+def test_a_measured_stretch_replaces_the_fair_share_of_the_cores():
+    """4 single-thread ranks on 2 cores measured 2.5x slower each (not 2x): data parallel computes
+    2.5x slower, a pipeline's busy-scaled stretch pays the same 2.5 / 2 on top."""
+    from mmpipe.layout import oversubscription
+    layers = [_layer(n, 3.0, 6.0, 1000) for n in NAMES]
+    ops = {op: {2: (1e-4, 1e-10), 4: (2e-4, 1e-10)} for op in ("allreduce", "allgather", "reduce_scatter")}
+    kw = dict(world=4, batch_size=32, micro_batch_size=2, precision="fp32", names=NAMES, segments=SEGS, cores=2)
+    fair = _by_name(predict_layouts(_prof(layers), CommModel(ops=ops), **kw))
+    measured = _by_name(predict_layouts(_prof(layers), CommModel(ops=ops, stretch={4: 2.5}), **kw))
+    M = 32 // (2 * 4)
+    assert measured["DP4 ZeRO-0"].compute == pytest.approx(M * 4 * 9.0 * 2.5 / 1e3)
+    assert fair["DP4 ZeRO-0"].compute == pytest.approx(M * 4 * 9.0 * 2.0 / 1e3)
+    assert 1.0 < measured["PP4 modality"].step_time / fair["PP4 modality"].step_time <= 1.25 + 1e-9
+    assert oversubscription(4, 1, 2, {4: 2.5}) == 2.5
+    assert oversubscription(4, 2, 2, {4: 2.5}) == 4.0  # measured for one thread per rank only
+    assert oversubscription(4, 1, None, {4: 2.5}) == 1.0  # accelerators: no shared cores
+
+
 def test_layout_auto_trains_at_world_size_two_and_records_its_choice(runs, tmp_path):
     """``parallel.layout: auto``: rank 0 predicts every layout of the 2 ranks, all take the chosen
     one, log it, save it (layout.json and the run's config.yaml) and train."""
@@ -184,6 +202,7 @@ def test_plan_world_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
     assert len(doc["layouts"]) == 6 and doc["comm"]["measured"]  # DP2 ZeRO-0..3, PP2 modality and auto
     partitioned, persistent = doc["comm"]["zero3"]["2"]  # ZeRO-3's per-module cost, measured by a DeepSpeed run
     assert 0 <= partitioned < 0.1 and 0 < persistent < 0.1
+    assert 0.5 < doc["comm"]["stretch"]["2"] < 4  # 2 ranks computing at once vs one alone
     with Image.open(os.path.join(out, "layouts.png")) as im:
         assert im.format == "PNG"
     assert main(["plan", "--config", TINY, "--world", "2", "--memory-gb", "1e-6", "--out", out]) == 2
