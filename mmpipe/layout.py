@@ -420,14 +420,11 @@ def _stretch_probe(rank: int, iters: int = 30) -> float:
             mlp(x).sum().backward()
         return time.perf_counter() - t0
     work()  # warm-up
-    alone = []
-    for _ in range(3):
+    alone, together = [], []
+    for _ in range(5):  # interleaved, so a drift of this machine's speed hits both alike
         dist.barrier()
         if rank == 0:
             alone.append(work())
-        dist.barrier()
-    together = []
-    for _ in range(3):
         dist.barrier()
         together.append(work())
     t = torch.tensor([statistics.median(together)])
