@@ -388,7 +388,9 @@ def _coll_worker(rank: int, n: int, port: int, sizes: list, repeats: int, backen
     dist.destroy_process_group()
 
 
-def _median_time(f, repeats: int) -> float:
+def _median_time(f, repeats: int, after=None) -> float:
+    """Median over ``repeats`` (after 2 warm-ups) of ``f`` started together on every rank;
+    ``after`` (untimed) runs after each."""
     import statistics
     import time
 
@@ -399,6 +401,8 @@ def _median_time(f, repeats: int) -> float:
         t0 = time.perf_counter()
         f()
         times.append(time.perf_counter() - t0)
+        if after is not None:
+            after()
     return statistics.median(times[2:])
 
 
@@ -441,8 +445,6 @@ def _zero3_probe(device: str, repeats: int, modules: int = 16) -> dict:
     whose weights are partitioned (a 512x256 Linear, above the persistence threshold: gathered and
     released every pass) and modules small enough to stay persistent (LayerNorm(256): hooks only)."""
     import logging
-    import statistics
-    import time
 
     import deepspeed
     import torch
@@ -471,14 +473,8 @@ def _zero3_probe(device: str, repeats: int, modules: int = 16) -> dict:
                    "zero_optimization": {"stage": z}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
             eng, *_ = deepspeed.initialize(model=net, config=cfg, model_parameters=net.parameters())
             x = torch.randn(1, 512 if big else 256, device=device)
-            times = []
-            for _ in range(repeats + 2):  # forward + backward timed, each followed by a step, as in training
-                torch.distributed.barrier()
-                t0 = time.perf_counter()
-                eng.backward(eng(x))
-                times.append(time.perf_counter() - t0)
-                eng.step()
-            t[z] = statistics.median(times[2:])
+            # forward + backward timed, each followed by a step, as in training
+            t[z] = _median_time(lambda: eng.backward(eng(x)), repeats, after=eng.step)
             if hasattr(eng, "destroy"):
                 eng.destroy()
         key = "partitioned" if big else "persistent"
@@ -505,9 +501,7 @@ def measure_collectives(group_sizes: list, sizes=(4096, 1 << 18, 1 << 21, 1 << 2
     backend = acc.communication_backend_name()
     device = acc.device_name() if acc.device_name() == "cpu" else f"{acc.device_name()}:0"
     model = CommModel(backend=backend, measured=True)
-    for n in sorted(set(group_sizes) | {2}):
-        if n < 2:
-            continue
+    for n in _group_sizes(group_sizes):
         if log:
             log(f"timing collectives over {n} processes ({backend}) ...")
         with socket.socket() as sk:
@@ -544,7 +538,7 @@ def get_comm_model(group_sizes: list, use_cache: bool = True, log=None, refresh:
 
     from mmpipe.plan import _write_json, cache_dir
     acc = get_accelerator()
-    sizes = sorted(set(n for n in group_sizes if n >= 2) | {2})
+    sizes = _group_sizes(group_sizes)
     key = f"comm3-{acc.communication_backend_name()}-{acc.device_name()}-{socket.gethostname()}-" + "_".join(map(str, sizes))
     path = os.path.join(cache_dir(), key + ".json")
     if use_cache and not refresh and os.path.isfile(path):
@@ -593,7 +587,11 @@ def divisors_of(n: int) -> list:
 
 def comm_group_sizes(world: int) -> list:
     """The group sizes whose collectives a world's layouts use (2 is always timed: send/recv)."""
-    return sorted({d for d in divisors_of(world) if d >= 2} | {2})
+    return _group_sizes(divisors_of(world))
+
+
+def _group_sizes(sizes) -> list:
+    return sorted({n for n in sizes if n >= 2} | {2})
 
 
 def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: bool = True, log=print,
