@@ -48,6 +48,16 @@ def _steps(out: str, warmup: int) -> list:
     return read_metrics(os.path.join(out, "metrics.jsonl"))[warmup:]
 
 
+def pooled(outs: list, warmup: int) -> tuple:
+    """Repeated runs of one variant: the median step over every run's steps after ``warmup`` (so a
+    round caught in one of this machine's slow or fast spells weighs only its share), the run whose
+    own median is the middle one (for its idle and memory figures), and each run's median."""
+    per = {o: [r["step_time"] for r in _steps(o, warmup)] for o in outs}
+    meds = {o: statistics.median(v) for o, v in per.items()}
+    mid = sorted(outs, key=meds.get)[(len(outs) - 1) // 2]
+    return statistics.median([t for v in per.values() for t in v]), mid, [meds[o] for o in outs]
+
+
 def append_benchmarks(title: str, command: str, table: str, notes: str) -> None:
     path = os.path.join(os.getcwd(), "BENCHMARKS.md")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -220,7 +230,7 @@ def _has_simplejpeg() -> bool:
 
 
 def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: str, art: str) -> tuple:
-    """One model of ``bench balance``: every placement and the single process, best of the rounds.
+    """One model of ``bench balance``: every placement and the single process, median over the rounds.
     Returns (markdown table, {variant: step seconds})."""
     import json
 
@@ -248,14 +258,13 @@ def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: 
     placements = (["modality", "balanced", "auto"] if vlm else
                   ["modality", "parameters", "uniform", "balanced", "auto"] if not extra else ["modality", "parameters", "auto"])
     slug = re.sub(r"\W+", "_", title).strip("_")
-    best: dict = {}  # variant -> (step time, run dir): best of the rounds, as in bench data
+    runs: dict = {}  # variant -> its run dirs, one per round
     for rnd in range(args.rounds):
         for pl in ["single"] + placements:
             print(f"[bench] {title}: {pl} (round {rnd + 1}/{args.rounds}) ...", flush=True)
             out = os.path.join(tmp, f"{slug}_{pl}_{rnd}")
             if pl == "single":
                 launch(1, config, common + ["parallel.pipeline_stages=1"], out)
-                st = statistics.median(r["step_time"] for r in _steps(out, args.warmup))
             else:
                 sets = common + ["parallel.pipeline_stages=2", f"parallel.placement={pl}"]
                 if pl == "auto" and not extra:
@@ -263,14 +272,12 @@ def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: 
                 if vlm:  # a tokenizer trained per run: the same data gives the same one
                     sets.append(f"data.tokenizer_vocab_size={cfg.data.tokenizer_vocab_size}")
                 launch(2, config, sets, out)
-                st = measured_from_run(out, skip=args.warmup)["step_time"]
-            if pl not in best or st < best[pl][0]:
-                best[pl] = (st, out)
-    single = best["single"][0]
+            runs.setdefault(pl, []).append(out)
+    single = pooled(runs["single"], args.warmup)[0]
     rows, measured = [], {}
     for pl in placements:
-        out = best[pl][1]
-        meas = measured_from_run(out, skip=args.warmup)
+        st, out, _ = pooled(runs[pl], args.warmup)
+        meas = {**measured_from_run(out, skip=args.warmup), "step_time": st}
         with open(os.path.join(out, "plan.json")) as fh:
             parts = json.load(fh)["parts"]
         sim = predict(plan["profile"], parts, M)
@@ -326,7 +333,7 @@ def bench_balance(args) -> int:
         table, s = _balance_model(args, "VLM, image-heavy", os.path.join(ROOT, "configs", "bench_vlm.yaml"), [],
                                   info, tmp, art)
         notes = (f"2 ranks x 1 thread (OMP_NUM_THREADS=1), {args.steps} steps per run, median step after the first "
-                 f"{args.warmup}, best of {args.rounds} interleaved rounds per variant; micro-batch 4 x 8 per step; "
+                 f"{args.warmup}, pooled over {args.rounds} interleaved rounds per variant; micro-batch 4 x 8 per step; "
                  f"ms-swift JSONL chat data read as is (every sample one 64 px image = 64 image tokens, answers of "
                  f"1-4 words, padded to data.max_length = 96, the shape the profile measures). modality = vision + "
                  f"projector | decoder (what Megatron, "
@@ -350,8 +357,8 @@ def bench_balance(args) -> int:
     table = "\n\n".join(sections)
     s = summary["image-heavy"]
     notes = (f"2 ranks x 1 thread (OMP_NUM_THREADS=1), {args.steps} steps per run, median step after the first "
-             f"{args.warmup}, best of {args.rounds} interleaved rounds per variant (this VM's speed drifts by 10-40% "
-             f"over minutes); micro-batch 4 x 8 per step; data from the preprocessed cache (loading is not the "
+             f"{args.warmup}, pooled over {args.rounds} interleaved rounds per variant (this VM's speed drifts by "
+             f"10-40% over minutes); micro-batch 4 x 8 per step; data from the preprocessed cache (loading is not the "
              f"bottleneck). Predictions: `mmpipe plan`'s simulator replaying DeepSpeed's 1F1B instruction streams "
              f"with the profiled layer times; measured idle from the per-instruction stage clock. Targets "
              f"(image-heavy): auto vs modality {s['modality'] / s['auto']:.2f}x (>= 1.3), auto vs DeepSpeed parameters "
@@ -455,19 +462,20 @@ def bench_strategies(args) -> int:
                            refresh_comm=args.refresh and sizes not in refreshed)
         refreshed |= {threads, sizes}
         rows = [r for r in res["rows"] if r.micro_batches and r.fits]
-        measured, mem, rounds = {}, {}, {}
+        runs, texts = {}, {}
         for rnd in range(args.rounds):
             for r in rows:
                 log(f"{world} rank(s): {r.name} (round {rnd + 1}/{args.rounds}) ...")
                 out = os.path.join(tmp, f"w{world}_{re.sub(r'[^A-Za-z0-9]+', '_', r.name)}_{rnd}")
-                text = launch(world, config, common + _layout_sets(r), out)
-                m = measured_from_run(out, skip=args.warmup)
-                rounds.setdefault(r.name, []).append(m["step_time"])
-                if r.name not in measured or m["step_time"] < measured[r.name]["step_time"]:
-                    measured[r.name] = m
-                    found = _MEM_LINE.findall(text)
-                    mem[r.name] = (max((float(o) for _, o, _ in found), default=float("nan")),
-                                   max((int(x) for _, _, x in found), default=0))
+                texts[out] = launch(world, config, common + _layout_sets(r), out)
+                runs.setdefault(r.name, []).append(out)
+        measured, mem, rounds = {}, {}, {}
+        for r in rows:
+            st, out, rounds[r.name] = pooled(runs[r.name], args.warmup)
+            measured[r.name] = {**measured_from_run(out, skip=args.warmup), "step_time": st}
+            found = _MEM_LINE.findall(texts[out])
+            mem[r.name] = (max((float(o) for _, o, _ in found), default=float("nan")),
+                           max((int(x) for _, _, x in found), default=0))
         if world == 1:
             single = measured[rows[0].name]["step_time"]
         lines = _strategies_table(world, res, rows, measured, mem, batch, single, art, summary, rounds)
@@ -476,7 +484,7 @@ def bench_strategies(args) -> int:
         sections.append(table)
     notes = (f"Image-heavy dual encoder (`{os.path.relpath(config, ROOT)}`), global batch {batch}, micro-batch "
              f"{cfg.parallel.micro_batch_size}, {args.steps} steps per run, median step after the first {args.warmup}, "
-             f"best of {args.rounds} round(s); data from the preprocessed cache. Threads per rank as training sets "
+             f"median over the steps of {args.rounds} interleaved round(s); data from the preprocessed cache. Threads per rank as training sets "
              f"them (cores / ranks, at least 1: 4 ranks on 2 cores oversubscribe 2x, which the model charges as "
              f"stretched compute). Predictions: `mmpipe.layout` from the layer profile and the collective "
              f"micro-benchmark (gloo), taken in the same run. Clipping: 'grouped' = mmpipe's per-group norms "
@@ -516,7 +524,7 @@ def add_parser(sub) -> None:
     st.add_argument("--steps", type=int, default=8)
     st.add_argument("--warmup", type=int, default=3)
     st.add_argument("--n", type=int, default=400, help="synthetic training pairs")
-    st.add_argument("--rounds", type=int, default=1)
+    st.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; steps pooled, median kept")
     st.add_argument("--refresh", action="store_true", help="profile and time the collectives again")
     st.add_argument("--no-append", action="store_true")
     st.set_defaults(func=bench_strategies)
@@ -527,6 +535,6 @@ def add_parser(sub) -> None:
     bb.add_argument("--no-frozen", action="store_true", help="skip the frozen-vision variant")
     bb.add_argument("--model", choices=("clip", "vlm"), default="clip",
                     help="clip: image- and text-heavy dual encoders; vlm: an image-heavy LLaVA-style VLM")
-    bb.add_argument("--rounds", type=int, default=2, help="interleaved repetitions; the best is kept")
+    bb.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; steps pooled, median kept")
     bb.add_argument("--no-append", action="store_true")
     bb.set_defaults(func=bench_balance)

@@ -42,8 +42,10 @@ class CommModel:
     ops: dict = field(default_factory=dict)
     p2p: tuple = (0.0, 0.0)
     measured: bool = False
-    # ZeRO-3's fixed cost per module per pass (forward or backward), bandwidth excluded, by group size:
-    # (a module whose parameters are partitioned and gathered, one whose parameters stay persistent)
+    # ZeRO-3's fixed cost per module, bandwidth excluded, by group size: (per pass (forward or
+    # backward) of a module whose parameters are partitioned and gathered, per pass of one whose
+    # parameters stay persistent, per optimizer step of a partitioned one, per step of a persistent
+    # one: DeepSpeed all-gathers every persistent parameter after each step, one tensor at a time)
     zero3: dict = field(default_factory=dict)
     # CPU only: how much slower one rank computes when n single-thread ranks compute at once on this
     # machine's cores, measured (time-sharing and the shared cache and memory included), by n
@@ -53,10 +55,12 @@ class CommModel:
         if n <= 1 or not self.zero3:
             return None
         table = {int(k): v for k, v in self.zero3.items()}
-        if n in table:
-            return tuple(table[n])
-        k = min(table, key=lambda x: abs(x - n))  # hooks are per rank; the gather latency grows like a ring
-        return tuple(v * (n - 1) / max(1, k - 1) if i == 0 else v for i, v in enumerate(table[k]))
+        k = n if n in table else min(table, key=lambda x: abs(x - n))
+        v = (tuple(table[k]) + (0.0, 0.0))[:4]  # an older 2-value entry: no step cost measured
+        if k == n:
+            return v
+        # hooks are per rank; the gather latencies (a pass's and the step's) grow like a ring
+        return tuple(x * (n - 1) / max(1, k - 1) if i != 1 else x for i, x in enumerate(v))
 
     def time(self, op: str, n: int, nbytes: float) -> float:
         if n <= 1 or nbytes <= 0:
@@ -175,10 +179,12 @@ def predict_layouts(prof: dict, comm: CommModel, world: int, batch_size: int, mi
                     fetch_units=None) -> list:
     """Every layout of ``world`` ranks (see the module doc), predicted; a list of ``LayoutPrediction``.
     ``fetch_units``: (modules whose parameters ZeRO-3 partitions, modules whose parameters it keeps
-    persistent), or one count of partitioned modules; ZeRO-3 fetches each module separately, twice
-    per micro-batch. Default: one partitioned module per layer."""
+    persistent, the persistent parameters' element count), or one count of partitioned modules;
+    ZeRO-3 fetches each partitioned module separately, twice per micro-batch, and all-gathers the
+    persistent parameters after each step. Default: one partitioned module per layer."""
     ctx = _Ctx(prof, comm, world, batch_size, micro_batch_size, precision, cores)
     units = fetch_units if isinstance(fetch_units, tuple) else (fetch_units or len(ctx.costs), 0)
+    units = (tuple(units) + (0, 0))[:3]
     out = [_dp_row(ctx, z, grouped_clip, units) for z in zero_stages if world > 1 or z == 0]
     for P in range(2, min(world, max_pipeline or len(names)) + 1):
         if world % P:
@@ -236,13 +242,17 @@ def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple) -> LayoutPredic
         cm = comm.time("allreduce", n, G) + comm.time("allgather", n, W)
     elif z == 2:
         cm = M * comm.time("reduce_scatter", n, G) + comm.time("allgather", n, W)
-    else:  # every parameter-owning module fetched for forward and again for backward
-        cm = M * (2 * comm.time("allgather", n, W) + comm.time("reduce_scatter", n, G))
+    else:  # every partitioned module fetched for forward and again for backward; after the step,
+        # the updated persistent parameters all-gathered (their latency is in the measured step cost)
+        kept = units[2] * ctx.w_b
+        cm = M * (2 * comm.time("allgather", n, W - kept) + comm.time("reduce_scatter", n, G))
+        if kept:
+            cm += comm.time("allgather", n, kept) - comm.time("allgather", n, 1.0)
     fixed = 0.0
     if z == 3:
         per = comm.zero3_module(n)
         if per:  # measured with n ranks at once (their contention included): not stretched again
-            fixed = M * 2 * (units[0] * per[0] + units[1] * per[1])
+            fixed = M * 2 * (units[0] * per[0] + units[1] * per[1]) + units[0] * per[2] + units[1] * per[3]
         else:  # unmeasured: one gather latency per further module
             cm += M * 2 * (units[0] + units[1] - 1) * comm.time("allgather", n, 1.0)
     row.compute = M * fb + (opt / n if z >= 1 else opt)
@@ -443,7 +453,8 @@ def _zero3_probe(device: str, repeats: int, modules: int = 16) -> dict:
     """DeepSpeed ZeRO-3's cost per module per pass on this backend: forward + backward of a chain of
     ``modules`` tiny-input modules under a ZeRO-3 engine minus under a ZeRO-0 engine, for modules
     whose weights are partitioned (a 512x256 Linear, above the persistence threshold: gathered and
-    released every pass) and modules small enough to stay persistent (LayerNorm(256): hooks only)."""
+    released every pass) and modules small enough to stay persistent (LayerNorm(256): hooks only);
+    and the optimizer step's cost per module beyond ZeRO-0's, timed alone."""
     import logging
 
     import deepspeed
@@ -465,20 +476,25 @@ def _zero3_probe(device: str, repeats: int, modules: int = 16) -> dict:
             return x.sum()
 
     res = {}
+    n = torch.distributed.get_world_size()
     for big in (True, False):
-        t = {}
+        t, s = {}, {}
         for z in (0, 3):
             net = Chain(big)
             cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                    "zero_optimization": {"stage": z}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
             eng, *_ = deepspeed.initialize(model=net, config=cfg, model_parameters=net.parameters())
             x = torch.randn(1, 512 if big else 256, device=device)
-            # forward + backward timed, each followed by a step, as in training
+            # forward + backward timed, each followed by a step, as in training; then the step alone
             t[z] = _median_time(lambda: eng.backward(eng(x)), repeats, after=eng.step)
+            eng.backward(eng(x))
+            s[z] = _median_time(eng.step, repeats, after=lambda: eng.backward(eng(x)))
             if hasattr(eng, "destroy"):
                 eng.destroy()
         key = "partitioned" if big else "persistent"
         res[key] = max(0.0, (t[3] - t[0]) / (2 * modules))
+        # ZeRO-3's step beyond its 1/n share of ZeRO-0's (which the cost model already charges)
+        res[key + "_step"] = max(0.0, (s[3] - s[0] / n) / modules)
     res["partitioned_bytes"] = (512 * 256 + 256) * 4
     return res
 
@@ -523,7 +539,8 @@ def measure_collectives(group_sizes: list, sizes=(4096, 1 << 18, 1 << 21, 1 << 2
         z3 = res["zero3"]  # per module-pass, less the bandwidth share its gathers and reduce-scatter count
         b = z3["partitioned_bytes"]
         bw = (2 * model.ops["allgather"][n][1] + model.ops["reduce_scatter"][n][1]) * b / 2
-        model.zero3[n] = (max(0.0, z3["partitioned"] - bw), z3["persistent"])
+        model.zero3[n] = (max(0.0, z3["partitioned"] - bw), z3["persistent"], z3["partitioned_step"],
+                          z3["persistent_step"])
         if device == "cpu":
             model.stretch[n] = res["stretch"]
     return model
@@ -539,7 +556,7 @@ def get_comm_model(group_sizes: list, use_cache: bool = True, log=None, refresh:
     from mmpipe.plan import _write_json, cache_dir
     acc = get_accelerator()
     sizes = _group_sizes(group_sizes)
-    key = f"comm3-{acc.communication_backend_name()}-{acc.device_name()}-{socket.gethostname()}-" + "_".join(map(str, sizes))
+    key = f"comm4-{acc.communication_backend_name()}-{acc.device_name()}-{socket.gethostname()}-" + "_".join(map(str, sizes))
     path = os.path.join(cache_dir(), key + ".json")
     if use_cache and not refresh and os.path.isfile(path):
         with open(path) as fh:
@@ -554,9 +571,10 @@ def get_comm_model(group_sizes: list, use_cache: bool = True, log=None, refresh:
 
 def fetch_units(family) -> tuple:
     """(modules owning a parameter larger than ZeRO-3's persistence threshold: partitioned, gathered
-    for every pass; other modules owning parameters: persistent, hooks only), built on meta."""
+    for every pass; other modules owning parameters: persistent, hooks only; the persistent
+    parameters' element count, all-gathered after every step), built on meta."""
     import torch
-    big = small = 0
+    big = small = kept = 0
     for name in family.layer_names():
         with torch.device("meta"):
             m = family.build_unseeded(name)
@@ -564,7 +582,8 @@ def fetch_units(family) -> tuple:
             own = [p.numel() for p in mod.parameters(recurse=False)]
             if own:
                 big, small = (big + 1, small) if max(own) > ZERO3_PERSISTENCE else (big, small + 1)
-    return big, small
+                kept += sum(k for k in own if k <= ZERO3_PERSISTENCE)  # DeepSpeed decides per parameter
+    return big, small, kept
 
 
 def cores() -> int:

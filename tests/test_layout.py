@@ -51,23 +51,26 @@ def test_data_parallel_step_is_compute_plus_the_gradient_all_reduce():
 
 
 def test_zero3_charges_every_fetched_module_its_measured_cost():
-    """With ZeRO-3's per-module cost measured (``CommModel.zero3``), each micro-batch pays the weight
-    gathers and gradient reduce-scatter by bandwidth, plus, per pass (forward and backward), the
-    measured cost of every partitioned module and of every persistent one."""
+    """With ZeRO-3's per-module cost measured (``CommModel.zero3``), each micro-batch pays the
+    partitioned weights' gathers and the gradient reduce-scatter by bandwidth, plus, per pass
+    (forward and backward), the measured cost of every partitioned module and of every persistent
+    one; each step pays its measured cost per module and the persistent weights' all-gather."""
     layers = [_layer(n, 2.0, 4.0, 1000, opt=0.5) for n in NAMES]
     comm = CommModel(ops={"allreduce": {2: (1e-3, 2e-9)}, "allgather": {2: (5e-4, 1e-9)},
-                          "reduce_scatter": {2: (5e-4, 1e-9)}}, zero3={2: (2e-3, 3e-4)})
+                          "reduce_scatter": {2: (5e-4, 1e-9)}}, zero3={2: (2e-3, 3e-4, 1e-3, 4e-4)})
     rows = _by_name(predict_layouts(_prof(layers), comm, world=2, batch_size=16, micro_batch_size=4,
-                                    precision="fp32", names=NAMES, segments=SEGS, fetch_units=(6, 10)))
-    M, weights, grads = 2, 16000, 16000
+                                    precision="fp32", names=NAMES, segments=SEGS, fetch_units=(6, 10, 500)))
+    M, weights, grads, kept = 2, 16000, 16000, 4 * 500
     compute = M * 4 * (2.0 + 4.0) / 1e3
     assert rows["DP2 ZeRO-3"].step_time == pytest.approx(
-        compute + 2 * 0.5e-3 + M * (2 * (5e-4 + 1e-9 * weights) + 5e-4 + 1e-9 * grads)
-        + M * 2 * (6 * 2e-3 + 10 * 3e-4), rel=1e-12)
-    # a group size not measured: the gather part grows like a ring's latency, the hooks stay
-    assert comm.zero3_module(4) == pytest.approx((6e-3, 3e-4))
+        compute + 2 * 0.5e-3 + M * (2 * (5e-4 + 1e-9 * (weights - kept)) + 5e-4 + 1e-9 * grads)
+        + 1e-9 * (kept - 1) + M * 2 * (6 * 2e-3 + 10 * 3e-4) + 6 * 1e-3 + 10 * 4e-4, rel=1e-12)
+    # a group size not measured: the gather parts grow like a ring's latency, the hooks stay
+    assert comm.zero3_module(4) == pytest.approx((6e-3, 3e-4, 3e-3, 1.2e-3))
     assert comm.zero3_module(1) is None
-    assert CommModel.from_dict(comm.to_dict()).zero3 == {2: (2e-3, 3e-4)}
+    assert CommModel.from_dict(comm.to_dict()).zero3 == {2: (2e-3, 3e-4, 1e-3, 4e-4)}
+    # an entry cached before the step was timed reads as no step cost
+    assert CommModel(zero3={2: (2e-3, 3e-4)}).zero3_module(2) == (2e-3, 3e-4, 0.0, 0.0)
 
 
 def test_zero3_memory_is_a_shard_of_everything_plus_the_gathered_layer():
@@ -200,8 +203,10 @@ def test_plan_world_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
         doc = json.load(fh)
     assert f"| {doc['chosen']['name']} **chosen** |" in text and f"chosen: {doc['chosen']['name']}" in text
     assert len(doc["layouts"]) == 6 and doc["comm"]["measured"]  # DP2 ZeRO-0..3, PP2 modality and auto
-    partitioned, persistent = doc["comm"]["zero3"]["2"]  # ZeRO-3's per-module cost, measured by a DeepSpeed run
+    # ZeRO-3's per-module cost per pass and per step, measured by DeepSpeed runs
+    partitioned, persistent, partitioned_step, persistent_step = doc["comm"]["zero3"]["2"]
     assert 0 <= partitioned < 0.1 and 0 < persistent < 0.1
+    assert 0 <= partitioned_step < 0.1 and 0 < persistent_step < 0.1
     assert 0.5 < doc["comm"]["stretch"]["2"] < 4  # 2 ranks computing at once vs one alone
     with Image.open(os.path.join(out, "layouts.png")) as im:
         assert im.format == "PNG"
