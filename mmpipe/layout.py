@@ -21,7 +21,7 @@ step, for a world of N ranks and a global batch B of micro-batches of m samples:
 
 When the N ranks share fewer cores than they compute with (N x threads > cores, this CPU machine),
 compute is stretched by that oversubscription. Every layout that does not fit the memory budget says
-why. ``choose`` takes the fastest that fits.
+why. ``choose`` takes the fastest that fits, or within ``TIE`` of it the simplest.
 """
 from __future__ import annotations
 
@@ -308,18 +308,28 @@ def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: l
     return row
 
 
-def choose(rows: list) -> tuple:
-    """(the fastest layout that fits, one line saying why)."""
+TIE = 0.05  # predictions this close are a tie: the model's error on this machine is larger
+
+
+def choose(rows: list, tie: float = TIE) -> tuple:
+    """(the layout to run, one line saying why): of the layouts that fit, those predicted within
+    ``tie`` of the fastest, the one with the fewest pipeline stages, then the lowest ZeRO stage,
+    then the fastest. A deeper pipeline or a higher ZeRO stage adds hops, bubbles and collectives
+    the model only estimates; a few percent of predicted gain does not pay for that risk."""
     ok = sorted((r for r in rows if r.fits), key=lambda r: r.step_time)
     if not ok:
         from mmpipe.errors import ConfigError
         raise ConfigError("parallel.layout=auto: no layout fits: " + "; ".join(f"{r.name}: {r.why}" for r in rows)
                           + " (raise parallel.memory_budget_gb, use more ranks, or freeze/shrink the model)")
-    best = ok[0]
-    runner_up = f", next {ok[1].name} {1e3 * ok[1].step_time:.1f} ms" if len(ok) > 1 else ""
+    near = [r for r in ok if r.step_time <= ok[0].step_time * (1 + tie)]
+    best = min(near, key=lambda r: (r.pipeline_stages, r.zero_stage, r.step_time))
+    others = [r for r in ok if r is not best]
+    runner_up = f", next {others[0].name} {1e3 * others[0].step_time:.1f} ms" if others else ""
+    simpler = (f" (within {tie:.0%} of the fastest, {ok[0].name} {1e3 * ok[0].step_time:.1f} ms, with fewer "
+               f"stages or a lower ZeRO stage)" if best is not ok[0] else "")
     dropped = [r.name for r in rows if not r.fits]
-    why = (f"fastest predicted step that fits: {best.name} {1e3 * best.step_time:.1f} ms{runner_up}"
-           + (f"; not fitting: {', '.join(dropped)}" if dropped else ""))
+    why = (f"{'fastest predicted step' if best is ok[0] else 'predicted step'} that fits: {best.name} "
+           f"{1e3 * best.step_time:.1f} ms{simpler}{runner_up}" + (f"; not fitting: {', '.join(dropped)}" if dropped else ""))
     return best, why
 
 

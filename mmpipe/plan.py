@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from mmpipe.profile import pick_micro_batch, profile_layers, stage_memory
+from mmpipe.profile import median_costs, pick_micro_batch, profile_layers, stage_memory
 
 
 def precision_dtype(precision: str) -> torch.dtype:
@@ -108,9 +108,13 @@ def synthetic_batch(family, m: int, max_length: int, device) -> tuple:
 def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = frozenset(),
                 frozen: frozenset = frozenset(), threads: Optional[int] = None, repeats: int = 5,
                 use_cache: bool = True, measure_comm: bool = True, log: Optional[Callable[[str], None]] = None,
-                refresh: bool = False) -> dict:
+                refresh: bool = False, passes: Optional[int] = None) -> dict:
     """Per-layer costs at the run's micro-batch shape, precision, device and threads per rank, plus
-    the stage-to-stage transfer model; cached as JSON keyed by all of these."""
+    the stage-to-stage transfer model; cached as JSON keyed by all of these.
+
+    ``passes``: the layers are profiled this many times over and each layer keeps its median (3 on
+    a CPU, 1 on an accelerator): a shared CPU has slowdowns lasting seconds - one single-pass profile
+    here came out 30% slow while the next three agreed within 8%."""
     import hashlib
     import json
 
@@ -136,14 +140,16 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        layers = iter_layers(family, forward_only, frozen, device, precision_dtype(cfg.train.precision))  # one layer alive at a time
-        costs = profile_layers(layers, synthetic_batch(family, micro_batch_size, cfg.data.max_length, device),
-                               repeats=repeats)
+        batch = synthetic_batch(family, micro_batch_size, cfg.data.max_length, device)
+        runs = [profile_layers(iter_layers(family, forward_only, frozen, device,  # one layer alive at a time
+                                           precision_dtype(cfg.train.precision)), batch, repeats=repeats)
+                for _ in range(passes or (3 if device.type == "cpu" else 1))]
+        costs = median_costs(runs)
     finally:
         torch.set_num_threads(old)
     comm = _measure_comm(costs) if measure_comm else {"latency_s": 0.0, "s_per_byte": 0.0, "samples": {},
                                                        "measured": False}
-    prof = {"key": key, "layers": [c.to_dict() for c in costs], "comm": comm}
+    prof = {"key": key, "layers": [c.to_dict() for c in costs], "comm": comm, "passes": len(runs)}
     if use_cache:
         _write_json(path, prof)
     return prof

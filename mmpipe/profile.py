@@ -192,6 +192,13 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
     return costs
 
 
+def median_costs(runs: list) -> list[LayerCost]:
+    """One cost per layer from several profiling passes: each time the median over the passes."""
+    from dataclasses import replace
+    return [replace(cs[0], **{k: statistics.median(getattr(c, k) for c in cs) for k in ("fwd_ms", "bwd_ms", "opt_ms")})
+            for cs in zip(*runs)]
+
+
 def optimizer_ms(layer, repeats: int, evict: Callable[[], None] = lambda: None) -> float:
     """Median time of one AdamW step over the layer's trainable parameters (0 if none, or untimed),
     each after ``evict()``."""

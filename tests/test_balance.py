@@ -111,3 +111,16 @@ def test_trace_json_and_png_are_written(tmp_path):
     assert all({"name", "ts", "dur", "pid", "tid"} <= set(e) and e["dur"] >= 0 for e in xs)
     write_timeline_png(str(tmp_path / "t.png"), [(events0, 100.0), (events1, 100.0)], [(0, 0), (1, 0)])
     assert open(tmp_path / "t.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_passes_keep_each_layers_median():
+    from mmpipe.profile import LayerCost, median_costs
+
+    def cost(f, b, o):
+        return LayerCost("vision.0", f, b, 10, 20, 30, 40, 40, o)
+    runs = [[cost(5.0, 9.0, 1.0), cost(2.0, 3.0, 0.5)],
+            [cost(7.0, 8.0, 2.0), cost(30.0, 4.0, 0.4)],   # one pass hit a slowdown on the second layer
+            [cost(6.0, 20.0, 1.5), cost(2.2, 3.5, 0.6)]]
+    out = median_costs(runs)
+    assert [(c.fwd_ms, c.bwd_ms, c.opt_ms) for c in out] == [(6.0, 9.0, 1.5), (2.2, 3.5, 0.5)]
+    assert (out[0].act_bytes, out[0].param_bytes, out[0].params) == (10, 30, 40)

@@ -97,6 +97,23 @@ def test_the_chooser_prefers_data_parallel_when_it_fits_and_communication_is_che
     assert pp.bubble > 0 and pp.step_time > best.step_time  # the pipeline pays its fill and drain
 
 
+def test_the_chooser_breaks_a_near_tie_for_fewer_stages_then_lower_zero():
+    from mmpipe.layout import LayoutPrediction
+
+    def row(name, P, D, z, ms, fits=True):
+        return LayoutPrediction(name, P, D, z, None, 2, step_time=ms / 1e3, fits=fits)
+    rows = [row("PP4 modality", 4, 1, 0, 1000), row("PP2xDP2 modality ZeRO-1", 2, 2, 1, 1030),
+            row("PP2xDP2 modality ZeRO-0", 2, 2, 0, 1040), row("DP4 ZeRO-0", 1, 4, 0, 1100),
+            row("DP4 ZeRO-1", 1, 4, 1, 900, fits=False)]
+    best, why = choose(rows)
+    assert best.name == "PP2xDP2 modality ZeRO-0", why
+    assert "within 5% of the fastest, PP4 modality 1000.0 ms" in why and "not fitting: DP4 ZeRO-1" in why
+    best, why = choose(rows, tie=0.0)  # no margin: the fastest predicted
+    assert best.name == "PP4 modality" and why.startswith("fastest predicted step that fits: PP4 modality")
+    best, _ = choose(rows, tie=0.15)  # DP4 within 15% of 1000 ms: data parallel, no pipeline at all
+    assert best.name == "DP4 ZeRO-0"
+
+
 def test_the_chooser_takes_a_pipeline_when_memory_forces_it():
     big = 10_000_000  # parameters per layer: the whole model's state does not fit one rank, a half does
     layers = [_layer(n, 3.0, 6.0, big) for n in NAMES]
