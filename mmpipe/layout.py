@@ -9,7 +9,8 @@ step, for a world of N ranks and a global batch B of micro-batches of m samples:
 - **data parallel** (P = 1) with ZeRO 0/1/2/3, M = B / (m N) micro-batches per rank:
   step = M (F + B) + optimizer + collectives, where the collectives are
   ZeRO-0: all-reduce(gradients); ZeRO-1: the same + all-gather(weights) after the sharded step;
-  ZeRO-2: reduce-scatter(gradients) per micro-batch + all-gather(weights);
+  ZeRO-2: all-reduce(gradients) per micro-batch (DeepSpeed's bucket reduction; each rank keeps its
+  partition) + all-gather(weights);
   ZeRO-3: per micro-batch all-gather(weights) for forward and again for backward + reduce-scatter(gradients).
   Memory per rank: weights + gradients + optimizer state (ZeRO-1 shards the optimizer state, ZeRO-2
   also the gradients, ZeRO-3 everything, plus the largest layer gathered) + one micro-batch's
@@ -241,7 +242,10 @@ def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple) -> LayoutPredic
     elif z == 1:
         cm = comm.time("allreduce", n, G) + comm.time("allgather", n, W)
     elif z == 2:
-        cm = M * comm.time("reduce_scatter", n, G) + comm.time("allgather", n, W)
+        # DeepSpeed's ZeRO-2 reduces each micro-batch's gradient buckets by all-reduce (its default
+        # use_multi_rank_bucket_allreduce) and keeps its own partition; gloo's reduce-scatter costs 5x
+        # the all-reduce per byte here, so which one it runs matters
+        cm = M * comm.time("allreduce", n, G) + comm.time("allgather", n, W)
     else:  # every partitioned module fetched for forward and again for backward; after the step,
         # the updated persistent parameters all-gathered (their latency is in the measured step cost)
         kept = units[2] * ctx.w_b

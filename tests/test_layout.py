@@ -41,6 +41,9 @@ def test_data_parallel_step_is_compute_plus_the_gradient_all_reduce():
     # ZeRO-1: half the optimizer step per rank, and the updated weights all-gathered
     assert rows["DP2 ZeRO-1"].step_time == pytest.approx(compute + 2 * 0.5e-3 + 1e-3 + 2e-9 * grads
                                                          + 5e-4 + 1e-9 * weights, rel=1e-12)
+    # ZeRO-2: every micro-batch's gradients all-reduced (DeepSpeed's bucket reduction), weights gathered
+    assert rows["DP2 ZeRO-2"].step_time == pytest.approx(compute + 2 * 0.5e-3 + M * (1e-3 + 2e-9 * grads)
+                                                         + 5e-4 + 1e-9 * weights, rel=1e-12)
     # ZeRO-3: every micro-batch gathers the weights twice (each of the 10 parameter-owning modules on
     # its own: 2 x 9 more gather latencies) and reduce-scatters the gradients
     assert rows["DP2 ZeRO-3"].step_time == pytest.approx(
