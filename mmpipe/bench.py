@@ -229,6 +229,30 @@ def _has_simplejpeg() -> bool:
     return loader.simplejpeg is not None
 
 
+def _balance_rounds(args, title: str, config: str, common: list, placements: list, extra: list, vlm_vocab,
+                    tmp: str, slug: str, resample) -> dict:
+    """``args.rounds`` interleaved rounds of the single process and every placement (``resample()``
+    before every round but the first); {variant: its run dirs, one per round}."""
+    runs: dict = {}
+    for rnd in range(args.rounds):
+        if rnd:
+            resample()
+        for pl in ["single"] + placements:
+            print(f"[bench] {title}: {pl} (round {rnd + 1}/{args.rounds}) ...", flush=True)
+            out = os.path.join(tmp, f"{slug}_{pl}_{rnd}")
+            if pl == "single":
+                launch(1, config, common + ["parallel.pipeline_stages=1"], out)
+            else:
+                sets = common + ["parallel.pipeline_stages=2", f"parallel.placement={pl}"]
+                if pl == "auto" and not extra:
+                    sets.append(f"log.trace=[{args.steps - 1},{args.steps}]")
+                if vlm_vocab:  # a tokenizer trained per run: the same data gives the same one
+                    sets.append(f"data.tokenizer_vocab_size={vlm_vocab}")
+                launch(2, config, sets, out)
+            runs.setdefault(pl, []).append(out)
+    return runs
+
+
 def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: str, art: str) -> tuple:
     """One model of ``bench balance``: every placement and the single process, median over the rounds.
     Returns (markdown table, {variant: step seconds})."""
@@ -236,7 +260,7 @@ def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: 
 
     from mmpipe.config import load_config
     from mmpipe.data.cache import prepare
-    from mmpipe.plan import measured_from_run, plan_all, single_process_time, write_plan_png
+    from mmpipe.plan import measured_from_run, median_profile, plan_all, single_process_time, write_plan_png
     from mmpipe.planner import predict
     cfg = load_config(config, extra)
     from mmpipe.config import family_of
@@ -250,30 +274,22 @@ def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: 
             prepare(info["train"], cache, size, cfg.data.max_length, vocab_size=cfg.data.tokenizer_vocab_size,
                     workers=2, progress=False)
         common = [f"data.cache={cache}", "data.train=null", "data.val=null", f"train.steps={args.steps}"] + extra
-    # a fresh profile (also cached for the runs' own placement decisions), taken next to the runs
-    plan = plan_all(load_config(config, extra + common), 2, threads=1, refresh=True, repeats=9,
-                    log=lambda s: print(f"[bench] {s}", flush=True))
+    # a fresh profile (also cached for the runs' own placement decisions), taken next to the runs, and
+    # sampled again (uncached) beside every later round: the predictions use each layer's median
+    run_cfg, log = load_config(config, extra + common), (lambda s: print(f"[bench] {s}", flush=True))
+    plan = plan_all(run_cfg, 2, threads=1, refresh=True, repeats=9, log=log)
+    samples = [plan["profile"]]
     M = plan["micro_batches"]
     batch = cfg.train.batch_size
     placements = (["modality", "balanced", "auto"] if vlm else
                   ["modality", "parameters", "uniform", "balanced", "auto"] if not extra else ["modality", "parameters", "auto"])
     slug = re.sub(r"\W+", "_", title).strip("_")
-    runs: dict = {}  # variant -> its run dirs, one per round
-    for rnd in range(args.rounds):
-        for pl in ["single"] + placements:
-            print(f"[bench] {title}: {pl} (round {rnd + 1}/{args.rounds}) ...", flush=True)
-            out = os.path.join(tmp, f"{slug}_{pl}_{rnd}")
-            if pl == "single":
-                launch(1, config, common + ["parallel.pipeline_stages=1"], out)
-            else:
-                sets = common + ["parallel.pipeline_stages=2", f"parallel.placement={pl}"]
-                if pl == "auto" and not extra:
-                    sets.append(f"log.trace=[{args.steps - 1},{args.steps}]")
-                if vlm:  # a tokenizer trained per run: the same data gives the same one
-                    sets.append(f"data.tokenizer_vocab_size={cfg.data.tokenizer_vocab_size}")
-                launch(2, config, sets, out)
-            runs.setdefault(pl, []).append(out)
+    runs = _balance_rounds(args, title, config, common, placements, extra, vlm and cfg.data.tokenizer_vocab_size,
+                           tmp, slug, lambda: samples.append(plan_all(run_cfg, 2, threads=1, use_cache=False,
+                                                                      repeats=9, log=log)["profile"]))
     single = pooled(runs["single"], args.warmup)[0]
+    if len(samples) > 1:
+        plan = plan_all(run_cfg, 2, threads=1, profile=median_profile(samples), log=log)
     rows, measured = [], {}
     for pl in placements:
         st, out, _ = pooled(runs[pl], args.warmup)
@@ -360,7 +376,8 @@ def bench_balance(args) -> int:
              f"{args.warmup}, pooled over {args.rounds} interleaved rounds per variant (this VM's speed drifts by "
              f"10-40% over minutes); micro-batch 4 x 8 per step; data from the preprocessed cache (loading is not the "
              f"bottleneck). Predictions: `mmpipe plan`'s simulator replaying DeepSpeed's 1F1B instruction streams "
-             f"with the profiled layer times; measured idle from the per-instruction stage clock. Targets "
+             f"with the profiled layer times (each layer's median over {args.rounds} profiles, one taken beside each "
+             f"round); measured idle from the per-instruction stage clock. Targets "
              f"(image-heavy): auto vs modality {s['modality'] / s['auto']:.2f}x (>= 1.3), auto vs DeepSpeed parameters "
              f"{s['parameters'] / s['auto']:.2f}x (>= 1.1), best 2-stage vs single process "
              f"{s['single'] / min(s[p] for p in s if p != 'single'):.2f}x (>= 1.6; 1F1B limit 1.78). Charts: "
@@ -437,9 +454,9 @@ def bench_strategies(args) -> int:
     from mmpipe.config import load_config
     from mmpipe.data.cache import prepare
     from mmpipe.data.synth import synth
-    from mmpipe.layout import comm_group_sizes, plan_layouts
+    from mmpipe.layout import CommModel, comm_group_sizes, get_comm_model, plan_layouts
     from mmpipe.topology import threads_per_rank
-    from mmpipe.plan import measured_from_run
+    from mmpipe.plan import measured_from_run, median_profile
     tmp = tempfile.mkdtemp(prefix="mmpipe-bench-strategies-")
     art = os.path.join(os.getcwd(), "benchmarks")
     os.makedirs(art, exist_ok=True)
@@ -462,13 +479,22 @@ def bench_strategies(args) -> int:
                            refresh_comm=args.refresh and sizes not in refreshed)
         refreshed |= {threads, sizes}
         rows = [r for r in res["rows"] if r.micro_batches and r.fits]
-        runs, texts = {}, {}
+        runs, texts, samples = {}, {}, [res]
         for rnd in range(args.rounds):
+            if rnd:  # the profile and the collectives sampled again beside every round's runs
+                log(f"{world} rank(s): profile and collectives again (round {rnd + 1}/{args.rounds}) ...")
+                samples.append(plan_layouts(cfg, world, log=log, use_cache=False,
+                                            comm=get_comm_model(list(sizes), use_cache=False, log=log)))
             for r in rows:
                 log(f"{world} rank(s): {r.name} (round {rnd + 1}/{args.rounds}) ...")
                 out = os.path.join(tmp, f"w{world}_{re.sub(r'[^A-Za-z0-9]+', '_', r.name)}_{rnd}")
                 texts[out] = launch(world, config, common + _layout_sets(r), out)
                 runs.setdefault(r.name, []).append(out)
+        if len(samples) > 1:  # predictions from the medians of the rounds' profiles and collectives
+            res = plan_layouts(cfg, world, log=log, profile=median_profile([x["profile"] for x in samples]),
+                               comm=CommModel.median([x["comm"] for x in samples]))
+            ran = {r.name for r in rows}
+            rows = [r for r in res["rows"] if r.name in ran]
         measured, mem, rounds = {}, {}, {}
         for r in rows:
             st, out, rounds[r.name] = pooled(runs[r.name], args.warmup)
@@ -487,7 +513,9 @@ def bench_strategies(args) -> int:
              f"median over the steps of {args.rounds} interleaved round(s); data from the preprocessed cache. Threads per rank as training sets "
              f"them (cores / ranks, at least 1: 4 ranks on 2 cores oversubscribe 2x, which the model charges as "
              f"stretched compute). Predictions: `mmpipe.layout` from the layer profile and the collective "
-             f"micro-benchmark (gloo), taken in the same run. Clipping: 'grouped' = mmpipe's per-group norms "
+             f"micro-benchmark (gloo), both sampled once per round beside that round's runs, each figure the "
+             f"median of the {args.rounds} samples (this host's speed for the same layer work shifts by up to "
+             f"~20% between processes and minutes; one sample carries that shift into every prediction). Clipping: 'grouped' = mmpipe's per-group norms "
              f"(computed every step); 'DeepSpeed global' = ZeRO-2/3, where DeepSpeed owns the (here disabled) "
              f"clip. max RSS includes the Python/torch runtime (~0.7 GB per process). Charts: "
              f"benchmarks/strategies_*ranks.png. " + " ".join(summary))

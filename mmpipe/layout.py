@@ -21,7 +21,8 @@ step, for a world of N ranks and a global batch B of micro-batches of m samples:
   its sharded step and all-gather). Memory per stage: ``mmpipe.profile.stage_memory``.
 
 When the N ranks share fewer cores than they compute with (N x threads > cores, this CPU machine),
-compute is stretched by that oversubscription. Every layout that does not fit the memory budget says
+compute is stretched by that oversubscription (measured, ``oversubscription``); ranks that each have
+their own cores are not stretched (the cache-cold profile already charges the shared cache). Every layout that does not fit the memory budget says
 why. ``choose`` takes the fastest that fits, or within ``TIE`` of it the simplest.
 """
 from __future__ import annotations
@@ -76,6 +77,21 @@ class CommModel:
         k = min(table, key=lambda x: abs(x - n))
         lat, spb = table[k]
         return lat * (n - 1) / max(1, k - 1) + spb * nbytes * ((n - 1) / n) / ((k - 1) / k)
+
+    @classmethod
+    def median(cls, models: list) -> "CommModel":
+        """One model from several measurements of the same backend: every figure (each op's latency
+        and seconds per byte, send/recv, the ZeRO-3 costs, the stretch) is its median over them."""
+        import statistics
+
+        def med(values):
+            return tuple(statistics.median(v) for v in zip(*values))
+        first = models[0]
+        ops = {op: {n: med([m.ops[op][n] for m in models if n in m.ops.get(op, {})]) for n in t}
+               for op, t in first.ops.items()}
+        zero3 = {n: med([m.zero3[n] for m in models if n in m.zero3]) for n in first.zero3}
+        stretch = {n: statistics.median(m.stretch[n] for m in models if n in m.stretch) for n in first.stretch}
+        return cls(first.backend, ops, med([m.p2p for m in models]), all(m.measured for m in models), zero3, stretch)
 
     def to_dict(self) -> dict:
         return {"backend": self.backend, "ops": {op: {str(n): list(v) for n, v in t.items()} for op, t in self.ops.items()},
@@ -164,9 +180,13 @@ def _scaled(prof: dict, factor: float) -> dict:
 
 def oversubscription(world: int, threads: int, cores: Optional[int], measured: Optional[dict] = None) -> float:
     """How much slower each rank computes when ``world`` ranks of ``threads`` threads share ``cores``:
-    the measured stretch for that many ranks (``CommModel.stretch``) where there is one, else the
-    share of a core each thread gets."""
-    if not cores:
+    1 while every thread has a core of its own (the layer profile is timed cache-cold, so sharing
+    the last-level cache and memory is already in it: two single-thread ranks each running the
+    image-heavy model at once took 68.7 / 133 ms forward / backward per micro-batch, the cold
+    profile 69.1 / 136, here); beyond that, the measured stretch for that many ranks
+    (``CommModel.stretch``: time-sharing a core, where each slice starts on a cache the other rank
+    filled) where there is one, else the share of a core each thread gets."""
+    if not cores or world * threads <= cores:
         return 1.0
     if measured and threads == 1 and world in measured:
         return max(1.0, measured[world])
@@ -629,10 +649,10 @@ def _group_sizes(sizes) -> list:
 
 def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: bool = True, log=print,
                  comm: Optional[CommModel] = None, refresh: bool = False,
-                 refresh_comm: Optional[bool] = None) -> dict:
-    """Profile (at the threads a rank of ``world`` gets), measure collectives, predict every layout;
-    ``refresh`` / ``refresh_comm`` (default: ``refresh``): profile / time the collectives again,
-    replacing the cached entries."""
+                 refresh_comm: Optional[bool] = None, profile: Optional[dict] = None) -> dict:
+    """Profile (at the threads a rank of ``world`` gets; or take ``profile``), measure collectives
+    (or take ``comm``), predict every layout; ``refresh`` / ``refresh_comm`` (default: ``refresh``):
+    profile / time the collectives again, replacing the cached entries."""
     from mmpipe.optim import frozen_layout, resolve_groups
     from mmpipe.plan import get_profile, resolve_for_plan
     from mmpipe.topology import threads_per_rank
@@ -646,8 +666,8 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
     groups = resolve_groups(rcfg.optim, type(family))
     _, frozen, forward_only = frozen_layout(family, groups)
     threads = threads_per_rank(world)
-    prof = get_profile(rcfg, family, mbs, forward_only, frozen, threads=threads, use_cache=use_cache, log=log,
-                       refresh=refresh)
+    prof = profile or get_profile(rcfg, family, mbs, forward_only, frozen, threads=threads, use_cache=use_cache,
+                                  log=log, refresh=refresh)
     comm = comm or get_comm_model(comm_group_sizes(world), use_cache=use_cache, log=log,
                                   refresh=refresh if refresh_comm is None else refresh_comm)
     if comm.measured:  # the stage-to-stage model from the same measurement as the collectives

@@ -212,13 +212,25 @@ def _profile_for(cfg, stages: int, data_parallel: int = 1, threads: Optional[int
     return family, get_profile(cfg, family, mbs, forward_only, frozen, threads=threads, log=log, **profile_kw)
 
 
+def median_profile(profiles: list) -> dict:
+    """One profile from several of the same model and shape: each layer's forward, backward and
+    optimizer time is its median over them (the first one's transfer model and key)."""
+    from mmpipe.planner import layer_costs
+    costs = median_costs([layer_costs(p) for p in profiles])
+    return {**profiles[0], "layers": [c.to_dict() for c in costs], "samples": len(profiles)}
+
+
 def plan_all(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = None, use_cache: bool = True,
-             log=print, refresh: bool = False, repeats: int = 5) -> dict:
-    """Profile, then place (``mmpipe.planner.place``) and simulate every placement for ``stages`` stages."""
+             log=print, refresh: bool = False, repeats: int = 5, profile: Optional[dict] = None) -> dict:
+    """Profile (or take ``profile``), then place (``mmpipe.planner.place``) and simulate every
+    placement for ``stages`` stages."""
     from mmpipe.planner import layer_costs, place, predict, stage_times
     from mmpipe.profile import stage_memory
-    family, prof = _profile_for(cfg, stages, data_parallel, threads, log, use_cache=use_cache, refresh=refresh,
-                                repeats=repeats)
+    if profile is None:
+        family, prof = _profile_for(cfg, stages, data_parallel, threads, log, use_cache=use_cache, refresh=refresh,
+                                    repeats=repeats)
+    else:
+        family, prof = resolve_for_plan(cfg)[1], profile
     mbs = cfg.parallel.micro_batch_size
     M = cfg.train.batch_size // (mbs * data_parallel)
     threads = prof["key"]["threads"]

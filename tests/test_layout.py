@@ -179,6 +179,13 @@ def test_a_measured_stretch_replaces_the_fair_share_of_the_cores():
     assert oversubscription(4, 1, 2, {4: 2.5}) == 2.5
     assert oversubscription(4, 2, 2, {4: 2.5}) == 4.0  # measured for one thread per rank only
     assert oversubscription(4, 1, None, {4: 2.5}) == 1.0  # accelerators: no shared cores
+    # a core per rank: the measured 2-rank stretch is not charged again (the cold profile has it)
+    assert oversubscription(2, 1, 2, {2: 1.3, 4: 2.5}) == 1.0
+    two = dict(kw, world=2)
+    ones = _by_name(predict_layouts(_prof(layers), CommModel(ops=ops), **two))
+    twos = _by_name(predict_layouts(_prof(layers), CommModel(ops=ops, stretch={2: 1.3}), **two))
+    assert twos["DP2 ZeRO-0"].step_time == pytest.approx(ones["DP2 ZeRO-0"].step_time)
+    assert twos["PP2 modality"].step_time == pytest.approx(ones["PP2 modality"].step_time)
 
 
 def test_layout_auto_trains_at_world_size_two_and_records_its_choice(runs, tmp_path):
@@ -233,3 +240,18 @@ def test_plan_world_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
     assert main(["plan", "--config", TINY, "--world", "2", "--memory-gb", "1e-6", "--out", out]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "parallel.layout=auto: no layout fits: DP2 ZeRO-0: needs" in err[0], err
+
+
+def test_medians_of_several_profiles_and_collective_measurements():
+    """``bench`` samples the profile and the collectives once per round: each layer time and each
+    collective figure is its median over the samples (one slow sample moves nothing)."""
+    from mmpipe.plan import median_profile
+    profs = [_prof([_layer("a", f, 2 * f, 10, opt=f / 10), _layer("b", 3.0, 6.0, 10)]) for f in (1.0, 9.0, 2.0)]
+    med = median_profile(profs)
+    assert [(c["fwd_ms"], c["bwd_ms"], c["opt_ms"]) for c in med["layers"]] == [(2.0, 4.0, 0.2), (3.0, 6.0, 0.0)]
+    assert med["samples"] == 3 and med["comm"] == profs[0]["comm"]
+    comms = [CommModel(ops={"allreduce": {2: (lat, spb)}}, p2p=(lat, 0.0), zero3={2: (lat, 0.0, 0.0, 0.0)},
+                       stretch={2: s}) for lat, spb, s in ((1e-3, 5e-9, 1.1), (9e-3, 1e-9, 1.0), (2e-3, 2e-9, 1.3))]
+    m = CommModel.median(comms)
+    assert m.ops["allreduce"][2] == (2e-3, 2e-9)
+    assert m.p2p == (2e-3, 0.0) and m.zero3[2][0] == 2e-3 and m.stretch[2] == 1.1
