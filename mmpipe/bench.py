@@ -482,9 +482,9 @@ def bench_strategies(args) -> int:
         runs, texts, samples = {}, {}, [res]
         for rnd in range(args.rounds):
             if rnd:  # the profile and the collectives sampled again beside every round's runs
-                log(f"{world} rank(s): profile and collectives again (round {rnd + 1}/{args.rounds}) ...")
-                samples.append(plan_layouts(cfg, world, log=log, use_cache=False,
-                                            comm=get_comm_model(list(sizes), use_cache=False, log=log)))
+                log(f"{world} rank(s): profile{'' if world == 1 else ' and collectives'} again (round {rnd + 1}/{args.rounds}) ...")
+                comm = res["comm"] if world == 1 else get_comm_model(list(sizes), use_cache=False, log=log)
+                samples.append(plan_layouts(cfg, world, log=log, use_cache=False, comm=comm))
             for r in rows:
                 log(f"{world} rank(s): {r.name} (round {rnd + 1}/{args.rounds}) ...")
                 out = os.path.join(tmp, f"w{world}_{re.sub(r'[^A-Za-z0-9]+', '_', r.name)}_{rnd}")
