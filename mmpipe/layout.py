@@ -410,6 +410,11 @@ def _coll_worker(rank: int, n: int, port: int, sizes: list, repeats: int, backen
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     import deepspeed
+    if device == "cpu":  # as a training rank runs (and no shared-memory buffer left in /dev/shm)
+        from mmpipe.parallel.cpu_process import keep_freed_memory
+        from mmpipe.parallel.ds_compat import skip_cpu_shm_allreduce
+        keep_freed_memory()
+        skip_cpu_shm_allreduce()
     deepspeed.init_distributed(backend, verbose=False)
     res = {op: {} for op in OPS}
     res["p2p"] = {}
@@ -590,7 +595,7 @@ def get_comm_model(group_sizes: list, use_cache: bool = True, log=None, refresh:
     from mmpipe.plan import _write_json, cache_dir
     acc = get_accelerator()
     sizes = _group_sizes(group_sizes)
-    key = f"comm4-{acc.communication_backend_name()}-{acc.device_name()}-{socket.gethostname()}-" + "_".join(map(str, sizes))
+    key = f"comm5-{acc.communication_backend_name()}-{acc.device_name()}-{socket.gethostname()}-" + "_".join(map(str, sizes))
     path = os.path.join(cache_dir(), key + ".json")
     if use_cache and not refresh and os.path.isfile(path):
         with open(path) as fh:

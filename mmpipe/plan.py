@@ -92,7 +92,9 @@ def profile_key(cfg, family, micro_batch_size: int, threads: int, device: str, f
             "micro_batch_size": micro_batch_size, "max_length": cfg.data.max_length, "precision": cfg.train.precision,
             "device": device, "threads": threads, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "forward_only": sorted(forward_only),
-            "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 3}
+            "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 4,
+            # a CPU profile is timed as a rank computes, with or without mmpipe's malloc settings
+            "cpu_malloc": device != "cpu" or os.environ.get("MMPIPE_CPU_MALLOC", "").lower() != "default"}
 
 
 def cache_dir() -> str:
@@ -137,6 +139,9 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
     if log:
         log(f"profiling {len(family.layer_names())} layers (micro-batch {micro_batch_size}, {cfg.train.precision}, "
             f"{device.type}, {threads} thread(s)) ...")
+    if device.type == "cpu":  # as a training rank computes (mmpipe.parallel.cpu_process)
+        from mmpipe.parallel.cpu_process import keep_freed_memory
+        keep_freed_memory()
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -51,6 +51,9 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> tuple[int, int]
     deepspeed.utils.logger.setLevel(logging.WARNING)
     if get_accelerator().device_name() != "cpu":  # before the first collective: NCCL uses the current device
         get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+    else:  # before the model and its activations exist
+        from mmpipe.parallel.cpu_process import keep_freed_memory
+        keep_freed_memory()
     if not dist.is_initialized():
         from datetime import timedelta
         if get_accelerator().device_name() == "cpu":
