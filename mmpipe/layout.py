@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -82,8 +83,6 @@ class CommModel:
     def median(cls, models: list) -> "CommModel":
         """One model from several measurements of the same backend: every figure (each op's latency
         and seconds per byte, send/recv, the ZeRO-3 costs, the stretch) is its median over them."""
-        import statistics
-
         def med(values):
             return tuple(statistics.median(v) for v in zip(*values))
         first = models[0]
@@ -429,7 +428,11 @@ def _coll_worker(rank: int, n: int, port: int, sizes: list, repeats: int, backen
             from mmpipe.profile import pingpong
             ops["p2p"] = lambda: pingpong(rank, full)
         for op, f in ops.items():
-            res[op][numel * 4] = _median_time(f, repeats) / (2 if op == "p2p" else 1)
+            if op == "p2p":  # half a round trip, its mean: a pipeline pays the slow transfers too
+                from mmpipe.profile import P2P_REPEATS
+                res[op][numel * 4] = _median_time(f, P2P_REPEATS, stat=statistics.mean) / 2
+            else:
+                res[op][numel * 4] = _median_time(f, repeats)
     res["zero3"] = _zero3_probe(device, repeats)
     res["stretch"] = _stretch_probe(rank) if device == "cpu" else 1.0
     if rank == 0:
@@ -437,10 +440,9 @@ def _coll_worker(rank: int, n: int, port: int, sizes: list, repeats: int, backen
     dist.destroy_process_group()
 
 
-def _median_time(f, repeats: int, after=None) -> float:
-    """Median over ``repeats`` (after 2 warm-ups) of ``f`` started together on every rank;
-    ``after`` (untimed) runs after each."""
-    import statistics
+def _median_time(f, repeats: int, after=None, stat=None) -> float:
+    """Median (or ``stat``) over ``repeats`` (after 2 warm-ups) of ``f`` started together on every
+    rank; ``after`` (untimed) runs after each."""
     import time
 
     import torch.distributed as dist
@@ -452,13 +454,12 @@ def _median_time(f, repeats: int, after=None) -> float:
         times.append(time.perf_counter() - t0)
         if after is not None:
             after()
-    return statistics.median(times[2:])
+    return (stat or statistics.median)(times[2:])
 
 
 def _stretch_probe(rank: int, iters: int = 30) -> float:
     """Median time of a transformer-sized MLP forward + backward with every rank computing at once,
     over its time with rank 0 computing alone (the others block in a barrier)."""
-    import statistics
     import time
 
     import torch

@@ -130,21 +130,25 @@ def layer_costs(prof: dict) -> list:
 
 
 def stage_times(prof: dict, parts: list) -> dict:
-    """Per-stage forward, backward, optimizer seconds per micro-batch, and boundary transfer seconds."""
+    """Per-stage forward, backward, optimizer seconds per micro-batch, and per boundary the seconds to
+    send one micro-batch's activations (``comm``: one message per tensor of the tuple) and to send
+    their gradients back (``comm_grad``: one message per float tensor that wants one)."""
     costs = layer_costs(prof)
     P = len(parts) - 1
     F = [sum(c.fwd_ms for c in costs[parts[s]:parts[s + 1]]) / 1e3 for s in range(P)]
     B = [sum(c.bwd_ms for c in costs[parts[s]:parts[s + 1]]) / 1e3 for s in range(P)]
     opt = [sum(c.opt_ms for c in costs[parts[s]:parts[s + 1]]) / 1e3 for s in range(P)]
     lat, spb = prof["comm"]["latency_s"], prof["comm"]["s_per_byte"]
-    comm = [lat + spb * costs[parts[s + 1] - 1].out_bytes for s in range(P - 1)]
-    return {"F": F, "B": B, "opt": opt, "comm": comm}
+    last = [costs[parts[s + 1] - 1] for s in range(P - 1)]
+    comm = [c.out_tensors * lat + spb * c.out_bytes for c in last]
+    back = [c.grad_tensors * lat + spb * (c.out_bytes if c.grad_bytes is None else c.grad_bytes) for c in last]
+    return {"F": F, "B": B, "opt": opt, "comm": comm, "comm_grad": back}
 
 
 def predict(prof: dict, parts: list, micro_batches: int, schedule: str = "1f1b"):
     from mmpipe.pipeline.simulate import simulate
     t = stage_times(prof, parts)
-    r = simulate(t["F"], t["B"], micro_batches, t["comm"], t["opt"], schedule=schedule)
+    r = simulate(t["F"], t["B"], micro_batches, t["comm"], t["opt"], schedule=schedule, comm_grad=t["comm_grad"])
     r.parts = list(parts)
     return r
 

@@ -37,6 +37,11 @@ class LayerCost:
     params: int
     trainable: int
     opt_ms: float = 0.0
+    # what crosses a stage boundary after this layer: DeepSpeed sends each tensor of the tuple as its
+    # own message (activations), and one gradient message per float tensor that wants one
+    out_tensors: int = 1
+    grad_tensors: int = 1
+    grad_bytes: Optional[int] = None  # bytes of those gradients (None: ``out_bytes``)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -168,6 +173,8 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
             fwd.append(time.perf_counter() - t0)
             if r == 0:
                 act, out_b = saved.total + _nbytes(x_in), _nbytes(y)
+                sent = [t for t in ([y] if torch.is_tensor(y) else y) if torch.is_tensor(t)]
+                back = [t for t in sent if wants_grad(t)]
             outs = [o for o in ([y] if torch.is_tensor(y) else y)
                     if torch.is_tensor(o) and o.is_floating_point() and o.grad_fn is not None]
             evict()
@@ -184,7 +191,8 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
             act_bytes=act, out_bytes=out_b,
             param_bytes=sum(p.numel() * p.element_size() for p in params),
             params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
-            opt_ms=optimizer_ms(layer, repeats if timed else 0, evict)))
+            opt_ms=optimizer_ms(layer, repeats if timed else 0, evict),
+            out_tensors=len(sent), grad_tensors=len(back), grad_bytes=_nbytes(back)))
         ys = [y] if torch.is_tensor(y) else list(y)
         flags = [wants_grad(t) for t in ys]
         x = ys[0].detach() if torch.is_tensor(y) else tuple(t.detach() for t in ys)
@@ -248,14 +256,21 @@ def _p2p_worker(rank: int, port: int, sizes: list, repeats: int, backend: str, d
             t0 = time.perf_counter()
             pingpong(rank, buf)
             times.append((time.perf_counter() - t0) / 2)
-        res[n] = statistics.median(times[2:])
+        res[n] = statistics.mean(times[2:])  # the mean: a step pays the slow transfers too (see P2P_REPEATS)
     if rank == 0:
         out.put(res)
     dist.destroy_process_group()
 
 
-def measure_p2p(sizes: list, repeats: int = 10) -> dict:
-    """{bytes: seconds} for one send/recv between two processes with the accelerator's backend."""
+# Small transfers between processes have a long tail here (median 0.1 ms, mean 0.1-0.5 ms, single
+# ones 3-12 ms): a pipeline step pays every one of them, so transfers are costed by their mean over
+# enough round trips to see the tail.
+P2P_REPEATS = 40
+
+
+def measure_p2p(sizes: list, repeats: int = P2P_REPEATS) -> dict:
+    """{bytes: seconds} for one send/recv between two processes with the accelerator's backend
+    (the mean over ``repeats`` ping-pongs)."""
     import socket
 
     import torch.multiprocessing as mp

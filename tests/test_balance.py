@@ -33,6 +33,22 @@ def test_transfers_and_optimizer_add_to_the_step():
     assert simulate([1.0] * 2, [2.0] * 2, 4, opt=[0.0, 2.5]).step_time == pytest.approx(base + 0.5)
 
 
+def test_activations_and_gradients_cross_with_their_own_costs():
+    """Stage 1 the bottleneck: each micro-batch it receives the activations (a), runs F + B and
+    sends the gradients back (g), so the step is 8 x (9 + a + g) plus stage 0's fill and drain. The
+    costs count DeepSpeed's messages: one per tensor of the activation tuple, one per gradient."""
+    from mmpipe.planner import stage_times
+    from mmpipe.profile import LayerCost
+    r = simulate([1.0, 3.0], [2.0, 6.0], 8, comm=[0.5], comm_grad=[0.25])
+    assert r.step_time == pytest.approx(8 * (9 + 0.5 + 0.25) + 3)
+    # a tuple of 3 tensors (hidden states, token ids, mask) of which one wants a gradient
+    layers = [LayerCost("a", 1.0, 2.0, 0, 1000, 0, 0, 0, out_tensors=3, grad_tensors=1, grad_bytes=400).to_dict(),
+              LayerCost("b", 1.0, 2.0, 0, 8, 0, 0, 0).to_dict()]
+    t = stage_times({"layers": layers, "comm": {"latency_s": 1e-3, "s_per_byte": 1e-6}}, [0, 1, 2])
+    assert t["comm"] == [pytest.approx(3 * 1e-3 + 1000 * 1e-6)]
+    assert t["comm_grad"] == [pytest.approx(1e-3 + 400 * 1e-6)]
+
+
 def test_micro_batch_recommendation_and_its_limit():
     rec = recommend_micro_batches([1.0, 1.0], [2.0, 2.0], [0.0], [0.0, 0.0], per_rank_batch=64, target_bubble=0.1)
     assert rec["best"]["micro_batches"] == 16  # (P-1)/(M+P-1) <= 0.1 first at M = 9 -> next divisor 16

@@ -244,6 +244,11 @@ def test_profile_counts_activations_and_frozen_layers_run_forward_only(tok):
             assert b.act_bytes < a.act_bytes
     blocks = [c for c in full if c.name.startswith("vision.blocks.")]
     assert blocks[0].act_bytes > 4 * blocks[0].out_bytes  # a transformer block keeps several activations
+    # what a stage boundary after it sends: image tokens, caption ids, mask (3 messages); one gradient
+    assert (blocks[0].out_tensors, blocks[0].grad_tensors) == (3, 1)
+    assert 0 < blocks[0].grad_bytes < blocks[0].out_bytes
+    text = [c for c in full if c.name.startswith("text.blocks.")][0]  # + the text hidden states
+    assert (text.out_tensors, text.grad_tensors) == (4, 2)
     x8 = tuple(torch.cat([t, t]) for t in x)
     full8 = profile_layers(build_layers(spec), x8, timed=False)
     assert abs(full8[2].act_bytes / full[2].act_bytes - 2) < 0.1  # linear in the micro-batch

@@ -74,11 +74,13 @@ BUSY_KINDS = ("ForwardPass", "BackwardPass", "OptimizerStep", "LoadMicroBatch")
 
 
 def simulate(F: list, B: list, micro_batches: int, comm: Optional[list] = None, opt: Optional[list] = None,
-             load: Optional[list] = None, schedule: str = "1f1b") -> SimResult:
+             load: Optional[list] = None, schedule: str = "1f1b", comm_grad: Optional[list] = None) -> SimResult:
     """``F``, ``B``, ``opt``, ``load``: seconds per stage; ``comm[s]``: seconds to move one
-    micro-batch's activations (or gradients) across the boundary between stage s and s+1."""
+    micro-batch's activations across the boundary between stage s and s+1, ``comm_grad[s]`` its
+    gradients back (default: ``comm[s]``)."""
     P, M = len(F), micro_batches
     comm = comm if comm is not None else [0.0] * max(0, P - 1)
+    back = comm_grad if comm_grad is not None else comm
     opt = opt if opt is not None else [0.0] * P
     load = load if load is not None else [0.0] * P
     streams = _ds_streams(P, M) if schedule == "1f1b" else _gpipe_streams(P, M)
@@ -99,7 +101,7 @@ def simulate(F: list, B: list, micro_batches: int, comm: Optional[list] = None, 
                         break  # blocked until the neighbour reaches the matching instruction
                     boundary = min(s, t)
                     start = max(clock[s], clock[t])
-                    end = start + comm[boundary]
+                    end = start + (comm if kind in ("SendActivation", "RecvActivation") else back)[boundary]
                     for x in (s, t):
                         timeline.append((x, streams[x][ptr[x]][0], streams[x][ptr[x]][1], start, end))
                         clock[x] = end
