@@ -231,8 +231,10 @@ class _Ctx:
         self.threads = int(prof.get("key", {}).get("threads", 1))
         # data parallel: every rank always computes
         self.over = oversubscription(world, self.threads, cores, comm.stretch)
-        # what sharing costs beyond each rank's share of the cores (a pipeline scales it by its load)
-        self.penalty = self.over / oversubscription(world, self.threads, cores)
+            # stretch per unit of oversubscription beyond 1 (measured: over at the fair share), so that
+        # a pipeline moment with fewer ranks computing pays proportionally less
+        fair = oversubscription(world, self.threads, cores)
+        self.slope = (self.over - 1) / (fair - 1) if fair > 1 else 1.0
         self.costs = layer_costs(_scaled(prof, self.over))
         self.w_b, self.g_b, _ = state_bytes(precision)
 
@@ -303,17 +305,19 @@ def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: l
         return row
     parts = row.parts = list(plan.parts)
     row.placement = pl if pl != "auto" else f"auto:{plan.chosen or pl}"
-    # oversubscription counts the ranks busy at once: a pipeline's idle stages free their cores
-    f = ctx.over
-    for _ in range(4):
-        sim = predict(_scaled(ctx.raw, f), parts, M)
-        load = D * sum(b / sim.step_time for b in sim.busy) * ctx.threads
-        f_new = max(1.0, load / ctx.cores) * ctx.penalty if ctx.cores else 1.0
-        if abs(f_new - f) < 1e-3:
-            break
-        f = f_new
+    # oversubscription counts the ranks busy at once, instruction by instruction: a pipeline's
+    # waiting stages free their cores (fill, drain, imbalance), its steady state does not
+    t = stage_times(ctx.raw, parts)
+    if ctx.cores and D * P * ctx.threads > ctx.cores:
+        from mmpipe.pipeline.simulate import simulate_shared_cores
+        sim, _ = simulate_shared_cores(t["F"], t["B"], M, t["comm"], t["opt"], t["comm_grad"], D, ctx.threads,
+                                       ctx.cores, ctx.slope)
+        raw_busy = [M * (a + b) + o for a, b, o in zip(t["F"], t["B"], t["opt"])]
+        f = sum(sim.busy) / sum(raw_busy) if sum(raw_busy) else 1.0  # the mean stretch, for what follows
+    else:
+        sim, f = predict(ctx.raw, parts, M), 1.0
     sprof = _scaled(ctx.raw, f)
-    sim, t = predict(sprof, parts, M), stage_times(sprof, parts)
+    t = stage_times(sprof, parts)
     dp_comm = opt_saving = 0.0
     for s in range(P):
         G = sum(c.trainable for c in ctx.costs[parts[s]:parts[s + 1]]) * ctx.g_b

@@ -49,6 +49,29 @@ def test_activations_and_gradients_cross_with_their_own_costs():
     assert t["comm_grad"] == [pytest.approx(1e-3 + 400 * 1e-6)]
 
 
+def test_shared_cores_stretch_each_instruction_by_the_ranks_computing_with_it():
+    """Ranks sharing cores: an instruction runs slower by how many ranks compute while it runs."""
+    from mmpipe.pipeline.simulate import _ds_streams, simulate_shared_cores
+    plain = simulate([1.0], [2.0], 4).step_time
+    # data parallel: 4 copies of one stage always compute together on 2 cores -> 2x, or 2.3x when
+    # the measured slowdown per unit of oversubscription is 1.3 (1 + (2 - 1) x 1.3)
+    assert simulate_shared_cores([1.0], [2.0], 4, [], [0.0], None, 4, 1, 2)[0].step_time == pytest.approx(2 * plain)
+    assert simulate_shared_cores([1.0], [2.0], 4, [], [0.0], None, 4, 1, 2, slope=1.3)[0].step_time == \
+        pytest.approx(2.3 * plain)
+    # enough cores: nothing changes
+    F, B = [1.0, 1.0], [2.0, 2.0]
+    assert simulate_shared_cores(F, B, 8, [0.0], [0.0] * 2, None, 1, 1, 2)[0].step_time == \
+        pytest.approx(simulate(F, B, 8).step_time)
+    # two stages on one core: the fill (stage 0's first forward alone) runs at full speed, the
+    # steady state at half: between 1x and 2x the dedicated-core step
+    r, stretch = simulate_shared_cores(F, B, 8, [0.0], [0.0] * 2, None, 1, 1, 1)
+    base = simulate(F, B, 8).step_time
+    assert 1.3 * base < r.step_time < 2 * base
+    first_fwd = [i for i, (k, _) in enumerate(_ds_streams(2, 8)[0]) if k == "ForwardPass"][0]
+    assert stretch[0][first_fwd] == pytest.approx(1.0, abs=0.02)
+    assert max(max(s) for s in stretch) == pytest.approx(2.0, abs=0.05)
+
+
 def test_micro_batch_recommendation_and_its_limit():
     rec = recommend_micro_batches([1.0, 1.0], [2.0, 2.0], [0.0], [0.0, 0.0], per_rank_batch=64, target_bubble=0.1)
     assert rec["best"]["micro_batches"] == 16  # (P-1)/(M+P-1) <= 0.1 first at M = 9 -> next divisor 16
