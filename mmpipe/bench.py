@@ -514,8 +514,8 @@ def bench_strategies(args) -> int:
              f"them (cores / ranks, at least 1: 4 ranks on 2 cores oversubscribe 2x, which the model charges as "
              f"stretched compute). Predictions: `mmpipe.layout` from the layer profile and the collective "
              f"micro-benchmark (gloo), both sampled once per round beside that round's runs, each figure the "
-             f"median of the {args.rounds} samples (this host's speed for the same layer work shifts by up to "
-             f"~20% between processes and minutes; one sample carries that shift into every prediction). Clipping: 'grouped' = mmpipe's per-group norms "
+             f"median of the {args.rounds} samples (this host's speed drifts over minutes; one sample carries "
+             f"that drift into every prediction). Clipping: 'grouped' = mmpipe's per-group norms "
              f"(computed every step); 'DeepSpeed global' = ZeRO-2/3, where DeepSpeed owns the (here disabled) "
              f"clip. max RSS includes the Python/torch runtime (~0.7 GB per process). Charts: "
              f"benchmarks/strategies_*ranks.png. " + " ".join(summary))
