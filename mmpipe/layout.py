@@ -231,7 +231,7 @@ class _Ctx:
         self.threads = int(prof.get("key", {}).get("threads", 1))
         # data parallel: every rank always computes
         self.over = oversubscription(world, self.threads, cores, comm.stretch)
-            # stretch per unit of oversubscription beyond 1 (measured: over at the fair share), so that
+        # stretch per unit of oversubscription beyond 1 (measured: over at the fair share), so that
         # a pipeline moment with fewer ranks computing pays proportionally less
         fair = oversubscription(world, self.threads, cores)
         self.slope = (self.over - 1) / (fair - 1) if fair > 1 else 1.0

@@ -1,5 +1,5 @@
-"""A CPU rank keeps the memory it frees (``mmpipe.parallel.cpu_process``): activations freed one
-after another, as a frozen tower's forward frees them, are not faulted in again on every pass."""
+"""A CPU rank keeps the memory it frees (``mmpipe.parallel.cpu_process``): a pass's activations,
+freed at its end, are not faulted in again on every pass."""
 from __future__ import annotations
 
 import os

@@ -141,6 +141,7 @@ def simulate_shared_cores(F: list, B: list, micro_batches: int, comm: Optional[l
     P = len(F)
     streams = _ds_streams(P, micro_batches)
     stretch = [[1.0] * len(st) for st in streams]
+    kinds_of = [[i for i, (kind, _) in enumerate(st) if kind in BUSY_KINDS] for st in streams]
     r = simulate(F, B, micro_batches, comm, opt, comm_grad=comm_grad)
     for it in range(iters):
         busy = [(s, a, b) for s, kind, _, a, b in r.timeline if kind in BUSY_KINDS]  # stream order per stage
@@ -151,7 +152,6 @@ def simulate_shared_cores(F: list, B: list, micro_batches: int, comm: Optional[l
                 count[k] += 1
         new = [[1.0] * len(st) for st in streams]
         idx = [0] * P  # the timeline's busy entries of a stage, in stream order
-        kinds_of = [[i for i, (kind, _) in enumerate(st) if kind in BUSY_KINDS] for st in streams]
         for s, a, b in busy:
             i = kinds_of[s][idx[s]]
             idx[s] += 1
