@@ -191,38 +191,53 @@ def save(engine, root: str, step: int, client_state: dict, layer_names: Optional
 
 
 OPTIM_FILE = "optim_stage{}.safetensors"  # per pipeline stage: plain name -> fp32 master and Adam moments
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def _adam_step(inner) -> float:
-    return next((float(s["step"]) for s in inner.state.values() if "step" in s), 0.0)
+    return max((float(s["step"]) for s in inner.state.values() if "step" in s), default=0.0)
 
 
-def save_plain_optimizer(engine, inner, named_params, tag_dir: str, stage: int, dp_rank: int) -> None:
+def _param_state(kind: str, inner, masters: dict, p) -> tuple:
+    """(fp32 master, {moment: tensor} or None) of a trainable parameter held by a ``plain`` or
+    ``unfused`` optimizer (``ds_compat.optimizer_kind``)."""
+    master = masters.get(id(p), p) if kind == "unfused" else p
+    st = inner.state.get(master) or {}
+    return master, ({k: st[k] for k in ADAM_KEYS} if all(k in st for k in ADAM_KEYS) else None)
+
+
+def save_plain_optimizer(engine, inner, named_params, tag_dir: str, stage: int, dp_rank: int) -> bool:
     """This stage's optimizer state under plain parameter names (layout-free): the fp32 master
     weight and both Adam moments of every trainable parameter, assembled from ZeRO partitions or
     DeepSpeed's bf16 optimizer (``deepspeed.utils.safe_get_full_*``, a collective over the
-    data-parallel group) or read from the torch optimizer; written by data-parallel rank 0."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    data-parallel group), read from ``FP16_UnfusedOptimizer``'s masters, or from the torch
+    optimizer; written by data-parallel rank 0. False (nothing written) for a wrapper that cannot be
+    read by parameter: such a checkpoint resumes on its own layout only."""
+    from deepspeed.utils import safe_get_full_fp32_param
     from safetensors.torch import save_file
 
-    from mmpipe.parallel.ds_compat import relink_optimizer_state
+    from mmpipe.parallel.ds_compat import optimizer_kind, relink_optimizer_state, unfused_masters
+    kind = optimizer_kind(engine.optimizer)
+    if kind == "other":
+        return False
     relink_optimizer_state(engine.optimizer)
+    masters = unfused_masters(engine.optimizer) if kind == "unfused" else {}
     out = {}
     for name, p in named_params:
         if not p.requires_grad:
             continue
-        fp32 = safe_get_full_fp32_param(p)
-        if fp32 is None:  # the torch optimizer holds the model's own (fp32) parameter
-            st = inner.state.get(p, {})
-            fp32, m, v = p.data, st.get("exp_avg"), st.get("exp_avg_sq")
-        else:  # (no state yet, e.g. every step so far skipped: the moments are left out)
+        if kind == "mapped":  # (no state yet, e.g. every step so far skipped: the moments are left out)
+            fp32 = safe_get_full_fp32_param(p)
             m, v = _full_state(p, "exp_avg"), _full_state(p, "exp_avg_sq")
+            moments = None if m is None else {"exp_avg": m, "exp_avg_sq": v}
+        else:
+            fp32, moments = _param_state(kind, inner, masters, p)
         out[f"{name}::fp32"] = fp32.detach().float().cpu().contiguous()
-        if m is not None:
-            out[f"{name}::exp_avg"] = m.detach().float().cpu().contiguous()
-            out[f"{name}::exp_avg_sq"] = v.detach().float().cpu().contiguous()
+        for k, t in (moments or {}).items():
+            out[f"{name}::{k}"] = t.detach().float().cpu().contiguous()
     if dp_rank == 0:
         save_file(out, os.path.join(tag_dir, OPTIM_FILE.format(stage)), metadata={"adam_step": str(_adam_step(inner))})
+    return True
 
 
 def _full_state(p, key: str):
@@ -239,41 +254,67 @@ def has_plain_optimizer(tag_dir: str) -> bool:
     return bool(glob.glob(os.path.join(tag_dir, OPTIM_FILE.format("*"))))
 
 
-def load_elsewhere(engine, inner, named_params, tag_dir: str, step: int, aliases: Optional[dict] = None) -> None:
-    """Resume a checkpoint saved in another layout: weights (plain names), fp32 masters, Adam
-    moments and step count (``save_plain_optimizer``), the lr schedule and the engine's step."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+def read_plain_optimizer(tag_dir: str, aliases: Optional[dict] = None) -> tuple:
+    """(plain name::field -> tensor, Adam's step) from every stage's file. The step is the largest
+    any file records: a stage whose parameters are all frozen keeps no state and records 0."""
     from safetensors import safe_open
     state, adam_step = {}, 0.0
     for f in sorted(glob.glob(os.path.join(tag_dir, OPTIM_FILE.format("*")))):
         with safe_open(f, "pt") as fh:
-            adam_step = float(fh.metadata().get("adam_step", 0))
+            adam_step = max(adam_step, float(fh.metadata().get("adam_step", 0)))
             state.update({k: fh.get_tensor(k) for k in fh.keys()})
-    from mmpipe.parallel.ds_compat import ensure_zero_optimizer_state
-    ensure_zero_optimizer_state(engine.optimizer, inner, adam_step)
-    weights = load_model_weights(os.path.dirname(tag_dir), os.path.basename(tag_dir))
     for a, b in (aliases or {}).items():  # a tied parameter saved once (one stage) restores both copies
-        for f in ("fp32", "exp_avg", "exp_avg_sq"):
+        for f in ("fp32",) + ADAM_KEYS:
             if f"{a}::{f}" not in state and f"{b}::{f}" in state:
                 state[f"{a}::{f}"] = state[f"{b}::{f}"]
+    return state, adam_step
+
+
+def load_elsewhere(engine, inner, named_params, tag_dir: str, step: int, aliases: Optional[dict] = None) -> None:
+    """Resume a checkpoint saved in another layout: weights (plain names), fp32 masters, Adam
+    moments and step count (``save_plain_optimizer``), the lr schedule and the engine's step, into
+    whichever optimizer wrapper this layout uses (``ds_compat.optimizer_kind``)."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    from mmpipe.parallel.ds_compat import (ensure_zero_optimizer_state, optimizer_kind, set_zero3_partition,
+                                           unfused_masters)
+    state, adam_step = read_plain_optimizer(tag_dir, aliases)
+    kind = optimizer_kind(engine.optimizer)
+    if kind == "other":
+        raise MmpipeError(f"--resume: {tag_dir} was saved in another layout, and this run's optimizer "
+                          f"({type(engine.optimizer).__name__}) cannot be restored by parameter: resume on the "
+                          "checkpoint's layout, or use mmpipe's default optimizer (no optimizer block in the DeepSpeed JSON)")
+    ensure_zero_optimizer_state(engine.optimizer, inner, adam_step)
+    masters = unfused_masters(engine.optimizer) if kind == "unfused" else {}
+    weights = load_model_weights(os.path.dirname(tag_dir), os.path.basename(tag_dir))
     for name, p in named_params:
         if name not in weights:
             raise MmpipeError(f"--resume: {tag_dir} holds no weight for {name}: it is another model's checkpoint")
         fp32 = state.get(f"{name}::fp32", weights[name].float()).to(p.device)
-        with torch.no_grad():
-            p.data.copy_(fp32.to(p.dtype))
-        if not p.requires_grad or f"{name}::exp_avg" not in state:
+        moments = ({k: state[f"{name}::{k}"].to(p.device) for k in ADAM_KEYS}
+                   if f"{name}::exp_avg" in state else None)
+        with torch.no_grad():  # the model's own (possibly low-precision, or ZeRO-3 partitioned) weight
+            set_zero3_partition(p, fp32) if hasattr(p, "ds_id") else p.data.copy_(fp32.to(p.dtype))
+        if not p.requires_grad:
             continue
-        m, v = state[f"{name}::exp_avg"].to(p.device), state[f"{name}::exp_avg_sq"].to(p.device)
-        if hasattr(p, "_hp_mapping") or hasattr(p, "ds_id"):
+        if kind == "mapped":  # the master always; the moments when the checkpoint has them
             safe_set_full_fp32_param(p, fp32)
-            safe_set_full_optimizer_state(p, m, "exp_avg")
-            safe_set_full_optimizer_state(p, v, "exp_avg_sq")
-        else:
-            inner.state[p] = {"step": torch.tensor(adam_step), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+            for k, t in (moments or {}).items():
+                safe_set_full_optimizer_state(p, t, k)
+            continue
+        master = masters.get(id(p), p) if kind == "unfused" else p
+        with torch.no_grad():
+            master.data.copy_(fp32)
+        if moments is not None:
+            inner.state[master] = {"step": torch.tensor(adam_step), **{k: t.clone() for k, t in moments.items()}}
     for s in inner.state.values():
         if "step" in s:
             s["step"] = torch.tensor(adam_step) if torch.is_tensor(s["step"]) else adam_step
+    _restore_schedule(engine, step)
+
+
+def _restore_schedule(engine, step: int) -> None:
+    """The lr schedule and the engine's counters at ``step``."""
     sched = engine.lr_scheduler
     if sched is not None and hasattr(sched, "lr_lambdas"):  # mmpipe's schedule (LambdaLR) at the step reached
         sched.last_epoch = step
@@ -320,16 +361,16 @@ def check_model(tag_dir: str, model: dict) -> None:
                           "(its config.yaml), or start a new train.output_dir")
 
 
-def _readable(what: str, fn):
+def _readable(what: str, fn, prefix: str = "--resume: ", fix: str = "point latest at an earlier checkpoint"):
     """Run a checkpoint read; a corrupt or unreadable file becomes one line naming it."""
     try:
         return fn()
     except MmpipeError:
         raise
-    except Exception as e:  # noqa: BLE001 - torch/DeepSpeed read errors of damaged files
+    except Exception as e:  # noqa: BLE001 - torch/DeepSpeed/safetensors read errors of damaged files
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise MmpipeError(f"--resume: cannot read {what}: {type(e).__name__}: {first}; restore the file or point "
-                          "latest at an earlier checkpoint") from None
+        raise MmpipeError(f"{prefix}cannot read {what}: {type(e).__name__}: {first}; restore the file or "
+                          f"{fix}") from None
 
 
 def load(engine, root: str, layout: Optional[dict] = None, inner=None, named_params=None,
@@ -344,12 +385,11 @@ def load(engine, root: str, layout: Optional[dict] = None, inner=None, named_par
     if model is not None:
         check_model(tag_dir, model)
     saved = saved_layout(root)
+    record = read_record(tag_dir)
     if layout is not None and saved is not None and not same_layout(saved, layout):
         if not has_plain_optimizer(tag_dir):
             check_layout(saved, layout, tag_dir)
-        record = read_record(tag_dir)
-        client = dict(record.get("client") or {"data": record.get("data")})
-        client["step"] = int(record["step"])
+        client = record_client(record)
         _readable(tag_dir, lambda: load_elsewhere(engine, inner, named_params, tag_dir, client["step"], aliases))
         return client
     path, client = _readable(tag_dir, lambda: engine.load_checkpoint(root, load_lr_scheduler_states=True,
@@ -357,27 +397,33 @@ def load(engine, root: str, layout: Optional[dict] = None, inner=None, named_par
     if path is None:
         raise MmpipeError(f"--resume: DeepSpeed could not load the checkpoint in {root}")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    tag_dir = os.path.join(root, open(os.path.join(root, "latest")).read().strip())
     rng = os.path.join(tag_dir, f"rng_rank{rank}.pt")
     if os.path.isfile(rng):
         _set_rng_state(torch.load(rng, weights_only=False))
-    return client or {}
+    # the run's records (bad samples, data position, counters) as rank 0 wrote them, the same on every rank
+    return {**(client or {}), **(record_client(record) if record else {})}
 
 
-def check_complete(tag_dir: str) -> None:
+def record_client(record: dict) -> dict:
+    """What a checkpoint's record keeps of the run besides weights: the step, the bad-sample ledger
+    (``data``) and every client field (data position, skipped steps, ...)."""
+    return {**(record.get("client") or {}), "data": record.get("data") or {}, "step": int(record["step"])}
+
+
+def check_complete(tag_dir: str, prefix: str = "--resume: ") -> None:
     """A checkpoint mmpipe marked complete holds every file it listed (one line naming what is
     missing otherwise); one saved before checkpoints were marked is taken as it is."""
     marker = os.path.join(tag_dir, COMPLETE_FILE)
     if not os.path.isdir(tag_dir):
-        raise MmpipeError(f"--resume: {tag_dir} (named by 'latest') does not exist; point latest at a complete "
-                          "checkpoint or run without --resume")
+        raise MmpipeError(f"{prefix}{tag_dir} (named by 'latest') does not exist; point latest at a complete "
+                          "checkpoint" + (" or run without --resume" if prefix else ""))
     if not os.path.isfile(marker):
         return
     with open(marker) as fh:
         files = json.load(fh).get("files", [])
     missing = [f for f in files if not os.path.exists(os.path.join(tag_dir, f))]
     if missing:
-        raise MmpipeError(f"--resume: checkpoint {tag_dir} is incomplete: {', '.join(missing[:4])}"
+        raise MmpipeError(f"{prefix}checkpoint {tag_dir} is incomplete: {', '.join(missing[:4])}"
                           f"{' ...' if len(missing) > 4 else ''} missing; restore them, or point latest at an "
                           "earlier checkpoint")
 
@@ -406,7 +452,15 @@ def load_weights(path: str, step: Optional[int] = None) -> dict:
         if not os.path.isdir(os.path.join(root, tag)):
             have = sorted(t for t in os.listdir(root) if t.startswith("global_step"))
             raise MmpipeError(f"{root}: no checkpoint for step {step} (have {', '.join(have) or 'none'})")
-    return load_model_weights(root, tag)
+    tag = tag or latest_tag(root)
+    tag_dir = os.path.join(root, tag)
+    latest = os.path.join(root, "latest")
+    if not is_complete(tag_dir) and os.path.isfile(latest) and _step_of(tag) > _step_of(open(latest).read().strip()):
+        raise MmpipeError(f"{tag_dir} is incomplete (no {COMPLETE_FILE} marker: the run stopped while saving it); "
+                          "read an earlier step (--step) or the latest checkpoint")
+    check_complete(tag_dir, prefix="")
+    return _readable(tag_dir, lambda: load_model_weights(root, tag), prefix="",
+                     fix="read an earlier checkpoint (--step)")
 
 
 def load_model_weights(root: str, tag: Optional[str] = None) -> dict:

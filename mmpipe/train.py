@@ -333,6 +333,9 @@ def _probe_micro_batch(cfg, family, source, tok, image_size, topo, forward_only,
 # --------------------------------------------------------------------------------------------
 # the loop
 # --------------------------------------------------------------------------------------------
+SAME_REQUEST_SECONDS = 3.0  # signals this close to the first one are one stop request (launchers relay)
+
+
 def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None, overwrite: bool = False) -> dict:
     """Train; ``stop_at`` ends this invocation after that step with a checkpoint (time-limited jobs);
     ``overwrite`` replaces a run already in ``train.output_dir`` (without it, or ``resume``, that is
@@ -353,6 +356,7 @@ class Trainer:
         self.stop_signal = self.stop_signal_rank = None  # agreed by every rank at a step boundary
         self.timed_save = False
         self.bad_run = self.skipped_total = 0
+        self.data_position = self.sampler = None  # the stream position a resume continues at; its source
 
     # ---- the loop ------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -417,12 +421,17 @@ class Trainer:
 
     def on_signal(self, signum, frame) -> None:
         """SIGTERM / SIGINT: stop at the next step boundary with a checkpoint (all ranks agree
-        through the step's gather); a second signal stops at once."""
+        through the step's gather); a second signal stops at once. A signal within
+        ``SAME_REQUEST_SECONDS`` of the first is the same request: a Ctrl-C under the ``deepspeed``
+        launcher reaches every rank as SIGINT and, from DeepSpeed's ``launch.py`` at once, SIGTERM."""
         import signal
+        now = time.monotonic()
         if self.stop_requested:
+            if now - self.stop_requested_at <= SAME_REQUEST_SECONDS:
+                return
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
-        self.stop_requested = signal.Signals(signum).name
+        self.stop_requested, self.stop_requested_at = signal.Signals(signum).name, now
 
     # ---- setup ---------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -650,7 +659,12 @@ class Trainer:
                                                               self.named_params, ties, model))
             self.start_step = int(client.get("step", 0))
             self.skipped_total = int(client.get("skipped_steps", 0))
-            self.ledger.load_state_dict(client.get("data", {}))
+            self.ledger.load_state_dict(client.get("data") or {})
+            self.data_position = client.get("data_position")
+            saved_batch = client.get("batch_size")
+            if saved_batch and saved_batch != self.topo.batch_size and self.rank == 0:
+                _warn(f"train.batch_size {saved_batch} at the checkpoint, {self.topo.batch_size} now: the epoch "
+                      f"continues at its next unseen sample ({(self.data_position or {}).get('sample', '?')})")
 
     def write_run_files(self) -> None:
         """config.yaml, ds_config.json, plan.json (rank 0); the metrics writer (reporting rank)."""
@@ -689,7 +703,9 @@ class Trainer:
         if self.reads_data:
             loader = agree(rank, lambda: build_train_loader(cfg, self.source, self.tok, self.collate, self.topo,
                                                             self.dp_rank, self.start_step, self.image_size,
-                                                            self.device_name == "cpu", self.family))
+                                                            self.device_name == "cpu", self.family,
+                                                            start_at=self.data_position))
+            self.sampler = getattr(loader, "batch_sampler", None)
             self.train_iter = _as_pipe_batches(loader, self.data_stats, self.family, count=self.reads_inputs)
         else:
             agree(rank, lambda: None)  # the data-reading ranks' loader errors reach every rank
@@ -830,9 +846,12 @@ class Trainer:
         return record
 
     def save(self, step: int) -> None:
+        position = self.sampler.position(step) if hasattr(self.sampler, "position") else None
         checkpoint.save(self.engine, self.ckpt_dir, step, {"bad_samples": self.ledger.count,
                                                            "data": self.ledger.state_dict(),
-                                                           "skipped_steps": self.skipped_total},
+                                                           "skipped_steps": self.skipped_total,
+                                                           "batch_size": self.topo.batch_size,
+                                                           "data_position": position},
                         self.layer_names, self.parts, keep=self.cfg.train.keep_checkpoints, record=self.record,
                         plain_optimizer=(self.inner, self.named_params, self.stage, self.dp_rank))
         self.last_save_time, self.timed_save = time.time(), False

@@ -121,7 +121,10 @@ def train_lengths(source: TrainSource, tok, max_length: int) -> list[int]:
 
 
 def build_train_loader(cfg, source: TrainSource, tok, collate, topo, dp_rank: int, start_step: int,
-                       image_size: int, device_is_cpu: bool, family=None):
+                       image_size: int, device_is_cpu: bool, family=None, start_at: Optional[dict] = None):
+    """The training loader from global step ``start_step``; ``start_at``: the stream position a
+    checkpoint saved (``MicroBatchSampler.position``), so a resume with another batch size continues
+    at the next unseen sample. The loader's ``batch_sampler`` (indexable sources) tells positions."""
     from torch.utils.data import DataLoader
 
     from mmpipe.data.loader import MicroBatchSampler, make_augment, make_loader
@@ -142,5 +145,5 @@ def build_train_loader(cfg, source: TrainSource, tok, collate, topo, dp_rank: in
         lengths = dataset.lengths if hasattr(dataset, "lengths") else train_lengths(source, tok, d.max_length)
     sampler = MicroBatchSampler(len(dataset), topo.micro_batch_size, topo.accumulation_steps, topo.data_parallel,
                                 dp_rank, cfg.train.seed, start_step=start_step, max_steps=cfg.train.steps,
-                                lengths=lengths, group_window=d.group_window)
+                                lengths=lengths, group_window=d.group_window, start_at=start_at)
     return make_loader(dataset, sampler, collate, d, device_is_cpu)

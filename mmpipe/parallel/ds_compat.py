@@ -12,6 +12,8 @@ names the run test that exercises the patch's behaviour.
 | ``wrap_zero_step``, ``zero_group_grads`` | ``DeepSpeedZeroOptimizer.step``, ``_get_preflattened_grad_partition``, ``averaged_gradients`` | grouped clipping under ZeRO-1/2 |
 | ``reset_total_loss`` | ``PipelineEngine.total_loss`` | eval after a training step |
 | ``set_stage_bounds`` | ``PipelineModule._topo``, ``global_rank``, ``_set_bounds``, ``parts`` | explicit stage boundaries |
+| ``set_zero3_partition`` | ``param.ds_tensor``, ``ds_process_group`` | a ZeRO-3 weight restored by name |
+| ``unfused_masters`` | ``FP16_UnfusedOptimizer.fp16_groups``, ``fp32_groups`` | layout-free optimizer state of fp16/bf16 at P = 1 without ZeRO |
 """
 from __future__ import annotations
 
@@ -129,3 +131,41 @@ def set_stage_bounds(module, parts: list) -> None:
     module.parts = list(parts)
     stage = module._topo.get_coord(module.global_rank).pipe
     module._set_bounds(start=module.parts[stage], stop=module.parts[stage + 1])
+
+
+def optimizer_kind(ds_optimizer) -> str:
+    """How the optimizer DeepSpeed built keeps each trainable parameter's fp32 master and Adam state:
+    ``mapped`` (ZeRO-1/2/3, ``BF16_Optimizer``: DeepSpeed's ``safe_*_full_*`` accessors), ``unfused``
+    (``FP16_UnfusedOptimizer``, fp16 or bf16 at P = 1 without ZeRO: one fp32 master per parameter),
+    ``plain`` (the torch optimizer holds the model's own fp32 parameters) or ``other`` (a wrapper
+    mmpipe cannot read by parameter, e.g. the fused ``FP16_Optimizer`` a DeepSpeed ``FusedAdam``
+    gets)."""
+    import torch
+    name = type(ds_optimizer).__name__
+    if name in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "BF16_Optimizer"):
+        return "mapped"
+    if name == "FP16_UnfusedOptimizer":
+        return "unfused"
+    return "plain" if isinstance(ds_optimizer, torch.optim.Optimizer) else "other"
+
+
+def unfused_masters(ds_optimizer) -> dict:
+    """``FP16_UnfusedOptimizer``: id(model parameter) -> its fp32 master, the tensor the inner torch
+    optimizer steps and keys its Adam state by (``fp16_groups[i][j]`` <-> ``fp32_groups[i][j]``)."""
+    return {id(p): m for lp, hp in zip(ds_optimizer.fp16_groups, ds_optimizer.fp32_groups) for p, m in zip(lp, hp)}
+
+
+def set_zero3_partition(param, full) -> None:
+    """Write this rank's partition of a ZeRO-3 parameter (``param.ds_tensor``, the flat slice
+    ``rank x numel`` of the padded parameter over ``param.ds_process_group``) from its full value:
+    ``safe_set_full_fp32_param`` sets only the optimizer's fp32 partition, and the forward reads
+    this one."""
+    import torch
+    import torch.distributed as dist
+    part = param.ds_tensor
+    n = part.numel()
+    start = dist.get_rank(group=param.ds_process_group) * n
+    flat = full.detach().flatten()[start:start + n]
+    with torch.no_grad():
+        part.data.zero_()
+        part.data[:flat.numel()].copy_(flat.to(part.dtype))
