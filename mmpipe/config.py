@@ -61,7 +61,7 @@ class DataConfig(Section):
                                "(less padding; batches then share caption lengths, which changes the negatives)")
     group_window: int = _f(64, "micro-batches per length-grouping window (or, for shards, samples per window / micro-batch)")
     shuffle_buffer: int = _f(1000, "shards: samples in the streaming shuffle buffer of each loader worker")
-    log_samples: bool = _f(False, "write the sample ids each data-reading rank trains on to OUTPUT/samples/rank*.txt")
+    log_samples: bool = _f(False, "write the sample keys each data-reading rank trains on to OUTPUT/samples/rank*.jsonl (one JSON object per micro-batch: rank, step, stage, keys)")
 
 
 @dataclass

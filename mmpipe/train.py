@@ -109,8 +109,9 @@ class DataStats:
     rank consumed (merged over all ranks by the trainer into the run's ``BadSampleLedger``),
     samples drawn, and seconds the training loop waited for the loader."""
 
-    def __init__(self, sample_log: Optional[str] = None):
+    def __init__(self, sample_log: Optional[str] = None, rank: int = 0, stage: int = 0):
         self.sample_log = open(sample_log, "a") if sample_log else None
+        self.rank, self.stage, self.step = rank, stage, 0  # ``step``: set by the trainer before each step
         self.reset()
 
     def reset(self) -> None:
@@ -118,8 +119,9 @@ class DataStats:
 
     def add(self, batch) -> None:
         self.drawn += len(batch["keys"]) + len(batch["bad"])
-        if self.sample_log is not None:
-            self.sample_log.write(" ".join(batch["keys"]) + "\n")
+        if self.sample_log is not None:  # one JSON object per micro-batch
+            self.sample_log.write(json.dumps({"rank": self.rank, "step": self.step, "stage": self.stage,
+                                              "keys": [str(k) for k in batch["keys"]]}) + "\n")
             self.sample_log.flush()
         self.reports.extend((str(path), str(why)) for path, why in batch["bad"])
 
@@ -697,8 +699,8 @@ class Trainer:
         sample_log = None
         if cfg.data.log_samples and self.reads_inputs:
             os.makedirs(os.path.join(self.out_dir, "samples"), exist_ok=True)
-            sample_log = os.path.join(self.out_dir, "samples", f"rank{rank}.txt")
-        self.data_stats = DataStats(sample_log)
+            sample_log = os.path.join(self.out_dir, "samples", f"rank{rank}.jsonl")
+        self.data_stats = DataStats(sample_log, rank, self.stage)
         self.collate = self.family.collate(self.tok, cfg.data)
         if self.reads_data:
             loader = agree(rank, lambda: build_train_loader(cfg, self.source, self.tok, self.collate, self.topo,
@@ -718,7 +720,7 @@ class Trainer:
         """One optimizer step, then one small gather: data counters (summed over the reading ranks),
         every group's lr (wherever it lives) and stage timings. Returns the metrics record."""
         lrs = lr_fields(self.inner, self.trainable)  # the lr this step uses (the scheduler moves it in the step)
-        self.clipper.step_no = step
+        self.clipper.step_no = self.data_stats.step = step
         t0 = time.perf_counter()
         loss = self.runner.train_step(self.step_batches(), step, tracing)
         dt = time.perf_counter() - t0
@@ -746,7 +748,8 @@ class Trainer:
         self.skipped_total += int(clip.get("skipped", False))
         return {"step": step, "loss": loss, **lrs, "skipped_steps": self.skipped_total,
                 "samples_per_sec": self.topo.batch_size / dt, **clip, "step_time": dt,
-                "loader_wait": wait, "loader_wait_frac": wait / dt, "bad_samples": self.ledger.count, **stage_fields}
+                "loader_wait": wait, "loader_wait_frac": wait / dt, "bad_samples": self.ledger.count,
+                "samples_seen": self.ledger.drawn, **stage_fields}
 
     def step_batches(self):
         """This step's micro-batches. For a ``token_mean`` family every rank first learns the global

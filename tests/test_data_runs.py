@@ -2,6 +2,7 @@
 and WebDataset shards give each data-parallel rank a disjoint part of the samples (P = 2 x DP = 2)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -39,12 +40,13 @@ def test_shards_give_each_data_parallel_rank_disjoint_samples(runs, tiny_data, t
     assert [r["step"] for r in recs] == [1, 2, 3]
     # global ranks 0 and 1 are stage 0 of data-parallel replicas 0 and 1: the only data readers
     files = sorted(os.listdir(os.path.join(out, "samples")))
-    assert files == ["rank0.txt", "rank1.txt"]
+    assert files == ["rank0.jsonl", "rank1.jsonl"]
     seen = {}
     for f, dp in zip(files, (0, 1)):
-        lines = open(os.path.join(out, "samples", f)).read().split("\n")[:-1]
+        lines = [json.loads(line) for line in open(os.path.join(out, "samples", f))]
         assert len(lines) == 3 * 2  # 3 steps x 2 micro-batches of 4 on each rank: the same count
-        keys = [k for line in lines for k in line.split()]
+        assert [r["step"] for r in lines] == [1, 1, 2, 2, 3, 3] and {(r["rank"], r["stage"]) for r in lines} == {(dp, 0)}
+        keys = [k for r in lines for k in r["keys"]]
         assert len(keys) == len(set(keys)) == 24
         shards = {int(k.split("/")[0][:5]) for k in keys}
         assert all(s % 2 == dp for s in shards)  # rank r reads shards r, r+2, ...

@@ -169,3 +169,36 @@ def test_resnet_run_exports_in_mmpipe_format(runs, tiny_data, tmp_path, capsys):
         torch.testing.assert_close(got.encode_image(pix), ours.encode_image(pix), atol=0, rtol=0)
         torch.testing.assert_close(got.encode_text(ids, torch.ones_like(ids)),
                                    ours.encode_text(ids, torch.ones_like(ids)), atol=0, rtol=0)
+
+
+def test_damaged_or_incomplete_checkpoints_are_one_line_in_every_reader(family_runs_of, tmp_path, capsys):
+    """A truncated weight file: one line from ``mmpipe export``, ``mmpipe generate`` and
+    ``mmpipe.load_weights`` (as from ``--resume``); ``export --step N`` of a checkpoint the run
+    never completed (newer than ``latest``, no COMPLETE marker) is refused, not exported."""
+    import shutil
+
+    from mmpipe.cli import main
+    ref = reference(family_runs_of("vlm"))
+    run = str(tmp_path / "damaged")
+    shutil.copytree(ref, run)
+    step6 = os.path.join(run, "checkpoints", "global_step6")
+    for f in os.listdir(step6):
+        if f.startswith("layer_") or f.startswith("mp_rank_"):
+            open(os.path.join(step6, f), "r+b").truncate(100)
+    capsys.readouterr()
+    image = _png(tmp_path, 32)
+    for argv in (["export", "--run", run, "--out", str(tmp_path / "x")],
+                 ["generate", "--run", run, "--image", image, "--prompt", "<image>\nwhat colour are the shapes?"]):
+        assert main(argv) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "cannot read" in err[0] and "global_step6" in err[0], err
+    with pytest.raises(mmpipe.MmpipeError, match="cannot read .*global_step6"):
+        mmpipe.load_weights(run)
+    assert set(mmpipe.load_weights(run, step=4)) == set(mmpipe.load_weights(ref))  # an earlier step still reads
+    with open(os.path.join(run, "checkpoints", "latest"), "w") as fh:  # step 6 as a save cut short
+        fh.write("global_step4")
+    os.remove(os.path.join(step6, "COMPLETE"))
+    assert main(["export", "--run", run, "--out", str(tmp_path / "y"), "--step", "6"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "global_step6 is incomplete" in err[0], err
+    assert not os.path.exists(tmp_path / "y")

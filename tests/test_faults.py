@@ -74,6 +74,36 @@ def test_sigterm_to_one_rank_stops_every_rank_at_a_step_boundary(runs, tmp_path)
                          rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_ctrl_c_under_a_launcher_stops_with_a_complete_checkpoint(runs, tmp_path, launcher):
+    """Ctrl-C: SIGINT to the launcher's whole process group. Under ``deepspeed`` each rank gets it
+    and, at once, a SIGTERM from DeepSpeed's launch.py: one stop request, so every rank stops at the
+    next step boundary with a complete checkpoint and exits 0 (the launchers' own exit status after a
+    Ctrl-C is theirs: DeepSpeed's launch.py exits 1 from its signal handler)."""
+    out = str(tmp_path / f"ctrl_c_{launcher}")
+    args = runs.base(out) + ["--set", "parallel.pipeline_stages=2", "--set", "train.steps=2000"]
+    port = str(29500 + (os.getpid() % 1000) + (37 if launcher == "deepspeed" else 43))
+    head = (["deepspeed", "--num_gpus", "2", "--master_port", port] if launcher == "deepspeed" else
+            ["torchrun", "--nproc_per_node", "2", "--master_port", port])
+    proc = subprocess.Popen(head + [TRAIN_PY] + args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = os.path.join(out, "metrics.jsonl")
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.isfile(metrics) and any('"step": 3,' in line for line in open(metrics)):
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+    log, _ = proc.communicate(timeout=120)
+    stopped = [line for line in log.splitlines() if "stopped at step" in line]
+    assert len(stopped) == 1 and "by SIGINT" in stopped[0], log[-3000:]
+    k = int(stopped[0].split("stopped at step ")[1].split()[0])
+    assert _latest(out) == f"global_step{k}"
+    assert os.path.isfile(os.path.join(out, "checkpoints", f"global_step{k}", "COMPLETE"))
+    assert not [line for line in log.splitlines() if line.startswith("mmpipe: ")], log[-3000:]  # no error
+
+
 def test_a_rank_dying_while_saving_leaves_latest_on_the_complete_checkpoint(runs, tmp_path):
     """Rank 1 exits abruptly (os._exit, as kill -9) inside the step-4 checkpoint: the other rank
     stops within the bound, ``latest`` still names step 2, and --resume from it reproduces the

@@ -202,6 +202,28 @@ def test_micro_batches_are_layout_independent_and_resumable():
     assert all(epoch == 1 for mb in resumed for _, epoch in mb)  # step 5 is in epoch 1: it seeds augmentation
 
 
+def test_a_resume_with_another_batch_or_micro_batch_size_continues_the_epoch():
+    from mmpipe.data.loader import MicroBatchSampler
+    from mmpipe.errors import DataError
+    before = MicroBatchSampler(100, 4, 2, 1, 0, seed=3)  # batch 8: 12 steps per epoch
+    seen = [i for step in range(5) for i in before.global_batch_indices(step)]
+    at = before.position(5)
+    assert at == {"epoch": 0, "offset": 0, "micro_batch": 10, "micro_batch_size": 4, "sample": 40}
+    for mb, acc in ((4, 4), (8, 2), (3, 5)):  # batch 16 (same micro-batch), 16, 15 (re-cut)
+        after = MicroBatchSampler(100, mb, acc, 1, 0, seed=3, start_step=5, start_at=at)
+        epoch0 = [i for step in range(5, 5 + 60 // (mb * acc)) for i in after.global_batch_indices(step)]
+        assert len(seen + epoch0) == len(set(seen + epoch0)) and 100 - len(seen + epoch0) < mb * acc
+        assert after._locate(5 + 60 // (mb * acc))[:2] == (1, 0)  # then epoch 1, cut as usual
+        assert after.micro_batches(5 + 60 // (mb * acc)) == MicroBatchSampler(100, mb, acc, 1, 0, seed=3).micro_batches(
+            100 // (mb * acc))
+    same = MicroBatchSampler(100, 4, 2, 1, 0, seed=3, start_step=5, start_at=at)  # the same batch: as before
+    assert [same.micro_batches(s) for s in range(5, 30)] == [before.micro_batches(s) for s in range(5, 30)]
+    lengths = list(range(100))
+    grouped = MicroBatchSampler(100, 4, 2, 1, 0, seed=3, lengths=lengths).position(5)
+    with pytest.raises(DataError, match="micro-batch size is 4, this run's 8"):
+        MicroBatchSampler(100, 8, 1, 1, 0, seed=3, start_step=5, lengths=lengths, start_at=grouped)
+
+
 def test_eval_batches_pad_to_full_micro_batches():
     from mmpipe.data.loader import eval_batches
     mbs, n = eval_batches(list(range(10)), 4)
