@@ -141,7 +141,7 @@ class TrainConfig(Section):
     collective_timeout_minutes: float = _f(30.0, "a rank that stops answering (hung; or dead, under NCCL) ends the "
                                            "run after this long; under gloo a dead rank's closed connections end it "
                                            "at once")
-    max_bad_steps: int = _f(3, "stop after this many consecutive steps skipped for non-finite gradients (0 = never)")
+    max_bad_steps: int = _f(3, "stop after this many consecutive steps skipped for non-finite gradients (0 = never; an fp16 overflow that lowers the loss scale does not count)")
     eval_every: int = _f(0, "zero-shot retrieval eval every N steps (0 = only at the end)")
     keep_checkpoints: int = _f(2, "checkpoints kept on disk (oldest removed); 0 = keep all")
 

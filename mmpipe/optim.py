@@ -219,6 +219,12 @@ def clip_coef(norm: float, limit: Optional[float]) -> float:
     return min(1.0, limit / (norm + 1e-6))
 
 
+def sum_of_squares(grads) -> float:
+    """Sum of the squared elements of ``grads``, with norms taken in fp32 whatever the gradients'
+    dtype: a loss-scaled fp16 ZeRO partition's norm can pass fp16's 65504 with every element finite."""
+    return float(sum(n.double() ** 2 for n in torch._foreach_norm(list(grads), 2.0, dtype=torch.float32)))
+
+
 class GradClipper:
     """Per-group and global gradient norms at the optimizer step, clipped to the configured limits.
 
@@ -262,6 +268,7 @@ class GradClipper:
         self._handle = None
         self._zero = None
         self.skip = False  # this step's gradients are not finite (on some rank): no optimizer step anywhere
+        self.computed = False  # the norms were taken this step (not on a step DeepSpeed's loss scaler skipped)
         self.step_no = 0  # the trainer's step (test hook)
         stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
         self.deepspeed_clips = stage >= 2
@@ -320,7 +327,7 @@ class GradClipper:
                 continue
             grads.setdefault(name, []).extend(gs)
             if not replica:
-                sq[self.names.index(name)] += float(sum(n.double() ** 2 for n in torch._foreach_norm(gs, 2.0)))
+                sq[self.names.index(name)] += sum_of_squares(gs)
         if self.needs_reduce:
             dev = next((x.device for gs in grads.values() for x in gs), self.engine.device)
             t = sq.to(dev)
@@ -344,6 +351,7 @@ class GradClipper:
                 torch._foreach_mul_(gs, c)
         self.group_norms, self.group_coefs = norms, coefs
         self.last_norm, self.last_coef = total, global_coef
+        self.computed = True
         self.seconds += time.perf_counter() - t0
 
     def record(self) -> dict:
@@ -355,11 +363,17 @@ class GradClipper:
         # fp16: DeepSpeed's loss scaler skips an overflowing step itself; it counts the same
         ds_skipped = int(getattr(self.engine, "skipped_steps", 0) or 0)
         overflow, self._ds_skipped = ds_skipped > getattr(self, "_ds_skipped", 0), ds_skipped
-        out = {"grad_norm": self.last_norm, "clip_coef": self.last_coef, "clip_time": self.seconds,
-               "clip_wait": self.wait_seconds, "skipped": bool(self.skip or overflow)}
-        self.skip = False
+        # a step DeepSpeed's loss scaler skipped before the norms were taken has none (not the last step's)
+        fresh = self.deepspeed_clips or self.computed
+        out = {"grad_norm": self.last_norm if fresh else None, "clip_coef": self.last_coef if fresh else None,
+               "clip_time": self.seconds, "clip_wait": self.wait_seconds, "skipped": bool(self.skip or overflow)}
+        from mmpipe.parallel.ds_compat import dynamic_loss_scale
+        scale = dynamic_loss_scale(self.engine.optimizer)
+        if scale is not None:
+            out["loss_scale"] = scale  # after this step's update (lowered on an overflow)
+        self.skip = self.computed = False
         for n in self.names:
-            out[f"grad_norm.{n}"] = self.group_norms.get(n)
-            out[f"clip_coef.{n}"] = self.group_coefs.get(n)
+            out[f"grad_norm.{n}"] = self.group_norms.get(n) if fresh else None
+            out[f"clip_coef.{n}"] = self.group_coefs.get(n) if fresh else None
         self.seconds = self.wait_seconds = 0.0
         return out

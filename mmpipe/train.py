@@ -335,6 +335,16 @@ def _probe_micro_batch(cfg, family, source, tok, image_size, topo, forward_only,
 # --------------------------------------------------------------------------------------------
 # the loop
 # --------------------------------------------------------------------------------------------
+def counts_as_bad(record: dict, previous_loss_scale: Optional[float]) -> bool:
+    """Whether a step counts towards ``train.max_bad_steps``: a skipped step, unless fp16's dynamic
+    loss scaler skipped it and lowered its scale (calibrating, as it does at the start of every fp16
+    run: DeepSpeed's overflow check, not a broken run; still counted in ``skipped_steps``)."""
+    if not record.get("skipped"):
+        return False
+    scale = record.get("loss_scale")
+    return not (scale is not None and previous_loss_scale is not None and scale < previous_loss_scale)
+
+
 SAME_REQUEST_SECONDS = 3.0  # signals this close to the first one are one stop request (launchers relay)
 
 
@@ -358,6 +368,7 @@ class Trainer:
         self.stop_signal = self.stop_signal_rank = None  # agreed by every rank at a step boundary
         self.timed_save = False
         self.bad_run = self.skipped_total = 0
+        self.last_loss_scale = None  # fp16's dynamic loss scale after the previous step
         self.data_position = self.sampler = None  # the stream position a resume continues at; its source
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -412,7 +423,8 @@ class Trainer:
     def check_bad_steps(self, step: int, record: dict) -> None:
         """A skipped step (non-finite gradients on some rank) is counted; ``train.max_bad_steps``
         consecutive ones stop the run with one line."""
-        self.bad_run = self.bad_run + 1 if record.get("skipped") else 0
+        self.bad_run = self.bad_run + 1 if counts_as_bad(record, self.last_loss_scale) else 0
+        self.last_loss_scale = record.get("loss_scale", self.last_loss_scale)
         limit = self.cfg.train.max_bad_steps
         if limit and self.bad_run >= limit:
             norms = ", ".join(f"{k}={v:.4g}" for k, v in record.items() if k.startswith("grad_norm.") and v is not None)
@@ -627,6 +639,9 @@ class Trainer:
         if "scheduler" not in self.ds_cfg:
             f = lr_lambda(cfg.optim, cfg.train.steps)
             scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)  # noqa: E731
+        if cfg.train.precision == "fp16":  # DeepSpeed 0.19.8 leaves ZeRO-0's fp16 gradients unscaled
+            from mmpipe.parallel.ds_compat import fix_fp16_backward_scaling
+            fix_fp16_backward_scaling()
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=torch_groups, config=self.ds_cfg,
                                                     lr_scheduler=scheduler)
         self.runner = strategy.runner(self.engine, cfg.log.stage_timing)
@@ -638,6 +653,8 @@ class Trainer:
         self.parts = self.plan.parts if pipelined else None
         # under ZeRO-2/3 DeepSpeed clips (its gradient buckets are not read here); the clipper logs its norm
         self.clipper = GradClipper(self.engine, self.groups, cfg.optim.max_grad_norm)
+        from mmpipe.parallel.ds_compat import dynamic_loss_scale
+        self.last_loss_scale = dynamic_loss_scale(self.engine.optimizer)
         self.layout = checkpoint.layout_record(self.topo, cfg, self.layer_names, self.parts)
         self.record = checkpoint.run_record(cfg, self.layout, self.plan.to_json())
         self.trainable = [g for g in self.groups if not g.frozen]

@@ -79,3 +79,46 @@ def test_newer_deepspeed_warns(monkeypatch):
     monkeypatch.setattr(deepspeed, "__version__", "99.0.0")
     with pytest.warns(UserWarning, match="checked on"):
         ds_compat.check_version()
+
+
+def test_unfused_fp16_optimizer_keeps_one_master_per_parameter():
+    """Behaviour: test_resume_matrix.py (bf16 at P = 1 is FP16_UnfusedOptimizer, resumed elsewhere)."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    init = _src(FP16_UnfusedOptimizer.__init__)
+    assert "self.fp16_groups.append(trainable)" in init and "self.fp32_groups.append(fp32_group)" in init
+    assert "param_group['params'] = self.fp32_groups[i]" in init  # the inner optimizer steps the masters
+
+
+def test_zero3_partition_and_state_targets_exist():
+    """Behaviour: test_resume_matrix.py::...[bf16-none-P1-DP2Z3]."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    src = _src(DeepSpeedZeroOptimizer_Stage3)
+    assert "self.fp32_partitioned_groups_flat" in src and "self.optimizer.state[fp32_param][optim_state_key]" in src
+    from deepspeed.runtime.zero.partition_parameters import Init
+    assert "param.ds_tensor" in _src(Init) and "ds_process_group" in _src(Init)
+
+
+def test_fp16_backward_scaling_patch_applies_while_deepspeed_misses_it():
+    """DeepSpeed 0.19.8 scales the loss in ``DeepSpeedEngine.backward`` only for ZeRO optimizers; the
+    fp16 optimizers of ZeRO-0 still unscale in ``step()``. Measured on a GPU (BENCHMARKS.md, fp16);
+    fp16 does not run on this CPU. The patch wraps the engine's ``backward`` at class level, scaling
+    as the optimizers' own ``backward()`` does, and the pipeline engine reaches it through super()."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from mmpipe.parallel.ds_compat import fix_fp16_backward_scaling
+    own = _src(FP16_UnfusedOptimizer.backward)
+    assert "self.loss_scale_config.cur_scale" in own and "self.loss_scale_config.use_grad_scaling" in own
+    assert "self.custom_loss_scaler" in own and "self.external_loss_scale" in own
+    assert "super().backward(self.loss" in _src(PipelineEngine._exec_backward_pass)
+    original = DeepSpeedEngine.backward
+    try:
+        upstream_fixed = "FP16_UnfusedOptimizer" in _src(original)
+        assert fix_fp16_backward_scaling() is not upstream_fixed
+        if not upstream_fixed:
+            assert getattr(DeepSpeedEngine.backward, "_mmpipe_fp16_scaling", False)
+            patched = DeepSpeedEngine.backward
+            assert fix_fp16_backward_scaling() and DeepSpeedEngine.backward is patched  # once
+    finally:
+        DeepSpeedEngine.backward = original

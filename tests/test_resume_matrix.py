@@ -25,11 +25,13 @@ LAYOUTS = {  # name -> (processes, launcher, settings)
     "P1": (1, "python", ["parallel.pipeline_stages=1"]),
     "P2": (2, "deepspeed", ["parallel.pipeline_stages=2"]),
     "DP2Z1": (2, "deepspeed", ["parallel.pipeline_stages=1", "parallel.zero_stage=1"]),
+    "DP2Z3": (2, "deepspeed", ["parallel.pipeline_stages=1", "parallel.zero_stage=3"]),
 }
 FREEZE = {"none": [], "freeze_llm": ["optim.freeze_llm=true"], "freeze_vit": ["optim.freeze_vit=true"]}
 CASES = [  # (precision, frozen, from, to)
     ("bf16", "none", "P1", "P2"),  # FP16_UnfusedOptimizer -> BF16_Optimizer: "continue on more GPUs"
     ("bf16", "none", "P1", "DP2Z1"),
+    ("bf16", "none", "P1", "DP2Z3"),  # ZeRO-3: partitioned weights and optimizer state before any step
     ("bf16", "none", "P2", "P1"),  # BF16_Optimizer -> FP16_UnfusedOptimizer (its next save must work)
     ("bf16", "freeze_vit", "P1", "P2"),
     ("bf16", "freeze_llm", "DP2Z1", "P1"),

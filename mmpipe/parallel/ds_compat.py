@@ -12,6 +12,8 @@ names the run test that exercises the patch's behaviour.
 | ``wrap_zero_step``, ``zero_group_grads`` | ``DeepSpeedZeroOptimizer.step``, ``_get_preflattened_grad_partition``, ``averaged_gradients`` | grouped clipping under ZeRO-1/2 |
 | ``reset_total_loss`` | ``PipelineEngine.total_loss`` | eval after a training step |
 | ``set_stage_bounds`` | ``PipelineModule._topo``, ``global_rank``, ``_set_bounds``, ``parts`` | explicit stage boundaries |
+| ``fix_fp16_backward_scaling`` | ``DeepSpeedEngine.backward``, ``FP16_UnfusedOptimizer.loss_scale_config`` | fp16 at ZeRO-0 trained with gradients divided by the loss scale (0.19.8) |
+| ``dynamic_loss_scale`` | ``loss_scale_config.cur_scale``, ``loss_scaler.cur_scale`` | fp16 loss-scale calibration is not a bad step |
 | ``set_zero3_partition`` | ``param.ds_tensor``, ``ds_process_group`` | a ZeRO-3 weight restored by name |
 | ``unfused_masters`` | ``FP16_UnfusedOptimizer.fp16_groups``, ``fp32_groups`` | layout-free optimizer state of fp16/bf16 at P = 1 without ZeRO |
 """
@@ -74,21 +76,23 @@ def wrap_zero_step(zero_optimizer, before: Callable[[], None]) -> None:
 
 
 def ensure_zero_optimizer_state(ds_optimizer, inner, step: float) -> None:
-    """``DeepSpeedZeroOptimizer`` and ``BF16_Optimizer`` create the Adam state of their flat fp32
-    partitions at the first step and only then link it to the parameters
-    (``safe_set_full_optimizer_state`` needs that link): create it (zeros, at ``step``) and link
-    it, for a resume before any step."""
+    """``DeepSpeedZeroOptimizer``, ``DeepSpeedZeroOptimizer_Stage3`` and ``BF16_Optimizer`` create the
+    Adam state of their flat fp32 partitions at the first step (and the first two only then link it
+    to the parameters; ``safe_set_full_optimizer_state`` needs the state and that link): create it
+    (zeros, at ``step``) and link it, for a resume before any step."""
     groups = (getattr(ds_optimizer, "single_partition_of_fp32_groups", None)
-              or getattr(ds_optimizer, "fp32_groups_flat_partition", None))
-    if groups is None or not hasattr(ds_optimizer, "_lazy_init_hp_params_optimizer_state"):
+              or getattr(ds_optimizer, "fp32_groups_flat_partition", None)
+              or getattr(ds_optimizer, "fp32_partitioned_groups_flat", None))  # ZeRO-3 (no link to make)
+    if groups is None:
         return
     import torch
     for flat in groups:
         if flat not in inner.state:
             inner.state[flat] = {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(flat),
                                  "exp_avg_sq": torch.zeros_like(flat)}
-    ds_optimizer._hp_optimizer_states_linked = False
-    ds_optimizer._lazy_init_hp_params_optimizer_state()
+    if hasattr(ds_optimizer, "_lazy_init_hp_params_optimizer_state"):
+        ds_optimizer._hp_optimizer_states_linked = False
+        ds_optimizer._lazy_init_hp_params_optimizer_state()
 
 
 def skip_cpu_shm_allreduce() -> None:
@@ -169,3 +173,48 @@ def set_zero3_partition(param, full) -> None:
     with torch.no_grad():
         part.data.zero_()
         part.data[:flat.numel()].copy_(flat.to(part.dtype))
+
+
+def fix_fp16_backward_scaling() -> bool:
+    """DeepSpeed 0.19.8's ``DeepSpeedEngine.backward`` multiplies the loss by the loss scale only for
+    a ZeRO optimizer, while ``FP16_UnfusedOptimizer`` / ``FP16_Optimizer`` (fp16 at ZeRO-0; mmpipe's
+    torch AdamW gets the unfused one) still divide the gradients by it in ``step()``: every update
+    is ``cur_scale`` times too small, nothing can overflow, and clipping never engages (measured on
+    an H100, BENCHMARKS.md; deepspeedai/DeepSpeed PR #8393). Scale the loss as their own
+    ``backward()`` does, at class level so the pipeline engine's ``super().backward`` gets it too.
+    Idempotent; stands aside when the installed engine already scales for them. True if patched."""
+    import inspect
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    original = DeepSpeedEngine.backward
+    if getattr(original, "_mmpipe_fp16_scaling", False):
+        return True
+    if "FP16_UnfusedOptimizer" in inspect.getsource(original):  # fixed upstream
+        return False
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    def backward(self, loss, *args, **kwargs):
+        opt = self.optimizer
+        if isinstance(opt, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+            if getattr(opt, "custom_loss_scaler", False):
+                loss = opt.external_loss_scale * loss
+            elif opt.loss_scale_config.use_grad_scaling:
+                loss = loss.float() * opt.loss_scale_config.cur_scale
+        return original(self, loss, *args, **kwargs)
+
+    backward._mmpipe_fp16_scaling = True
+    DeepSpeedEngine.backward = backward
+    return True
+
+
+def dynamic_loss_scale(ds_optimizer):
+    """The fp16 loss scale DeepSpeed's optimizer wrapper uses now, None without loss scaling
+    (fp32, bf16) or with a static scale."""
+    cfg = getattr(ds_optimizer, "loss_scale_config", None)  # FP16_Optimizer, FP16_UnfusedOptimizer
+    if cfg is not None:
+        return float(cfg.cur_scale) if getattr(cfg, "dynamic_loss_scale", False) else None
+    scaler = getattr(ds_optimizer, "loss_scaler", None)  # DeepSpeedZeroOptimizer
+    if scaler is not None and getattr(scaler, "dynamic", False):
+        return float(scaler.cur_scale)
+    return None
