@@ -40,27 +40,27 @@ class DataConfig(Section):
     image_folder: Optional[str] = _f(None, "LLaVA JSON: directory its image paths are relative to; unset = the "
                                      "JSON's own directory")
     tokenizer: Optional[str] = _f(None, "local transformers tokenizer dir; unset = train WordPiece on the captions")
-    tokenizer_vocab_size: int = _f(2000, "vocabulary size when mmpipe trains the tokenizer")
-    max_length: int = _f(32, "tokens per caption (padded/truncated)")
-    num_workers: int = _f(2, "DataLoader worker processes per data-reading rank")
+    tokenizer_vocab_size: int = _f(2000, "vocabulary size when mmpipe trains the tokenizer", ge=1)
+    max_length: int = _f(32, "tokens per caption (padded/truncated)", ge=1)
+    num_workers: int = _f(2, "DataLoader worker processes per data-reading rank", ge=0)
     pin_memory: bool = _f(True, "pin host memory (used only when the device is not the CPU)")
-    prefetch_factor: int = _f(2, "batches prefetched per worker")
+    prefetch_factor: int = _f(2, "batches prefetched per worker", ge=1)
     persistent_workers: bool = _f(True, "keep workers alive across epochs")
-    max_bad_fraction: float = _f(0.05, "stop with an error when more than this fraction of samples is unusable")
+    max_bad_fraction: float = _f(0.05, "stop with an error when more than this fraction of samples is unusable", ge=0, le=1)
     cache: Optional[str] = _f(None, "preprocessed cache dir from `mmpipe data prepare` (uint8 images + token ids); "
                               "replaces decoding data.train")
     decode_size: Optional[int] = _f(None, "square size images are decoded (or cached) at before augmentation; unset = "
-                                    "the model's image size")
+                                    "the model's image size", ge=1)
     augment: str = _f("none", "none, crop (RandomResizedCrop) or crop_flip (+ RandomHorizontalFlip); applied after "
                       "decode or cache, seeded by (seed, epoch, sample)")
     crop_scale: list = _f([0.9, 1.0], "RandomResizedCrop scale range (open_clip's default)")
     padding: str = _f("batch", "batch: pad captions to the micro-batch's longest (rounded up to data.pad_multiple); "
                       "max_length: always pad to data.max_length")
-    pad_multiple: int = _f(4, "with padding=batch, round the padded length up to this multiple (fewer distinct shapes)")
+    pad_multiple: int = _f(4, "with padding=batch, round the padded length up to this multiple (fewer distinct shapes)", ge=1)
     group_by_length: bool = _f(False, "sort captions by token length within windows of data.group_window micro-batches "
                                "(less padding; batches then share caption lengths, which changes the negatives)")
-    group_window: int = _f(64, "micro-batches per length-grouping window (or, for shards, samples per window / micro-batch)")
-    shuffle_buffer: int = _f(1000, "shards: samples in the streaming shuffle buffer of each loader worker")
+    group_window: int = _f(64, "micro-batches per length-grouping window (or, for shards, samples per window / micro-batch)", ge=1)
+    shuffle_buffer: int = _f(1000, "shards: samples in the streaming shuffle buffer of each loader worker", ge=1)
     log_samples: bool = _f(False, "write the sample keys each data-reading rank trains on to OUTPUT/samples/rank*.jsonl (one JSON object per micro-batch: rank, step, stage, keys)")
 
 
@@ -70,7 +70,7 @@ class ParallelConfig(Section):
                      "layout of its ranks (data parallel with ZeRO 0-3, each pipeline P dividing the world size, "
                      "P x DP; see mmpipe plan --world) and takes the fastest that fits memory, logged and saved "
                      "in layout.json")
-    pipeline_stages: int = _f(1, "P: pipeline stages; the data-parallel degree is world_size / P; auto = layout auto")
+    pipeline_stages: int = _f(1, "P: pipeline stages; the data-parallel degree is world_size / P; auto = layout auto", ge=1)
     placement: str = _f("modality", "modality (stages never mix branches, split between branches by measured cost), "
                         "balanced (boundaries anywhere), auto (whichever the simulator predicts faster), or "
                         "DeepSpeed's uniform, parameters, type:REGEX")
@@ -80,17 +80,17 @@ class ParallelConfig(Section):
     micro_batch_size: Union[int, str] = _f(8, "samples per micro-batch per data-parallel rank, or auto: the largest "
                                             "divisor of the per-rank batch whose probed peak memory fits memory_budget_gb")
     memory_budget_gb: Optional[float] = _f(None, "per-device memory budget for micro_batch_size=auto; unset = the "
-                                           "device's total memory")
-    zero_stage: int = _f(0, "ZeRO stage (0 or 1 with a pipeline; up to 3 with P = 1)")
+                                           "device's total memory", gt=0)
+    zero_stage: int = _f(0, "ZeRO stage (0 or 1 with a pipeline; up to 3 with P = 1)", ge=0, le=3)
 
 
 @dataclass
 class GroupConfig(Section):
     """A named parameter group: its own lr, weight decay, gradient-norm limit, or frozen."""
     patterns: list = _f([], "regexes matched (re.search) against the plain model's parameter names")
-    lr: Optional[float] = _f(None, "learning rate; unset = optim.lr")
-    weight_decay: Optional[float] = _f(None, "weight decay (matrices only); unset = optim.weight_decay")
-    max_grad_norm: Optional[float] = _f(None, "clip this group's gradient norm (over all stages/ranks) to this; unset = no clip")
+    lr: Optional[float] = _f(None, "learning rate; unset = optim.lr", ge=0)
+    weight_decay: Optional[float] = _f(None, "weight decay (matrices only); unset = optim.weight_decay", ge=0)
+    max_grad_norm: Optional[float] = _f(None, "clip this group's gradient norm (over all stages/ranks) to this; unset = no clip", gt=0)
     freeze: bool = _f(False, "no gradients, no optimizer state, excluded from norms")
 
 
@@ -102,14 +102,14 @@ def default_groups(type_name: str = "clip") -> dict:
 
 @dataclass
 class OptimConfig(Section):
-    lr: float = _f(5e-4, "peak learning rate (AdamW)")
-    weight_decay: float = _f(0.1, "decoupled weight decay; not applied to biases, norms, embeddings, logit_scale")
+    lr: float = _f(5e-4, "peak learning rate (AdamW)", ge=0)
+    weight_decay: float = _f(0.1, "decoupled weight decay; not applied to biases, norms, embeddings, logit_scale", ge=0)
     betas: list = _f([0.9, 0.98], "AdamW betas")
-    eps: float = _f(1e-6, "AdamW epsilon")
-    warmup_steps: int = _f(0, "linear warm-up steps")
+    eps: float = _f(1e-6, "AdamW epsilon", gt=0)
+    warmup_steps: int = _f(0, "linear warm-up steps", ge=0)
     schedule: str = _f("cosine", "cosine or constant after warm-up")
-    min_lr_ratio: float = _f(0.0, "final lr as a fraction of the peak (cosine)")
-    max_grad_norm: Optional[float] = _f(None, "global gradient-norm clip, applied by mmpipe across all stages/ranks after the group clips (by DeepSpeed under ZeRO-2/3); unset = no clip")
+    min_lr_ratio: float = _f(0.0, "final lr as a fraction of the peak (cosine)", ge=0, le=1)
+    max_grad_norm: Optional[float] = _f(None, "global gradient-norm clip, applied by mmpipe across all stages/ranks after the group clips (by DeepSpeed under ZeRO-2/3); unset = no clip", gt=0)
     groups: Dict[str, GroupConfig] = field(default_factory=default_groups, metadata={
         "help": "named parameter groups (defaults vision, projector, text, logit_scale); each key: patterns, lr, "
                 "weight_decay, max_grad_norm, freeze"})
@@ -119,8 +119,8 @@ class OptimConfig(Section):
     freeze_vit: bool = _f(False, "ms-swift's name (VLM): freeze the vision group")
     freeze_aligner: bool = _f(False, "ms-swift's name (VLM): freeze the projector group")
     freeze_llm: bool = _f(False, "ms-swift's name (VLM): freeze the llm group")
-    vit_lr: Optional[float] = _f(None, "ms-swift's name (VLM): the vision group's lr (optim.groups.vision.lr)")
-    aligner_lr: Optional[float] = _f(None, "ms-swift's name (VLM): the projector group's lr (optim.groups.projector.lr)")
+    vit_lr: Optional[float] = _f(None, "ms-swift's name (VLM): the vision group's lr (optim.groups.vision.lr)", ge=0)
+    aligner_lr: Optional[float] = _f(None, "ms-swift's name (VLM): the projector group's lr (optim.groups.projector.lr)", ge=0)
 
 
 FREEZE_FLAGS = ("freeze_vision", "freeze_projector", "freeze_text", "freeze_vit", "freeze_aligner", "freeze_llm")
@@ -129,27 +129,27 @@ LR_FLAGS = ("vit_lr", "aligner_lr")
 
 @dataclass
 class TrainConfig(Section):
-    steps: int = _f(100, "optimizer steps")
-    batch_size: int = _f(32, "global batch = micro_batch_size x accumulation x data-parallel degree")
+    steps: int = _f(100, "optimizer steps", ge=1)
+    batch_size: int = _f(32, "global batch = micro_batch_size x accumulation x data-parallel degree", ge=1)
     precision: str = _f("fp32", "fp32, bf16 or fp16 (fp16 needs a GPU)")
-    seed: int = _f(0, "seed for weights, data order and augmentation")
+    seed: int = _f(0, "seed for weights, data order and augmentation", ge=0)
     output_dir: str = _f("runs/clip", "run directory: resolved configs, metrics.jsonl, checkpoints, tokenizer")
     deepspeed_config: Optional[str] = _f(None, "DeepSpeed JSON whose \"auto\" values are filled from this config; unset = generated")
-    save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
+    save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)", ge=0)
     save_every_minutes: Optional[float] = _f(None, "also checkpoint at the first step boundary after this many minutes "
-                                             "since the last save (rank 0's clock; preemptible jobs)")
+                                             "since the last save (rank 0's clock; preemptible jobs)", gt=0)
     collective_timeout_minutes: float = _f(30.0, "a rank that stops answering (hung; or dead, under NCCL) ends the "
                                            "run after this long; under gloo a dead rank's closed connections end it "
-                                           "at once")
-    max_bad_steps: int = _f(3, "stop after this many consecutive steps skipped for non-finite gradients (0 = never; an fp16 overflow that lowers the loss scale does not count)")
-    eval_every: int = _f(0, "zero-shot retrieval eval every N steps (0 = only at the end)")
-    keep_checkpoints: int = _f(2, "checkpoints kept on disk (oldest removed); 0 = keep all")
+                                           "at once", gt=0)
+    max_bad_steps: int = _f(3, "stop after this many consecutive steps skipped for non-finite gradients (0 = never; an fp16 overflow that lowers the loss scale does not count)", ge=0)
+    eval_every: int = _f(0, "zero-shot retrieval eval every N steps (0 = only at the end)", ge=0)
+    keep_checkpoints: int = _f(2, "checkpoints kept on disk (oldest removed); 0 = keep all", ge=0)
 
 
 @dataclass
 class LogConfig(Section):
     progress: bool = _f(True, "progress bar on the reporting rank")
-    every: int = _f(1, "print a log line every N steps")
+    every: int = _f(1, "print a log line every N steps", ge=1)
     tensorboard: bool = _f(False, "also write TensorBoard events into output_dir/tb")
     grad_norm: bool = _f(True, "log global and per-group gradient norms every step (they are always computed: a "
                                "non-finite norm skips the step); kept for older configs")
@@ -341,9 +341,27 @@ _CHOICES = {
 }
 
 
+def check_ranges(section, prefix: str, where: str) -> None:
+    """Every number of the config within the range its field declares (``fields.option``), the
+    model section and optimizer groups included: one line naming the key and what it accepts."""
+    from mmpipe.fields import in_range, range_text
+    for f in dataclasses.fields(section):
+        v = getattr(section, f.name)
+        subs = v.items() if isinstance(v, dict) else [(None, v)]
+        for name, sub in subs:
+            if isinstance(sub, Section):
+                check_ranges(sub, f"{prefix}{f.name}." + (f"{name}." if name is not None else ""), where)
+        rng = f.metadata.get("range")
+        if rng and isinstance(v, (int, float)) and not isinstance(v, bool) and not in_range(v, rng):
+            help_ = f.metadata.get("help", "")
+            raise ConfigError(f"{where}: {prefix}{f.name}={v} is out of range: it accepts {range_text(rng)} "
+                              f"({help_})")
+
+
 def validate(cfg: RunConfig) -> None:
-    """Checks that need no process group: choices, positivity, ZeRO with a pipeline."""
+    """Checks that need no process group: choices, ranges, ZeRO with a pipeline."""
     where = cfg.source or "config"
+    check_ranges(cfg, "", where)
     for key, choices in _CHOICES.items():
         if cfg.get(key) not in choices:
             raise ConfigError(f"{where}: {key}={cfg.get(key)!r} is not one of {', '.join(choices)}")
@@ -434,6 +452,9 @@ def reference() -> str:
             if isinstance(default, dict):
                 default = {k: dataclasses.asdict(v)["patterns"] for k, v in default.items()}
             helptext = f.metadata.get("help", "").replace("|", "\\|")
+            if f.metadata.get("range"):
+                from mmpipe.fields import range_text
+                helptext += f" [{range_text(f.metadata['range'])}]"
             rows.append(f"| `{prefix}{f.name}` | `{json.dumps(default)}` | {helptext} |")
 
     walk(RunConfig, "")

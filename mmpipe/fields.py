@@ -7,11 +7,28 @@ import dataclasses
 from dataclasses import field
 
 
-def option(default, help: str, **kw):
-    """A config field: its default and the one-line help ``mmpipe config --reference`` prints."""
+def option(default, help: str, ge=None, gt=None, le=None, **kw):
+    """A config field: its default, the one-line help ``mmpipe config --reference`` prints, and for
+    a number the range it must lie in (``ge`` >=, ``gt`` >, ``le`` <=; checked at load, one line)."""
+    meta = {"help": help}
+    if (ge, gt, le) != (None, None, None):
+        meta["range"] = (ge, gt, le)
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+def range_text(rng) -> str:
+    ge, gt, le = rng
+    low = f">= {ge}" if ge is not None else (f"> {gt}" if gt is not None else "")
+    if low and le is not None:
+        return f"{ge if ge is not None else gt} {'<=' if ge is not None else '<'} value <= {le}"
+    return low or f"<= {le}"
+
+
+def in_range(value, rng) -> bool:
+    ge, gt, le = rng
+    return ((ge is None or value >= ge) and (gt is None or value > gt) and (le is None or value <= le))
 
 
 class Section:

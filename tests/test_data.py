@@ -252,3 +252,52 @@ def test_profile_counts_activations_and_frozen_layers_run_forward_only(tok):
     x8 = tuple(torch.cat([t, t]) for t in x)
     full8 = profile_layers(build_layers(spec), x8, timed=False)
     assert abs(full8[2].act_bytes / full[2].act_bytes - 2) < 0.1  # linear in the micro-batch
+
+
+# ---- one rule whatever the file is called or holds ------------------------------------------------
+@pytest.mark.parametrize("name", ["m.CSV", "m.Csv", "m.TSV", "m.JSONL", "m.Json", "m.txt", "manifest"])
+def test_manifest_format_does_not_depend_on_the_extension_case(tmp_path, name):
+    from mmpipe.data.manifest import read_manifest
+    rows = [("a.jpg", "a red circle"), ("b.jpg", "a blue, square")]
+    if name.lower().endswith((".json", ".jsonl")) or name == "manifest":
+        text = "".join(json.dumps({"image": i, "text": t}) + "\n" for i, t in rows)
+    elif name.lower().endswith(".tsv") or name == "m.txt":
+        text = "image\ttext\n" + "".join(f"{i}\t{t}\n" for i, t in rows)
+    else:
+        text = 'image,text\n' + "".join(f'{i},"{t}"\n' for i, t in rows)
+    (tmp_path / name).write_text(text)
+    got = read_manifest(str(tmp_path / name), require_usable=False)
+    assert [(os.path.basename(s.image), s.text, s.error) for s in got] == [(i, t, None) for i, t in rows]
+
+
+def test_a_32_bit_integer_image_is_a_bad_sample_with_its_reason(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from mmpipe.data.loader import decode_sample
+    path = str(tmp_path / "i32.tif")
+    Image.fromarray((np.arange(32 * 32).reshape(32, 32) * 100_000).astype(np.int32), mode="I").save(path)
+    assert Image.open(path).mode == "I"
+    pixels, why = decode_sample(path, "a caption", 32)
+    assert pixels is None and "32-bit integer image (mode I)" in why
+
+
+def test_a_shard_caption_list_reads_as_in_a_manifest(tiny_data, tmp_path):
+    from mmpipe.data.manifest import read_manifest
+    from mmpipe.data.shards import iter_tar
+    image = next(s.image for s in read_manifest(tiny_data["train"]) if os.path.isfile(s.image))
+    caps = {"000000": {"caption": ["", "a red circle", "other"]}, "000001": {"text": "plain"},
+            "000002": {"caption": [3]}}
+    path = str(tmp_path / "00000.tar")
+    with tarfile.open(path, "w") as tar:
+        for key, d in caps.items():
+            for name, payload in ((f"{key}.jpg", open(image, "rb").read()), (f"{key}.json", json.dumps(d).encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+    got = {k: t for k, _, t in iter_tar(path)}
+    assert got["000000"] == "a red circle" and got["000001"] == "plain"
+    assert got["000002"] == [3]  # not text: the decode reports it as a bad sample, as a manifest row's
+    m = tmp_path / "m.jsonl"
+    m.write_text(json.dumps({"image": image, "caption": ["", "a red circle", "other"]}) + "\n")
+    assert read_manifest(str(m))[0].text == got["000000"]

@@ -463,3 +463,31 @@ def test_an_fp16_overflow_that_lowers_the_loss_scale_is_not_a_bad_step():
     assert counts_as_bad({"skipped": True}, None)  # fp32 / bf16: a non-finite gradient
     assert not counts_as_bad({"skipped": True, "loss_scale": 32768.0}, 65536.0)  # the scaler calibrating
     assert counts_as_bad({"skipped": True, "loss_scale": 1.0}, 1.0)  # at its floor: the run is broken
+
+
+def test_every_number_of_the_config_has_a_range_checked_at_load():
+    """Values that mean "never" or are out of range are one line naming the key and what it accepts."""
+    import dataclasses
+    import typing
+
+    from mmpipe.config import RunConfig
+    for f in dataclasses.fields(RunConfig):
+        if f.name == "model" or f.metadata.get("internal"):
+            continue
+        section = typing.get_type_hints(RunConfig)[f.name]
+        if not dataclasses.is_dataclass(section):
+            continue
+        hints = typing.get_type_hints(section)
+        for g in dataclasses.fields(section):
+            kinds = typing.get_args(hints[g.name]) or (hints[g.name],)
+            if (int in kinds or float in kinds) and str not in kinds:
+                assert g.metadata.get("range"), f"{f.name}.{g.name} declares no range"
+    from mmpipe.config import validate
+    for key, value, shown, accepts in (("train.max_bad_steps", -1, "-1", ">= 0"),
+                                       ("train.save_every_minutes", -1, "-1.0", "> 0"),
+                                       ("train.collective_timeout_minutes", -1, "-1.0", "> 0"),
+                                       ("log.every", 0, "0", ">= 1"), ("data.shuffle_buffer", 0, "0", ">= 1"),
+                                       ("optim.groups.vision.max_grad_norm", 0, "0.0", "> 0"),
+                                       ("model.vision.hidden_size", 0, "0", ">= 1")):
+        with pytest.raises(ConfigError, match=rf"{key}={shown} is out of range: it accepts {accepts} \("):
+            validate(load_config(TINY, [f"{key}={value}"]))

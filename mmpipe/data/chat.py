@@ -110,7 +110,8 @@ def read_swift_jsonl(path: str) -> list:
 def read_chat(path: str, image_folder: Optional[str] = None, key: str = "data.train") -> list:
     if not path or not os.path.isfile(path):
         raise DataError(f"{key}: file not found: {path} (give a LLaVA .json or an ms-swift .jsonl chat file)")
-    return read_llava_json(path, image_folder) if path.endswith(".json") else read_swift_jsonl(path)
+    return (read_llava_json(path, image_folder) if os.path.splitext(path)[1].lower() == ".json"
+            else read_swift_jsonl(path))
 
 
 class ChatEncoder:

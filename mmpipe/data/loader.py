@@ -43,7 +43,8 @@ MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
 
 
 class TooLarge(ValueError):
-    pass
+    """An image mmpipe will not decode (too many pixels, no defined 8-bit scale): a bad sample whose
+    reason is this message."""
 
 
 def _check_pixels(w: int, h: int) -> None:
@@ -101,12 +102,15 @@ def _tiff_orientation(t: bytes) -> int:
 def _to_rgb(im: Image.Image) -> np.ndarray:
     """RGB uint8 (H, W, 3) as transformers' image processors convert (``convert_to_rgb``):
     transparency (alpha band, palette or colour-key ``transparency``) composited onto white,
-    16/32-bit grayscale scaled to 8 bits (value / 257: Pillow's own convert would clip at 255),
+    16-bit grayscale scaled to 8 bits (value / 257: Pillow's own convert would clip at 255; a 32-bit
+    integer image, which has no defined scale, is refused as a bad sample),
     palette, CMYK, grayscale and bilevel images converted by Pillow."""
     mode = im.mode
     if mode == "RGB" and "transparency" not in im.info:
         return np.array(im)  # writable: torch.from_numpy needs it
-    if mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):
+    if mode == "I":  # 32-bit signed (e.g. TIFF): Pillow would clip at 255, transformers too
+        raise TooLarge("a 32-bit integer image (mode I) has no defined 8-bit scale; save it as 8- or 16-bit")
+    if mode in ("I;16", "I;16B", "I;16L", "I;16N"):
         a = np.asarray(im)
         gray = np.clip(np.rint(a / 257.0), 0, 255).astype(np.uint8)
         t = im.info.get("transparency")

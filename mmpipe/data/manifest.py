@@ -77,6 +77,12 @@ def _caption(row: dict) -> str:
     found, v = _field(row, TEXT_KEYS)
     if not found:
         raise ValueError(f"no caption field (expected one of {', '.join(TEXT_KEYS)})")
+    return caption_text(v)
+
+
+def caption_text(v) -> str:
+    """A caption field's text: a string, or of a list (several captions per image) the first
+    non-empty one; ``ValueError`` otherwise. The same rule for manifests and shards."""
     if isinstance(v, str):
         return v
     if isinstance(v, list):  # several captions per image (COCO style): the first non-empty one
@@ -115,9 +121,24 @@ def _lines(text: str):
     return enumerate(io.StringIO(text, newline=""), start=1)
 
 
-def _csv_rows(path: str, text: str):
+def manifest_format(path: str, text: str) -> str:
+    """``jsonl``, ``csv`` or ``tsv``: by the extension in any case (``.CSV``, ``.Jsonl``); where the
+    extension says nothing, by the content (a first record that opens ``{`` is JSON lines, a header
+    line with a tab and no comma is TSV, else CSV)."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext in (".csv", ".tsv"):
+        return ext[1:]
+    if ext in (".jsonl", ".json", ".ndjson"):
+        return "jsonl"
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if first.startswith("{"):
+        return "jsonl"
+    return "tsv" if "\t" in first and "," not in first else "csv"
+
+
+def _csv_rows(path: str, text: str, delimiter: str = ","):
     """(line, row dict or None, why) per record; ``line`` is where the record starts."""
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t" if path.endswith(".tsv") else ",", strict=True)
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
     header = None
     while True:
         start = reader.line_num + 1
@@ -144,9 +165,9 @@ def _csv_rows(path: str, text: str):
             continue
         extra = any(f.strip() for f in fields[len(header):])  # empty trailing fields are harmless
         if len(fields) < len(header) or extra:
-            n = len(fields)
+            n, sep = len(fields), "tab" if delimiter == "\t" else "comma"
             yield start, None, (f"{n} field{'s' if n != 1 else ''}, the header has {len(header)} (quote a caption "
-                                f"that holds a {'tab' if path.endswith('.tsv') else 'comma'}: \"a, b\")")
+                                f"that holds a {sep}: \"a, b\")")
             continue
         yield start, dict(zip(header, fields)), None
 
@@ -173,7 +194,8 @@ def read_manifest(path: str, key: str = "data.train", require_usable: bool = Tru
     require_manifest(path, key)
     base = os.path.dirname(os.path.abspath(path))
     text = _text(path)
-    rows = _csv_rows(path, text) if path.endswith((".csv", ".tsv")) else _jsonl_rows(text)
+    fmt = manifest_format(path, text)
+    rows = _jsonl_rows(text) if fmt == "jsonl" else _csv_rows(path, text, "\t" if fmt == "tsv" else ",")
     samples = []
     for line, row, why in rows:
         image = ""

@@ -66,13 +66,26 @@ def iter_tar(path: str) -> Iterator[tuple[str, Optional[bytes], Optional[str]]]:
             elif ext == "txt":
                 text = tar.extractfile(m).read().decode("utf-8", "replace")
             elif ext == "json" and text is None:
-                try:
-                    d = json.loads(tar.extractfile(m).read())
-                    text = d.get("caption") or d.get("text") if isinstance(d, dict) else None
-                except ValueError:
-                    text = None
+                text = _json_caption(tar.extractfile(m).read())
     if key is not None:
         yield key, image, text
+
+
+def _json_caption(raw: bytes):
+    """A sample's ``.json`` caption by the manifests' rule (``text``/``caption``/``title``; a list:
+    its first non-empty caption); an unusable value is returned as it is (the decode names it)."""
+    from mmpipe.data.manifest import TEXT_KEYS, _field, caption_text
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(d, dict):
+        return None
+    found, v = _field(d, TEXT_KEYS)
+    try:
+        return caption_text(v) if found else None
+    except ValueError:
+        return v
 
 
 class ShardStream(IterableDataset):

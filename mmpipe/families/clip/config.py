@@ -12,12 +12,12 @@ class VisionConfig(Section):
     """Image tower. transformers config fields, or a local ``save_pretrained`` directory."""
     arch: str = option("clip_vit", "clip_vit (transformers CLIP ViT) or resnet (torchvision)")
     pretrained: Optional[str] = option(None, "local save_pretrained dir (CLIPVisionModel / CLIPModel) or resnet weights dir")
-    hidden_size: Optional[int] = option(None, "transformer width (clip_vit); unset = transformers default")
-    num_hidden_layers: Optional[int] = option(None, "number of transformer blocks (clip_vit)")
-    num_attention_heads: Optional[int] = option(None, "attention heads (clip_vit)")
-    intermediate_size: Optional[int] = option(None, "MLP width (clip_vit)")
-    image_size: Optional[int] = option(None, "input resolution in pixels (square)")
-    patch_size: Optional[int] = option(None, "ViT patch size (clip_vit)")
+    hidden_size: Optional[int] = option(None, "transformer width (clip_vit); unset = transformers default", ge=1)
+    num_hidden_layers: Optional[int] = option(None, "number of transformer blocks (clip_vit)", ge=1)
+    num_attention_heads: Optional[int] = option(None, "attention heads (clip_vit)", ge=1)
+    intermediate_size: Optional[int] = option(None, "MLP width (clip_vit)", ge=1)
+    image_size: Optional[int] = option(None, "input resolution in pixels (square)", ge=1)
+    patch_size: Optional[int] = option(None, "ViT patch size (clip_vit)", ge=1)
     variant: str = option("resnet18", "torchvision variant for arch=resnet: resnet18|resnet34|resnet50")
 
 
@@ -26,12 +26,12 @@ class TextConfig(Section):
     """Text tower. transformers config fields, or a local ``save_pretrained`` directory."""
     arch: str = option("clip_text", "clip_text (transformers CLIP text transformer) or bert (transformers BERT)")
     pretrained: Optional[str] = option(None, "local save_pretrained dir (CLIPTextModel / CLIPModel / BertModel)")
-    hidden_size: Optional[int] = option(None, "transformer width; unset = transformers default")
-    num_hidden_layers: Optional[int] = option(None, "number of transformer blocks")
-    num_attention_heads: Optional[int] = option(None, "attention heads")
-    intermediate_size: Optional[int] = option(None, "MLP width")
-    vocab_size: Optional[int] = option(None, "vocabulary size; unset = the tokenizer's size")
-    max_position_embeddings: Optional[int] = option(None, "longest sequence the position table holds")
+    hidden_size: Optional[int] = option(None, "transformer width; unset = transformers default", ge=1)
+    num_hidden_layers: Optional[int] = option(None, "number of transformer blocks", ge=1)
+    num_attention_heads: Optional[int] = option(None, "attention heads", ge=1)
+    intermediate_size: Optional[int] = option(None, "MLP width", ge=1)
+    vocab_size: Optional[int] = option(None, "vocabulary size; unset = the tokenizer's size", ge=1)
+    max_position_embeddings: Optional[int] = option(None, "longest sequence the position table holds", ge=1)
     pooling: str = option("auto", "auto (clip_text: EOS token, bert: mean), eos, cls, mean, or pooler (bert: its "
                                   "dense+tanh pooler over [CLS], as transformers' VisionTextDualEncoderModel)")
     eos_token_id: Optional[int] = option(None, "EOS id for eos pooling; unset = the tokenizer's EOS/SEP id")
@@ -41,7 +41,7 @@ class TextConfig(Section):
 class ClipConfig(Section):
     type: str = option("clip", "model family; clip = dual encoder with symmetric contrastive loss")
     pretrained: Optional[str] = option(None, "local transformers CLIPModel directory: loads both towers, projections, temperature")
-    projection_dim: int = option(512, "width of the shared image-text embedding space")
+    projection_dim: int = option(512, "width of the shared image-text embedding space", ge=1)
     logit_scale_init: float = option(2.6592, "initial log temperature (CLIP: log(1/0.07))")
     vision: VisionConfig = field(default_factory=VisionConfig, metadata={"help": "image tower"})
     text: TextConfig = field(default_factory=TextConfig, metadata={"help": "text tower"})

@@ -11,12 +11,12 @@ from mmpipe.fields import Section, option
 class VlmVisionConfig(Section):
     """Vision tower: transformers' CLIP ViT, from config fields or a local directory."""
     pretrained: Optional[str] = option(None, "local CLIPVisionModel / CLIPModel save_pretrained dir")
-    hidden_size: Optional[int] = option(None, "transformer width; unset = transformers default")
-    num_hidden_layers: Optional[int] = option(None, "transformer blocks")
-    num_attention_heads: Optional[int] = option(None, "attention heads")
-    intermediate_size: Optional[int] = option(None, "MLP width")
-    image_size: Optional[int] = option(None, "input resolution in pixels (square)")
-    patch_size: Optional[int] = option(None, "ViT patch size")
+    hidden_size: Optional[int] = option(None, "transformer width; unset = transformers default", ge=1)
+    num_hidden_layers: Optional[int] = option(None, "transformer blocks", ge=1)
+    num_attention_heads: Optional[int] = option(None, "attention heads", ge=1)
+    intermediate_size: Optional[int] = option(None, "MLP width", ge=1)
+    image_size: Optional[int] = option(None, "input resolution in pixels (square)", ge=1)
+    patch_size: Optional[int] = option(None, "ViT patch size", ge=1)
 
 
 @dataclass
@@ -24,13 +24,13 @@ class LlmConfig(Section):
     """Language model: a transformers decoder, from config fields or a local directory."""
     arch: str = option("llama", "llama or qwen2 (transformers' decoder layers)")
     pretrained: Optional[str] = option(None, "local LlamaForCausalLM / Qwen2ForCausalLM save_pretrained dir")
-    hidden_size: Optional[int] = option(None, "width")
-    num_hidden_layers: Optional[int] = option(None, "decoder blocks")
-    num_attention_heads: Optional[int] = option(None, "attention heads")
-    num_key_value_heads: Optional[int] = option(None, "key/value heads (grouped-query attention)")
-    intermediate_size: Optional[int] = option(None, "MLP width")
-    vocab_size: Optional[int] = option(None, "vocabulary size (required without pretrained weights)")
-    max_position_embeddings: Optional[int] = option(None, "longest sequence (rotary table)")
+    hidden_size: Optional[int] = option(None, "width", ge=1)
+    num_hidden_layers: Optional[int] = option(None, "decoder blocks", ge=1)
+    num_attention_heads: Optional[int] = option(None, "attention heads", ge=1)
+    num_key_value_heads: Optional[int] = option(None, "key/value heads (grouped-query attention)", ge=1)
+    intermediate_size: Optional[int] = option(None, "MLP width", ge=1)
+    vocab_size: Optional[int] = option(None, "vocabulary size (required without pretrained weights)", ge=1)
+    max_position_embeddings: Optional[int] = option(None, "longest sequence (rotary table)", ge=1)
     tie_word_embeddings: Optional[bool] = option(None, "share the input embedding and the LM head (Qwen2 small models)")
 
 
