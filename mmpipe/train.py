@@ -506,7 +506,9 @@ class Trainer:
             return {"chosen": doc["chosen"], "why": res["why"], "doc": doc}
         choice = _rank0_decides(self.rank, decide)
         c = choice["chosen"]
-        placement = (c["placement"] or requested.parallel.placement).split(":")[0]
+        # a pipeline row's placement ("auto:balanced": auto, which chose balanced); a data-parallel
+        # row has none, and the requested one (type:REGEX included) stays as it is
+        placement = c["placement"].split(":")[0] if c["placement"] else requested.parallel.placement
         self.cfg = replace(requested, parallel__pipeline_stages=c["pipeline_stages"],
                            parallel__zero_stage=c["zero_stage"], parallel__placement=placement)
         if self.rank == 0:
@@ -516,7 +518,11 @@ class Trainer:
                   + f" ({choice['why']})")
             if choice["doc"] is not None:
                 self.layout_doc = choice["doc"]
-        self.validate()
+        try:  # the rest of the config was validated with the stand-in: only the layout's part again
+            self.resolve_layout()
+        except MmpipeError as e:
+            e.everywhere = True
+            raise
 
     def validate(self) -> None:
         """Everything that needs no process group, first: config mistakes end as one line, raised
@@ -524,7 +530,6 @@ class Trainer:
         from deepspeed.accelerator import get_accelerator
 
         from mmpipe.config import family_of, replace
-        from mmpipe.ds_config import resolve
         from mmpipe.optim import resolve_groups
         # the run's own copy: adopting DeepSpeed-JSON / Accelerate values is part of its resolution
         cfg = self.cfg = replace(self.cfg)
@@ -542,42 +547,44 @@ class Trainer:
                 check_auto_micro_batch(cfg)
                 stand_in = max(1, cfg.train.batch_size // max(1, world // cfg.parallel.pipeline_stages))
                 cfg = self.cfg = replace(cfg, parallel__micro_batch_size=stand_in)
-            self.ds_cfg, self.topo = resolve(cfg, world)
             self.device_name = get_accelerator().device_name()
             if cfg.train.precision == "fp16" and self.device_name == "cpu":
                 raise ConfigError("train.precision=fp16 needs a GPU: DeepSpeed refuses fp16 on the CPU accelerator; "
                                   "use bf16 or fp32 here")
-            rank = int(os.environ.get("RANK", "0"))
-            self.stage, self.dp_rank = self.topo.coords(rank)
-            # the first stage reads the inputs; the last stage reads the batches too when the family
-            # has label fields (they reach it from the loader, not through the stages)
-            self.reads_inputs = self.stage == 0
-            self.reads_data = self.reads_inputs or (bool(self.family_cls.labels) and self.topo.is_last_stage(rank))
             self.image_size = self.family_cls.image_size(cfg.model)
-            self.open_data(cfg, read=self.reads_data or rank == 0)
             self.groups = resolve_groups(cfg.optim, self.family_cls)
-            if cfg.parallel.zero_stage >= 2 and any(g.max_grad_norm is not None for g in self.groups):
-                raise ConfigError(f"per-group clipping (optim.groups.*.max_grad_norm) supports ZeRO 0/1, not "
-                                  f"parallel.zero_stage={cfg.parallel.zero_stage}: use zero_stage 1, or only "
-                                  "optim.max_grad_norm (DeepSpeed clips globally under ZeRO-2/3)")
+            self.resolve_layout()
+            # (parallel.layout: auto has not chosen yet: every rank opens the data, once)
+            self.open_data(cfg, read=self.reads_data or int(os.environ.get("RANK", "0")) == 0
+                           or cfg.parallel.layout == "auto")
         except MmpipeError as e:
             e.everywhere = True
             raise
 
+    def resolve_layout(self) -> None:
+        """The part of the resolution that depends on the layout: DeepSpeed's config, the topology,
+        this rank's stage and what it reads, ZeRO-2/3 against per-group clipping. ``parallel.layout:
+        auto`` runs it again, alone, for the layout it chose."""
+        from mmpipe.ds_config import resolve
+        cfg, world, rank = self.cfg, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        self.ds_cfg, self.topo = resolve(cfg, world)
+        self.stage, self.dp_rank = self.topo.coords(rank)
+        # the first stage reads the inputs; the last stage reads the batches too when the family
+        # has label fields (they reach it from the loader, not through the stages)
+        self.reads_inputs = self.stage == 0
+        self.reads_data = self.reads_inputs or (bool(self.family_cls.labels) and self.topo.is_last_stage(rank))
+        if cfg.parallel.zero_stage >= 2 and any(g.max_grad_norm is not None for g in self.groups):
+            raise ConfigError(f"per-group clipping (optim.groups.*.max_grad_norm) supports ZeRO 0/1, not "
+                              f"parallel.zero_stage={cfg.parallel.zero_stage}: use zero_stage 1, or only "
+                              "optim.max_grad_norm (DeepSpeed clips globally under ZeRO-2/3)")
+
     def open_data(self, cfg, read: bool) -> None:
         """The training source and the val records (every rank reads those: all stages need the eval
-        micro-batch count). ``parallel.layout: auto`` validates twice (a stand-in layout, then the
-        chosen one): the data opened the first time is kept when it is the same data."""
+        micro-batch count)."""
         from mmpipe.data.source import open_source
-        key = (repr(cfg.data), self.image_size, self.family_cls)
-        kept = getattr(self, "_opened", None)
-        if kept and kept[0] == key and (kept[1] or not read):
-            self.source, self.val_samples = kept[2], kept[3]
-            return
         self.source = open_source(cfg, self.image_size, read=read, family=self.family_cls)
         self.val_samples = (self.family_cls.read_records(cfg.data.val, cfg.data, "data.val") if cfg.data.val
                             else None)
-        self._opened = (key, read, self.source, self.val_samples)
 
     def build_family(self) -> None:
         """The tokenizer, the resolved model config (fields left to the tokenizer filled) and the family."""

@@ -255,3 +255,49 @@ def test_medians_of_several_profiles_and_collective_measurements():
     m = CommModel.median(comms)
     assert m.ops["allreduce"][2] == (2e-3, 2e-9)
     assert m.p2p == (2e-3, 0.0) and m.zero3[2][0] == 2e-3 and m.stretch[2] == 1.1
+
+
+SPY = '''
+import collections, json, sys
+import mmpipe.data.source as src
+from mmpipe import train
+calls = collections.Counter()
+def spy(owner, name):
+    real = getattr(owner, name)
+    def counted(*a, **k):
+        calls[name] += 1
+        return real(*a, **k)
+    setattr(owner, name, counted)
+spy(src, "open_source"); spy(train.Trainer, "validate"); spy(train.Trainer, "resolve_layout")
+if __name__ == "__main__":
+    from mmpipe.config import load_config
+    cfg = load_config(sys.argv[1], sys.argv[3:])
+    result = train.run(cfg, overwrite=True)
+    json.dump({"calls": dict(calls), "step": result["step"]}, open(sys.argv[2], "w"))
+'''
+
+
+def test_layout_auto_validates_and_opens_the_data_once_and_keeps_a_type_placement(runs, tmp_path):
+    """``parallel.layout: auto`` (one rank: a data-parallel layout is chosen) with
+    ``parallel.placement: type:REGEX``: the requested placement survives the choice whole, the config
+    is validated once (then only the chosen layout's part again) and the data is opened once."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT, TINY, _env
+    script, result = tmp_path / "spy.py", tmp_path / "calls.json"
+    script.write_text(SPY)
+    out = str(tmp_path / "auto_type")
+    sets = [a for a in runs.base(out) if a != "--set"][2:] + ["parallel.layout=auto", "parallel.placement=type:Embed",
+                                                              "train.steps=2", "log.progress=false"]
+    proc = subprocess.run([sys.executable, str(script), TINY, str(result)] + sets, cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    got = json.loads(result.read_text())
+    assert got["step"] == 2
+    assert got["calls"] == {"open_source": 1, "validate": 1, "resolve_layout": 2}
+    assert "parallel.layout=auto -> single process: pipeline_stages=1" in proc.stdout + proc.stderr
+    import mmpipe
+    assert mmpipe.load_config(os.path.join(out, "config.yaml")).parallel.placement == "type:Embed"
