@@ -9,11 +9,26 @@ def build_model(config, seed=None):
     """The plain (single-process) model of a run config's family (``model.type``): an ``nn.Module``
     whose ``forward(*inputs, *labels)`` is the scalar loss (CLIP: ``encode_image``, ``encode_text``).
     Fields a config leaves to the tokenizer (e.g. ``model.text.vocab_size``) must be set.
-    ``config`` may also be a directory written by ``mmpipe export --format mmpipe``: the model comes
-    back with its trained weights."""
+    ``config`` may also be a path: a YAML run config, a directory written by ``mmpipe export
+    --format mmpipe``, or a run directory (its resolved config.yaml; with a checkpoint, the model
+    comes back with its latest weights, as from an export)."""
+    import os
+
     from mmpipe.export import build_exported, is_export
-    if is_export(config):
-        return build_exported(config, seed)
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if is_export(path):
+            return build_exported(path, seed)
+        run_config = os.path.join(path, "config.yaml")
+        if os.path.isdir(path) and os.path.isfile(run_config):
+            model = build_model(load_config(run_config), seed)
+            if os.path.isfile(os.path.join(path, "checkpoints", "latest")):
+                model.load_state_dict(load_weights(path))
+            return model
+        if os.path.isfile(path) and path.lower().endswith((".yaml", ".yml")):
+            return build_model(load_config(path), seed)
+        raise ConfigError(f"build_model({path!r}): not a run config (.yaml), a run directory (with config.yaml) or "
+                          "an mmpipe export directory")
     from mmpipe.families import build_family
     return build_family(config, seed).plain_model()
 

@@ -68,7 +68,7 @@ def write_report(run_dir: str, out: str = None) -> list:
     ax.set_title("throughput")
     save(fig, "throughput.png")
 
-    save(_stages_chart(plt, recs), "stages.png")
+    save(_stages_chart(plt, recs, _pipeline_stages(run_dir)), "stages.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     groups = [k for k in recs[0] if k.startswith("grad_norm.")]
@@ -83,8 +83,19 @@ def write_report(run_dir: str, out: str = None) -> list:
     return written
 
 
-def _stages_chart(plt, recs: list):
-    """Per-stage busy / data / idle share of the step, averaged over the steps."""
+def _pipeline_stages(run_dir: str) -> int:
+    """P of the run (its resolved config.yaml; 1 when it has none)."""
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path):
+        return 1
+    from mmpipe.config import load_config
+    p = load_config(path).parallel.pipeline_stages
+    return p if isinstance(p, int) else 1
+
+
+def _stages_chart(plt, recs: list, pipeline_stages: int = 1):
+    """Per-stage busy / data / idle share of the step, averaged over the steps (P = 1: the one
+    stage's compute and loader wait)."""
     P = sum(1 for k in recs[0] if k.startswith("stage") and k.endswith(".busy"))
     fig, ax = plt.subplots(figsize=(7, 1.2 + 1.3 * max(1, P)))
     if P:
@@ -102,6 +113,18 @@ def _stages_chart(plt, recs: list):
         ax.set_xlabel("share of the step (mean over steps)")
         ax.legend(fontsize=7, loc="lower right")
         ax.set_title("per-stage busy / data / idle")
+    elif all("loader_wait_frac" in r for r in recs) and pipeline_stages == 1:
+        # one stage (P = 1): nothing to compare between stages; the step's split is compute vs loader wait
+        data = sum(r["loader_wait_frac"] for r in recs) / len(recs)
+        ax.barh(0, 1 - data, color="C0", label="compute (forward, backward, optimizer)")
+        ax.barh(0, data, left=1 - data, color="C2", label="waiting for the loader")
+        ax.text(0.01, 0, f"compute {1 - data:.0%} loader wait {data:.0%}", va="center", fontsize=8, color="w")
+        ax.set_yticks([0])
+        ax.set_yticklabels(["the one stage"])
+        ax.set_xlim(0, 1)
+        ax.set_xlabel("share of the step (mean over steps)")
+        ax.legend(fontsize=7, loc="lower right")
+        ax.set_title("one pipeline stage (P = 1): no stages to compare")
     else:
         ax.text(0.5, 0.5, "no stage timing in this run (log.stage_timing false)", ha="center")
     return fig

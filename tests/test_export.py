@@ -202,3 +202,13 @@ def test_damaged_or_incomplete_checkpoints_are_one_line_in_every_reader(family_r
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "global_step6 is incomplete" in err[0], err
     assert not os.path.exists(tmp_path / "y")
+
+
+def test_build_model_takes_a_run_directory_or_says_what_it_expects(runs, tmp_path):
+    ref = reference(runs)
+    model = mmpipe.build_model(ref)  # the run's resolved config and its latest weights
+    want = mmpipe.load_weights(ref)
+    got = model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    with pytest.raises(mmpipe.ConfigError, match=r"not a run config \(.yaml\), a run directory"):
+        mmpipe.build_model(str(tmp_path))

@@ -62,3 +62,31 @@ def test_mmpipe_report_writes_its_charts(monitored_run, capsys):
     assert main(["report", "--run", os.path.dirname(monitored_run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no metrics.jsonl" in err[0]
+
+
+def test_report_of_a_one_stage_run_draws_that_stage(runs, tmp_path):
+    """P = 1 with log.stage_timing true: stages.png says what is true (one stage, nothing to compare)
+    and draws its compute / loader-wait split, not "no stage timing in this run"."""
+    import shutil
+
+    import matplotlib
+    from PIL import Image
+
+    from mmpipe import report
+    from mmpipe.config import load_config
+    p1, _ = runs.get("p1", 1, ["parallel.pipeline_stages=1"], "python", flags=["--stop-at", "4"])
+    run = str(tmp_path / "p1")
+    shutil.copytree(p1, run, ignore=shutil.ignore_patterns("checkpoints"))
+    assert load_config(os.path.join(run, "config.yaml")).log.stage_timing
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from mmpipe.metrics import read_metrics
+    recs = read_metrics(os.path.join(run, "metrics.jsonl"))
+    fig = report._stages_chart(plt, recs, report._pipeline_stages(run))
+    texts = [fig.axes[0].get_title()] + [t.get_text() for t in fig.axes[0].texts]
+    assert "one pipeline stage (P = 1)" in texts[0] and not any("no stage timing" in t for t in texts)
+    assert any(t.startswith("compute ") and "loader wait" in t for t in texts)
+    plt.close(fig)
+    written = report.write_report(run)
+    with Image.open([p for p in written if p.endswith("stages.png")][0]) as im:
+        assert im.format == "PNG"
