@@ -61,11 +61,17 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> tuple[int, int]
             skip_cpu_shm_allreduce()
         kw = {"timeout": timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **kw)
-    if get_accelerator().device_name() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+    global CPU_THREADS
+    if get_accelerator().device_name() == "cpu":
+        from mmpipe.launch_env import cpu_threads
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or dist.get_world_size())
-        from mmpipe.topology import threads_per_rank
-        torch.set_num_threads(threads_per_rank(local))
+        threads, why = cpu_threads(local, os.cpu_count() or 1)
+        torch.set_num_threads(threads)
+        CPU_THREADS = f"{threads} CPU thread{'s' if threads != 1 else ''} ({why})"
     return dist.get_rank(), dist.get_world_size()
+
+
+CPU_THREADS = None  # this rank's CPU threads and why, for its memory line (GPU ranks: None)
 
 
 def prepare_tokenizer(cfg: RunConfig, family, rank: int, source=None):
@@ -143,7 +149,7 @@ def memory_summary(engine, inner_optimizer, rank: int, stage: int) -> str:
     else:
         peak = f"peak device memory {acc.max_memory_allocated() / 2**20:.0f} MB"
     return (f"rank {rank} stage {stage}: params {total / 1e6:.2f}M (trainable {trainable / 1e6:.2f}M), "
-            f"optimizer state {state / 2**20:.1f} MB, {peak}")
+            f"optimizer state {state / 2**20:.1f} MB, {peak}" + (f", {CPU_THREADS}" if CPU_THREADS else ""))
 
 
 def _as_pipe_batches(loader, stats: DataStats, family, count: bool = True):

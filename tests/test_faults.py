@@ -102,6 +102,8 @@ def test_ctrl_c_under_a_launcher_stops_with_a_complete_checkpoint(runs, tmp_path
     assert _latest(out) == f"global_step{k}"
     assert os.path.isfile(os.path.join(out, "checkpoints", f"global_step{k}", "COMPLETE"))
     assert not [line for line in log.splitlines() if line.startswith("mmpipe: ")], log[-3000:]  # no error
+    if launcher == "torchrun" and "OMP_NUM_THREADS" not in os.environ:  # torchrun's default is not the user's
+        assert "OMP_NUM_THREADS=1 came from the launcher" in log, log[-3000:]
 
 
 def test_a_rank_dying_while_saving_leaves_latest_on_the_complete_checkpoint(runs, tmp_path):

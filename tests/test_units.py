@@ -491,3 +491,13 @@ def test_every_number_of_the_config_has_a_range_checked_at_load():
                                        ("model.vision.hidden_size", 0, "0", ">= 1")):
         with pytest.raises(ConfigError, match=rf"{key}={shown} is out of range: it accepts {accepts} \("):
             validate(load_config(TINY, [f"{key}={value}"]))
+
+
+def test_a_launchers_omp_default_does_not_cut_a_cpu_ranks_threads():
+    from mmpipe.launch_env import cpu_threads
+    assert cpu_threads(2, 16, env={}, parent_env=set())[0] == 8
+    # torchrun / accelerate launch export OMP_NUM_THREADS=1 for their ranks: not in the launcher's own env
+    threads, why = cpu_threads(2, 16, env={"OMP_NUM_THREADS": "1"}, parent_env={"PATH"})
+    assert threads == 8 and "came from the launcher" in why
+    # the user's own setting (the launcher was started with it) is honoured
+    assert cpu_threads(2, 16, env={"OMP_NUM_THREADS": "3"}, parent_env={"OMP_NUM_THREADS"}) == (3, "OMP_NUM_THREADS=3")
