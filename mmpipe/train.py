@@ -859,24 +859,40 @@ class Trainer:
             return None
         idx, n_real = eval_batches(val, self.topo.micro_batch_size, pad=not self.family.dynamic_shapes)
 
+        stats = DataStats()  # the val set's own: not the training set's bad fraction, nor its loader wait
+
         def val_batches():
             if self.reads_data:
                 ds = self.family.dataset(val, self.tok, cfg.data, self.image_size, decode_size=cfg.data.decode_size)
-                # separate counters: val samples must not count against the training set's bad
-                # fraction, nor their decode time as training loader wait
-                return list(_as_pipe_batches((self.collate([ds[i] for i in mb]) for mb in idx), DataStats(),
-                                             self.family))
+                return list(_as_pipe_batches((self.collate([ds[i] for i in mb]) for mb in idx), stats, self.family))
             return [(None, LABEL_PLACEHOLDER)] * len(idx) if self.topo.is_last_stage(self.rank) else None
 
-        batches = agree(self.rank, val_batches)  # a val set that cannot be read stops every stage alike
+        # every rank decodes (or waits) here, before any stage enters the pipeline: an error on one
+        # rank (a val set with no usable sample, an unreadable file) stops every rank at once
+        batches = agree(self.rank, val_batches)
+        bad = self.val_bad_samples(stats.reports)
         outputs = self.runner.eval_outputs(batches, len(idx))
         record = None
         if outputs is not None and self.is_reporter:
-            record = {"step": step, **self.family.evaluate(outputs, [b[1] for b in batches], val[:n_real])}
+            record = {"step": step, **self.family.evaluate(outputs, [b[1] for b in batches], val[:n_real]),
+                      "val_bad_samples": bad}
             self.writer.log_eval(record, self.family.eval_line(record))
         if self.ds_monitor is not None:  # every rank joins (the record travels from the reporting rank)
             self.monitor_step(step, record, "mmpipe/eval/")
         return record
+
+    def val_bad_samples(self, reports: list) -> int:
+        """Unusable val samples (replaced by the next usable one, as in training): every reading
+        rank's reports merged; the reporter names each file once per run. Returns how many."""
+        per_rank = [None] * self.world
+        dist.all_gather_object(per_rank, reports)
+        files = dict(r for rr in per_rank for r in rr)
+        seen = getattr(self, "_val_bad_named", set())
+        for path, why in files.items():
+            if self.is_reporter and path not in seen:
+                _warn(f"skipped bad val sample {path}: {why}")
+        self._val_bad_named = seen | set(files)
+        return len(files)
 
     def save(self, step: int) -> None:
         position = self.sampler.position(step) if hasattr(self.sampler, "position") else None

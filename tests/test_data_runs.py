@@ -92,3 +92,38 @@ def test_auto_micro_batch_in_a_pipelined_run(runs, tiny_data, tmp_path_factory):
     assert len(train_losses(out)) == 2
     import yaml
     assert yaml.safe_load(open(os.path.join(out, "config.yaml")))["parallel"]["micro_batch_size"] == 4
+
+
+def test_bad_val_samples_are_counted_and_a_val_set_with_none_usable_stops_every_rank_at_once(runs, tiny_data,
+                                                                                             tmp_path):
+    """Stage 0 decodes the val set; the last stage waits for it. A corrupt or missing val image is
+    skipped (replaced by the next usable sample, as in training), named once and counted in the eval
+    record; a val set with no usable sample stops every rank within seconds with one line, not at the
+    collective timeout (30 minutes here)."""
+    import time
+
+    import pytest
+
+    from conftest import launch
+    from mmpipe.metrics import read_metrics
+    good = [json.loads(line) for line in open(tiny_data["val"])][:6]
+    bad = [{"image": "images/corrupt.jpg", "text": "a red circle"},
+           {"image": "images/does_not_exist.jpg", "text": "a blue square"}]
+    some = tmp_path / "val_some_bad.jsonl"
+    some.write_text("".join(json.dumps({**r, "image": os.path.join(tiny_data["dir"], r["image"])}) + "\n"
+                            for r in good + bad))
+    out = str(tmp_path / "val_bad")
+    args = runs.base(out, "--set", "parallel.pipeline_stages=2", "--set", "train.steps=2",
+                     "--set", "train.collective_timeout_minutes=30")
+    proc = launch(2, args + ["--set", f"data.val={some}"])
+    log = proc.stdout + proc.stderr
+    assert log.count("skipped bad val sample") == 2 and "corrupt.jpg" in log and "does_not_exist.jpg" in log
+    assert read_metrics(os.path.join(out, "metrics.jsonl"), kind="eval")[-1]["val_bad_samples"] == 2
+    none = tmp_path / "val_none_usable.jsonl"
+    none.write_text("".join(json.dumps({**r, "image": os.path.join(tiny_data["dir"], r["image"])}) + "\n" for r in bad))
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError) as e:
+        launch(2, args + ["--set", f"data.val={none}", "--set", f"train.output_dir={out}_none"])
+    assert time.monotonic() - t0 < 60
+    lines = [line for line in str(e.value).splitlines() if line.startswith("mmpipe: ")]
+    assert len(lines) == 1 and "no usable sample" in lines[0], str(e.value)[-2000:]
