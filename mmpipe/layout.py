@@ -10,7 +10,8 @@ step, for a world of N ranks and a global batch B of micro-batches of m samples:
   step = M (F + B) + optimizer + collectives, where the collectives are
   ZeRO-0: all-reduce(gradients); ZeRO-1: the same + all-gather(weights) after the sharded step;
   ZeRO-2: all-reduce(gradients) per micro-batch (DeepSpeed's bucket reduction; each rank keeps its
-  partition) + all-gather(weights);
+  partition) + all-gather(weights), plus its hooks and bucket copies per micro-batch and its step
+  beyond ZeRO-0's share (measured per tensor and per byte: ``CommModel.zero2``);
   ZeRO-3: per micro-batch all-gather(weights) for forward and again for backward + reduce-scatter(gradients).
   Memory per rank: weights + gradients + optimizer state (ZeRO-1 shards the optimizer state, ZeRO-2
   also the gradients, ZeRO-3 everything, plus the largest layer gathered) + one micro-batch's
@@ -50,6 +51,11 @@ class CommModel:
     # parameters stay persistent, per optimizer step of a partitioned one, per step of a persistent
     # one: DeepSpeed all-gathers every persistent parameter after each step, one tensor at a time)
     zero3: dict = field(default_factory=dict)
+    # ZeRO-2's cost beyond ZeRO-0's (whose all-reduce of the same bytes the model already charges),
+    # by group size: (per parameter tensor per micro-batch: its gradient hook and bucket bookkeeping,
+    # per gradient byte per micro-batch: the copies into and out of the reduce buckets, per gradient
+    # byte per optimizer step beyond the 1/n share of ZeRO-0's step): measured by DeepSpeed runs
+    zero2: dict = field(default_factory=dict)
     # CPU only: how much slower one rank computes when n single-thread ranks compute at once on this
     # machine's cores, measured (time-sharing and the shared cache and memory included), by n
     stretch: dict = field(default_factory=dict)
@@ -64,6 +70,14 @@ class CommModel:
             return v
         # hooks are per rank; the gather latencies (a pass's and the step's) grow like a ring
         return tuple(x * (n - 1) / max(1, k - 1) if i != 1 else x for i, x in enumerate(v))
+
+    def zero2_costs(self, n: int) -> Optional[tuple]:
+        """(s per tensor per micro-batch, s per byte per micro-batch, s per byte per step) at n ranks
+        (the nearest measured group size: these are per-rank copies and hooks), None if unmeasured."""
+        if n <= 1 or not self.zero2:
+            return None
+        table = {int(k): v for k, v in self.zero2.items()}
+        return tuple(table[n if n in table else min(table, key=lambda x: abs(x - n))])
 
     def time(self, op: str, n: int, nbytes: float) -> float:
         if n <= 1 or nbytes <= 0:
@@ -89,13 +103,16 @@ class CommModel:
         ops = {op: {n: med([m.ops[op][n] for m in models if n in m.ops.get(op, {})]) for n in t}
                for op, t in first.ops.items()}
         zero3 = {n: med([m.zero3[n] for m in models if n in m.zero3]) for n in first.zero3}
+        zero2 = {n: med([m.zero2[n] for m in models if n in m.zero2]) for n in first.zero2}
         stretch = {n: statistics.median(m.stretch[n] for m in models if n in m.stretch) for n in first.stretch}
-        return cls(first.backend, ops, med([m.p2p for m in models]), all(m.measured for m in models), zero3, stretch)
+        return cls(first.backend, ops, med([m.p2p for m in models]), all(m.measured for m in models), zero3, zero2,
+                   stretch)
 
     def to_dict(self) -> dict:
         return {"backend": self.backend, "ops": {op: {str(n): list(v) for n, v in t.items()} for op, t in self.ops.items()},
                 "p2p": list(self.p2p), "measured": self.measured,
                 "zero3": {str(n): list(v) for n, v in self.zero3.items()},
+                "zero2": {str(n): list(v) for n, v in self.zero2.items()},
                 "stretch": {str(n): v for n, v in self.stretch.items()}}
 
     @classmethod
@@ -103,6 +120,7 @@ class CommModel:
         return cls(d["backend"], {op: {int(n): tuple(v) for n, v in t.items()} for op, t in d["ops"].items()},
                    tuple(d["p2p"]), d.get("measured", True),
                    {int(n): tuple(v) for n, v in d.get("zero3", {}).items()},
+                   {int(n): tuple(v) for n, v in d.get("zero2", {}).items()},
                    {int(n): float(v) for n, v in d.get("stretch", {}).items()})
 
 
@@ -199,12 +217,14 @@ def predict_layouts(prof: dict, comm: CommModel, world: int, batch_size: int, mi
                     fetch_units=None) -> list:
     """Every layout of ``world`` ranks (see the module doc), predicted; a list of ``LayoutPrediction``.
     ``fetch_units``: (modules whose parameters ZeRO-3 partitions, modules whose parameters it keeps
-    persistent, the persistent parameters' element count), or one count of partitioned modules;
-    ZeRO-3 fetches each partitioned module separately, twice per micro-batch, and all-gathers the
-    persistent parameters after each step. Default: one partitioned module per layer."""
+    persistent, the persistent parameters' element count, parameter tensors), or one count of
+    partitioned modules; ZeRO-3 fetches each partitioned module separately, twice per micro-batch,
+    and all-gathers the persistent parameters after each step; ZeRO-2 hooks every parameter tensor.
+    Default: one partitioned module (and one tensor) per layer."""
     ctx = _Ctx(prof, comm, world, batch_size, micro_batch_size, precision, cores)
     units = fetch_units if isinstance(fetch_units, tuple) else (fetch_units or len(ctx.costs), 0)
-    units = (tuple(units) + (0, 0))[:3]
+    units = tuple(units)[:4]
+    units = units + (0,) * max(0, 3 - len(units)) + ((len(ctx.costs),) if len(units) < 4 else ())
     out = [_dp_row(ctx, z, grouped_clip, units) for z in zero_stages if world > 1 or z == 0]
     for P in range(2, min(world, max_pipeline or len(names)) + 1):
         if world % P:
@@ -274,6 +294,10 @@ def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple) -> LayoutPredic
         if kept:
             cm += comm.time("allgather", n, kept) - comm.time("allgather", n, 1.0)
     fixed = 0.0
+    z2 = comm.zero2_costs(n) if z == 2 else None
+    if z2:  # measured with n ranks at once (their contention included): not stretched again
+        tensors, gbytes = units[3], sum(c.trainable for c in costs) * 4  # (fp32 buckets)
+        fixed = M * (tensors * z2[0] + gbytes * z2[1]) + gbytes * z2[2]
     if z == 3:
         per = comm.zero3_module(n)
         if per:  # measured with n ranks at once (their contention included): not stretched again
@@ -523,7 +547,7 @@ def _zero3_probe(device: str, repeats: int, modules: int = 16) -> dict:
     n = torch.distributed.get_world_size()
     for big in (True, False):
         t, s = {}, {}
-        for z in (0, 3):
+        for z in (0, 2, 3):
             net = Chain(big)
             cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                    "zero_optimization": {"stage": z}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
@@ -539,8 +563,26 @@ def _zero3_probe(device: str, repeats: int, modules: int = 16) -> dict:
         res[key] = max(0.0, (t[3] - t[0]) / (2 * modules))
         # ZeRO-3's step beyond its 1/n share of ZeRO-0's (which the cost model already charges)
         res[key + "_step"] = max(0.0, (s[3] - s[0] / n) / modules)
+        # ZeRO-2, per micro-batch (forward + backward; the same all-reduce as ZeRO-0's) and per step
+        res["zero2_" + key] = (t[2] - t[0], s[2] - s[0] / n)
     res["partitioned_bytes"] = (512 * 256 + 256) * 4
+    res["chains"] = {"partitioned": (2 * modules, modules * (512 * 256 + 256) * 4),  # (tensors, gradient bytes)
+                     "persistent": (2 * modules, modules * 2 * 256 * 4)}
     return res
+
+
+def zero2_fit(probe: dict, allgather_s_per_byte: float) -> tuple:
+    """ZeRO-2's (s per tensor per micro-batch, s per byte per micro-batch, s per byte per step) from
+    the probe's two chains (many bytes per tensor, few): two equations in the two per-micro-batch
+    unknowns; the step's cost per byte beyond the all-gather of the updated partitions the model
+    already charges. Negative solutions (noise) are 0."""
+    (tb, bb), (ts, bs) = probe["chains"]["partitioned"], probe["chains"]["persistent"]
+    yb, ys = probe["zero2_partitioned"][0], probe["zero2_persistent"][0]
+    det = tb * bs - ts * bb
+    per_tensor = max(0.0, (yb * bs - ys * bb) / det) if det else 0.0
+    per_byte = max(0.0, (yb - tb * per_tensor) / bb)
+    step = max(0.0, probe["zero2_partitioned"][1] / bb - allgather_s_per_byte)
+    return per_tensor, per_byte, step
 
 
 def _fit(samples: dict) -> tuple:
@@ -585,6 +627,7 @@ def measure_collectives(group_sizes: list, sizes=(4096, 1 << 18, 1 << 21, 1 << 2
         bw = (2 * model.ops["allgather"][n][1] + model.ops["reduce_scatter"][n][1]) * b / 2
         model.zero3[n] = (max(0.0, z3["partitioned"] - bw), z3["persistent"], z3["partitioned_step"],
                           z3["persistent_step"])
+        model.zero2[n] = zero2_fit(z3, model.ops["allgather"][n][1])
         if device == "cpu":
             model.stretch[n] = res["stretch"]
     return model
@@ -600,7 +643,7 @@ def get_comm_model(group_sizes: list, use_cache: bool = True, log=None, refresh:
     from mmpipe.plan import _write_json, cache_dir
     acc = get_accelerator()
     sizes = _group_sizes(group_sizes)
-    key = f"comm5-{acc.communication_backend_name()}-{acc.device_name()}-{socket.gethostname()}-" + "_".join(map(str, sizes))
+    key = f"comm6-{acc.communication_backend_name()}-{acc.device_name()}-{socket.gethostname()}-" + "_".join(map(str, sizes))
     path = os.path.join(cache_dir(), key + ".json")
     if use_cache and not refresh and os.path.isfile(path):
         with open(path) as fh:
@@ -616,9 +659,10 @@ def get_comm_model(group_sizes: list, use_cache: bool = True, log=None, refresh:
 def fetch_units(family) -> tuple:
     """(modules owning a parameter larger than ZeRO-3's persistence threshold: partitioned, gathered
     for every pass; other modules owning parameters: persistent, hooks only; the persistent
-    parameters' element count, all-gathered after every step), built on meta."""
+    parameters' element count, all-gathered after every step; the parameter tensors, each with a
+    ZeRO-2 gradient hook), built on meta."""
     import torch
-    big = small = kept = 0
+    big = small = kept = tensors = 0
     for name in family.layer_names():
         with torch.device("meta"):
             m = family.build_unseeded(name)
@@ -627,7 +671,8 @@ def fetch_units(family) -> tuple:
             if own:
                 big, small = (big + 1, small) if max(own) > ZERO3_PERSISTENCE else (big, small + 1)
                 kept += sum(k for k in own if k <= ZERO3_PERSISTENCE)  # DeepSpeed decides per parameter
-    return big, small, kept
+                tensors += len(own)
+    return big, small, kept, tensors
 
 
 def cores() -> int:

@@ -76,6 +76,34 @@ def test_zero3_charges_every_fetched_module_its_measured_cost():
     assert CommModel(zero3={2: (2e-3, 3e-4)}).zero3_module(2) == (2e-3, 3e-4, 0.0, 0.0)
 
 
+def test_zero2_charges_its_measured_hooks_and_bucket_copies():
+    """ZeRO-2's step was predicted 9-12% fast in every bench round: beyond its per-micro-batch
+    all-reduce, DeepSpeed hooks every parameter tensor and copies every gradient byte into and out of
+    its buckets each micro-batch, and its step costs more than its share of ZeRO-0's. Measured
+    (``CommModel.zero2``: per tensor, per byte, per byte of the step) and charged."""
+    from mmpipe.layout import zero2_fit
+    layers = [_layer(n, 2.0, 4.0, 1000, opt=0.5) for n in NAMES]
+    ops = {"allreduce": {2: (1e-3, 2e-9)}, "allgather": {2: (5e-4, 1e-9)}, "reduce_scatter": {2: (5e-4, 1e-9)}}
+    kw = dict(world=2, batch_size=16, micro_batch_size=4, precision="fp32", names=NAMES, segments=SEGS,
+              fetch_units=(6, 10, 500, 12))
+    plain = _by_name(predict_layouts(_prof(layers), CommModel(ops=ops), **kw))
+    comm = CommModel(ops=ops, zero2={2: (1e-4, 2e-9, 3e-9)})
+    rows = _by_name(predict_layouts(_prof(layers), comm, **kw))
+    M, grads = 2, 16000
+    assert rows["DP2 ZeRO-2"].step_time == pytest.approx(
+        plain["DP2 ZeRO-2"].step_time + M * (12 * 1e-4 + grads * 2e-9) + grads * 3e-9, rel=1e-12)
+    for z in (0, 1, 3):  # nothing else moves
+        assert rows[f"DP2 ZeRO-{z}"].step_time == plain[f"DP2 ZeRO-{z}"].step_time
+    assert CommModel.from_dict(comm.to_dict()).zero2 == {2: (1e-4, 2e-9, 3e-9)}
+    assert comm.zero2_costs(4) == (1e-4, 2e-9, 3e-9) and comm.zero2_costs(1) is None
+    # the probe's two chains (many bytes per tensor, few) separate the two per-micro-batch costs
+    probe = {"chains": {"partitioned": (32, 8_421_376), "persistent": (32, 32_768)}}
+    a, b, c = 5e-5, 1e-10, 4e-10
+    probe["zero2_partitioned"] = (32 * a + 8_421_376 * b, (c + 1e-9) * 8_421_376)
+    probe["zero2_persistent"] = (32 * a + 32_768 * b, 0.0)
+    assert zero2_fit(probe, 1e-9) == pytest.approx((a, b, c))
+
+
 def test_zero3_memory_is_a_shard_of_everything_plus_the_gathered_layer():
     layers = [_layer("a", 1, 1, 1000, act=100, out=40), _layer("b", 1, 1, 3000, act=300, out=40)]
     costs = layer_costs(_prof(layers))
@@ -235,6 +263,8 @@ def test_plan_world_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
     assert 0 <= partitioned < 0.1 and 0 < persistent < 0.1
     assert 0 <= partitioned_step < 0.1 and 0 < persistent_step < 0.1
     assert 0.5 < doc["comm"]["stretch"]["2"] < 4  # 2 ranks computing at once vs one alone
+    per_tensor, per_byte, step_per_byte = doc["comm"]["zero2"]["2"]  # ZeRO-2 beyond ZeRO-0, measured
+    assert 0 <= per_tensor < 0.01 and 0 <= per_byte < 1e-6 and 0 <= step_per_byte < 1e-6
     with Image.open(os.path.join(out, "layouts.png")) as im:
         assert im.format == "PNG"
     assert main(["plan", "--config", TINY, "--world", "2", "--memory-gb", "1e-6", "--out", out]) == 2

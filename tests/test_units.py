@@ -501,3 +501,12 @@ def test_a_launchers_omp_default_does_not_cut_a_cpu_ranks_threads():
     assert threads == 8 and "came from the launcher" in why
     # the user's own setting (the launcher was started with it) is honoured
     assert cpu_threads(2, 16, env={"OMP_NUM_THREADS": "3"}, parent_env={"OMP_NUM_THREADS"}) == (3, "OMP_NUM_THREADS=3")
+
+
+def test_bench_groups_baseline_row_says_what_it_measures():
+    """Its runs take every group's norm each step (the skip check); the label must not say "no norms"."""
+    from mmpipe.bench import GROUP_VARIANTS
+    label, sets = GROUP_VARIANTS[0]
+    assert "norms still taken" in label and "no norms" not in label
+    assert not [s for s in sets if "max_grad_norm" in s or "grad_norm=false" in s]
+    assert all(any("max_grad_norm" in s for s in v) for _, v in GROUP_VARIANTS[1:])
