@@ -6,7 +6,6 @@
   python gpu_checks.py full  --out $OUT [--parts precision,speed] [--runs clip_fp32,clip_fp16,...]
   python gpu_checks.py train ARGS...                # = launch/train.py ARGS, with the fp16 loss scale
                                                     #   added to every metrics.jsonl record (loss_scale);
-                                                    #   GPU_CHECKS_FIX_FP16_BACKWARD=1: see fix_fp16_backward
 
 ``full`` writes $OUT/results.json, $OUT/summary.md and $OUT/runs.tar.gz (metrics, logs, configs).
 
@@ -73,60 +72,13 @@ def train_entry(argv) -> int:
         return out
 
     optim.GradClipper.record = record
-    for k in ("GPU_CHECKS_FIX_FP16_BACKWARD", "GPU_CHECKS_FP32_NORMS"):  # recheck: stock mmpipe only
+    for k in ("GPU_CHECKS_FIX_FP16_BACKWARD", "GPU_CHECKS_FP32_NORMS"):  # the stand-ins are mmpipe's now
         if os.environ.get(k):
-            raise SystemExit(f"recheck: {k} must not be set")
-    if os.environ.get("GPU_CHECKS_FIX_FP16_BACKWARD") == "1":
-        fix_fp16_backward()
-    if os.environ.get("GPU_CHECKS_FP32_NORMS") == "1":
-        fp32_norms()
+            raise SystemExit(f"gpu_checks: {k} is gone: mmpipe itself scales fp16's loss and takes norms in fp32")
     from mmpipe.cli import train_main
     return train_main(argv)
 
 
-def fix_fp16_backward() -> None:
-    """DeepSpeed 0.19.8: ``engine.backward`` multiplies the loss by the loss scale only for a
-    ``ZeROOptimizer``; ``FP16_Optimizer`` / ``FP16_UnfusedOptimizer`` (fp16, ZeRO-0) still divide the
-    gradients by ``cur_scale`` in ``step()``, so every gradient reaches the torch optimizer divided by
-    the loss scale (deepspeedai/DeepSpeed PR #8393, open). This scales the loss as their own
-    ``backward()`` would (fp32 loss x cur_scale) before the engine's backward."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    original = DeepSpeedEngine.backward
-
-    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
-        opt = self.optimizer
-        if isinstance(opt, (FP16_Optimizer, FP16_UnfusedOptimizer)):
-            if getattr(opt, "custom_loss_scaler", False):
-                loss = opt.external_loss_scale * loss
-            elif opt.loss_scale_config.use_grad_scaling:
-                loss = loss.float() * opt.loss_scale_config.cur_scale
-        return original(self, loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
-
-    DeepSpeedEngine.backward = backward
-
-
-def fp32_norms() -> None:
-    """mmpipe.optim.GradClipper._clip takes ``torch._foreach_norm(gs, 2.0)`` in the gradients' own
-    dtype: under fp16 + ZeRO-1 those are the loss-scaled fp16 partitions, so a group whose scaled
-    norm exceeds 65504 gets an inf norm (every element finite) and the step is skipped by mmpipe
-    while DeepSpeed's loss scaler sees no overflow. This stands in for the fix (norms in fp32):
-    ``_foreach_norm`` of fp16/bf16 tensors returns fp32 norms in this process."""
-    import torch
-    original = torch._foreach_norm
-
-    def foreach_norm(tensors, ord=2.0, dtype=None):
-        if dtype is None and len(tensors) and tensors[0].dtype in (torch.float16, torch.bfloat16):
-            dtype = torch.float32
-        return original(tensors, ord, dtype=dtype)
-
-    torch._foreach_norm = foreach_norm
-
-
-# --------------------------------------------------------------------------------------------
-# data
-# --------------------------------------------------------------------------------------------
 def make_data(root: str) -> dict:
     sys.path.insert(0, ROOT)
     from mmpipe.data.synth import synth, synth_vlm
@@ -243,21 +195,14 @@ def tail(path: str, n: int = 15) -> str:
 # --------------------------------------------------------------------------------------------
 # variant -> (extra --set values, environment (patches in train_entry), overflow JSON + 60 steps);
 # a run is FAMILY_VARIANT (clip: configs/tiny.yaml, vlm: configs/tiny_vlm.yaml)
-FIX = {"GPU_CHECKS_FIX_FP16_BACKWARD": "1"}  # ZeRO-0: loss scaled in backward (fix_fp16_backward)
-NF = {"GPU_CHECKS_FP32_NORMS": "1"}  # mmpipe's group norms in fp32 (fp32_norms)
 FP16, Z1, NOSTOP = ["train.precision=fp16"], ["parallel.zero_stage=1"], ["train.max_bad_steps=0"]
 VARIANTS = {
     "fp32": (["train.precision=fp32"], {}, False), "bf16": (["train.precision=bf16"], {}, False),
     "fp16": (FP16, {}, False),                      # ZeRO-0: FP16_UnfusedOptimizer
     "fp16_z1": (FP16 + Z1, {}, False),              # DeepSpeedZeroOptimizer
-    "fp16_fix": (FP16, FIX, False),
-    "fp16_z1nf": (FP16 + Z1, NF, False),
     "fp16_overflow": (FP16 + NOSTOP, {}, True),
     "fp16_z1_overflow": (FP16 + Z1 + NOSTOP, {}, True),
     "fp16_z1_overflow_default_max_bad_steps": (FP16 + Z1, {}, True),
-    "fp16_fix_overflow": (FP16 + NOSTOP, FIX, True),
-    "fp16_z1nf_overflow": (FP16 + Z1 + NOSTOP, NF, True),
-    "fp16_fix_overflow_default_max_bad_steps": (FP16, FIX, True),
     "fp16_overflow_default_max_bad_steps": (FP16, {}, True),  # recheck: stock ZeRO-0, 2**32 start, default 3
 }
 DEFAULT_RUNS = ",".join(f"{f}_{v}" for f in ("clip", "vlm") for v in VARIANTS)

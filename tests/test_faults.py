@@ -40,6 +40,17 @@ def _rank_pid(out: str, local_rank: int) -> int:
     raise AssertionError(f"no rank {local_rank} process for {out}")
 
 
+def _wait_for_step(proc, out: str, step: int) -> None:
+    """Until the run in ``out`` has logged ``step`` (it must still be running then)."""
+    metrics = os.path.join(out, "metrics.jsonl")
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.isfile(metrics) and any(f'"step": {step},' in line for line in open(metrics)):
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None
+
+
 def test_sigterm_to_one_rank_stops_every_rank_at_a_step_boundary(runs, tmp_path):
     out = str(tmp_path / "preempted")
     steps = 2000  # far more than the test waits for: the signal arrives mid-training
@@ -47,13 +58,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_a_step_boundary(runs, tmp_path)
     port = str(29500 + (os.getpid() % 1000) + 31)
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", port, TRAIN_PY] + args
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = os.path.join(out, "metrics.jsonl")
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if os.path.isfile(metrics) and any('"step": 3,' in line for line in open(metrics)):
-            break
-        time.sleep(0.1)
-    assert proc.poll() is None
+    _wait_for_step(proc, out, 3)
     os.kill(_rank_pid(out, 1), signal.SIGTERM)
     log, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, log[-3000:]
@@ -87,13 +92,7 @@ def test_ctrl_c_under_a_launcher_stops_with_a_complete_checkpoint(runs, tmp_path
             ["torchrun", "--nproc_per_node", "2", "--master_port", port])
     proc = subprocess.Popen(head + [TRAIN_PY] + args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    metrics = os.path.join(out, "metrics.jsonl")
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if os.path.isfile(metrics) and any('"step": 3,' in line for line in open(metrics)):
-            break
-        time.sleep(0.1)
-    assert proc.poll() is None
+    _wait_for_step(proc, out, 3)
     os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
     log, _ = proc.communicate(timeout=120)
     stopped = [line for line in log.splitlines() if "stopped at step" in line]
