@@ -361,7 +361,6 @@ def check_ranges(section, prefix: str, where: str) -> None:
 def validate(cfg: RunConfig) -> None:
     """Checks that need no process group: choices, ranges, ZeRO with a pipeline."""
     where = cfg.source or "config"
-    check_ranges(cfg, "", where)
     for key, choices in _CHOICES.items():
         if cfg.get(key) not in choices:
             raise ConfigError(f"{where}: {key}={cfg.get(key)!r} is not one of {', '.join(choices)}")
@@ -391,13 +390,14 @@ def validate(cfg: RunConfig) -> None:
                 "data.group_window") + (("parallel.micro_batch_size",) if mbs != "auto" else ()):
         if cfg.get(key) < 1:
             raise ConfigError(f"{where}: {key} must be >= 1, got {cfg.get(key)}")
+    _check_numbers(cfg, where)
+    check_ranges(cfg, "", where)  # every other number, the model section's included
     fam = family_of(cfg)
     fam.validate(cfg.model, where)
     low = fam.min_micro_batch
     if mbs != "auto" and mbs < low:
         raise ConfigError(f"{where}: parallel.micro_batch_size={mbs}: model.type={cfg.model.type} needs at least {low} "
                           f"samples per micro-batch ({fam.min_micro_batch_why}); use {low} or more, or auto")
-    _check_numbers(cfg, where)
     if cfg.parallel.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"{where}: parallel.zero_stage must be 0, 1, 2 or 3, got {cfg.parallel.zero_stage}")
     if cfg.parallel.pipeline_stages > 1 and cfg.parallel.zero_stage >= 2:

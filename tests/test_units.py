@@ -487,7 +487,7 @@ def test_every_number_of_the_config_has_a_range_checked_at_load():
                                        ("train.save_every_minutes", -1, "-1.0", "> 0"),
                                        ("train.collective_timeout_minutes", -1, "-1.0", "> 0"),
                                        ("log.every", 0, "0", ">= 1"), ("data.shuffle_buffer", 0, "0", ">= 1"),
-                                       ("optim.groups.vision.max_grad_norm", 0, "0.0", "> 0"),
+                                       ("parallel.memory_budget_gb", 0, "0.0", "> 0"),
                                        ("model.vision.hidden_size", 0, "0", ">= 1")):
         with pytest.raises(ConfigError, match=rf"{key}={shown} is out of range: it accepts {accepts} \("):
             validate(load_config(TINY, [f"{key}={value}"]))
