@@ -31,7 +31,6 @@ FREEZE = {"none": [], "freeze_llm": ["optim.freeze_llm=true"], "freeze_vit": ["o
 CASES = [  # (precision, frozen, from, to)
     ("bf16", "none", "P1", "P2"),  # FP16_UnfusedOptimizer -> BF16_Optimizer: "continue on more GPUs"
     ("bf16", "none", "P1", "DP2Z1"),
-    ("bf16", "none", "P1", "DP2Z3"),  # ZeRO-3: partitioned weights and optimizer state before any step
     ("bf16", "none", "P2", "P1"),  # BF16_Optimizer -> FP16_UnfusedOptimizer (its next save must work)
     ("bf16", "freeze_vit", "P1", "P2"),
     ("bf16", "freeze_llm", "DP2Z1", "P1"),
@@ -50,9 +49,9 @@ def _args(data, out, precision, frozen, layout, *extra):
 
 
 def _source(data, tmp_path_factory, precision, frozen, layout) -> str:
-    key = (precision, frozen, layout)
+    key = (data["train"], precision, frozen, layout)
     if key not in _sources:
-        out = str(tmp_path_factory.mktemp("resume_src") / "_".join(key))
+        out = str(tmp_path_factory.mktemp("resume_src") / "_".join(key[1:]))
         n, launcher, _ = LAYOUTS[layout]
         launch(n, _args(data, out, precision, frozen, layout), launcher)
         _sources[key] = out
@@ -102,6 +101,32 @@ def test_resume_on_another_layout_is_exact(tiny_chat_data, tmp_path_factory, tmp
     if frozen != "none":  # the frozen group did not move
         group = "vision." if frozen == "freeze_vit" else "llm.blocks."
         assert all(torch.equal(w[k], w3[k]) for k in w if k.startswith(group))
+
+
+@pytest.fixture(scope="module")
+def image_chat_data(tmp_path_factory):
+    """Chat samples that all hold an image: under ZeRO-3 a micro-batch without images takes another
+    forward path on one rank than on the other, which hangs DeepSpeed's parameter gathering (a known
+    ZeRO-3 limitation, DeepSpeed #7170), whatever the resume."""
+    from mmpipe.data.synth import synth_vlm
+    out = tmp_path_factory.mktemp("imagechat")
+    info = synth_vlm(str(out), 60, val_fraction=0.1, size=32, seed=2, text_only=0.0, progress=False)
+    return {"dir": str(out), "train": info["train"], "val": info["val"]}
+
+
+def test_resume_into_zero3_is_exact(image_chat_data, tmp_path_factory, tmp_path):
+    """bf16 at P = 1 (FP16_UnfusedOptimizer) resumed at DP = 2 with ZeRO-3: partitioned weights and an
+    optimizer whose state does not exist before its first step."""
+    ref = _source(image_chat_data, tmp_path_factory, "bf16", "none", "P1")
+    out = str(tmp_path / "z3")
+    _copy_to_step3(ref, out)
+    launch(2, _args(image_chat_data, out, "bf16", "none", "DP2Z3") + ["--resume"], "deepspeed")
+    got, want = _records(out), _records(ref)
+    np.testing.assert_allclose([got[s]["loss"] for s in (4, 5, 6)], [want[s]["loss"] for s in (4, 5, 6)], rtol=1e-2)
+    w, w_ref = (load_model_weights(os.path.join(d, "checkpoints"), "global_step6") for d in (out, ref))
+    w3 = load_model_weights(os.path.join(ref, "checkpoints"), "global_step3")
+    keys = sorted(w_ref)
+    assert (_flat(w, keys) - _flat(w_ref, keys)).norm() < 0.1 * (_flat(w_ref, keys) - _flat(w3, keys)).norm()
 
 
 def test_a_resume_with_another_batch_size_trains_every_sample_of_the_epoch_once(tiny_chat_data, tmp_path_factory,
