@@ -30,7 +30,7 @@ LAYOUTS = {  # name -> (processes, launcher, settings)
 FREEZE = {"none": [], "freeze_llm": ["optim.freeze_llm=true"], "freeze_vit": ["optim.freeze_vit=true"]}
 CASES = [  # (precision, frozen, from, to)
     ("bf16", "none", "P1", "P2"),  # FP16_UnfusedOptimizer -> BF16_Optimizer: "continue on more GPUs"
-    ("bf16", "none", "P1", "DP2Z1"),
+    ("bf16", "none", "P1", "DP2Z3"),  # ZeRO-3: partitioned weights, optimizer state before its first step
     ("bf16", "none", "P2", "P1"),  # BF16_Optimizer -> FP16_UnfusedOptimizer (its next save must work)
     ("bf16", "freeze_vit", "P1", "P2"),
     ("bf16", "freeze_llm", "DP2Z1", "P1"),
@@ -49,9 +49,9 @@ def _args(data, out, precision, frozen, layout, *extra):
 
 
 def _source(data, tmp_path_factory, precision, frozen, layout) -> str:
-    key = (data["train"], precision, frozen, layout)
+    key = (precision, frozen, layout)
     if key not in _sources:
-        out = str(tmp_path_factory.mktemp("resume_src") / "_".join(key[1:]))
+        out = str(tmp_path_factory.mktemp("resume_src") / "_".join(key))
         n, launcher, _ = LAYOUTS[layout]
         launch(n, _args(data, out, precision, frozen, layout), launcher)
         _sources[key] = out
@@ -72,18 +72,36 @@ def _flat(sd: dict, keys) -> torch.Tensor:
     return torch.cat([sd[k].float().flatten() for k in keys])
 
 
+@pytest.fixture(scope="module")
+def image_chat_data(tmp_path_factory):
+    """60 chat samples that all hold an image, plus a missing and a corrupt image (bad samples the
+    ledger must carry across the resume). Every micro-batch holds images: under ZeRO-3 one without
+    takes another forward path on one rank than on the other, which hangs DeepSpeed's parameter
+    gathering (a known ZeRO-3 limitation, DeepSpeed #7170), whatever the resume."""
+    from mmpipe.data.synth import synth_vlm
+    out = tmp_path_factory.mktemp("imagechat")
+    info = synth_vlm(str(out), 60, val_fraction=0.1, size=32, seed=2, text_only=0.0, progress=False)
+    (out / "images" / "corrupt.jpg").write_bytes(b"\xff\xd8\xff\xe0 this is not a jpeg at all" * 3)
+    turn = [{"role": "user", "content": "<image>\nwhat colour is the shape?"}, {"role": "assistant", "content": "red"}]
+    with open(info["train"], "a") as fh:
+        for image in ("images/does_not_exist.jpg", "images/corrupt.jpg"):
+            fh.write(json.dumps({"messages": turn, "images": [image]}) + "\n")
+    return {"dir": str(out), "train": info["train"], "val": info["val"]}
+
+
 @pytest.mark.parametrize("precision,frozen,src,dst", CASES, ids=["-".join(c) for c in CASES])
-def test_resume_on_another_layout_is_exact(tiny_chat_data, tmp_path_factory, tmp_path, precision, frozen, src, dst):
-    ref = _source(tiny_chat_data, tmp_path_factory, precision, frozen, src)
+def test_resume_on_another_layout_is_exact(image_chat_data, tmp_path_factory, tmp_path, precision, frozen, src, dst):
+    ref = _source(image_chat_data, tmp_path_factory, precision, frozen, src)
     out = str(tmp_path / "resumed")
     _copy_to_step3(ref, out)
     n, launcher, _ = LAYOUTS[dst]
-    proc = launch(n, _args(tiny_chat_data, out, precision, frozen, dst) + ["--resume"], launcher)
+    proc = launch(n, _args(image_chat_data, out, precision, frozen, dst) + ["--resume"], launcher)
     assert "resume@3" in proc.stdout + proc.stderr
     got, want = _records(out), _records(ref)
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     rtol = 1e-5 if precision == "fp32" else 1e-2  # bf16: another layout rounds differently
     np.testing.assert_allclose([got[s]["loss"] for s in (4, 5, 6)], [want[s]["loss"] for s in (4, 5, 6)], rtol=rtol)
+    assert want[3]["bad_samples"] > 0  # the ledger has something to carry across the resume
     for field in ("bad_samples", "samples_seen", "skipped_steps"):
         assert got[6][field] == want[6][field], field
     ck, ck_ref = os.path.join(out, "checkpoints"), os.path.join(ref, "checkpoints")
@@ -103,41 +121,15 @@ def test_resume_on_another_layout_is_exact(tiny_chat_data, tmp_path_factory, tmp
         assert all(torch.equal(w[k], w3[k]) for k in w if k.startswith(group))
 
 
-@pytest.fixture(scope="module")
-def image_chat_data(tmp_path_factory):
-    """Chat samples that all hold an image: under ZeRO-3 a micro-batch without images takes another
-    forward path on one rank than on the other, which hangs DeepSpeed's parameter gathering (a known
-    ZeRO-3 limitation, DeepSpeed #7170), whatever the resume."""
-    from mmpipe.data.synth import synth_vlm
-    out = tmp_path_factory.mktemp("imagechat")
-    info = synth_vlm(str(out), 60, val_fraction=0.1, size=32, seed=2, text_only=0.0, progress=False)
-    return {"dir": str(out), "train": info["train"], "val": info["val"]}
-
-
-def test_resume_into_zero3_is_exact(image_chat_data, tmp_path_factory, tmp_path):
-    """bf16 at P = 1 (FP16_UnfusedOptimizer) resumed at DP = 2 with ZeRO-3: partitioned weights and an
-    optimizer whose state does not exist before its first step."""
-    ref = _source(image_chat_data, tmp_path_factory, "bf16", "none", "P1")
-    out = str(tmp_path / "z3")
-    _copy_to_step3(ref, out)
-    launch(2, _args(image_chat_data, out, "bf16", "none", "DP2Z3") + ["--resume"], "deepspeed")
-    got, want = _records(out), _records(ref)
-    np.testing.assert_allclose([got[s]["loss"] for s in (4, 5, 6)], [want[s]["loss"] for s in (4, 5, 6)], rtol=1e-2)
-    w, w_ref = (load_model_weights(os.path.join(d, "checkpoints"), "global_step6") for d in (out, ref))
-    w3 = load_model_weights(os.path.join(ref, "checkpoints"), "global_step3")
-    keys = sorted(w_ref)
-    assert (_flat(w, keys) - _flat(w_ref, keys)).norm() < 0.1 * (_flat(w_ref, keys) - _flat(w3, keys)).norm()
-
-
-def test_a_resume_with_another_batch_size_trains_every_sample_of_the_epoch_once(tiny_chat_data, tmp_path_factory,
+def test_a_resume_with_another_batch_size_trains_every_sample_of_the_epoch_once(image_chat_data, tmp_path_factory,
                                                                                 tmp_path):
     """Stopped after 3 steps of 8, resumed with train.batch_size=16: the epoch goes on at its next
     unseen sample (two steps of 16), so the samples trained in it are distinct and what is left
     untrained is less than one global batch (the epoch's tail)."""
-    ref = _source(tiny_chat_data, tmp_path_factory, "bf16", "none", "P1")
+    ref = _source(image_chat_data, tmp_path_factory, "bf16", "none", "P1")
     out = str(tmp_path / "bigger")
     _copy_to_step3(ref, out)
-    proc = launch(1, _args(tiny_chat_data, out, "bf16", "none", "P1", "train.batch_size=16", "train.steps=5")
+    proc = launch(1, _args(image_chat_data, out, "bf16", "none", "P1", "train.batch_size=16", "train.steps=5")
                   + ["--resume"], "python")
     assert "train.batch_size 8 at the checkpoint, 16 now" in proc.stdout + proc.stderr
     before = [json.loads(line) for line in open(os.path.join(ref, "samples", "rank0.jsonl"))]
@@ -148,5 +140,5 @@ def test_a_resume_with_another_batch_size_trains_every_sample_of_the_epoch_once(
     # distinct, and the 56 positions trained leave less than one global batch of the epoch untrained
     bad = _records(out)[5]["bad_samples"]
     assert len(keys) == 3 * 8 + 2 * 16 and len(keys) - len(set(keys)) == bad
-    positions = sum(1 for _ in open(tiny_chat_data["train"]))  # the epoch (unusable lines included)
+    positions = sum(1 for _ in open(image_chat_data["train"]))  # the epoch (unusable lines included)
     assert 0 <= positions - len(keys) < 16, (positions, len(keys))
