@@ -24,5 +24,5 @@ setup(
         "tensorboard",
     ],
     extras_require={"test": ["pytest>=8"]},
-    entry_points={"console_scripts": ["mmpipe=mmpipe.cli:main"]},
+    entry_points={"console_scripts": ["mmpipe=mmpipe.cli.main:main"]},
 )

@@ -52,7 +52,7 @@ VLM_SETS = ["optim.groups.vision.max_grad_norm=0.3", "optim.groups.projector.max
 # --------------------------------------------------------------------------------------------
 def train_entry(argv) -> int:
     sys.path.insert(0, ROOT)
-    import mmpipe.optim as optim
+    import mmpipe.config.groups as optim
     original = optim.GradClipper.record
 
     def record(self):
@@ -75,7 +75,7 @@ def train_entry(argv) -> int:
     for k in ("GPU_CHECKS_FIX_FP16_BACKWARD", "GPU_CHECKS_FP32_NORMS"):  # the stand-ins are mmpipe's now
         if os.environ.get(k):
             raise SystemExit(f"gpu_checks: {k} is gone: mmpipe itself scales fp16's loss and takes norms in fp32")
-    from mmpipe.cli import train_main
+    from mmpipe.cli.main import train_main
     return train_main(argv)
 
 
@@ -133,7 +133,7 @@ def wait_all(jobs: dict, timeout: float) -> dict:
 
 
 def metrics(run_dir: str) -> list:
-    from mmpipe.metrics import read_metrics
+    from mmpipe.train.metrics import read_metrics
     path = os.path.join(run_dir, "metrics.jsonl")
     return read_metrics(path) if os.path.isfile(path) else []
 

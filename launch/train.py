@@ -32,7 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mmpipe.cli import train_main  # noqa: E402
+from mmpipe.cli.main import train_main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(train_main())

@@ -1,7 +1,7 @@
 """mmpipe: pipeline-parallel training of image+text models on DeepSpeed."""
 from mmpipe._version import __version__  # noqa: E402
 
-from mmpipe.config import load_config  # noqa: E402
+from mmpipe.config.schema import load_config  # noqa: E402
 from mmpipe.errors import ConfigError, DataError, MmpipeError  # noqa: E402
 
 
@@ -14,7 +14,7 @@ def build_model(config, seed=None):
     comes back with its latest weights, as from an export)."""
     import os
 
-    from mmpipe.export import build_exported, is_export
+    from mmpipe.train.export import build_exported, is_export
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
         if is_export(path):
@@ -36,10 +36,10 @@ def build_model(config, seed=None):
 def load_weights(path, step=None):
     """The plain model's state dict from a run directory or checkpoint of any layout (no engine), or
     from an ``mmpipe export --format mmpipe`` directory."""
-    from mmpipe.export import is_export, load_export_weights
+    from mmpipe.train.export import is_export, load_export_weights
     if is_export(path):
         return load_export_weights(path)
-    from mmpipe.checkpoint import load_weights as _load
+    from mmpipe.train.checkpoint import load_weights as _load
     return _load(path, step)
 
 

@@ -164,5 +164,5 @@ def parity_family(request):
 
 
 def train_losses(out: str) -> list:
-    from mmpipe.metrics import read_metrics
+    from mmpipe.train.metrics import read_metrics
     return [r["loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))]

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from mmpipe.pipeline.simulate import bubble_formula, recommend_micro_batches, simulate
+from mmpipe.planning.simulate import bubble_formula, recommend_micro_batches, simulate
 
 
 @pytest.mark.parametrize("P,M", [(2, 1), (2, 8), (3, 5), (4, 8), (4, 16)])
@@ -37,8 +37,8 @@ def test_activations_and_gradients_cross_with_their_own_costs():
     """Stage 1 the bottleneck: each micro-batch it receives the activations (a), runs F + B and
     sends the gradients back (g), so the step is 8 x (9 + a + g) plus stage 0's fill and drain. The
     costs count DeepSpeed's messages: one per tensor of the activation tuple, one per gradient."""
-    from mmpipe.planner import stage_times
-    from mmpipe.profile import LayerCost
+    from mmpipe.planning.place import stage_times
+    from mmpipe.planning.profiler import LayerCost
     r = simulate([1.0, 3.0], [2.0, 6.0], 8, comm=[0.5], comm_grad=[0.25])
     assert r.step_time == pytest.approx(8 * (9 + 0.5 + 0.25) + 3)
     # a tuple of 3 tensors (hidden states, token ids, mask) of which one wants a gradient
@@ -51,7 +51,7 @@ def test_activations_and_gradients_cross_with_their_own_costs():
 
 def test_shared_cores_stretch_each_instruction_by_the_ranks_computing_with_it():
     """Ranks sharing cores: an instruction runs slower by how many ranks compute while it runs."""
-    from mmpipe.pipeline.simulate import _ds_streams, simulate_shared_cores
+    from mmpipe.planning.simulate import _ds_streams, simulate_shared_cores
     plain = simulate([1.0], [2.0], 4).step_time
     # data parallel: 4 copies of one stage always compute together on 2 cores -> 2x, or 2.3x when
     # the measured slowdown per unit of oversubscription is 1.3 (1 + (2 - 1) x 1.3)
@@ -84,7 +84,7 @@ def test_micro_batch_recommendation_and_its_limit():
 
 # ---- placements from measured costs ----------------------------------------------------------------
 def _profile(vision_fwd, vision_bwd, text_fwd=1.0, text_bwd=2.0, n_vision=6, n_text=4):
-    from mmpipe.profile import LayerCost
+    from mmpipe.planning.profiler import LayerCost
     names = ([f"vision.blocks.{i}" for i in range(n_vision)] + [f"text.blocks.{i}" for i in range(n_text)])
     layers = []
     for n in names:
@@ -97,7 +97,7 @@ def _profile(vision_fwd, vision_bwd, text_fwd=1.0, text_bwd=2.0, n_vision=6, n_t
 
 def place(prof, names, branches, P, placement, micro_batches):
     """The planner's Plan, as (parts, {placement: prediction})."""
-    from mmpipe.planner import place as plan
+    from mmpipe.planning.place import place as plan
     p = plan(names, branches, P, placement, micro_batches, prof=prof)
     assert p.layers == names and p.segments == branches and p.costs == "profile"
     return p.parts, p.predicted
@@ -139,7 +139,7 @@ def test_auto_takes_the_placement_the_simulator_predicts_faster(seed):
 def test_trace_json_and_png_are_written(tmp_path):
     import json
 
-    from mmpipe.pipeline.instrument import write_timeline_png, write_trace
+    from mmpipe.parallel.stage_clock import write_timeline_png, write_trace
     events0 = [("ForwardPass", 0, 1.0, 1.5, 1), ("SendActivation", 0, 1.5, 1.6, 1), ("BackwardPass", 0, 2.0, 3.0, 1)]
     events1 = [("RecvActivation", 0, 1.5, 1.6, 1), ("ForwardPass", 0, 1.6, 1.8, 1), ("BackwardPass", 0, 1.8, 2.0, 1)]
     trace = write_trace(str(tmp_path / "t.json"), [(events0, 100.0), (events1, 100.0)], [(0, 0), (1, 0)])
@@ -153,7 +153,7 @@ def test_trace_json_and_png_are_written(tmp_path):
 
 
 def test_profile_passes_keep_each_layers_median():
-    from mmpipe.profile import LayerCost, median_costs
+    from mmpipe.planning.profiler import LayerCost, median_costs
 
     def cost(f, b, o):
         return LayerCost("vision.0", f, b, 10, 20, 30, 40, 40, o)

@@ -27,7 +27,7 @@ def test_measured_auto_placement_trains_exactly_like_the_reference(runs):
 
 
 def test_stage_time_is_accounted_and_the_trace_is_written(runs):
-    from mmpipe.metrics import read_metrics
+    from mmpipe.train.metrics import read_metrics
     out, _ = runs.get(*REF)
     recs = read_metrics(os.path.join(out, "metrics.jsonl"))
     for r in recs:
@@ -60,7 +60,7 @@ def test_stage_time_is_accounted_and_the_trace_is_written(runs):
 
 def test_mmpipe_plan_reports_every_placement_and_compares_with_a_run(runs, capsys, tmp_path, monkeypatch):
     from conftest import TINY
-    from mmpipe.cli import main
+    from mmpipe.cli.main import main
     monkeypatch.setenv("MMPIPE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "plan"
     assert main(["plan", "--config", TINY, "--set", "model.text.vocab_size=300", "--out", str(out)]) == 0

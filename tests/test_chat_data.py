@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mmpipe.data.chat import (IMAGE, ChatEncoder, add_chat_tokens, read_chat, read_llava_json,
+from mmpipe.families.vlm.chat_data import (IMAGE, ChatEncoder, add_chat_tokens, read_chat, read_llava_json,
                               read_swift_jsonl)
 
 N = 9  # image tokens per image (a 3x3 patch grid)
@@ -96,7 +96,7 @@ def test_chat_batches_hold_every_image_in_order_and_skip_bad_samples(tok, tmp_pa
     (replaced by the next usable sample and reported); images stacked in order, labels padded -100."""
     import torch
 
-    from mmpipe.data.chat import ChatCollate, ChatDataset
+    from mmpipe.families.vlm.chat_data import ChatCollate, ChatDataset
     from mmpipe.data.synth import synth
     info = synth(str(tmp_path / "imgs"), 4, val_fraction=0.0, size=32, seed=0, progress=False)
     paths = [json.loads(line)["image"] for line in open(info["train"])]
@@ -127,7 +127,7 @@ def test_a_chat_batch_trains_the_vlm_plain_model(tok, tmp_path):
     import torch
 
     import mmpipe
-    from mmpipe.data.chat import ChatCollate, ChatDataset
+    from mmpipe.families.vlm.chat_data import ChatCollate, ChatDataset
     from mmpipe.data.synth import synth
     info = synth(str(tmp_path / "imgs"), 2, val_fraction=0.0, size=32, seed=0, progress=False)
     paths = [json.loads(line)["image"] for line in open(info["train"])]
@@ -161,8 +161,8 @@ def test_synth_vlm_writes_a_learnable_chat_set(tok, tmp_path, capsys):
     the time, and answers that follow the image (one shape -> "one", with a position question)."""
     from collections import Counter
 
-    from mmpipe.cli import main
-    from mmpipe.data.chat import ChatDataset
+    from mmpipe.cli.main import main
+    from mmpipe.families.vlm.chat_data import ChatDataset
     assert main(["data", "synth", "--kind", "vlm", "--out", str(tmp_path / "vlm"), "--n", "120", "--size", "32"]) == 0
     assert "chat samples" in capsys.readouterr().out
     train, val = read_chat(str(tmp_path / "vlm" / "train.jsonl")), read_chat(str(tmp_path / "vlm" / "val.jsonl"))
@@ -191,7 +191,7 @@ def test_the_tokenizers_own_chat_template_is_used(tmp_path):
     """With a chat template (a ChatML one, as Qwen2's tokenizer has), the ids are the rendered
     conversation's and exactly each assistant turn (its text and its end marker) is learned; only
     <image> is added to the tokenizer (no plain-template role markers)."""
-    from mmpipe.data.chat import ChatSample
+    from mmpipe.families.vlm.chat_data import ChatSample
     from mmpipe.data.tokenizer import train_tokenizer
     t = train_tokenizer(["what colour is the circle", "red two shapes how many and", "user assistant"], 200,
                         str(tmp_path / "tok"))

@@ -231,7 +231,7 @@ def test_utf16_tsv_from_a_spreadsheet(tmp_path):
 
 
 def test_a_manifest_that_is_not_utf8_is_one_line_naming_the_line(tmp_path, capsys):
-    from mmpipe.cli import main
+    from mmpipe.cli.main import main
     from mmpipe.data.manifest import read_manifest
     path = tmp_path / "latin1.csv"
     path.write_bytes("image,text\na.jpg,plain\na.jpg,café crème\n".encode("latin-1"))
@@ -348,7 +348,7 @@ def _check_corpus(tmp_path):
 
 
 def test_data_check_json_reports_every_row_as_training_reads_it(tmp_path, capsys):
-    from mmpipe.cli import main
+    from mmpipe.cli.main import main
     imgs, manifest = _check_corpus(tmp_path)
     rc = main(["data", "check", "--manifest", manifest, "--json", "--workers", "1", "--set", "data.decode_size=16"])
     out, err = capsys.readouterr()
@@ -376,7 +376,7 @@ def test_data_check_json_reports_every_row_as_training_reads_it(tmp_path, capsys
 
 
 def test_data_check_human_report_and_limit_from_the_config(tmp_path, capsys):
-    from mmpipe.cli import main
+    from mmpipe.cli.main import main
     imgs, manifest = _check_corpus(tmp_path)
     cfg = tmp_path / "run.yaml"
     cfg.write_text("data:\n  max_bad_fraction: 0.2\n")

@@ -14,7 +14,7 @@ from test_parity import REF, _weights, assert_weights_close
 
 
 def test_cached_run_reproduces_the_decoding_run(runs, tiny_data, tmp_path_factory):
-    from mmpipe.config import load_config
+    from mmpipe.config.schema import load_config
     from mmpipe.data.cache import prepare
     cfg = load_config(TINY)
     cache = str(tmp_path_factory.mktemp("cache") / "c")
@@ -29,7 +29,7 @@ def test_cached_run_reproduces_the_decoding_run(runs, tiny_data, tmp_path_factor
 
 def test_shards_give_each_data_parallel_rank_disjoint_samples(runs, tiny_data, tmp_path_factory):
     from mmpipe.data.manifest import read_manifest
-    from mmpipe.metrics import read_metrics
+    from mmpipe.train.metrics import read_metrics
     good = [(s.image, s.text) for s in read_manifest(tiny_data["train"]) if os.path.isfile(s.image)][:64]
     shard_dir = tmp_path_factory.mktemp("shards")
     write_shards(str(shard_dir), good, 8, bad_every=20)
@@ -62,14 +62,14 @@ def test_auto_micro_batch_in_a_pipelined_run(runs, tiny_data, tmp_path_factory):
     (accumulation 4) on every rank, and the run trains with it."""
     import torch
 
-    from mmpipe.config import load_config
+    from mmpipe.config.schema import load_config
     from mmpipe.data.manifest import read_manifest
     from mmpipe.data.source import TrainSource
     from mmpipe.data.tokenizer import eos_id, train_tokenizer
     from mmpipe.families import build_family
-    from mmpipe.plan import build_layers, probe_batch
-    from mmpipe.planner import place
-    from mmpipe.profile import profile_layers, stage_memory
+    from mmpipe.planning.measure import build_layers, probe_batch
+    from mmpipe.planning.place import place
+    from mmpipe.planning.profiler import profile_layers, stage_memory
     samples = read_manifest(tiny_data["train"])
     tok_dir = str(tmp_path_factory.mktemp("tok_auto"))
     tok = train_tokenizer([s.text for s in samples], 300, tok_dir)
@@ -105,7 +105,7 @@ def test_bad_val_samples_are_counted_and_a_val_set_with_none_usable_stops_every_
     import pytest
 
     from conftest import launch
-    from mmpipe.metrics import read_metrics
+    from mmpipe.train.metrics import read_metrics
     good = [json.loads(line) for line in open(tiny_data["val"])][:6]
     bad = [{"image": "images/corrupt.jpg", "text": "a red circle"},
            {"image": "images/does_not_exist.jpg", "text": "a blue square"}]

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import launch
-from mmpipe.checkpoint import load_model_weights
-from mmpipe.metrics import read_metrics
+from mmpipe.train.checkpoint import load_model_weights
+from mmpipe.train.metrics import read_metrics
 from test_parity import assert_weights_close, reference
 
 

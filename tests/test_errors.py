@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import TINY
-from mmpipe.cli import main
+from mmpipe.cli.main import main
 
 
 def _one_line_error(capsys, argv) -> str:

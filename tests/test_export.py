@@ -26,7 +26,7 @@ def _png(tmp_path, size: int) -> str:
 def test_clip_run_exports_to_clipmodel_and_clipprocessor(runs, tmp_path):
     from transformers import CLIPModel, CLIPProcessor
 
-    from mmpipe.cli import main
+    from mmpipe.cli.main import main
     from mmpipe.data.loader import load_image
     ref = reference(runs)
     out = str(tmp_path / "clip_hf")
@@ -54,7 +54,7 @@ def test_clip_run_exports_to_clipmodel_and_clipprocessor(runs, tmp_path):
 def test_vlm_run_exports_to_llava_and_its_processor(family_runs_of, tiny_chat_data, tmp_path):
     from transformers import LlavaForConditionalGeneration, LlavaProcessor
 
-    from mmpipe.export import export
+    from mmpipe.train.export import export
     ref = reference(family_runs_of("vlm"))
     out, kind, _ = export(ref, str(tmp_path / "llava_hf"))
     assert kind == "LlavaForConditionalGeneration"
@@ -76,7 +76,7 @@ def test_vlm_run_exports_to_llava_and_its_processor(family_runs_of, tiny_chat_da
 def test_export_bf16_and_bad_input(runs, tmp_path, capsys):
     from safetensors import safe_open
 
-    from mmpipe.cli import main
+    from mmpipe.cli.main import main
     ref = reference(runs)
     out = str(tmp_path / "bf16")
     assert main(["export", "--run", ref, "--out", out, "--dtype", "bf16", "--step", "4"]) == 0
@@ -104,7 +104,7 @@ def test_clip_vit_bert_run_exports_to_vision_text_dual_encoder(runs, tmp_path):
     processor; transformers' image/text embeddings equal mmpipe's on a real image and caption."""
     from transformers import VisionTextDualEncoderModel, VisionTextDualEncoderProcessor
 
-    from mmpipe.cli import main
+    from mmpipe.cli.main import main
     from mmpipe.data.loader import load_image
     run, _ = runs.get("bert_pooler_p2", 2, ["parallel.pipeline_stages=2", "model.text.pooling=pooler", *BERT_TOWER])
     out = str(tmp_path / "vtde")
@@ -136,7 +136,7 @@ def test_resnet_run_exports_in_mmpipe_format(runs, tiny_data, tmp_path, capsys):
 
     from transformers import BertConfig, BertModel
 
-    from mmpipe.cli import main
+    from mmpipe.cli.main import main
     bert_dir = str(tmp_path / "bert")
     torch.manual_seed(0)
     BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
@@ -177,7 +177,7 @@ def test_damaged_or_incomplete_checkpoints_are_one_line_in_every_reader(family_r
     never completed (newer than ``latest``, no COMPLETE marker) is refused, not exported."""
     import shutil
 
-    from mmpipe.cli import main
+    from mmpipe.cli.main import main
     ref = reference(family_runs_of("vlm"))
     run = str(tmp_path / "damaged")
     shutil.copytree(ref, run)

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import ROOT, TRAIN_PY, _env, launch, train_losses
-from mmpipe.checkpoint import load_model_weights
-from mmpipe.metrics import read_metrics
+from mmpipe.train.checkpoint import load_model_weights
+from mmpipe.train.metrics import read_metrics
 from test_parity import REF, assert_weights_close, reference
 
 

@@ -13,12 +13,12 @@ import torch
 
 import mmpipe
 from conftest import TINY, train_losses
-from mmpipe.checkpoint import load_model_weights
-from mmpipe.config import load_config
+from mmpipe.train.checkpoint import load_model_weights
+from mmpipe.config.schema import load_config
 from mmpipe.errors import ConfigError
-from mmpipe.metrics import read_metrics
+from mmpipe.train.metrics import read_metrics
 from mmpipe.families.clip import ClipFamily
-from mmpipe.optim import assign_groups, clip_coef, forward_only_parts, param_groups, resolve_groups
+from mmpipe.config.groups import assign_groups, clip_coef, forward_only_parts, param_groups, resolve_groups
 
 GROUP_SETS = ["optim.schedule=constant", "optim.groups.vision.max_grad_norm=0.5", "optim.groups.vision.lr=5e-4",
               "optim.groups.text.max_grad_norm=0.3", "optim.groups.text.lr=2e-3",
@@ -94,7 +94,7 @@ def _tiny_model_cfg(*sets):
 
 def test_frozen_branch_runs_forward_only_and_gets_no_optimizer_state():
     from mmpipe.families import build_family
-    from mmpipe.optim import apply_freeze
+    from mmpipe.config.groups import apply_freeze
     cfg = _tiny_model_cfg("optim.freeze_vision=true")
     groups = resolve_groups(cfg.optim, ClipFamily)
     family = build_family(cfg.model, 0)

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from mmpipe.layout import CommModel, choose, dp_memory, predict_layouts
-from mmpipe.planner import layer_costs
+from mmpipe.planning.layouts import CommModel, choose, dp_memory, predict_layouts
+from mmpipe.planning.place import layer_costs
 
 
 def _layer(name, fwd, bwd, params, act=1000, out=4000, trainable=None, opt=0.0):
@@ -81,7 +81,7 @@ def test_zero2_charges_its_measured_hooks_and_bucket_copies():
     all-reduce, DeepSpeed hooks every parameter tensor and copies every gradient byte into and out of
     its buckets each micro-batch, and its step costs more than its share of ZeRO-0's. Measured
     (``CommModel.zero2``: per tensor, per byte, per byte of the step) and charged."""
-    from mmpipe.layout import zero2_fit
+    from mmpipe.planning.layouts import zero2_fit
     layers = [_layer(n, 2.0, 4.0, 1000, opt=0.5) for n in NAMES]
     ops = {"allreduce": {2: (1e-3, 2e-9)}, "allgather": {2: (5e-4, 1e-9)}, "reduce_scatter": {2: (5e-4, 1e-9)}}
     kw = dict(world=2, batch_size=16, micro_batch_size=4, precision="fp32", names=NAMES, segments=SEGS,
@@ -129,7 +129,7 @@ def test_the_chooser_prefers_data_parallel_when_it_fits_and_communication_is_che
 
 
 def test_the_chooser_breaks_a_near_tie_for_fewer_stages_then_lower_zero():
-    from mmpipe.layout import LayoutPrediction
+    from mmpipe.planning.layouts import LayoutPrediction
 
     def row(name, P, D, z, ms, fits=True):
         return LayoutPrediction(name, P, D, z, None, 2, step_time=ms / 1e3, fits=fits)
@@ -194,7 +194,7 @@ def test_four_ranks_list_every_divisor_layout_and_oversubscription_stretches_com
 def test_a_measured_stretch_replaces_the_fair_share_of_the_cores():
     """4 single-thread ranks on 2 cores measured 2.5x slower each (not 2x): data parallel computes
     2.5x slower, a pipeline's busy-scaled stretch pays the same 2.5 / 2 on top."""
-    from mmpipe.layout import oversubscription
+    from mmpipe.planning.layouts import oversubscription
     layers = [_layer(n, 3.0, 6.0, 1000) for n in NAMES]
     ops = {op: {2: (1e-4, 1e-10), 4: (2e-4, 1e-10)} for op in ("allreduce", "allgather", "reduce_scatter")}
     kw = dict(world=4, batch_size=32, micro_batch_size=2, precision="fp32", names=NAMES, segments=SEGS, cores=2)
@@ -224,7 +224,7 @@ def test_layout_auto_trains_at_world_size_two_and_records_its_choice(runs, tmp_p
 
     import mmpipe
     from conftest import launch
-    from mmpipe.metrics import read_metrics
+    from mmpipe.train.metrics import read_metrics
     out = str(tmp_path / "auto")
     proc = launch(2, runs.base(out, "--set", "parallel.pipeline_stages=auto"))
     log = proc.stdout + proc.stderr
@@ -250,7 +250,7 @@ def test_plan_world_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
     from PIL import Image
 
     from conftest import TINY
-    from mmpipe.cli import main
+    from mmpipe.cli.main import main
     out = str(tmp_path / "plan")
     assert main(["plan", "--config", TINY, "--world", "2", "--out", out]) == 0
     text = capsys.readouterr().out
@@ -275,7 +275,7 @@ def test_plan_world_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
 def test_medians_of_several_profiles_and_collective_measurements():
     """``bench`` samples the profile and the collectives once per round: each layer time and each
     collective figure is its median over the samples (one slow sample moves nothing)."""
-    from mmpipe.plan import median_profile
+    from mmpipe.planning.measure import median_profile
     profs = [_prof([_layer("a", f, 2 * f, 10, opt=f / 10), _layer("b", 3.0, 6.0, 10)]) for f in (1.0, 9.0, 2.0)]
     med = median_profile(profs)
     assert [(c["fwd_ms"], c["bwd_ms"], c["opt_ms"]) for c in med["layers"]] == [(2.0, 4.0, 0.2), (3.0, 6.0, 0.0)]
@@ -290,7 +290,7 @@ def test_medians_of_several_profiles_and_collective_measurements():
 SPY = '''
 import collections, json, sys
 import mmpipe.data.source as src
-from mmpipe import train
+from mmpipe.train import trainer as train
 calls = collections.Counter()
 def spy(owner, name):
     real = getattr(owner, name)
@@ -300,7 +300,7 @@ def spy(owner, name):
     setattr(owner, name, counted)
 spy(src, "open_source"); spy(train.Trainer, "validate"); spy(train.Trainer, "resolve_layout")
 if __name__ == "__main__":
-    from mmpipe.config import load_config
+    from mmpipe.config.schema import load_config
     cfg = load_config(sys.argv[1], sys.argv[3:])
     result = train.run(cfg, overwrite=True)
     json.dump({"calls": dict(calls), "step": result["step"]}, open(sys.argv[2], "w"))

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from conftest import launch
-from mmpipe.metrics import read_metrics
+from mmpipe.train.metrics import read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_deepspeed_tensorboard_and_csv_monitors_get_the_metrics(monitored_run):
 def test_mmpipe_report_writes_its_charts(monitored_run, capsys):
     from PIL import Image
 
-    from mmpipe.cli import main
+    from mmpipe.cli.main import main
     assert main(["report", "--run", monitored_run]) == 0
     for name in ("loss", "throughput", "stages", "grad_norms"):
         path = os.path.join(monitored_run, "report", f"{name}.png")
@@ -72,15 +72,15 @@ def test_report_of_a_one_stage_run_draws_that_stage(runs, tmp_path):
     import matplotlib
     from PIL import Image
 
-    from mmpipe import report
-    from mmpipe.config import load_config
+    from mmpipe.cli import report
+    from mmpipe.config.schema import load_config
     p1, _ = runs.get("p1", 1, ["parallel.pipeline_stages=1"], "python", flags=["--stop-at", "4"])
     run = str(tmp_path / "p1")
     shutil.copytree(p1, run, ignore=shutil.ignore_patterns("checkpoints"))
     assert load_config(os.path.join(run, "config.yaml")).log.stage_timing
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from mmpipe.metrics import read_metrics
+    from mmpipe.train.metrics import read_metrics
     recs = read_metrics(os.path.join(run, "metrics.jsonl"))
     fig = report._stages_chart(plt, recs, report._pipeline_stages(run))
     texts = [fig.axes[0].get_title()] + [t.get_text() for t in fig.axes[0].texts]

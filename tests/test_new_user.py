@@ -14,7 +14,7 @@ import torch
 
 import mmpipe
 from conftest import ROOT, TINY, TRAIN_PY, _env
-from mmpipe.cli import main
+from mmpipe.cli.main import main
 from mmpipe.errors import ConfigError, DataError
 
 
@@ -68,7 +68,7 @@ def test_stream_bad_fraction_counts_samples_drawn_before_the_resume():
 def test_shard_run_resumed_keeps_counting_the_samples_drawn_before(tiny_data, tmp_path):
     """A real shard stream, stopped at step 2 and resumed to 4: the checkpoint's data position
     (samples drawn, bad files) carries on from the first invocation instead of restarting at 0."""
-    from mmpipe.checkpoint import read_record
+    from mmpipe.train.checkpoint import read_record
     from mmpipe.data.manifest import read_manifest
     from test_data import write_shards
     good = [(s.image, s.text) for s in read_manifest(tiny_data["train"]) if os.path.isfile(s.image)][:48]
@@ -106,7 +106,7 @@ def test_fresh_run_into_a_used_run_dir_is_refused_and_overwrite_replaces_it(tiny
     latest = open(out / "checkpoints" / "latest").read().strip()
     assert latest == "global_step3" and sorted(os.listdir(out / "checkpoints")) == ["global_step2", "global_step3",
                                                                                      "latest"]
-    from mmpipe.metrics import read_metrics
+    from mmpipe.train.metrics import read_metrics
     assert [r["step"] for r in read_metrics(str(out / "metrics.jsonl"))] == [1, 2, 3]
 
 
@@ -150,13 +150,13 @@ def test_pretrained_dir_with_a_tokenizer_uses_it_and_pools_at_its_eos(legacy_cli
     from transformers import CLIPModel
 
     from mmpipe.families.clip import ClipFamily
-    from mmpipe.train import prepare_tokenizer
+    from mmpipe.train.trainer import prepare_tokenizer
     d = tmp_path / "clip_with_tok"
     shutil.copytree(legacy_clip["dir"], d)
     legacy_clip["tok"].save_pretrained(str(d))
     cfg = mmpipe.load_config(TINY, [f"model.pretrained={d}", f"train.output_dir={tmp_path / 'run'}"])
     tok = prepare_tokenizer(cfg, ClipFamily, 0)
-    from mmpipe.config import replace
+    from mmpipe.config.schema import replace
     cfg = replace(cfg, model=ClipFamily.resolve(cfg.model, tok, cfg.data))
     assert len(tok) == len(legacy_clip["tok"]) and cfg.model.text.eos_token_id == 3  # the directory's own
     assert not os.path.exists(tmp_path / "run" / "tokenizer")  # none trained
@@ -177,7 +177,7 @@ def test_pretrained_dir_with_a_tokenizer_uses_it_and_pools_at_its_eos(legacy_cli
                                    atol=1e-5, rtol=0)
     # a tokenizer larger than the weights' vocabulary is not theirs: one line
     big = mmpipe.load_config(TINY, [f"model.pretrained={legacy_clip['dir']}", "model.text.pretrained=null"])
-    from mmpipe.config import family_of
+    from mmpipe.config.schema import family_of
     with pytest.raises(ConfigError, match="it is not their tokenizer"):
         from mmpipe.data.tokenizer import StandInTokenizer
         family_of(big).resolve(big.model, StandInTokenizer(5000), big.data)
@@ -186,7 +186,7 @@ def test_pretrained_dir_with_a_tokenizer_uses_it_and_pools_at_its_eos(legacy_cli
 def test_a_cache_must_hold_the_pretrained_weights_tokenizer_ids(legacy_clip, tiny_data, tmp_path):
     from mmpipe.data.cache import prepare
     from mmpipe.families.clip import ClipFamily
-    from mmpipe.train import prepare_tokenizer
+    from mmpipe.train.trainer import prepare_tokenizer
     d = tmp_path / "clip_with_tok"
     shutil.copytree(legacy_clip["dir"], d)
     legacy_clip["tok"].save_pretrained(str(d))
@@ -213,7 +213,7 @@ def test_a_cache_must_hold_the_pretrained_weights_tokenizer_ids(legacy_clip, tin
 def test_micro_batch_of_one_refused_for_contrastive_and_auto_never_picks_it(capsys, tiny_data, tmp_path):
     line = _one_line_error(capsys, ["train"] + _train_argv(tiny_data, tmp_path / "o", "parallel.micro_batch_size=1"))
     assert "parallel.micro_batch_size=1" in line and "no negatives" in line
-    from mmpipe.profile import pick_micro_batch
+    from mmpipe.planning.profiler import pick_micro_batch
     peak = lambda m: 100 * m  # noqa: E731
     assert pick_micro_batch(8, peak, 250, min_size=2)[0] == 2  # not 1, though 1 fits too
     with pytest.raises(ConfigError, match="even a micro-batch of 2 needs"):
@@ -249,7 +249,7 @@ def test_recall_counts_ties_and_nan_as_misses():
 # ---- item 8: a profile cached without transfers is not reused as if transfers were free --------------------
 def test_profile_cached_without_transfers_gets_them_measured(tmp_path, monkeypatch):
     from mmpipe.families import build_family
-    from mmpipe.plan import get_profile
+    from mmpipe.planning.measure import get_profile
     monkeypatch.setenv("MMPIPE_CACHE", str(tmp_path))
     cfg = mmpipe.load_config(TINY, ["model.text.vocab_size=60", "model.text.eos_token_id=3",
                                     "model.text.max_position_embeddings=16"])
@@ -266,8 +266,8 @@ def test_profile_cached_without_transfers_gets_them_measured(tmp_path, monkeypat
 # ---- item 10: lr per group, and one lr that does not depend on the layout ------------------------------------
 def test_lr_record_names_every_group_and_scales_the_base_lr():
     from mmpipe.families.clip import ClipFamily
-    from mmpipe.optim import resolve_groups
-    from mmpipe.train import lr_record
+    from mmpipe.config.groups import resolve_groups
+    from mmpipe.train.trainer import lr_record
     groups = [g for g in resolve_groups(mmpipe.load_config(None, ["optim.lr=1e-3", "optim.groups.vision.lr=1e-4",
                                                                    "optim.freeze_text=true"]).optim, ClipFamily) if not g.frozen]
     assert [g.name for g in groups] == ["vision", "projector", "logit_scale"]
@@ -301,7 +301,7 @@ def test_stop_at_zero_is_one_line(capsys, tiny_data, tmp_path):
 
 def test_placement_mistakes_are_config_errors(tmp_path):
     from mmpipe.families import build_family
-    from mmpipe.planner import parts_from_plan_file, place
+    from mmpipe.planning.place import parts_from_plan_file, place
     cfg = mmpipe.load_config(TINY, ["model.text.vocab_size=60", "model.text.eos_token_id=3",
                                     "model.text.max_position_embeddings=16"])
     family = build_family(cfg.model, 0)
@@ -316,7 +316,7 @@ def test_placement_mistakes_are_config_errors(tmp_path):
         plan_parts(family, 2, "type:nomatch")
     # DeepSpeed's rule (balance the matching layers) over layer names, as mmpipe plan shows it:
     # two transformer blocks per stage
-    from mmpipe.planner import ds_parts
+    from mmpipe.planning.place import ds_parts
     assert plan_parts(family, 2, "type:blocks") == ds_parts(None, 2, "type:blocks", names) == [0, 6, n]
     for text in ("[1, 2]", "not json", '"stages"'):
         p = tmp_path / "plan.json"
@@ -371,7 +371,7 @@ def test_an_error_raised_on_one_rank_is_printed_once(tiny_data, tmp_path):
 def test_loader_worker_error_is_one_line(tmp_path, capsys, workers):
     from torch.utils.data import DataLoader
 
-    from mmpipe.cli import run_guarded
+    from mmpipe.cli.main import run_guarded
     from mmpipe.data.loader import ImageTextDataset
     from mmpipe.data.manifest import Sample
     ds = ImageTextDataset([Sample(str(tmp_path / f"missing{i}.jpg"), "a caption") for i in range(4)], 16)

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from conftest import TINY_VLM, launch
-from mmpipe.checkpoint import load_model_weights
-from mmpipe.metrics import read_metrics
+from mmpipe.train.checkpoint import load_model_weights
+from mmpipe.train.metrics import read_metrics
 
 LAYOUTS = {  # name -> (processes, launcher, settings)
     "P1": (1, "python", ["parallel.pipeline_stages=1"]),

@@ -20,7 +20,7 @@ from torch import nn
 from mmpipe.data.loader import Collate
 from mmpipe.families import register_family
 from mmpipe.families.base import Family, Layer
-from mmpipe.fields import Section, option, thawed_copy
+from mmpipe.config.fields import Section, option, thawed_copy
 
 FAMILY_CONFIG = """\
 model:
@@ -168,8 +168,8 @@ def test_the_toy_family_resolves_through_the_registry(tmp_path):
 def test_toy_family_trains_at_p1_and_p2_with_parity(family_runs_of):
     """The toy family at P = 1 and P = 2 (its label reaches the last stage from the loader): same
     losses and weights; the loss falls; the eval is the family's own (val MSE)."""
-    from mmpipe.checkpoint import load_model_weights
-    from mmpipe.metrics import read_metrics
+    from mmpipe.train.checkpoint import load_model_weights
+    from mmpipe.train.metrics import read_metrics
     runs = family_runs_of("toy")
     sets = ["train.steps=12", "train.eval_every=6"]
     p1, _ = runs.get("toy_p1_12", 1, ["parallel.pipeline_stages=1"] + sets, "python")
@@ -196,8 +196,8 @@ def test_forward_only_follows_every_path_from_a_trainable_layer(tmp_path):
     """A frozen layer runs without autograd only when no trainable layer reaches it, through its own
     segment or a merge (``takes``); a forward-only last layer that returns one tensor still runs."""
     import mmpipe
-    from mmpipe.optim import frozen_layout, resolve_groups
-    from mmpipe.pipeline.layers import PipeLayer
+    from mmpipe.config.groups import frozen_layout, resolve_groups
+    from mmpipe.parallel.layers import PipeLayer
     cfg_file = tmp_path / "toy.yaml"
     cfg_file.write_text(FAMILY_CONFIG)
 

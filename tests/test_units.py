@@ -13,7 +13,7 @@ import torch
 
 import mmpipe
 from conftest import TINY
-from mmpipe.config import load_config, reference
+from mmpipe.config.schema import load_config, reference
 from mmpipe.errors import ConfigError, DataError
 
 
@@ -48,7 +48,7 @@ def _write(tmp_path, d):
 
 
 def test_auto_values_are_filled(tmp_path):
-    from mmpipe.ds_config import resolve
+    from mmpipe.config.deepspeed import resolve
     path = _write(tmp_path, json.load(open(os.path.join(os.path.dirname(TINY), "..", "ds_configs", "auto.json"))))
     cfg = load_config(TINY, [f"train.deepspeed_config={path}", "train.precision=bf16", "optim.max_grad_norm=2.0"])
     ds, topo = resolve(cfg, world_size=4)
@@ -61,7 +61,7 @@ def test_auto_values_are_filled(tmp_path):
 
 
 def test_concrete_json_value_is_adopted_when_run_config_is_silent(tmp_path):
-    from mmpipe.ds_config import resolve
+    from mmpipe.config.deepspeed import resolve
     path = _write(tmp_path, {"gradient_clipping": 1.5, "train_micro_batch_size_per_gpu": 2})
     cfg = load_config(None, [f"train.deepspeed_config={path}", "train.batch_size=8"])
     ds, topo = resolve(cfg, world_size=1)
@@ -70,21 +70,21 @@ def test_concrete_json_value_is_adopted_when_run_config_is_silent(tmp_path):
 
 
 def test_gradient_accumulation_mismatch(tmp_path):
-    from mmpipe.ds_config import resolve
+    from mmpipe.config.deepspeed import resolve
     path = _write(tmp_path, {"gradient_accumulation_steps": 3})
     with pytest.raises(ConfigError, match="gradient_accumulation_steps=3"):
         resolve(load_config(TINY, [f"train.deepspeed_config={path}"]), world_size=2)
 
 
 def test_generated_config_when_no_json():
-    from mmpipe.ds_config import resolve
+    from mmpipe.config.deepspeed import resolve
     ds, _ = resolve(load_config(TINY), world_size=2)
     assert ds["optimizer"]["type"] == "AdamW" and ds["gradient_accumulation_steps"] == 4
 
 
 # ---- topology ----------------------------------------------------------------------------------
 def test_topology_arithmetic_and_reporting_rank():
-    from mmpipe.topology import Topology
+    from mmpipe.parallel.topology import Topology
     t = Topology(world_size=4, pipeline_stages=2, micro_batch_size=4, batch_size=32)
     assert (t.data_parallel, t.accumulation_steps) == (2, 4)
     assert t.coords(t.reporting_rank) == (1, 0)
@@ -108,7 +108,7 @@ def _brute(costs, P, mem=None, cap=None):
 
 @pytest.mark.parametrize("seed", range(25))
 def test_min_max_partition_is_optimal(seed):
-    from mmpipe.pipeline.partition import bottleneck, min_max_partition
+    from mmpipe.planning.partition import bottleneck, min_max_partition
     rng = random.Random(seed)
     n, P = rng.randint(3, 9), rng.randint(1, 4)
     if P > n:
@@ -131,7 +131,7 @@ def test_min_max_partition_is_optimal(seed):
 
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_modality_partition_never_mixes(P):
-    from mmpipe.pipeline.partition import modality_partition
+    from mmpipe.planning.partition import modality_partition
     costs = [5, 3, 3, 3, 3, 1, 1, 1, 1, 1]
     branches = ["image"] * 5 + ["text"] * 5
     parts = modality_partition(costs, branches, P)
@@ -161,7 +161,7 @@ def test_modality_partition_with_k_segments_is_exact(seed):
     one, and the slowest stage is as fast as the best of all such splits (brute force)."""
     import random
 
-    from mmpipe.pipeline.partition import bottleneck, modality_partition
+    from mmpipe.planning.partition import bottleneck, modality_partition
     rng = random.Random(seed)
     sizes = [rng.randint(1, 4), rng.randint(1, 2), rng.randint(2, 5)]
     segments = [t for t, k in zip(("vision", "projector", "llm"), sizes) for _ in range(k)]
@@ -183,7 +183,7 @@ def test_modality_partition_with_k_segments_is_exact(seed):
 
 
 def test_modality_partition_divides_stages_by_cost():
-    from mmpipe.pipeline.partition import modality_partition
+    from mmpipe.planning.partition import modality_partition
     costs = [3] * 4 + [1] + [3] * 6  # vision 12, projector 1, llm 18 over 5 stages
     segments = ["vision"] * 4 + ["projector"] + ["llm"] * 6
     assert modality_partition(costs, segments, 5) == [0, 2, 4, 5, 8, 11]  # 2 + 1 + 2 stages: slowest 9
@@ -285,7 +285,7 @@ def _batch(seed=0):
 
 def test_pipeline_layers_compute_the_plain_model():
     from mmpipe.families import build_family
-    from mmpipe.pipeline.layers import PipeLayer, plain_state_key, run_sequential
+    from mmpipe.parallel.layers import PipeLayer, plain_state_key, run_sequential
     cfg = _tiny_cfg()
     model = mmpipe.build_model(cfg)
     family = build_family(cfg)
@@ -386,7 +386,7 @@ def test_reduced_size_jpeg_decode_stays_close_to_full_decode(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from mmpipe.bench import make_photos
+    from mmpipe.bench.commands import make_photos
     from mmpipe.data.loader import load_image
     path = make_photos(str(tmp_path), 1, 640, 480, seed=3)[0]
     fast = load_image(path, 224)
@@ -400,7 +400,7 @@ def test_reduced_size_jpeg_decode_stays_close_to_full_decode(tmp_path):
 def test_a_resolved_config_is_derived_not_mutated_and_sealed():
     """Resolution (tokenizer fields, auto micro-batch) makes a new config; once sealed, any change is
     an error naming the field, and the config the user passed in is never touched."""
-    from mmpipe.config import family_of, replace
+    from mmpipe.config.schema import family_of, replace
     cfg = mmpipe.load_config(TINY)
     before = cfg.to_dict()
     from mmpipe.data.tokenizer import StandInTokenizer
@@ -420,7 +420,7 @@ def test_a_resolved_config_is_derived_not_mutated_and_sealed():
 def test_the_trainer_resolves_a_copy_and_leaves_the_callers_config_alone(tiny_data, tmp_path):
     """Validation adopts the DeepSpeed JSON's values and a stand-in for ``micro_batch_size: auto``
     into the run's own copy; the config object the caller passed is unchanged."""
-    from mmpipe.train import Trainer
+    from mmpipe.train.trainer import Trainer
     cfg = mmpipe.load_config(TINY, [f"data.train={tiny_data['train']}", f"train.output_dir={tmp_path / 'o'}",
                                     "parallel.micro_batch_size=auto", "train.deepspeed_config=ds_configs/auto.json",
                                     "parallel.pipeline_stages=1"])
@@ -435,7 +435,7 @@ def test_bench_pools_the_steps_of_every_round_and_keeps_the_middle_run(tmp_path)
     """A variant's measured step is the median over every round's steps after warm-up, so one round
     caught in a slow spell of the machine weighs only its share; idle and memory come from the run
     whose own median is the middle one."""
-    from mmpipe.bench import pooled
+    from mmpipe.bench.commands import pooled
     outs = []
     for i, steps in enumerate([[9.0, 1.0, 1.1, 1.2], [9.0, 2.0, 2.1, 2.2], [9.0, 1.3, 1.4, 1.5]]):
         d = tmp_path / f"r{i}"
@@ -450,7 +450,7 @@ def test_bench_pools_the_steps_of_every_round_and_keeps_the_middle_run(tmp_path)
 
 def test_group_norms_of_fp16_gradients_are_taken_in_fp32():
     """A loss-scaled fp16 gradient whose norm passes 65504 with every element finite is not an overflow."""
-    from mmpipe.optim import sum_of_squares
+    from mmpipe.config.groups import sum_of_squares
     g = torch.full((10_000,), 1000.0, dtype=torch.float16)
     assert not torch.isfinite(torch._foreach_norm([g], 2.0)[0])  # what an fp16 norm gives
     assert math.isclose(sum_of_squares([g, g.bfloat16()]), 2 * 10_000 * 1000.0 ** 2, rel_tol=1e-4)
@@ -458,7 +458,7 @@ def test_group_norms_of_fp16_gradients_are_taken_in_fp32():
 
 
 def test_an_fp16_overflow_that_lowers_the_loss_scale_is_not_a_bad_step():
-    from mmpipe.train import counts_as_bad
+    from mmpipe.train.trainer import counts_as_bad
     assert not counts_as_bad({"skipped": False}, None)
     assert counts_as_bad({"skipped": True}, None)  # fp32 / bf16: a non-finite gradient
     assert not counts_as_bad({"skipped": True, "loss_scale": 32768.0}, 65536.0)  # the scaler calibrating
@@ -470,7 +470,7 @@ def test_every_number_of_the_config_has_a_range_checked_at_load():
     import dataclasses
     import typing
 
-    from mmpipe.config import RunConfig
+    from mmpipe.config.schema import RunConfig
     for f in dataclasses.fields(RunConfig):
         if f.name == "model" or f.metadata.get("internal"):
             continue
@@ -482,7 +482,7 @@ def test_every_number_of_the_config_has_a_range_checked_at_load():
             kinds = typing.get_args(hints[g.name]) or (hints[g.name],)
             if (int in kinds or float in kinds) and str not in kinds:
                 assert g.metadata.get("range"), f"{f.name}.{g.name} declares no range"
-    from mmpipe.config import validate
+    from mmpipe.config.schema import validate
     for key, value, shown, accepts in (("train.max_bad_steps", -1, "-1", ">= 0"),
                                        ("train.save_every_minutes", -1, "-1.0", "> 0"),
                                        ("train.collective_timeout_minutes", -1, "-1.0", "> 0"),
@@ -494,7 +494,7 @@ def test_every_number_of_the_config_has_a_range_checked_at_load():
 
 
 def test_a_launchers_omp_default_does_not_cut_a_cpu_ranks_threads():
-    from mmpipe.launch_env import cpu_threads
+    from mmpipe.config.launch_env import cpu_threads
     assert cpu_threads(2, 16, env={}, parent_env=set())[0] == 8
     # torchrun / accelerate launch export OMP_NUM_THREADS=1 for their ranks: not in the launcher's own env
     threads, why = cpu_threads(2, 16, env={"OMP_NUM_THREADS": "1"}, parent_env={"PATH"})
@@ -505,7 +505,7 @@ def test_a_launchers_omp_default_does_not_cut_a_cpu_ranks_threads():
 
 def test_bench_groups_baseline_row_says_what_it_measures():
     """Its runs take every group's norm each step (the skip check); the label must not say "no norms"."""
-    from mmpipe.bench import GROUP_VARIANTS
+    from mmpipe.bench.commands import GROUP_VARIANTS
     label, sets = GROUP_VARIANTS[0]
     assert "norms still taken" in label and "no norms" not in label
     assert not [s for s in sets if "max_grad_norm" in s or "grad_norm=false" in s]

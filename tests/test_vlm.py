@@ -88,7 +88,7 @@ def test_vlm_config_mistakes_are_one_line():
 def test_projector_only_training_keeps_the_frozen_llm_on_the_gradient_path(llava_dir):
     """LLaVA stage 1 (vision and LM frozen, projector trained): only the vision tower may run
     without autograd; the LM blocks after the merge carry the projector's gradient."""
-    from mmpipe.optim import apply_freeze, frozen_layout, resolve_groups
+    from mmpipe.config.groups import apply_freeze, frozen_layout, resolve_groups
     cfg = mmpipe.load_config(None, ["model.type=vlm", f"model.pretrained={llava_dir['dir']}",
                                     "optim.freeze_vision=true", "optim.freeze_text=true"])
     model = mmpipe.build_model(cfg)
@@ -111,7 +111,7 @@ def test_projector_only_training_keeps_the_frozen_llm_on_the_gradient_path(llava
     (["optim.vit_lr=1e-4", "optim.groups.vision.lr=2e-4"], "optim.vit_lr=0.0001 contradicts optim.groups.vision.lr"),
 ])
 def test_vlm_config_mistakes_are_one_line(tmp_path, capsys, sets, expect):
-    from mmpipe.cli import main
+    from mmpipe.cli.main import main
     args = ["train", "--config", TINY_VLM, "--set", f"train.output_dir={tmp_path / 'o'}",
             "--set", f"data.train={tmp_path / 'chat.jsonl'}"]
     (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, '
@@ -126,7 +126,7 @@ def test_vlm_config_mistakes_are_one_line(tmp_path, capsys, sets, expect):
 def test_ms_swift_flags_set_groups():
     """optim.freeze_vit / freeze_aligner / freeze_llm freeze the vision / projector / llm groups;
     optim.vit_lr and aligner_lr set their lr (ms-swift's names)."""
-    from mmpipe.optim import resolve_groups
+    from mmpipe.config.groups import resolve_groups
     from mmpipe.families.vlm import VlmFamily
     cfg = mmpipe.load_config(TINY_VLM, ["optim.freeze_llm=true", "optim.vit_lr=1e-5", "optim.aligner_lr=3e-4"])
     g = {x.name: x for x in resolve_groups(cfg.optim, VlmFamily)}

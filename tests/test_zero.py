@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from conftest import TINY
-from mmpipe.checkpoint import load_model_weights
-from mmpipe.config import load_config
-from mmpipe.metrics import read_metrics
+from mmpipe.train.checkpoint import load_model_weights
+from mmpipe.config.schema import load_config
+from mmpipe.train.metrics import read_metrics
 
 LIMIT = 0.05
 P1 = ["parallel.pipeline_stages=1", f"optim.max_grad_norm={LIMIT}"]
@@ -73,7 +73,7 @@ def _assert_clipped_like_reference(out, ref, steps):
 def test_zero_config_validates_and_clips_where_it_should(stage):
     from deepspeed.runtime.zero.config import get_zero_config
 
-    from mmpipe.ds_config import resolve
+    from mmpipe.config.deepspeed import resolve
     cfg = load_config(TINY, P1 + [f"parallel.zero_stage={stage}"])
     ds, _ = resolve(cfg, world_size=2)
     zero = get_zero_config(ds)  # raised for ZeRO-3: "compute_grad_norm=false is supported only with ZeRO 1 or 2"

@@ -44,7 +44,7 @@ class Pipeline:
         self.family, self.plan, self.topo, self.forward_only = family, plan, topo, forward_only
 
     def build_module(self, dynamic_shape: bool = False):
-        from mmpipe.pipeline.module import MMPipelineModule
+        from mmpipe.parallel.module import MMPipelineModule
         # captions padded per micro-batch change the activations' shapes: the engine then sends tensor
         # shapes with every activation (DeepSpeed's dynamic_shape)
         return MMPipelineModule(self.family, self.topo.pipeline_stages, self.plan.parts,
@@ -111,7 +111,7 @@ class PipelineRunner:
         self.engine, self.topo = engine, topo
         self.clock = None
         if stage_timing:
-            from mmpipe.pipeline.instrument import StageClock
+            from mmpipe.parallel.stage_clock import StageClock
             self.clock = StageClock(engine)
 
     def train_step(self, data_iter, step: int = 0, trace: bool = False) -> float:

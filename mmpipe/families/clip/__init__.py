@@ -60,7 +60,7 @@ class ClipFamily(Family):
         """Text-tower fields a config may leave to the tokenizer. With pretrained text weights the
         tokenizer must fit their vocabulary, and pooling reads the EOS of the tokenizer actually used."""
         from mmpipe.data.tokenizer import eos_id as eos_of
-        from mmpipe.fields import thawed_copy
+        from mmpipe.config.fields import thawed_copy
         num_tokens, eos_id = len(tokenizer), eos_of(tokenizer)
         out = thawed_copy(model_cfg)
         t = out.text
@@ -180,7 +180,7 @@ class ClipFamily(Family):
         return self.hf.hf_model(state), P(self.preprocessor(), tokenizer)
 
     def preprocessor(self):
-        from mmpipe.export import image_processor
+        from mmpipe.train.export import image_processor
         return image_processor(self.vision.image_size, self.vision.mean, self.vision.std)
 
     @property

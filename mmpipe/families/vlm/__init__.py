@@ -2,13 +2,13 @@
 -> projector -> a transformers causal LM (Llama or Qwen2), trained on the next-token loss of the
 label tokens. Model, weights (``model.pretrained``: a local ``LlavaForConditionalGeneration``
 directory) and the plain model's loss match transformers'. Trained on chat data
-(``mmpipe.data.chat``) with the token-mean loss over the global batch (``token_mean``)."""
+(``mmpipe.families.vlm.chat_data``) with the token-mean loss over the global batch (``token_mean``)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from mmpipe.data.chat import SPECIAL_TOKENS
+from mmpipe.families.vlm.chat_data import SPECIAL_TOKENS
 from mmpipe.errors import ConfigError
 from mmpipe.families import register_family
 from mmpipe.families.base import Family, Layer, PlainModel
@@ -114,17 +114,17 @@ class VlmFamily(Family):
     # ---- data ----------------------------------------------------------------------------------
     @classmethod
     def read_records(cls, path, data_cfg, key):
-        from mmpipe.data.chat import read_chat
+        from mmpipe.families.vlm.chat_data import read_chat
         return read_chat(path, data_cfg.image_folder, key)
 
     @classmethod
     def record_texts(cls, records):
-        from mmpipe.data.chat import chat_texts
+        from mmpipe.families.vlm.chat_data import chat_texts
         return chat_texts(records)
 
     @classmethod
     def prepare_tokenizer(cls, tokenizer):
-        from mmpipe.data.chat import add_chat_tokens
+        from mmpipe.families.vlm.chat_data import add_chat_tokens
         return add_chat_tokens(tokenizer)
 
     @classmethod
@@ -145,8 +145,8 @@ class VlmFamily(Family):
     def resolve(cls, model_cfg, tokenizer, data_cfg):
         """``model.llm.vocab_size`` (at least the tokenizer's size), ``model.image_token_id`` (the
         tokenizer's ``<image>``) and the rotary table's length, when left unset."""
-        from mmpipe.data.chat import IMAGE
-        from mmpipe.fields import thawed_copy
+        from mmpipe.families.vlm.chat_data import IMAGE
+        from mmpipe.config.fields import thawed_copy
         out = thawed_copy(model_cfg)
         n = len(tokenizer)
         image_id = tokenizer.convert_tokens_to_ids(IMAGE)
@@ -283,7 +283,7 @@ class VlmFamily(Family):
         """``LlavaForConditionalGeneration`` + ``LlavaProcessor`` (with the run's chat template)."""
         from transformers import LlavaProcessor
 
-        from mmpipe.data.chat import IMAGE
+        from mmpipe.families.vlm.chat_data import IMAGE
         if not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = PLAIN_TEMPLATE
         proc = LlavaProcessor(self.preprocessor(), tokenizer,
@@ -294,7 +294,7 @@ class VlmFamily(Family):
         return self.hf.hf_model(state), proc
 
     def preprocessor(self):
-        from mmpipe.export import image_processor
+        from mmpipe.train.export import image_processor
         return image_processor(self.vision_cfg.image_size, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
 
     @property
@@ -337,15 +337,15 @@ class VlmFamily(Family):
         return (s // p) ** 2 + (self.cfg.vision_feature_select_strategy == "full")
 
     def encoder(self, tokenizer, max_length: int):
-        from mmpipe.data.chat import ChatEncoder
+        from mmpipe.families.vlm.chat_data import ChatEncoder
         return ChatEncoder(tokenizer, self.image_token_id, self.n_image_tokens(), max_length)
 
     def dataset(self, records, tokenizer, data_cfg, image_size, augment=None, decode_size=None):
-        from mmpipe.data.chat import ChatDataset
+        from mmpipe.families.vlm.chat_data import ChatDataset
         return ChatDataset(records, self.encoder(tokenizer, data_cfg.max_length), image_size, decode_size, augment)
 
     def collate(self, tokenizer, data_cfg):
-        from mmpipe.data.chat import ChatCollate
+        from mmpipe.families.vlm.chat_data import ChatCollate
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         return ChatCollate(pad, self.vision_cfg.image_size, data_cfg.pad_multiple,
                            data_cfg.max_length if data_cfg.padding == "max_length" else None)

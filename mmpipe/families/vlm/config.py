@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from mmpipe.fields import Section, option
+from mmpipe.config.fields import Section, option
 
 
 @dataclass

@@ -40,7 +40,7 @@ class Section:
     def __setattr__(self, name, value):
         if self._frozen:
             raise AttributeError(f"config is resolved and read-only: cannot set {type(self).__name__}.{name}; "
-                                 "derive a new config (mmpipe.config.replace) instead")
+                                 "derive a new config (mmpipe.config.schema.replace) instead")
         object.__setattr__(self, name, value)
 
     def seal(self):

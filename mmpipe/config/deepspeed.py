@@ -9,7 +9,7 @@ Contract (one place, tested):
 - Gradient clipping belongs to mmpipe: the JSON's ``gradient_clipping`` (if concrete) becomes
   ``optim.max_grad_norm`` and the resolved JSON says ``gradient_clipping: 0.0``, so DeepSpeed
   never clips a second time. mmpipe computes the true global and per-group norms across pipeline
-  stages and data-parallel/ZeRO partitions and clips once (see ``mmpipe.optim``). Exception:
+  stages and data-parallel/ZeRO partitions and clips once (see ``mmpipe.config.groups``). Exception:
   ZeRO-2/3 (P = 1 only), where DeepSpeed clips globally and per-group limits are refused.
 """
 from __future__ import annotations
@@ -18,10 +18,10 @@ import copy
 import json
 import os
 
-from mmpipe.config import RunConfig
+from mmpipe.config.schema import RunConfig
 from mmpipe.errors import ConfigError
-from mmpipe.jsonpath import AUTO, MISSING as _MISSING, get as _get
-from mmpipe.topology import Topology
+from mmpipe.config.jsonpath import AUTO, MISSING as _MISSING, get as _get
+from mmpipe.parallel.topology import Topology
 
 # (DeepSpeed dotted key, run-config dotted key)
 LINKS = [
@@ -53,8 +53,8 @@ def _conflict(path, ds_key, ds_val, key, val, origin=None):
 
 def resolve(cfg: RunConfig, world_size: int) -> tuple[dict, Topology]:
     """Return (resolved DeepSpeed dict, topology). May adopt JSON values and `accelerate launch`
-    settings (``mmpipe.launch_env``) into ``cfg``."""
-    from mmpipe.launch_env import AccelerateSettings
+    settings (``mmpipe.config.launch_env``) into ``cfg``."""
+    from mmpipe.config.launch_env import AccelerateSettings
     acc = AccelerateSettings()
     origin = acc.apply_to_config(cfg) if acc else {}  # first: it may name the DeepSpeed JSON
     path = cfg.train.deepspeed_config
@@ -65,7 +65,7 @@ def resolve(cfg: RunConfig, world_size: int) -> tuple[dict, Topology]:
     if acc:  # offload / ZeRO-3 settings: into the JSON, once the ZeRO stage is known
         acc.apply_to_json(ds, where, cfg)
 
-    from mmpipe.config import validate
+    from mmpipe.config.schema import validate
     try:
         validate(cfg)  # adopted values must be valid too (e.g. ZeRO-3 with a pipeline)
         topo = Topology.from_config(cfg, world_size)

@@ -44,7 +44,7 @@ def launch(nprocs: int, config: str, sets: list, out: str) -> str:
 
 
 def _steps(out: str, warmup: int) -> list:
-    from mmpipe.metrics import read_metrics
+    from mmpipe.train.metrics import read_metrics
     return read_metrics(os.path.join(out, "metrics.jsonl"))[warmup:]
 
 
@@ -264,12 +264,12 @@ def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: 
     Returns (markdown table, {variant: step seconds})."""
     import json
 
-    from mmpipe.config import load_config
+    from mmpipe.config.schema import load_config
     from mmpipe.data.cache import prepare
-    from mmpipe.plan import measured_from_run, median_profile, plan_all, single_process_time, write_plan_png
-    from mmpipe.planner import predict
+    from mmpipe.planning.measure import measured_from_run, median_profile, plan_all, single_process_time, write_plan_png
+    from mmpipe.planning.place import predict
     cfg = load_config(config, extra)
-    from mmpipe.config import family_of
+    from mmpipe.config.schema import family_of
     size = family_of(cfg).image_size(cfg.model)
     vlm = cfg.model.type == "vlm"
     if vlm:  # chat data is read as it is (the VLM has no cache)
@@ -332,7 +332,7 @@ def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: 
 
 def vision_share(plan: dict) -> float:
     """The vision tower's share (forward + backward) of the profiled single-process compute."""
-    from mmpipe.planner import layer_costs
+    from mmpipe.planning.place import layer_costs
     costs = layer_costs(plan["profile"])
     t = [c.fwd_ms + c.bwd_ms for c in costs]
     return sum(x for n, x in zip(plan["names"], t) if n.startswith("vision.")) / sum(t)
@@ -416,8 +416,8 @@ def _layout_sets(row) -> list:
 def _strategies_table(world: int, res: dict, rows: list, measured: dict, mem: dict, batch: int, single: float,
                       art: str, summary: list, rounds: dict) -> list:
     """Markdown lines of one world size: predicted beside measured per layout, the ranking verdict, PNG."""
-    from mmpipe.layout import optimizer_state_bytes, write_png
-    from mmpipe.planner import layer_costs
+    from mmpipe.planning.layouts import optimizer_state_bytes, write_png
+    from mmpipe.planning.place import layer_costs
     costs, precision = layer_costs(res["profile"]), res["precision"]
     lines = [f"**{world} rank(s)** ({res['threads']} thread(s) per rank on {os.cpu_count()} cores; "
              f"chosen by the cost model: {res['chosen'].name})", "",
@@ -456,13 +456,13 @@ def _strategies_table(world: int, res: dict, rows: list, measured: dict, mem: di
 
 def bench_strategies(args) -> int:
     """The same model, data and global batch on 1, 2 and 4 ranks in every layout: measured step,
-    samples/s, stage idle and memory beside the cost model's predictions (``mmpipe.layout``)."""
-    from mmpipe.config import load_config
+    samples/s, stage idle and memory beside the cost model's predictions (``mmpipe.planning.layouts``)."""
+    from mmpipe.config.schema import load_config
     from mmpipe.data.cache import prepare
     from mmpipe.data.synth import synth
-    from mmpipe.layout import CommModel, comm_group_sizes, get_comm_model, plan_layouts
-    from mmpipe.topology import threads_per_rank
-    from mmpipe.plan import measured_from_run, median_profile
+    from mmpipe.planning.layouts import CommModel, comm_group_sizes, get_comm_model, plan_layouts
+    from mmpipe.parallel.topology import threads_per_rank
+    from mmpipe.planning.measure import measured_from_run, median_profile
     tmp = tempfile.mkdtemp(prefix="mmpipe-bench-strategies-")
     art = os.path.join(os.getcwd(), "benchmarks")
     os.makedirs(art, exist_ok=True)
@@ -518,7 +518,7 @@ def bench_strategies(args) -> int:
              f"{cfg.parallel.micro_batch_size}, {args.steps} steps per run, median step after the first {args.warmup}, "
              f"median over the steps of {args.rounds} interleaved round(s); data from the preprocessed cache. Threads per rank as training sets "
              f"them (cores / ranks, at least 1: 4 ranks on 2 cores oversubscribe 2x, which the model charges as "
-             f"stretched compute). Predictions: `mmpipe.layout` from the layer profile and the collective "
+             f"stretched compute). Predictions: `mmpipe.planning.layouts` from the layer profile and the collective "
              f"micro-benchmark (gloo), both sampled once per round beside that round's runs, each figure the "
              f"median of the {args.rounds} samples (this host's speed drifts over minutes; one sample carries "
              f"that drift into every prediction). Clipping: 'grouped' = mmpipe's per-group norms "

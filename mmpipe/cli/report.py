@@ -17,7 +17,7 @@ def _plt():
 
 
 def write_report(run_dir: str, out: str = None) -> list:
-    from mmpipe.metrics import read_metrics
+    from mmpipe.train.metrics import read_metrics
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise MmpipeError(f"--run {run_dir}: no metrics.jsonl (not an mmpipe run directory, or it has not "
@@ -88,7 +88,7 @@ def _pipeline_stages(run_dir: str) -> int:
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         return 1
-    from mmpipe.config import load_config
+    from mmpipe.config.schema import load_config
     p = load_config(path).parallel.pipeline_stages
     return p if isinstance(p, int) else 1
 

@@ -43,7 +43,7 @@ class Group:
 
 def resolve_groups(optim_cfg, family) -> list[Group]:
     """The configured groups with the family's freeze shortcuts (``optim.freeze_<segment>``) applied."""
-    from mmpipe.config import FREEZE_FLAGS, LR_FLAGS
+    from mmpipe.config.schema import FREEZE_FLAGS, LR_FLAGS
     shortcuts: dict = {}
     for flag, group in family.freeze_shortcuts.items():
         shortcuts[group] = shortcuts.get(group, False) or getattr(optim_cfg, flag)

@@ -16,8 +16,8 @@ from typing import Any, Dict, Optional, Union
 import yaml
 
 from mmpipe.errors import ConfigError
-from mmpipe.fields import Section, thawed_copy
-from mmpipe.fields import option as _f
+from mmpipe.config.fields import Section, thawed_copy
+from mmpipe.config.fields import option as _f
 
 
 def _model_section(type_name: str = "clip", where: str = "config"):
@@ -344,7 +344,7 @@ _CHOICES = {
 def check_ranges(section, prefix: str, where: str) -> None:
     """Every number of the config within the range its field declares (``fields.option``), the
     model section and optimizer groups included: one line naming the key and what it accepts."""
-    from mmpipe.fields import in_range, range_text
+    from mmpipe.config.fields import in_range, range_text
     for f in dataclasses.fields(section):
         v = getattr(section, f.name)
         subs = v.items() if isinstance(v, dict) else [(None, v)]
@@ -453,7 +453,7 @@ def reference() -> str:
                 default = {k: dataclasses.asdict(v)["patterns"] for k, v in default.items()}
             helptext = f.metadata.get("help", "").replace("|", "\\|")
             if f.metadata.get("range"):
-                from mmpipe.fields import range_text
+                from mmpipe.config.fields import range_text
                 helptext += f" [{range_text(f.metadata['range'])}]"
             rows.append(f"| `{prefix}{f.name}` | `{json.dumps(default)}` | {helptext} |")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from deepspeed.pipe import LayerSpec, PipelineModule
 
-from mmpipe.pipeline.layers import PipeLayer, plain_state_key
-from mmpipe.pipeline.partition import stage_lists
+from mmpipe.parallel.layers import PipeLayer, plain_state_key
+from mmpipe.planning.partition import stage_lists
 
 
 class MMPipelineModule(PipelineModule):

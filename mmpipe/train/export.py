@@ -52,8 +52,8 @@ def image_processor(size: int, mean, std):
 
 def export(run_dir: str, out: str, step: Optional[int] = None, dtype: str = "fp32", fmt: str = "auto") -> tuple:
     """Write the export; returns (out, what was written: a transformers class or "mmpipe", why)."""
-    from mmpipe.checkpoint import load_weights
-    from mmpipe.config import family_of, load_config
+    from mmpipe.train.checkpoint import load_weights
+    from mmpipe.config.schema import family_of, load_config
     from mmpipe.families import build_family
     cfg_path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(cfg_path):
@@ -133,7 +133,7 @@ def load_export_weights(path: str) -> dict:
 
 def build_exported(path: str, seed=None):
     """The plain model of an mmpipe-format export with its weights (pretrained paths resolved in it)."""
-    from mmpipe.config import load_config
+    from mmpipe.config.schema import load_config
     from mmpipe.families import build_family
     cfg = load_config(os.path.join(path, "config.yaml"))
 
@@ -144,7 +144,7 @@ def build_exported(path: str, seed=None):
                 resolve(v)
             elif name == "pretrained" and v and not os.path.isabs(v):
                 object.__setattr__(section, name, os.path.join(path, v))
-    from mmpipe.fields import thawed_copy
+    from mmpipe.config.fields import thawed_copy
     model_cfg = thawed_copy(cfg.model)
     resolve(model_cfg)
     family = build_family(model_cfg, 0 if seed is None else seed)

@@ -19,8 +19,8 @@ class Generator:
         import mmpipe
         from mmpipe.families import build_family
         from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-        from mmpipe.config import family_of
-        from mmpipe.export import run_tokenizer
+        from mmpipe.config.schema import family_of
+        from mmpipe.train.export import run_tokenizer
         cfg_path = os.path.join(run_dir, "config.yaml")
         if not os.path.isfile(cfg_path):
             raise ConfigError(f"--run {run_dir}: no config.yaml (not an mmpipe run directory)")
@@ -46,7 +46,7 @@ class Generator:
 
     def prompt(self, prompt: str, image: Optional[str] = None, history: tuple = ()) -> tuple:
         """(input ids (1, T), pixel values (1, 3, S, S) or None) of a user turn and the assistant header."""
-        from mmpipe.data.chat import IMAGE
+        from mmpipe.families.vlm.chat_data import IMAGE
         text = prompt if image is None or IMAGE in prompt else f"{IMAGE}\n{prompt}"
         ids = torch.tensor([self.encoder.prompt_ids(tuple(history) + (("user", text),))], device=self.device)
         return ids, (self.pixels(image).to(self.device) if image else None)
@@ -77,7 +77,7 @@ def exact_match(run_dir: str, chat_file: str, limit: Optional[int] = None, step:
     import json
     from collections import Counter, defaultdict
 
-    from mmpipe.data.chat import IMAGE, read_chat
+    from mmpipe.families.vlm.chat_data import IMAGE, read_chat
     gen = Generator(run_dir, step)
     items = [s for s in read_chat(chat_file, key="--eval") if s.error is None][:limit]
     it = items

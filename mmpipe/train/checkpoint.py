@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mmpipe.errors import MmpipeError
-from mmpipe.pipeline.layers import plain_state_key
+from mmpipe.parallel.layers import plain_state_key
 
 LAYERS_FILE = "mmpipe_layers.json"
 RECORD_FILE = "mmpipe_checkpoint.json"  # self-describing: family, model config, layout, step, data, versions
@@ -24,7 +24,7 @@ RECORD_FILE = "mmpipe_checkpoint.json"  # self-describing: family, model config,
 def layout_record(topo, cfg, layer_names: Optional[list], parts: Optional[list]) -> dict:
     """What a checkpoint's DeepSpeed files are tied to: stages, their layers, data-parallel degree
     (with ZeRO, optimizer state is partitioned over it) and ZeRO stage."""
-    from mmpipe.pipeline.partition import stage_lists
+    from mmpipe.planning.partition import stage_lists
     return {"pipeline_stages": topo.pipeline_stages, "data_parallel": topo.data_parallel,
             "zero_stage": cfg.parallel.zero_stage, "placement": cfg.parallel.placement,
             "stages": stage_lists(layer_names, parts) if layer_names is not None else None}

@@ -1,7 +1,7 @@
 """One planner: stage boundaries for any number of segments, as one ``Plan`` with one JSON schema.
 
 ``place(...)`` takes the layer names, their segment tags and either measured costs (a profile from
-``mmpipe.plan.get_profile``) or per-layer parameter costs, and returns the ``Plan`` of a placement:
+``mmpipe.planning.measure.get_profile``) or per-layer parameter costs, and returns the ``Plan`` of a placement:
 ``modality`` (stages never mix segments; the K segments, in order, share the stages by cost),
 ``balanced`` (boundaries anywhere, optionally under a memory cap), ``auto`` (whichever the 1F1B
 simulator predicts faster), DeepSpeed's ``uniform`` / ``parameters`` / ``type:REGEX`` (computed
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from mmpipe.errors import ConfigError
-from mmpipe.pipeline.partition import parts_from_lists, stage_lists
+from mmpipe.planning.partition import parts_from_lists, stage_lists
 
 MEASURED = ("modality", "balanced", "auto")
 SCHEMA = 2
@@ -91,7 +91,7 @@ def place(names: list, segments: list, num_stages: int, placement: str, micro_ba
             plan.chosen = ranked[0][0]
             plan.why = "fastest predicted step: " + ", ".join(f"{k} {1e3 * v['step_time']:.1f} ms" for k, v in ranked)
     else:
-        from mmpipe.pipeline.partition import min_max_partition, modality_partition
+        from mmpipe.planning.partition import min_max_partition, modality_partition
         plan.parts = (modality_partition(param_costs, segments, num_stages) if placement == "modality"
                       else min_max_partition(param_costs, num_stages))
     plan.parts = [int(x) for x in plan.parts]
@@ -102,7 +102,7 @@ def _measured_parts(prof: dict, segments: list, num_stages: int, placement: str,
                     memory_cap: Optional[int], precision: str, zero_stage: int, data_parallel: int) -> tuple:
     """(parts, {placement: predicted SimResult}) from measured costs (forward + backward per layer;
     a frozen forward-only layer costs its forward alone)."""
-    from mmpipe.pipeline.partition import min_max_partition, modality_partition
+    from mmpipe.planning.partition import min_max_partition, modality_partition
     costs = layer_costs(prof)
     work = [c.fwd_ms + c.bwd_ms for c in costs]
     candidates = {}
@@ -111,7 +111,7 @@ def _measured_parts(prof: dict, segments: list, num_stages: int, placement: str,
     if placement in ("balanced", "auto"):
         mem = None
         if memory_cap is not None:
-            from mmpipe.profile import bytes_per_param, in_flight
+            from mmpipe.planning.profiler import bytes_per_param, in_flight
             per_t, per_f = bytes_per_param(precision, zero_stage, data_parallel)
             # worst case in flight (stage 0) for every stage: conservative, keeps the DP additive
             k = in_flight(0, num_stages, micro_batches)
@@ -125,7 +125,7 @@ def _measured_parts(prof: dict, segments: list, num_stages: int, placement: str,
 
 
 def layer_costs(prof: dict) -> list:
-    from mmpipe.profile import LayerCost
+    from mmpipe.planning.profiler import LayerCost
     return [LayerCost(**d) for d in prof["layers"]]
 
 
@@ -146,7 +146,7 @@ def stage_times(prof: dict, parts: list) -> dict:
 
 
 def predict(prof: dict, parts: list, micro_batches: int, schedule: str = "1f1b"):
-    from mmpipe.pipeline.simulate import simulate
+    from mmpipe.planning.simulate import simulate
     t = stage_times(prof, parts)
     r = simulate(t["F"], t["B"], micro_batches, t["comm"], t["opt"], schedule=schedule, comm_grad=t["comm_grad"])
     r.parts = list(parts)

@@ -1,6 +1,6 @@
 """Which parallel layout should a run use? A cost model for every layout of N ranks, and the chooser.
 
-From the layer profile (``mmpipe.plan.get_profile``: forward/backward/optimizer time, activation,
+From the layer profile (``mmpipe.planning.measure.get_profile``: forward/backward/optimizer time, activation,
 parameter and output bytes per layer, at the run's micro-batch and threads per rank) and measured
 collective costs (``CommModel``: all-reduce, reduce-scatter and all-gather latency + seconds per
 byte per group size, and stage-to-stage send/recv, on the run's backend), predict per optimizer
@@ -17,9 +17,9 @@ step, for a world of N ranks and a global batch B of micro-batches of m samples:
   also the gradients, ZeRO-3 everything, plus the largest layer gathered) + one micro-batch's
   activations.
 - **pipelines** P | N with DP = N / P, modality and auto placement, ZeRO 0/1: DeepSpeed's 1F1B
-  schedule replayed by ``mmpipe.pipeline.simulate`` with the stages' costs and the measured
+  schedule replayed by ``mmpipe.planning.simulate`` with the stages' costs and the measured
   send/recv, then the data-parallel all-reduce of the largest stage's gradients (and, under ZeRO-1,
-  its sharded step and all-gather). Memory per stage: ``mmpipe.profile.stage_memory``.
+  its sharded step and all-gather). Memory per stage: ``mmpipe.planning.profiler.stage_memory``.
 
 When the N ranks share fewer cores than they compute with (N x threads > cores, this CPU machine),
 compute is stretched by that oversubscription (measured, ``oversubscription``); ranks that each have
@@ -245,7 +245,7 @@ class _Ctx:
     """What every layout's prediction shares: the raw profile, the data-parallel stretch, sizes."""
 
     def __init__(self, prof, comm, world, batch_size, micro_batch_size, precision, cores):
-        from mmpipe.planner import layer_costs
+        from mmpipe.planning.place import layer_costs
         self.raw, self.comm, self.world, self.batch = prof, comm, world, batch_size
         self.mbs, self.precision, self.cores = micro_batch_size, precision, cores
         self.threads = int(prof.get("key", {}).get("threads", 1))
@@ -314,8 +314,8 @@ def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple) -> LayoutPredic
 
 def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: list) -> LayoutPrediction:
     from mmpipe.errors import ConfigError
-    from mmpipe.planner import place, predict, stage_times
-    from mmpipe.profile import stage_memory
+    from mmpipe.planning.place import place, predict, stage_times
+    from mmpipe.planning.profiler import stage_memory
     tag = f"PP{P}" + (f"xDP{D}" if D > 1 else "") + f" {pl}" + (f" ZeRO-{z}" if D > 1 else "")
     row = LayoutPrediction(tag, P, D, z, pl, 0)
     M = row.micro_batches = ctx.micro_batches(row, D)
@@ -333,7 +333,7 @@ def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: l
     # waiting stages free their cores (fill, drain, imbalance), its steady state does not
     t = stage_times(ctx.raw, parts)
     if ctx.cores and D * P * ctx.threads > ctx.cores:
-        from mmpipe.pipeline.simulate import simulate_shared_cores
+        from mmpipe.planning.simulate import simulate_shared_cores
         sim, _ = simulate_shared_cores(t["F"], t["B"], M, t["comm"], t["opt"], t["comm_grad"], D, ctx.threads,
                                        ctx.cores, ctx.slope)
         raw_busy = [M * (a + b) + o for a, b, o in zip(t["F"], t["B"], t["opt"])]
@@ -453,11 +453,11 @@ def _coll_worker(rank: int, n: int, port: int, sizes: list, repeats: int, backen
                "allgather": lambda: dist.all_gather_into_tensor(full, shard),
                "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full)}
         if n == 2:
-            from mmpipe.profile import pingpong
+            from mmpipe.planning.profiler import pingpong
             ops["p2p"] = lambda: pingpong(rank, full)
         for op, f in ops.items():
             if op == "p2p":  # half a round trip, its mean: a pipeline pays the slow transfers too
-                from mmpipe.profile import P2P_REPEATS
+                from mmpipe.planning.profiler import P2P_REPEATS
                 res[op][numel * 4] = _median_time(f, P2P_REPEATS, stat=statistics.mean) / 2
             else:
                 res[op][numel * 4] = _median_time(f, repeats)
@@ -586,7 +586,7 @@ def zero2_fit(probe: dict, allgather_s_per_byte: float) -> tuple:
 
 
 def _fit(samples: dict) -> tuple:
-    from mmpipe.profile import fit_comm
+    from mmpipe.planning.profiler import fit_comm
     return fit_comm({int(k): v for k, v in samples.items()})
 
 
@@ -640,7 +640,7 @@ def get_comm_model(group_sizes: list, use_cache: bool = True, log=None, refresh:
 
     from deepspeed.accelerator import get_accelerator
 
-    from mmpipe.plan import _write_json, cache_dir
+    from mmpipe.planning.measure import _write_json, cache_dir
     acc = get_accelerator()
     sizes = _group_sizes(group_sizes)
     key = f"comm6-{acc.communication_backend_name()}-{acc.device_name()}-{socket.gethostname()}-" + "_".join(map(str, sizes))
@@ -708,9 +708,9 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
     """Profile (at the threads a rank of ``world`` gets; or take ``profile``), measure collectives
     (or take ``comm``), predict every layout; ``refresh`` / ``refresh_comm`` (default: ``refresh``):
     profile / time the collectives again, replacing the cached entries."""
-    from mmpipe.optim import frozen_layout, resolve_groups
-    from mmpipe.plan import get_profile, resolve_for_plan
-    from mmpipe.topology import threads_per_rank
+    from mmpipe.config.groups import frozen_layout, resolve_groups
+    from mmpipe.planning.measure import get_profile, resolve_for_plan
+    from mmpipe.parallel.topology import threads_per_rank
     from deepspeed.accelerator import get_accelerator
     mbs = cfg.parallel.micro_batch_size
     if mbs == "auto":
@@ -743,7 +743,7 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
 def cmd_plan_world(args) -> int:
     """``mmpipe plan --world N [--memory-gb M]``: every layout of N ranks predicted, the fastest that
     fits marked; layouts.json and layouts.png."""
-    from mmpipe.config import load_config
+    from mmpipe.config.schema import load_config
     cfg = load_config(args.config, args.overrides)
     log = lambda m: print(f"[plan] {m}", flush=True)  # noqa: E731
     res = plan_layouts(cfg, args.world, args.memory_gb, use_cache=not args.no_cache, log=log)

@@ -1,4 +1,4 @@
-"""Sizing and planning from measured layer costs (``mmpipe.profile``) on real batches.
+"""Sizing and planning from measured layer costs (``mmpipe.planning.profiler``) on real batches.
 
 - ``auto_micro_batch``: ``parallel.micro_batch_size: auto`` - the largest micro-batch (a divisor of
   the per-rank batch, so the global batch stays exact) whose peak memory on every stage fits
@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from mmpipe.profile import median_costs, pick_micro_batch, profile_layers, stage_memory
+from mmpipe.planning.profiler import median_costs, pick_micro_batch, profile_layers, stage_memory
 
 
 def precision_dtype(precision: str) -> torch.dtype:
@@ -22,7 +22,7 @@ def iter_layers(family, forward_only: frozenset = frozenset(), frozen_params: fr
                 device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32):
     """The model's pipeline layers, built one at a time (seeded per part: the pipeline's weights),
     in training mode, with frozen parameters marked."""
-    from mmpipe.pipeline.layers import PipeLayer, plain_state_key
+    from mmpipe.parallel.layers import PipeLayer, plain_state_key
     for name in family.layer_names():
         layer = PipeLayer(family, name, name in forward_only).to(device=device, dtype=dtype)
         for k, p in layer.named_parameters():
@@ -40,7 +40,7 @@ def build_layers(family, forward_only: frozenset = frozenset(), frozen_params: f
 def probe_batch(cfg, family, source, tok, m: int, image_size: int, device) -> tuple:
     """A real micro-batch of ``m`` samples from the training source (the family's first-stage
     fields), captions padded to ``data.max_length`` (the largest shape a run can meet)."""
-    from mmpipe.config import replace
+    from mmpipe.config.schema import replace
     collate = family.collate(tok, replace(cfg, data__padding="max_length").data)
     if source.kind == "shards":
         import io
@@ -132,7 +132,7 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
         if log:
             log(f"layer profile from cache {path}")
         if measure_comm and not prof["comm"].get("measured"):  # cached without transfers: measure them now
-            from mmpipe.planner import layer_costs
+            from mmpipe.planning.place import layer_costs
             prof["comm"] = _measure_comm(layer_costs(prof))
             _write_json(path, prof)
         return prof
@@ -163,7 +163,7 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
 def _measure_comm(costs) -> dict:
     """Stage-to-stage transfer model (latency + bytes / bandwidth) fitted to p2p timings at the
     sizes the layers hand on; ``measured`` marks it, so a profile cached without it is completed."""
-    from mmpipe.profile import fit_comm, measure_p2p
+    from mmpipe.planning.profiler import fit_comm, measure_p2p
     sizes = sorted({c.out_bytes for c in costs[:-1]} | {4096})
     samples = measure_p2p(sizes)
     lat, spb = fit_comm(samples)
@@ -187,7 +187,7 @@ def resolve_for_plan(cfg):
     """(resolved config, family) without a training run: vocabulary from data.tokenizer (or the
     text weights' tokenizer) if there is one, else the configured size (only the embedding table
     depends on it)."""
-    from mmpipe.config import family_of, replace
+    from mmpipe.config.schema import family_of, replace
     from mmpipe.data.tokenizer import StandInTokenizer, has_tokenizer, load_tokenizer
     fam = family_of(cfg)
     weights_dir = fam.tokenizer_weights(cfg.model)[1]
@@ -205,8 +205,8 @@ def resolve_for_plan(cfg):
 def _profile_for(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = None, log=print,
                  **profile_kw) -> tuple:
     """(family, profile) for a run of ``stages`` x ``data_parallel`` ranks on this machine."""
-    from mmpipe.optim import frozen_layout, resolve_groups
-    from mmpipe.topology import threads_per_rank
+    from mmpipe.config.groups import frozen_layout, resolve_groups
+    from mmpipe.parallel.topology import threads_per_rank
     mbs = cfg.parallel.micro_batch_size
     if mbs == "auto":
         from mmpipe.errors import ConfigError
@@ -220,17 +220,17 @@ def _profile_for(cfg, stages: int, data_parallel: int = 1, threads: Optional[int
 def median_profile(profiles: list) -> dict:
     """One profile from several of the same model and shape: each layer's forward, backward and
     optimizer time is its median over them (the first one's transfer model and key)."""
-    from mmpipe.planner import layer_costs
+    from mmpipe.planning.place import layer_costs
     costs = median_costs([layer_costs(p) for p in profiles])
     return {**profiles[0], "layers": [c.to_dict() for c in costs], "samples": len(profiles)}
 
 
 def plan_all(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = None, use_cache: bool = True,
              log=print, refresh: bool = False, repeats: int = 5, profile: Optional[dict] = None) -> dict:
-    """Profile (or take ``profile``), then place (``mmpipe.planner.place``) and simulate every
+    """Profile (or take ``profile``), then place (``mmpipe.planning.place.place``) and simulate every
     placement for ``stages`` stages."""
-    from mmpipe.planner import layer_costs, place, predict, stage_times
-    from mmpipe.profile import stage_memory
+    from mmpipe.planning.place import layer_costs, place, predict, stage_times
+    from mmpipe.planning.profiler import stage_memory
     if profile is None:
         family, prof = _profile_for(cfg, stages, data_parallel, threads, log, use_cache=use_cache, refresh=refresh,
                                     repeats=repeats)
@@ -257,7 +257,7 @@ def plan_all(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = 
 
 
 def single_process_time(prof: dict, micro_batches: int) -> float:
-    from mmpipe.planner import layer_costs
+    from mmpipe.planning.place import layer_costs
     """Predicted step of the whole model on one process (one thread per rank's share)."""
     costs = layer_costs(prof)
     return micro_batches * sum(c.fwd_ms + c.bwd_ms for c in costs) / 1e3 + sum(c.opt_ms for c in costs) / 1e3
@@ -315,7 +315,7 @@ def measured_from_run(run_dir: str, skip: int = 3) -> dict:
     """Median step time and mean per-stage idle/busy fractions of a run's metrics.jsonl."""
     import statistics
 
-    from mmpipe.metrics import read_metrics
+    from mmpipe.train.metrics import read_metrics
     recs = read_metrics(os.path.join(run_dir, "metrics.jsonl"))[skip:]
     if not recs:
         raise ValueError(f"{run_dir}/metrics.jsonl has no steps after the first {skip}")
@@ -334,7 +334,7 @@ def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> st
     parts, M = run_plan["parts"], run_plan.get("micro_batches")
     P = len(parts) - 1
     _, prof = _profile_for(cfg, P, log=log, use_cache=use_cache)
-    from mmpipe.planner import predict
+    from mmpipe.planning.place import predict
     sim = predict(prof, parts, M)
     meas = measured_from_run(run_dir)
     lines = [f"{run_dir}: {P} stages, {M} micro-batches per step, parts {parts}",
@@ -348,7 +348,7 @@ def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> st
 
 
 def cmd_plan(args) -> int:
-    from mmpipe.config import load_config
+    from mmpipe.config.schema import load_config
     log = lambda s: print(f"[plan] {s}", flush=True)  # noqa: E731
     if args.run:  # the run's own resolved config: its model, micro-batch, precision
         saved = os.path.join(args.run, "config.yaml")
@@ -366,7 +366,7 @@ def cmd_plan(args) -> int:
     plan = plan_all(cfg, stages, args.dp, args.threads, use_cache=not args.no_cache, log=log)
     chosen = cfg.parallel.placement if cfg.parallel.placement in plan["placements"] else "auto"
     print(format_plan(plan, chosen, cfg.train.batch_size))
-    from mmpipe.pipeline.simulate import recommend_micro_batches
+    from mmpipe.planning.simulate import recommend_micro_batches
     t = plan["placements"][chosen]["stage_times"]
     per_rank = cfg.train.batch_size // args.dp
     M = plan["micro_batches"]

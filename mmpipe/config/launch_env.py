@@ -3,7 +3,7 @@
 Accelerate starts the ranks and exports its YAML's ``deepspeed_config`` section and
 ``mixed_precision`` as ``ACCELERATE_*`` variables (``accelerate/utils/launch.py``,
 ``prepare_deepspeed_cmd_env``); mmpipe calls ``deepspeed.initialize`` itself, so it honours them
-here, with the DeepSpeed JSON's contract (``mmpipe.ds_config``):
+here, with the DeepSpeed JSON's contract (``mmpipe.config.deepspeed``):
 
 - a setting the run config leaves unset is adopted into the run config (and logged once);
 - a setting the run config gives explicitly (YAML or ``--set``) must agree, otherwise a one-line
@@ -34,7 +34,7 @@ import os
 from typing import Optional
 
 from mmpipe.errors import ConfigError
-from mmpipe.jsonpath import AUTO, MISSING as _MISSING, get as _get, put as _put
+from mmpipe.config.jsonpath import AUTO, MISSING as _MISSING, get as _get, put as _put
 
 PRECISION = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 

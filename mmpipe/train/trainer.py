@@ -23,10 +23,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mmpipe import checkpoint
-from mmpipe.config import RunConfig, save_yaml
+from mmpipe.train import checkpoint
+from mmpipe.config.schema import RunConfig, save_yaml
 from mmpipe.errors import ConfigError, DataError, MmpipeError
-from mmpipe.metrics import MetricsWriter, NullWriter
+from mmpipe.train.metrics import MetricsWriter, NullWriter
 from mmpipe.parallel.strategies import LABEL_PLACEHOLDER, strategy_for
 
 
@@ -63,7 +63,7 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> tuple[int, int]
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **kw)
     global CPU_THREADS
     if get_accelerator().device_name() == "cpu":
-        from mmpipe.launch_env import cpu_threads
+        from mmpipe.config.launch_env import cpu_threads
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or dist.get_world_size())
         threads, why = cpu_threads(local, os.cpu_count() or 1)
         torch.set_num_threads(threads)
@@ -284,11 +284,11 @@ def lr_record(per_group: list, groups, base_lr: float, ds_scheduler: bool = Fals
 
 
 def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool = True):
-    """The run's ``Plan`` (``mmpipe.planner.place``), computed once, on rank 0: on a resume of a
+    """The run's ``Plan`` (``mmpipe.planning.place.place``), computed once, on rank 0: on a resume of a
     measured placement, the checkpoint's plan (a new profile could differ); else from measured costs
     (``parallel.profile``, unless ``measure`` is False), else from trainable parameters."""
-    from mmpipe.plan import get_profile
-    from mmpipe.planner import Plan, place
+    from mmpipe.planning.measure import get_profile
+    from mmpipe.planning.place import Plan, place
     names, segments, P = family.layer_names(), family.segments(), topo.pipeline_stages
     M, mbs = topo.accumulation_steps, topo.micro_batch_size
     p = cfg.parallel
@@ -297,7 +297,7 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
     if measured and stages and len(stages) == P and [n for s in stages for n in s] == names:
         if "parts" in saved:
             return Plan.from_json(saved)
-        from mmpipe.pipeline.partition import parts_from_lists  # a record older than plans: its stages
+        from mmpipe.planning.partition import parts_from_lists  # a record older than plans: its stages
         return Plan(names, segments, parts_from_lists(names, stages), p.placement, M, mbs, "checkpoint")
     # (a different model: the layout check says what the checkpoint holds)
     params = family.meta_params()
@@ -315,7 +315,7 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
 
 def check_auto_micro_batch(cfg: RunConfig) -> None:
     if cfg.train.deepspeed_config:
-        from mmpipe.ds_config import AUTO, load_json
+        from mmpipe.config.deepspeed import AUTO, load_json
         v = load_json(cfg.train.deepspeed_config).get("train_micro_batch_size_per_gpu", AUTO)
         if v != AUTO:
             raise ConfigError(f"{cfg.train.deepspeed_config}: train_micro_batch_size_per_gpu={v} disagrees with "
@@ -323,12 +323,12 @@ def check_auto_micro_batch(cfg: RunConfig) -> None:
 
 
 def _probe_micro_batch(cfg, family, source, tok, image_size, topo, forward_only, frozen) -> int:
-    """Probe real batches for the largest micro-batch that fits (``mmpipe.plan.auto_micro_batch``),
+    """Probe real batches for the largest micro-batch that fits (``mmpipe.planning.measure.auto_micro_batch``),
     against the stage boundaries of the plan without measured costs (a plan file, ``type:``,
     DeepSpeed's methods: the run's own; measured placements: their parameter-cost estimate)."""
     from deepspeed.accelerator import get_accelerator
 
-    from mmpipe.plan import auto_micro_batch
+    from mmpipe.planning.measure import auto_micro_batch
     acc = get_accelerator()
     budget = int((cfg.parallel.memory_budget_gb or acc.total_memory() / 2**30) * 2**30)
     parts = make_plan(cfg, family, topo, frozen, forward_only, measure=False).parts
@@ -459,7 +459,7 @@ class Trainer:
         auto_layout = self.cfg.parallel.layout == "auto"
         requested = self.cfg
         if auto_layout:  # everything but the layout is checked first, with a stand-in (data parallel)
-            from mmpipe.config import replace
+            from mmpipe.config.schema import replace
             self.cfg = replace(requested, parallel__pipeline_stages=1, parallel__zero_stage=0)
         self.validate()
         self.rank, self.world = init_distributed(self.cfg.train.collective_timeout_minutes)
@@ -493,9 +493,9 @@ class Trainer:
         self.build_data()
 
     def choose_layout(self, requested) -> None:
-        """``parallel.layout: auto``: rank 0 predicts every layout of this world (``mmpipe.layout``)
+        """``parallel.layout: auto``: rank 0 predicts every layout of this world (``mmpipe.planning.layouts``)
         and every rank takes the fastest that fits; a resume keeps the layout its run chose."""
-        from mmpipe.config import replace
+        from mmpipe.config.schema import replace
         out = requested.train.output_dir
         saved = os.path.join(out, "layout.json")
 
@@ -506,7 +506,7 @@ class Trainer:
                 if doc.get("world") == self.world:
                     c = doc["chosen"]
                     return {"chosen": c, "why": f"kept from {saved} ({doc['why']})", "doc": None}
-            from mmpipe.layout import layouts_json, plan_layouts
+            from mmpipe.planning.layouts import layouts_json, plan_layouts
             res = plan_layouts(requested, self.world, log=lambda m: _warn(f"layout: {m}"))
             doc = layouts_json(res)
             return {"chosen": doc["chosen"], "why": res["why"], "doc": doc}
@@ -535,8 +535,8 @@ class Trainer:
         alike on every rank (printed once)."""
         from deepspeed.accelerator import get_accelerator
 
-        from mmpipe.config import family_of, replace
-        from mmpipe.optim import resolve_groups
+        from mmpipe.config.schema import family_of, replace
+        from mmpipe.config.groups import resolve_groups
         # the run's own copy: adopting DeepSpeed-JSON / Accelerate values is part of its resolution
         cfg = self.cfg = replace(self.cfg)
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -571,7 +571,7 @@ class Trainer:
         """The part of the resolution that depends on the layout: DeepSpeed's config, the topology,
         this rank's stage and what it reads, ZeRO-2/3 against per-group clipping. ``parallel.layout:
         auto`` runs it again, alone, for the layout it chose."""
-        from mmpipe.ds_config import resolve
+        from mmpipe.config.deepspeed import resolve
         cfg, world, rank = self.cfg, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
         self.ds_cfg, self.topo = resolve(cfg, world)
         self.stage, self.dp_rank = self.topo.coords(rank)
@@ -594,8 +594,8 @@ class Trainer:
 
     def build_family(self) -> None:
         """The tokenizer, the resolved model config (fields left to the tokenizer filled) and the family."""
-        from mmpipe.config import replace
-        from mmpipe.optim import frozen_layout
+        from mmpipe.config.schema import replace
+        from mmpipe.config.groups import frozen_layout
         rank = self.rank
         self.tok = agree(rank, lambda: prepare_tokenizer(self.cfg, self.family_cls, rank, self.source))
         model = agree(rank, lambda: self.family_cls.resolve(self.cfg.model, self.tok, self.cfg.data))
@@ -607,10 +607,10 @@ class Trainer:
     def place(self) -> None:
         """``micro_batch_size: auto`` (probed on rank 0), then the plan (rank 0, once); the config is
         resolved after this and frozen."""
-        from mmpipe.config import replace
+        from mmpipe.config.schema import replace
         cfg, rank = self.cfg, self.rank
         if self.auto_mbs:
-            from mmpipe.ds_config import resolve
+            from mmpipe.config.deepspeed import resolve
             m = _rank0_decides(rank, lambda: _probe_micro_batch(cfg, self.family, self.source, self.tok,
                                                                  self.image_size, self.topo, self.forward_only,
                                                                  self.frozen_names))
@@ -640,7 +640,7 @@ class Trainer:
     def build_engine(self) -> None:
         import deepspeed
 
-        from mmpipe.optim import GradClipper, apply_freeze, innermost_optimizer, lr_lambda, param_groups
+        from mmpipe.config.groups import GradClipper, apply_freeze, innermost_optimizer, lr_lambda, param_groups
         cfg = self.cfg
         strategy = strategy_for(self.topo)(self.family, self.plan, self.topo, self.forward_only)
         model = strategy.build_module(dynamic_shape=cfg.data.padding == "batch" or self.family.dynamic_shapes)
@@ -700,7 +700,7 @@ class Trainer:
 
     def write_run_files(self) -> None:
         """config.yaml, ds_config.json, plan.json (rank 0); the metrics writer (reporting rank)."""
-        from mmpipe.pipeline.partition import stage_lists
+        from mmpipe.planning.partition import stage_lists
         cfg, out = self.cfg, self.out_dir
         self.writer = (MetricsWriter(out, cfg.train.steps, self.start_step, progress=cfg.log.progress,
                                      tensorboard=cfg.log.tensorboard, every=cfg.log.every)
@@ -770,7 +770,7 @@ class Trainer:
             self.stop_signal, self.stop_signal_rank = names[r], f"rank {r}"
         stage_fields = {}
         if self.runner.clock is not None:
-            from mmpipe.pipeline.instrument import stage_record
+            from mmpipe.parallel.stage_clock import stage_record
             per_stage = {s: stats[ranks, 5 + n_lr:].mean(0).tolist() for s, ranks in enumerate(self.stage_ranks)}
             stage_fields = stage_record(per_stage, self.topo.pipeline_stages)
         lrs = lr_record(lr_now, self.trainable, self.cfg.optim.lr, ds_scheduler="scheduler" in self.ds_cfg)
@@ -802,7 +802,7 @@ class Trainer:
 
     def gather_step_stats(self, lrs: list) -> tuple:
         """(world x fields tensor of every rank's step counters, the bad-file reports new to the run)."""
-        from mmpipe.pipeline.instrument import FIELDS
+        from mmpipe.parallel.stage_clock import FIELDS
         timings = []
         if self.runner.clock is not None:  # the norm all-reduce in the optimizer step waits for other stages: idle
             timings = list(self.runner.timings)
@@ -830,7 +830,7 @@ class Trainer:
     def write_trace(self) -> None:
         if self.runner.clock is None:
             return
-        from mmpipe.pipeline.instrument import write_timeline_png, write_trace
+        from mmpipe.parallel.stage_clock import write_timeline_png, write_trace
         events = [None] * self.world
         dist.all_gather_object(events, (self.runner.clock.events, self.trace_offset))
         self.runner.clock.events = []

@@ -25,15 +25,15 @@ def _train_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from mmpipe.config import load_config
-    from mmpipe.train import run
+    from mmpipe.config.schema import load_config
+    from mmpipe.train.trainer import run
     cfg = load_config(args.config, args.overrides)
     run(cfg, resume=args.resume, stop_at=args.stop_at, overwrite=args.overwrite)
     return 0
 
 
 def cmd_generate(args) -> int:
-    from mmpipe.families.vlm.generate import Generator, exact_match
+    from mmpipe.cli.generate import Generator, exact_match
     if args.eval:
         r = exact_match(args.run, args.eval, args.limit, args.step)
         print(f"exact match {r['exact_match']:.3f} on {r['n']} held-out questions (image questions "
@@ -51,17 +51,17 @@ def cmd_generate(args) -> int:
 
 
 def cmd_plan_any(args) -> int:
-    """``mmpipe plan``: one pipeline's placements (``mmpipe.plan``), or with --world every layout
-    of N ranks (``mmpipe.layout``)."""
+    """``mmpipe plan``: one pipeline's placements (``mmpipe.planning.measure``), or with --world every layout
+    of N ranks (``mmpipe.planning.layouts``)."""
     if args.world and not args.run:
-        from mmpipe.layout import cmd_plan_world
+        from mmpipe.planning.layouts import cmd_plan_world
         return cmd_plan_world(args)
-    from mmpipe.plan import cmd_plan
+    from mmpipe.planning.measure import cmd_plan
     return cmd_plan(args)
 
 
 def cmd_export(args) -> int:
-    from mmpipe.export import export
+    from mmpipe.train.export import export
     out, kind, why = export(args.run, args.out, args.step, args.dtype, args.format)
     if kind == "mmpipe":
         print(f"wrote {out} in mmpipe's format (load with mmpipe.build_model({out!r})): {why}")
@@ -83,10 +83,10 @@ def cmd_data_synth(args) -> int:
 
 
 def cmd_data_prepare(args) -> int:
-    from mmpipe.config import load_config
+    from mmpipe.config.schema import load_config
     from mmpipe.data.cache import prepare
     cfg = load_config(args.config, args.overrides)  # defaults for whatever the flags leave open
-    from mmpipe.config import family_of
+    from mmpipe.config.schema import family_of
     manifest = args.manifest or cfg.data.train
     if not manifest:
         raise ConfigError("mmpipe data prepare: give --manifest (or a --config with data.train)")
@@ -101,10 +101,10 @@ def cmd_data_prepare(args) -> int:
 
 
 def cmd_data_check(args) -> int:
-    from mmpipe.config import load_config
+    from mmpipe.config.schema import load_config
     from mmpipe.data.check import run_check
     from mmpipe.data.shards import is_shard_spec
-    from mmpipe.config import family_of
+    from mmpipe.config.schema import family_of
     cfg = load_config(args.config, args.overrides)
     manifest = args.manifest or cfg.data.train
     if not manifest or is_shard_spec(manifest):
@@ -115,7 +115,7 @@ def cmd_data_check(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from mmpipe.config import load_config, reference, save_yaml
+    from mmpipe.config.schema import load_config, reference, save_yaml
     if args.reference:
         print(reference())
         return 0
@@ -181,11 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "the file) and mean (0-255, of the RGB image at the decode size, as training gets it)")
     ck.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="decoding processes")
     ck.set_defaults(func=cmd_data_check)
-    from mmpipe.bench import add_parser as add_bench
+    from mmpipe.bench.commands import add_parser as add_bench
     add_bench(sub)
-    from mmpipe.plan import add_parser as add_plan
+    from mmpipe.planning.measure import add_parser as add_plan
     add_plan(sub).set_defaults(func=cmd_plan_any)
-    from mmpipe.report import add_parser as add_report
+    from mmpipe.cli.report import add_parser as add_report
     add_report(sub)
     c = sub.add_parser("config", help="print the resolved run config, or --reference for every key")
     c.add_argument("--config", "-c")
