@@ -66,10 +66,12 @@ def test_auto_micro_batch_in_a_pipelined_run(runs, tiny_data, tmp_path_factory):
     from mmpipe.data.manifest import read_manifest
     from mmpipe.data.source import TrainSource
     from mmpipe.data.tokenizer import eos_id, train_tokenizer
-    from mmpipe.families import build_family
-    from mmpipe.planning.measure import build_layers, probe_batch
+    from mmpipe.config.registry import build_family
+    from mmpipe.planning.measure import build_layers
+    from mmpipe.planning.micro_batch import probe_batch
     from mmpipe.planning.place import place
-    from mmpipe.planning.profiler import profile_layers, stage_memory
+    from mmpipe.planning.profiler import profile_layers
+    from mmpipe.planning.memory import stage_memory
     samples = read_manifest(tiny_data["train"])
     tok_dir = str(tmp_path_factory.mktemp("tok_auto"))
     tok = train_tokenizer([s.text for s in samples], 300, tok_dir)

@@ -18,7 +18,8 @@ from mmpipe.config.schema import load_config
 from mmpipe.errors import ConfigError
 from mmpipe.train.metrics import read_metrics
 from mmpipe.families.clip import ClipFamily
-from mmpipe.config.groups import assign_groups, clip_coef, forward_only_parts, param_groups, resolve_groups
+from mmpipe.config.groups import assign_groups, forward_only_parts, param_groups, resolve_groups
+from mmpipe.train.clipping import clip_coef
 
 GROUP_SETS = ["optim.schedule=constant", "optim.groups.vision.max_grad_norm=0.5", "optim.groups.vision.lr=5e-4",
               "optim.groups.text.max_grad_norm=0.3", "optim.groups.text.lr=2e-3",
@@ -93,7 +94,7 @@ def _tiny_model_cfg(*sets):
 
 
 def test_frozen_branch_runs_forward_only_and_gets_no_optimizer_state():
-    from mmpipe.families import build_family
+    from mmpipe.config.registry import build_family
     from mmpipe.config.groups import apply_freeze
     cfg = _tiny_model_cfg("optim.freeze_vision=true")
     groups = resolve_groups(cfg.optim, ClipFamily)
@@ -171,7 +172,7 @@ LAYOUTS = {
 
 def _split_plan(tmp_path_factory, family, runs):
     """Stage boundary inside a clipped group (CLIP: inside the image tower)."""
-    from mmpipe.families import build_family
+    from mmpipe.config.registry import build_family
     case = GROUP_CASES[family]
     cfg = load_config(runs.config, case.model_sets(50, 3))
     names = build_family(cfg.model, 0).layer_names()

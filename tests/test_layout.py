@@ -5,7 +5,9 @@ import math
 
 import pytest
 
-from mmpipe.planning.layouts import CommModel, choose, dp_memory, predict_layouts
+from mmpipe.planning.collectives import CommModel
+from mmpipe.planning.layouts import choose, predict_layouts
+from mmpipe.planning.memory import dp_memory
 from mmpipe.planning.place import layer_costs
 
 
@@ -81,7 +83,7 @@ def test_zero2_charges_its_measured_hooks_and_bucket_copies():
     all-reduce, DeepSpeed hooks every parameter tensor and copies every gradient byte into and out of
     its buckets each micro-batch, and its step costs more than its share of ZeRO-0's. Measured
     (``CommModel.zero2``: per tensor, per byte, per byte of the step) and charged."""
-    from mmpipe.planning.layouts import zero2_fit
+    from mmpipe.planning.collectives import zero2_fit
     layers = [_layer(n, 2.0, 4.0, 1000, opt=0.5) for n in NAMES]
     ops = {"allreduce": {2: (1e-3, 2e-9)}, "allgather": {2: (5e-4, 1e-9)}, "reduce_scatter": {2: (5e-4, 1e-9)}}
     kw = dict(world=2, batch_size=16, micro_batch_size=4, precision="fp32", names=NAMES, segments=SEGS,

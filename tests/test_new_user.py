@@ -150,7 +150,7 @@ def test_pretrained_dir_with_a_tokenizer_uses_it_and_pools_at_its_eos(legacy_cli
     from transformers import CLIPModel
 
     from mmpipe.families.clip import ClipFamily
-    from mmpipe.train.trainer import prepare_tokenizer
+    from mmpipe.train.setup import prepare_tokenizer
     d = tmp_path / "clip_with_tok"
     shutil.copytree(legacy_clip["dir"], d)
     legacy_clip["tok"].save_pretrained(str(d))
@@ -186,7 +186,7 @@ def test_pretrained_dir_with_a_tokenizer_uses_it_and_pools_at_its_eos(legacy_cli
 def test_a_cache_must_hold_the_pretrained_weights_tokenizer_ids(legacy_clip, tiny_data, tmp_path):
     from mmpipe.data.cache import prepare
     from mmpipe.families.clip import ClipFamily
-    from mmpipe.train.trainer import prepare_tokenizer
+    from mmpipe.train.setup import prepare_tokenizer
     d = tmp_path / "clip_with_tok"
     shutil.copytree(legacy_clip["dir"], d)
     legacy_clip["tok"].save_pretrained(str(d))
@@ -213,7 +213,7 @@ def test_a_cache_must_hold_the_pretrained_weights_tokenizer_ids(legacy_clip, tin
 def test_micro_batch_of_one_refused_for_contrastive_and_auto_never_picks_it(capsys, tiny_data, tmp_path):
     line = _one_line_error(capsys, ["train"] + _train_argv(tiny_data, tmp_path / "o", "parallel.micro_batch_size=1"))
     assert "parallel.micro_batch_size=1" in line and "no negatives" in line
-    from mmpipe.planning.profiler import pick_micro_batch
+    from mmpipe.planning.memory import pick_micro_batch
     peak = lambda m: 100 * m  # noqa: E731
     assert pick_micro_batch(8, peak, 250, min_size=2)[0] == 2  # not 1, though 1 fits too
     with pytest.raises(ConfigError, match="even a micro-batch of 2 needs"):
@@ -248,7 +248,7 @@ def test_recall_counts_ties_and_nan_as_misses():
 
 # ---- item 8: a profile cached without transfers is not reused as if transfers were free --------------------
 def test_profile_cached_without_transfers_gets_them_measured(tmp_path, monkeypatch):
-    from mmpipe.families import build_family
+    from mmpipe.config.registry import build_family
     from mmpipe.planning.measure import get_profile
     monkeypatch.setenv("MMPIPE_CACHE", str(tmp_path))
     cfg = mmpipe.load_config(TINY, ["model.text.vocab_size=60", "model.text.eos_token_id=3",
@@ -267,7 +267,7 @@ def test_profile_cached_without_transfers_gets_them_measured(tmp_path, monkeypat
 def test_lr_record_names_every_group_and_scales_the_base_lr():
     from mmpipe.families.clip import ClipFamily
     from mmpipe.config.groups import resolve_groups
-    from mmpipe.train.trainer import lr_record
+    from mmpipe.train.step_stats import lr_record
     groups = [g for g in resolve_groups(mmpipe.load_config(None, ["optim.lr=1e-3", "optim.groups.vision.lr=1e-4",
                                                                    "optim.freeze_text=true"]).optim, ClipFamily) if not g.frozen]
     assert [g.name for g in groups] == ["vision", "projector", "logit_scale"]
@@ -300,7 +300,7 @@ def test_stop_at_zero_is_one_line(capsys, tiny_data, tmp_path):
 
 
 def test_placement_mistakes_are_config_errors(tmp_path):
-    from mmpipe.families import build_family
+    from mmpipe.config.registry import build_family
     from mmpipe.planning.place import parts_from_plan_file, place
     cfg = mmpipe.load_config(TINY, ["model.text.vocab_size=60", "model.text.eos_token_id=3",
                                     "model.text.max_position_embeddings=16"])

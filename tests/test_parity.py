@@ -23,7 +23,7 @@ REF = ("p2_ref", 2, ["parallel.pipeline_stages=2", "train.save_every=2", "log.tr
 # metrics that must not depend on the layout (nor on a stop and resume in between): the bad-sample
 # count, the lr and every default group's lr
 def carried(family: str) -> tuple:
-    from mmpipe.families import get_family
+    from mmpipe.config.registry import get_family
     return ("bad_samples", "lr") + tuple(f"lr.{g}" for g in get_family(family).default_groups)
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mmpipe.data.loader import Collate
-from mmpipe.families import register_family
+from mmpipe.config.registry import register_family
 from mmpipe.families.base import Family, Layer
 from mmpipe.config.fields import Section, option, thawed_copy
 

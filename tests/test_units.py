@@ -284,7 +284,7 @@ def _batch(seed=0):
 
 
 def test_pipeline_layers_compute_the_plain_model():
-    from mmpipe.families import build_family
+    from mmpipe.config.registry import build_family
     from mmpipe.parallel.layers import PipeLayer, plain_state_key, run_sequential
     cfg = _tiny_cfg()
     model = mmpipe.build_model(cfg)
@@ -386,7 +386,7 @@ def test_reduced_size_jpeg_decode_stays_close_to_full_decode(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from mmpipe.bench.commands import make_photos
+    from mmpipe.bench.data import make_photos
     from mmpipe.data.loader import load_image
     path = make_photos(str(tmp_path), 1, 640, 480, seed=3)[0]
     fast = load_image(path, 224)
@@ -435,7 +435,7 @@ def test_bench_pools_the_steps_of_every_round_and_keeps_the_middle_run(tmp_path)
     """A variant's measured step is the median over every round's steps after warm-up, so one round
     caught in a slow spell of the machine weighs only its share; idle and memory come from the run
     whose own median is the middle one."""
-    from mmpipe.bench.commands import pooled
+    from mmpipe.bench.common import pooled
     outs = []
     for i, steps in enumerate([[9.0, 1.0, 1.1, 1.2], [9.0, 2.0, 2.1, 2.2], [9.0, 1.3, 1.4, 1.5]]):
         d = tmp_path / f"r{i}"
@@ -450,7 +450,7 @@ def test_bench_pools_the_steps_of_every_round_and_keeps_the_middle_run(tmp_path)
 
 def test_group_norms_of_fp16_gradients_are_taken_in_fp32():
     """A loss-scaled fp16 gradient whose norm passes 65504 with every element finite is not an overflow."""
-    from mmpipe.config.groups import sum_of_squares
+    from mmpipe.train.clipping import sum_of_squares
     g = torch.full((10_000,), 1000.0, dtype=torch.float16)
     assert not torch.isfinite(torch._foreach_norm([g], 2.0)[0])  # what an fp16 norm gives
     assert math.isclose(sum_of_squares([g, g.bfloat16()]), 2 * 10_000 * 1000.0 ** 2, rel_tol=1e-4)
@@ -458,7 +458,7 @@ def test_group_norms_of_fp16_gradients_are_taken_in_fp32():
 
 
 def test_an_fp16_overflow_that_lowers_the_loss_scale_is_not_a_bad_step():
-    from mmpipe.train.trainer import counts_as_bad
+    from mmpipe.train.faults import counts_as_bad
     assert not counts_as_bad({"skipped": False}, None)
     assert counts_as_bad({"skipped": True}, None)  # fp32 / bf16: a non-finite gradient
     assert not counts_as_bad({"skipped": True, "loss_scale": 32768.0}, 65536.0)  # the scaler calibrating
@@ -494,7 +494,7 @@ def test_every_number_of_the_config_has_a_range_checked_at_load():
 
 
 def test_a_launchers_omp_default_does_not_cut_a_cpu_ranks_threads():
-    from mmpipe.config.launch_env import cpu_threads
+    from mmpipe.parallel.topology import cpu_threads
     assert cpu_threads(2, 16, env={}, parent_env=set())[0] == 8
     # torchrun / accelerate launch export OMP_NUM_THREADS=1 for their ranks: not in the launcher's own env
     threads, why = cpu_threads(2, 16, env={"OMP_NUM_THREADS": "1"}, parent_env={"PATH"})
@@ -505,7 +505,7 @@ def test_a_launchers_omp_default_does_not_cut_a_cpu_ranks_threads():
 
 def test_bench_groups_baseline_row_says_what_it_measures():
     """Its runs take every group's norm each step (the skip check); the label must not say "no norms"."""
-    from mmpipe.bench.commands import GROUP_VARIANTS
+    from mmpipe.bench.groups import GROUP_VARIANTS
     label, sets = GROUP_VARIANTS[0]
     assert "norms still taken" in label and "no norms" not in label
     assert not [s for s in sets if "max_grad_norm" in s or "grad_norm=false" in s]

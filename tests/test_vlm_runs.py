@@ -35,7 +35,7 @@ def test_micro_batch_means_would_differ(family_runs_of, tiny_chat_data):
     from mmpipe.families.vlm.chat_data import read_chat
     from mmpipe.data.loader import MicroBatchSampler
     from mmpipe.data.tokenizer import load_tokenizer
-    from mmpipe.families import build_family
+    from mmpipe.config.registry import build_family
     from mmpipe.families.vlm.model import label_tokens
     ref = reference(family_runs_of("vlm"))
     tok = load_tokenizer(os.path.join(ref, "tokenizer"))
@@ -54,7 +54,7 @@ def test_micro_batch_means_would_differ(family_runs_of, tiny_chat_data):
 def test_freeze_vit_and_aligner_stage0_forward_only(family_runs_of, tmp_path):
     runs = family_runs_of("vlm")
     cfg = mmpipe.load_config(runs.config, ["model.llm.vocab_size=200", "model.image_token_id=199"])
-    from mmpipe.families import build_family
+    from mmpipe.config.registry import build_family
     names = build_family(cfg.model, 0).layer_names()
     vision = [n for n in names if n.startswith("vision.")]
     plan = tmp_path / "plan.json"

@@ -17,7 +17,7 @@ from mmpipe.errors import ConfigError
 class Generator:
     def __init__(self, run_dir: str, step: Optional[int] = None, device: str = "cpu"):
         import mmpipe
-        from mmpipe.families import build_family
+        from mmpipe.config.registry import build_family
         from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
         from mmpipe.config.schema import family_of
         from mmpipe.train.export import run_tokenizer
@@ -106,3 +106,21 @@ def exact_match(run_dir: str, chat_file: str, limit: Optional[int] = None, step:
     with open(os.path.join(run_dir, "exact_match.json"), "w") as fh:
         json.dump(out, fh, indent=1)
     return out
+
+
+def cmd_generate(args) -> int:
+    from mmpipe.cli.generate import Generator, exact_match
+    if args.eval:
+        r = exact_match(args.run, args.eval, args.limit, args.step)
+        print(f"exact match {r['exact_match']:.3f} on {r['n']} held-out questions (image questions "
+              f"{r['exact_match_image_questions']:.3f}); best constant answer '{r['constant_answer']}' "
+              f"{r['constant_baseline']:.3f} ({r['exact_match'] / max(r['constant_baseline'], 1e-9):.1f}x); best "
+              f"answer per question without the image {r['question_prior_baseline']:.3f}")
+        for e in r["examples"][:3]:
+            print(f"  Q: {e['question']}  A: {e['got']!r}  (want {e['want']!r})")
+        return 0
+    if not args.prompt:
+        raise ConfigError("mmpipe generate: give --prompt (and --image), or --eval CHAT_FILE")
+    g = Generator(args.run, step=args.step)
+    print(g.answer(args.prompt, args.image, max_new_tokens=args.max_new_tokens))
+    return 0

@@ -9,119 +9,12 @@ import os
 import sys
 
 from mmpipe.errors import ConfigError, MmpipeError
-
-
-def _train_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--config", "-c", help="YAML run config (see README: config reference)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set train.steps=10 (repeatable)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.output_dir")
-    p.add_argument("--stop-at", type=int, default=None, metavar="STEP",
-                   help="save a checkpoint and exit after STEP (continue later with --resume)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the run already in train.output_dir (without it, a fresh run there is refused)")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    return p
-
-
-def cmd_train(args) -> int:
-    from mmpipe.config.schema import load_config
-    from mmpipe.train.trainer import run
-    cfg = load_config(args.config, args.overrides)
-    run(cfg, resume=args.resume, stop_at=args.stop_at, overwrite=args.overwrite)
-    return 0
-
-
-def cmd_generate(args) -> int:
-    from mmpipe.cli.generate import Generator, exact_match
-    if args.eval:
-        r = exact_match(args.run, args.eval, args.limit, args.step)
-        print(f"exact match {r['exact_match']:.3f} on {r['n']} held-out questions (image questions "
-              f"{r['exact_match_image_questions']:.3f}); best constant answer '{r['constant_answer']}' "
-              f"{r['constant_baseline']:.3f} ({r['exact_match'] / max(r['constant_baseline'], 1e-9):.1f}x); best "
-              f"answer per question without the image {r['question_prior_baseline']:.3f}")
-        for e in r["examples"][:3]:
-            print(f"  Q: {e['question']}  A: {e['got']!r}  (want {e['want']!r})")
-        return 0
-    if not args.prompt:
-        raise ConfigError("mmpipe generate: give --prompt (and --image), or --eval CHAT_FILE")
-    g = Generator(args.run, step=args.step)
-    print(g.answer(args.prompt, args.image, max_new_tokens=args.max_new_tokens))
-    return 0
-
-
-def cmd_plan_any(args) -> int:
-    """``mmpipe plan``: one pipeline's placements (``mmpipe.planning.measure``), or with --world every layout
-    of N ranks (``mmpipe.planning.layouts``)."""
-    if args.world and not args.run:
-        from mmpipe.planning.layouts import cmd_plan_world
-        return cmd_plan_world(args)
-    from mmpipe.planning.measure import cmd_plan
-    return cmd_plan(args)
-
-
-def cmd_export(args) -> int:
-    from mmpipe.train.export import export
-    out, kind, why = export(args.run, args.out, args.step, args.dtype, args.format)
-    if kind == "mmpipe":
-        print(f"wrote {out} in mmpipe's format (load with mmpipe.build_model({out!r})): {why}")
-    else:
-        print(f"wrote {out} as transformers' {kind} ({why}; load with {kind}.from_pretrained)")
-    return 0
-
-
-def cmd_data_synth(args) -> int:
-    from mmpipe.data.synth import synth, synth_vlm
-    if args.kind == "vlm":
-        info = synth_vlm(args.out, args.n, val_fraction=args.val_fraction, size=args.size or 64, seed=args.seed)
-        print(f"wrote {info['n_train']} train and {info['n_val']} val chat samples (ms-swift JSONL): "
-              f"{info['train']} {info['val']}")
-        return 0
-    info = synth(args.out, args.n, val_fraction=args.val_fraction, size=args.size or 96, seed=args.seed)
-    print(f"wrote {info['n_train']} train and {info['n_val']} val pairs: {info['train']} {info['val']}")
-    return 0
-
-
-def cmd_data_prepare(args) -> int:
-    from mmpipe.config.schema import load_config
-    from mmpipe.data.cache import prepare
-    cfg = load_config(args.config, args.overrides)  # defaults for whatever the flags leave open
-    from mmpipe.config.schema import family_of
-    manifest = args.manifest or cfg.data.train
-    if not manifest:
-        raise ConfigError("mmpipe data prepare: give --manifest (or a --config with data.train)")
-    size = args.size or cfg.data.decode_size or family_of(cfg).image_size(cfg.model)
-    r = prepare(manifest, args.out, size, args.max_length or cfg.data.max_length,
-                tokenizer=args.tokenizer or cfg.data.tokenizer, vocab_size=cfg.data.tokenizer_vocab_size,
-                workers=args.workers, max_items=args.max_items)
-    state = "complete" if r["remaining"] == 0 else f"{r['remaining']} rows left: run the same command again"
-    print(f"{args.out}: {r['done_now']} rows done now; {r['ok']} usable, {r['bad']} unusable (see {args.out}/bad.jsonl);"
-          f" {state}. Train with --set data.cache={args.out}")
-    return 0
-
-
-def cmd_data_check(args) -> int:
-    from mmpipe.config.schema import load_config
-    from mmpipe.data.check import run_check
-    from mmpipe.data.shards import is_shard_spec
-    from mmpipe.config.schema import family_of
-    cfg = load_config(args.config, args.overrides)
-    manifest = args.manifest or cfg.data.train
-    if not manifest or is_shard_spec(manifest):
-        raise ConfigError("mmpipe data check: give --manifest (a .jsonl/.csv/.tsv manifest), or a --config with one "
-                          "as data.train")
-    size = cfg.data.decode_size or family_of(cfg).image_size(cfg.model)
-    return run_check(manifest, size, cfg.data.max_bad_fraction, args.json, args.workers)
-
-
-def cmd_config(args) -> int:
-    from mmpipe.config.schema import load_config, reference, save_yaml
-    if args.reference:
-        print(reference())
-        return 0
-    cfg = load_config(args.config, args.overrides)
-    save_yaml(cfg, "/dev/stdout")
-    return 0
+from mmpipe.cli.config import cmd_config
+from mmpipe.cli.data import cmd_data_check, cmd_data_prepare, cmd_data_synth
+from mmpipe.cli.export import cmd_export
+from mmpipe.cli.generate import cmd_generate
+from mmpipe.cli.plan import cmd_plan_any
+from mmpipe.cli.train import _train_parser, cmd_train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     ck.set_defaults(func=cmd_data_check)
     from mmpipe.bench.commands import add_parser as add_bench
     add_bench(sub)
-    from mmpipe.planning.measure import add_parser as add_plan
+    from mmpipe.cli.plan import add_parser as add_plan
     add_plan(sub).set_defaults(func=cmd_plan_any)
     from mmpipe.cli.report import add_parser as add_report
     add_report(sub)

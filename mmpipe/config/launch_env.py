@@ -201,31 +201,3 @@ class AccelerateSettings:
         _logged.add(line)
 
 
-def _parent_environment() -> Optional[set]:
-    """The names in this process's launcher's own start-up environment (``/proc/PPID/environ``:
-    what it was started with, not what it set for its children since); None where unreadable."""
-    try:
-        with open(f"/proc/{os.getppid()}/environ", "rb") as fh:
-            return {e.split(b"=", 1)[0].decode(errors="replace") for e in fh.read().split(b"\0") if e}
-    except OSError:
-        return None
-
-
-def cpu_threads(local_ranks: int, cpu_count: int, env=None, parent_env: Optional[set] = "read") -> tuple:
-    """(threads this CPU rank computes with, why). An ``OMP_NUM_THREADS`` the user set is honoured;
-    one its launcher set (``torchrun`` and ``accelerate launch`` export 1 for several processes: it is
-    in this rank's environment but not in the launcher's own) is a default, not a choice, and would
-    cut throughput: the rank takes its share of the cores instead, as under ``deepspeed``."""
-    env = os.environ if env is None else env
-    share = max(1, cpu_count // max(1, local_ranks))
-    value = env.get("OMP_NUM_THREADS")
-    if value is None:
-        return share, f"{cpu_count} cores / {local_ranks} local ranks"
-    parent = _parent_environment() if parent_env == "read" else parent_env
-    if parent is not None and "OMP_NUM_THREADS" not in parent:
-        return share, (f"{cpu_count} cores / {local_ranks} local ranks; OMP_NUM_THREADS={value} came from the "
-                       "launcher, not the user (export it to choose)")
-    try:
-        return max(1, int(value)), f"OMP_NUM_THREADS={value}"
-    except ValueError:
-        return share, f"{cpu_count} cores / {local_ranks} local ranks (OMP_NUM_THREADS={value!r} is not a number)"

@@ -22,13 +22,13 @@ from mmpipe.config.fields import option as _f
 
 def _model_section(type_name: str = "clip", where: str = "config"):
     """The ``model:`` dataclass of the family ``model.type`` names (through the registry)."""
-    from mmpipe.families import get_family
+    from mmpipe.config.registry import get_family
     return get_family(type_name, where).config_class
 
 
 def family_of(cfg):
     """The family class of a run config."""
-    from mmpipe.families import get_family
+    from mmpipe.config.registry import get_family
     return get_family(cfg.model.type, cfg.source or "config")
 
 
@@ -96,7 +96,7 @@ class GroupConfig(Section):
 
 def default_groups(type_name: str = "clip") -> dict:
     """The family's default parameter groups (one per segment, plus its special parameters)."""
-    from mmpipe.families import get_family
+    from mmpipe.config.registry import get_family
     return {name: GroupConfig(patterns=list(p)) for name, p in get_family(type_name).default_groups.items()}
 
 

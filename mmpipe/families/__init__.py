@@ -1,63 +1,8 @@
-"""Model families: each is one package that plugs in through this registry (``model.type``).
+"""Model families. Each is one package (``clip/``, ``vlm/``, or a plugin's module) that registers
+its ``Family`` class under a ``model.type`` name; ``base.py`` is the modality-agnostic interface,
+``image_text.py`` the image-caption data defaults, ``towers/`` the reusable encoders. The registry
+itself lives in ``mmpipe.config.registry`` (config resolution needs it); its public names are
+re-exported here for plugins."""
+from mmpipe.config.registry import build_family, family_names, get_family, register_family
 
-Built-in families are imported on first use; others register themselves when their module is
-imported: name it in ``MMPIPE_PLUGINS`` (comma-separated modules, imported by every process of
-a run) or expose it as a ``mmpipe.families`` entry point of an installed package."""
-from __future__ import annotations
-
-import importlib
-import os
-
-from mmpipe.errors import ConfigError
-
-BUILTIN = {"clip": "mmpipe.families.clip", "vlm": "mmpipe.families.vlm"}
-_REGISTRY: dict = {}
-_plugins_loaded = [False]
-
-
-def register_family(cls):
-    """Class decorator: make ``cls`` (a ``mmpipe.families.base.Family``) the family ``cls.name``."""
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def _load_plugins() -> None:
-    if _plugins_loaded[0]:
-        return
-    _plugins_loaded[0] = True
-    for mod in filter(None, (m.strip() for m in os.environ.get("MMPIPE_PLUGINS", "").split(","))):
-        try:
-            importlib.import_module(mod)
-        except ImportError as e:
-            raise ConfigError(f"MMPIPE_PLUGINS: cannot import {mod!r} ({e}); put its directory on PYTHONPATH or "
-                              "remove it from MMPIPE_PLUGINS") from None
-    from importlib.metadata import entry_points
-    for ep in entry_points(group="mmpipe.families"):
-        if ep.name not in _REGISTRY:
-            ep.load()
-
-
-def family_names() -> list:
-    _load_plugins()
-    return sorted(set(BUILTIN) | set(_REGISTRY))
-
-
-def get_family(name: str, where: str = "config"):
-    """The family class registered as ``name`` (one line naming the known ones otherwise)."""
-    if name not in _REGISTRY and name in BUILTIN:
-        importlib.import_module(BUILTIN[name])
-    if name not in _REGISTRY:
-        _load_plugins()
-    if name not in _REGISTRY:
-        raise ConfigError(f"{where}: model.type={name!r} is not a registered model family (known: "
-                          f"{', '.join(family_names())}); a plugin family must be imported first: list its module "
-                          "in MMPIPE_PLUGINS")
-    return _REGISTRY[name]
-
-
-def build_family(config, seed=None):
-    """The family instance for a run config (or its ``model`` section) with resolved fields."""
-    model_cfg = getattr(config, "model", config)
-    if seed is None:
-        seed = config.train.seed if hasattr(config, "train") else 0
-    return get_family(model_cfg.type)(model_cfg, seed)
+__all__ = ["build_family", "family_names", "get_family", "register_family"]

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from mmpipe.families.towers.common import part_seed
-from mmpipe.errors import ConfigError
 
 
 class Layer(NamedTuple):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from deepspeed.pipe import LayerSpec, PipelineModule
 
 from mmpipe.parallel.layers import PipeLayer, plain_state_key
-from mmpipe.planning.partition import stage_lists
+from mmpipe.parallel.plan import stage_lists
 
 
 class MMPipelineModule(PipelineModule):

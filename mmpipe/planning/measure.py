@@ -11,7 +11,8 @@ from typing import Callable, Optional
 
 import torch
 
-from mmpipe.planning.profiler import median_costs, pick_micro_batch, profile_layers, stage_memory
+from mmpipe.planning.profiler import median_costs, profile_layers
+from mmpipe.planning.cache import _write_json, cache_dir
 
 
 def precision_dtype(precision: str) -> torch.dtype:
@@ -37,52 +38,6 @@ def build_layers(family, forward_only: frozenset = frozenset(), frozen_params: f
     return list(iter_layers(family, forward_only, frozen_params, device, dtype))
 
 
-def probe_batch(cfg, family, source, tok, m: int, image_size: int, device) -> tuple:
-    """A real micro-batch of ``m`` samples from the training source (the family's first-stage
-    fields), captions padded to ``data.max_length`` (the largest shape a run can meet)."""
-    from mmpipe.config.schema import replace
-    collate = family.collate(tok, replace(cfg, data__padding="max_length").data)
-    if source.kind == "shards":
-        import io
-
-        from mmpipe.data.loader import decode_sample
-        from mmpipe.data.shards import iter_tar
-        items = []
-        for _, image, text in iter_tar(source.shard_urls[0]):
-            px, _ = decode_sample(io.BytesIO(image), text or "", image_size) if image else (None, None)
-            if px is not None:
-                items.append({"pixel_values": px, "text": text, "index": -1, "bad": []})
-        if not items:
-            from mmpipe.errors import DataError
-            raise DataError(f"no usable sample in {source.shard_urls[0]}")
-        items = [items[i % len(items)] for i in range(m)]
-    else:
-        ds = source.dataset(cfg, image_size, family=family, tok=tok)
-        items = [ds[i % len(ds)] for i in range(m)]
-    b = collate(items)
-    return tuple(b[f].to(device) for f in family.inputs)
-
-
-def auto_micro_batch(cfg, family, source, tok, image_size: int, pipeline_stages: int, data_parallel: int,
-                     parts: Optional[list], forward_only: frozenset, frozen_params: frozenset, budget_bytes: int,
-                     device, log: Optional[Callable[[str], None]] = None) -> tuple[int, dict]:
-    """(micro-batch size, {probed size: peak bytes of the fullest stage})."""
-    dtype = precision_dtype(cfg.train.precision)
-    if parts is None:  # not placed yet: costed as one stage per P-th of the layers
-        n = len(family.layer_names())
-        parts = [round(i * n / pipeline_stages) for i in range(pipeline_stages + 1)]
-    per_rank = cfg.train.batch_size // data_parallel
-
-    def peak(m: int) -> int:
-        layers = iter_layers(family, forward_only, frozen_params, device, dtype)  # one layer alive at a time
-        costs = profile_layers(layers, probe_batch(cfg, family, source, tok, m, image_size, device), timed=False)
-        micro_batches = per_rank // m
-        return max(stage_memory(costs, parts, micro_batches, cfg.train.precision, cfg.parallel.zero_stage,
-                                data_parallel))
-
-    return pick_micro_batch(per_rank, peak, budget_bytes, log, min_size=family.min_micro_batch)
-
-
 # ---- profiles for planning ----------------------------------------------------------------------
 def profile_key(cfg, family, micro_batch_size: int, threads: int, device: str, forward_only, frozen) -> dict:
     import hashlib
@@ -95,10 +50,6 @@ def profile_key(cfg, family, micro_batch_size: int, threads: int, device: str, f
             "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 5,
             # a CPU profile is timed as a rank computes, with or without mmpipe's malloc settings
             "cpu_malloc": device != "cpu" or os.environ.get("MMPIPE_CPU_MALLOC", "").lower() != "default"}
-
-
-def cache_dir() -> str:
-    return os.environ.get("MMPIPE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "mmpipe", "profiles"))
 
 
 def synthetic_batch(family, m: int, max_length: int, device) -> tuple:
@@ -163,20 +114,11 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
 def _measure_comm(costs) -> dict:
     """Stage-to-stage transfer model (latency + bytes / bandwidth) fitted to p2p timings at the
     sizes the layers hand on; ``measured`` marks it, so a profile cached without it is completed."""
-    from mmpipe.planning.profiler import fit_comm, measure_p2p
+    from mmpipe.planning.collectives import fit_comm, measure_p2p
     sizes = sorted({c.out_bytes for c in costs[:-1]} | {4096})
     samples = measure_p2p(sizes)
     lat, spb = fit_comm(samples)
     return {"latency_s": lat, "s_per_byte": spb, "samples": {str(k): v for k, v in samples.items()}, "measured": True}
-
-
-def _write_json(path: str, obj: dict) -> None:
-    import json
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + f".{os.getpid()}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1)
-    os.replace(tmp, path)
 
 
 # ---- mmpipe plan ----------------------------------------------------------------------------------
@@ -230,7 +172,7 @@ def plan_all(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = 
     """Profile (or take ``profile``), then place (``mmpipe.planning.place.place``) and simulate every
     placement for ``stages`` stages."""
     from mmpipe.planning.place import layer_costs, place, predict, stage_times
-    from mmpipe.planning.profiler import stage_memory
+    from mmpipe.planning.memory import stage_memory
     if profile is None:
         family, prof = _profile_for(cfg, stages, data_parallel, threads, log, use_cache=use_cache, refresh=refresh,
                                     repeats=repeats)
@@ -281,128 +223,3 @@ def format_plan(plan: dict, chosen: str, batch: int) -> str:
     return "\n".join(lines)
 
 
-def write_plan_png(path: str, plan: dict, measured: Optional[dict] = None) -> None:
-    """Per placement, per stage: predicted busy and idle milliseconds per step (and measured, if given)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    names = list(plan["placements"])
-    P = len(plan["placements"][names[0]]["stages"])
-    fig, ax = plt.subplots(figsize=(2 + 1.6 * len(names), 4))
-    width = 0.8 / P
-    for s in range(P):
-        xs = [i + s * width for i in range(len(names))]
-        busy = [1e3 * plan["placements"][n]["sim"]["busy"][s] for n in names]
-        step = [1e3 * plan["placements"][n]["sim"]["step_time"] for n in names]
-        ax.bar(xs, busy, width * 0.9, color=f"C{s}", label=f"stage {s} busy")
-        ax.bar(xs, [a - b for a, b in zip(step, busy)], width * 0.9, bottom=busy, color=f"C{s}", alpha=0.25,
-               label=f"stage {s} idle")
-    if measured:
-        for i, n in enumerate(names):
-            if n in measured:
-                ax.plot([i - 0.05, i + 0.8], [1e3 * measured[n]] * 2, "k--", lw=1)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))])
-    ax.set_xticklabels(names)
-    ax.set_ylabel("ms per step (predicted)")
-    ax.set_title("stage balance per placement" + (" (dashed: measured step)" if measured else ""))
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def measured_from_run(run_dir: str, skip: int = 3) -> dict:
-    """Median step time and mean per-stage idle/busy fractions of a run's metrics.jsonl."""
-    import statistics
-
-    from mmpipe.train.metrics import read_metrics
-    recs = read_metrics(os.path.join(run_dir, "metrics.jsonl"))[skip:]
-    if not recs:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no steps after the first {skip}")
-    P = sum(1 for k in recs[0] if k.startswith("stage") and k.endswith(".idle"))
-    return {"step_time": statistics.median(r["step_time"] for r in recs),
-            "idle_frac": [statistics.mean(r[f"stage{s}.idle"] for r in recs) for s in range(P)],
-            "busy_frac": [statistics.mean(r[f"stage{s}.busy"] for r in recs) for s in range(P)],
-            "steps": len(recs)}
-
-
-def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> str:
-    """Predicted (from the profile, for the run's own parts) beside measured (its metrics)."""
-    import json
-    with open(os.path.join(run_dir, "plan.json")) as fh:
-        run_plan = json.load(fh)
-    parts, M = run_plan["parts"], run_plan.get("micro_batches")
-    P = len(parts) - 1
-    _, prof = _profile_for(cfg, P, log=log, use_cache=use_cache)
-    from mmpipe.planning.place import predict
-    sim = predict(prof, parts, M)
-    meas = measured_from_run(run_dir)
-    lines = [f"{run_dir}: {P} stages, {M} micro-batches per step, parts {parts}",
-             "| | predicted | measured | error |", "|---|---|---|---|",
-             f"| step ms | {1e3 * sim.step_time:.1f} | {1e3 * meas['step_time']:.1f} | "
-             f"{100 * (sim.step_time / meas['step_time'] - 1):+.0f}% |"]
-    for s in range(P):
-        lines.append(f"| stage {s} idle | {sim.idle_frac[s]:.0%} | {meas['idle_frac'][s]:.0%} | "
-                     f"{100 * (sim.idle_frac[s] - meas['idle_frac'][s]):+.0f} pts |")
-    return "\n".join(lines)
-
-
-def cmd_plan(args) -> int:
-    from mmpipe.config.schema import load_config
-    log = lambda s: print(f"[plan] {s}", flush=True)  # noqa: E731
-    if args.run:  # the run's own resolved config: its model, micro-batch, precision
-        saved = os.path.join(args.run, "config.yaml")
-        if not os.path.isfile(saved) or not os.path.isfile(os.path.join(args.run, "plan.json")):
-            from mmpipe.errors import ConfigError
-            raise ConfigError(f"mmpipe plan --run {args.run}: no config.yaml/plan.json there (a pipelined run's output_dir)")
-        cfg = load_config(args.config or saved, args.overrides)
-        print(compare_with_run(cfg, args.run, use_cache=not args.no_cache, log=log))
-        return 0
-    cfg = load_config(args.config, args.overrides)
-    stages = args.stages or cfg.parallel.pipeline_stages
-    if stages < 2:
-        from mmpipe.errors import ConfigError
-        raise ConfigError("mmpipe plan: parallel.pipeline_stages is 1; give --stages P (P >= 2) to plan a pipeline")
-    plan = plan_all(cfg, stages, args.dp, args.threads, use_cache=not args.no_cache, log=log)
-    chosen = cfg.parallel.placement if cfg.parallel.placement in plan["placements"] else "auto"
-    print(format_plan(plan, chosen, cfg.train.batch_size))
-    from mmpipe.planning.simulate import recommend_micro_batches
-    t = plan["placements"][chosen]["stage_times"]
-    per_rank = cfg.train.batch_size // args.dp
-    M = plan["micro_batches"]
-    scale = M  # stage times are per micro-batch of the configured size; rescale to the whole per-rank batch
-    rec = recommend_micro_batches([f * scale for f in t["F"]], [b * scale for b in t["B"]],
-                                  [c * scale for c in t["comm"]], t["opt"], per_rank, args.target_bubble)
-    if rec["best"]:
-        b = rec["best"]
-        print(f"\nrecommended: {b['micro_batches']} micro-batches of {b['micro_batch_size']} "
-              f"(bubble {b['bubble']:.0%} <= {args.target_bubble:.0%}, by the simulator with linearly scaled times)")
-    else:
-        print("\n" + rec["why"])
-    out = args.out or os.path.join(cfg.train.output_dir, "plan")
-    os.makedirs(out, exist_ok=True)
-    chosen_plan = plan["plans"][chosen]
-    chosen_plan.predicted = {k: v["sim"] for k, v in plan["placements"].items()}
-    chosen_plan.write(os.path.join(out, "plan.json"))
-    write_plan_png(os.path.join(out, "plan.png"), plan)
-    print(f"\nwrote {out}/plan.json (train with --set parallel.plan={out}/plan.json) and {out}/plan.png")
-    return 0
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="profile the layers, place the pipeline stages, predict the schedule")
-    p.add_argument("--config", "-c")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--stages", type=int, help="P (default: parallel.pipeline_stages)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel degree the run will use")
-    p.add_argument("--world", type=int, help="instead: predict every layout of N ranks (data parallel with ZeRO "
-                   "0-3, every pipeline P dividing N, P x DP) and mark the fastest that fits")
-    p.add_argument("--memory-gb", type=float, help="with --world: per-rank memory budget (default: "
-                   "parallel.memory_budget_gb, else the device's memory; CPU: RAM / N)")
-    p.add_argument("--threads", type=int, help="threads per rank (default: cores / ranks, as training sets)")
-    p.add_argument("--target-bubble", type=float, default=0.15, help="bubble the micro-batch recommendation aims under")
-    p.add_argument("--run", help="a finished run's output dir: print predicted beside measured")
-    p.add_argument("--out", help="where plan.json and plan.png go (default: OUTPUT_DIR/plan)")
-    p.add_argument("--no-cache", action="store_true", help="profile again even if a cached profile matches")
-    p.set_defaults(func=cmd_plan)
-    return p

@@ -120,18 +120,3 @@ def modality_partition(costs: Sequence[float], segments: Sequence[str], num_stag
     return parts + [n]
 
 
-def stage_lists(names: Sequence[str], parts: Sequence[int]) -> list[list[str]]:
-    return [list(names[parts[s]:parts[s + 1]]) for s in range(len(parts) - 1)]
-
-
-def parts_from_lists(names: Sequence[str], lists: Sequence[Sequence[str]]) -> list[int]:
-    """Inverse of ``stage_lists``: validates that the lists cover ``names`` in order."""
-    flat = [n for stage in lists for n in stage]
-    if flat != list(names):
-        raise ValueError("stage lists must cover every layer exactly once, in model order")
-    parts = [0]
-    for stage in lists:
-        if not stage:
-            raise ValueError("every stage needs at least one layer")
-        parts.append(parts[-1] + len(stage))
-    return parts

@@ -12,51 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from mmpipe.errors import ConfigError
-from mmpipe.planning.partition import parts_from_lists, stage_lists
+from mmpipe.parallel.plan import parts_from_lists
+from mmpipe.parallel.plan import Plan
 
 MEASURED = ("modality", "balanced", "auto")
-SCHEMA = 2
-
-
-@dataclass
-class Plan:
-    """Where every layer runs. ``parts``: P+1 layer indices (stage s holds layers
-    ``parts[s]:parts[s+1]``); ``predicted``: simulated step per placement considered (measured
-    costs only); ``chosen``/``why``: for ``auto``, which placement won and by how much."""
-    layers: list
-    segments: list
-    parts: list
-    placement: str
-    micro_batches: int
-    micro_batch_size: Optional[int] = None
-    costs: str = "parameters"  # what the boundaries were computed from: profile, parameters, plan file, checkpoint
-    chosen: Optional[str] = None
-    why: Optional[str] = None
-    predicted: Optional[dict] = field(default=None)
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.parts) - 1
-
-    @property
-    def stages(self) -> list:
-        return stage_lists(self.layers, self.parts)
-
-    def to_json(self) -> dict:
-        return {"schema": SCHEMA, **asdict(self), "stages": self.stages}
-
-    def write(self, path: str) -> None:
-        with open(path, "w") as fh:
-            json.dump(self.to_json(), fh, indent=2)
-
-    @classmethod
-    def from_json(cls, doc: dict) -> "Plan":
-        known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in doc.items() if k in known})
 
 
 def place(names: list, segments: list, num_stages: int, placement: str, micro_batches: int, *,
@@ -111,7 +73,7 @@ def _measured_parts(prof: dict, segments: list, num_stages: int, placement: str,
     if placement in ("balanced", "auto"):
         mem = None
         if memory_cap is not None:
-            from mmpipe.planning.profiler import bytes_per_param, in_flight
+            from mmpipe.planning.memory import bytes_per_param, in_flight
             per_t, per_f = bytes_per_param(precision, zero_stage, data_parallel)
             # worst case in flight (stage 0) for every stage: conservative, keeps the DP additive
             k = in_flight(0, num_stages, micro_batches)

@@ -24,7 +24,7 @@ RECORD_FILE = "mmpipe_checkpoint.json"  # self-describing: family, model config,
 def layout_record(topo, cfg, layer_names: Optional[list], parts: Optional[list]) -> dict:
     """What a checkpoint's DeepSpeed files are tied to: stages, their layers, data-parallel degree
     (with ZeRO, optimizer state is partitioned over it) and ZeRO stage."""
-    from mmpipe.planning.partition import stage_lists
+    from mmpipe.parallel.plan import stage_lists
     return {"pipeline_stages": topo.pipeline_stages, "data_parallel": topo.data_parallel,
             "zero_stage": cfg.parallel.zero_stage, "placement": cfg.parallel.placement,
             "stages": stage_lists(layer_names, parts) if layer_names is not None else None}

@@ -44,17 +44,11 @@ def run_tokenizer(cfg, family_cls, run_dir: str):
     return family_cls.prepare_tokenizer(tok)
 
 
-def image_processor(size: int, mean, std):
-    from transformers import CLIPImageProcessor
-    return CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
-                              image_mean=list(mean), image_std=list(std), do_convert_rgb=True)
-
-
 def export(run_dir: str, out: str, step: Optional[int] = None, dtype: str = "fp32", fmt: str = "auto") -> tuple:
     """Write the export; returns (out, what was written: a transformers class or "mmpipe", why)."""
     from mmpipe.train.checkpoint import load_weights
     from mmpipe.config.schema import family_of, load_config
-    from mmpipe.families import build_family
+    from mmpipe.config.registry import build_family
     cfg_path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(cfg_path):
         raise ConfigError(f"--run {run_dir}: no config.yaml (not an mmpipe run directory)")
@@ -134,7 +128,7 @@ def load_export_weights(path: str) -> dict:
 def build_exported(path: str, seed=None):
     """The plain model of an mmpipe-format export with its weights (pretrained paths resolved in it)."""
     from mmpipe.config.schema import load_config
-    from mmpipe.families import build_family
+    from mmpipe.config.registry import build_family
     cfg = load_config(os.path.join(path, "config.yaml"))
 
     def resolve(section) -> None:

@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
-import math
 import os
-import socket
 import time
 from typing import Optional
 
@@ -28,327 +25,13 @@ from mmpipe.config.schema import RunConfig, save_yaml
 from mmpipe.errors import ConfigError, DataError, MmpipeError
 from mmpipe.train.metrics import MetricsWriter, NullWriter
 from mmpipe.parallel.strategies import LABEL_PLACEHOLDER, strategy_for
-
-
-# --------------------------------------------------------------------------------------------
-# process setup
-# --------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed(timeout_minutes: Optional[float] = None) -> tuple[int, int]:
-    """Join (or, under plain ``python``, create) the process group with the accelerator's backend."""
-    if "RANK" not in os.environ:  # plain `python launch/train.py`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
-    os.environ.setdefault("LOCAL_RANK", "0")
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    if get_accelerator().device_name() != "cpu":  # before the first collective: NCCL uses the current device
-        get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
-    else:  # before the model and its activations exist
-        from mmpipe.parallel.cpu_process import keep_freed_memory
-        keep_freed_memory()
-    if not dist.is_initialized():
-        from datetime import timedelta
-        if get_accelerator().device_name() == "cpu":
-            from mmpipe.parallel.ds_compat import skip_cpu_shm_allreduce
-            skip_cpu_shm_allreduce()
-        kw = {"timeout": timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
-        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **kw)
-    global CPU_THREADS
-    if get_accelerator().device_name() == "cpu":
-        from mmpipe.config.launch_env import cpu_threads
-        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or dist.get_world_size())
-        threads, why = cpu_threads(local, os.cpu_count() or 1)
-        torch.set_num_threads(threads)
-        CPU_THREADS = f"{threads} CPU thread{'s' if threads != 1 else ''} ({why})"
-    return dist.get_rank(), dist.get_world_size()
-
-
-CPU_THREADS = None  # this rank's CPU threads and why, for its memory line (GPU ranks: None)
-
-
-def prepare_tokenizer(cfg: RunConfig, family, rank: int, source=None):
-    """The run's tokenizer: ``data.tokenizer``, else the cache's, else the text weights' own (a
-    pretrained directory's tokenizer files), else one trained on rank 0 from the captions (saved in
-    the run directory); then given the family's special tokens (``Family.prepare_tokenizer``)."""
-    from mmpipe.data.source import check_cache_tokenizer, check_cache_tokenizer_fits_weights, tokenizer_dir
-    from mmpipe.data.tokenizer import has_tokenizer, load_tokenizer, train_tokenizer
-    weights_key, weights_dir = family.tokenizer_weights(cfg.model)
-    if cfg.data.tokenizer:
-        tok = load_tokenizer(cfg.data.tokenizer)
-        check_cache_tokenizer(cfg, tok)
-    elif tokenizer_dir(cfg):
-        tok = load_tokenizer(tokenizer_dir(cfg), "data.cache tokenizer")
-        if weights_dir:
-            check_cache_tokenizer_fits_weights(cfg.data.cache, weights_key, weights_dir)
-    elif weights_dir:
-        if not has_tokenizer(weights_dir):
-            raise ConfigError(f"{weights_key}={weights_dir} holds pretrained text weights but no tokenizer, and "
-                              "data.tokenizer is unset: a tokenizer trained on the captions would feed those weights "
-                              "ids they never saw; set data.tokenizer to the tokenizer the weights were trained with")
-        tok = load_tokenizer(weights_dir, f"{weights_key} tokenizer")
-    else:
-        tok_dir = os.path.join(cfg.train.output_dir, "tokenizer")
-
-        def train():
-            tok = family.prepare_tokenizer(train_tokenizer(source.captions(family=family),
-                                                           cfg.data.tokenizer_vocab_size, tok_dir))
-            tok.save_pretrained(tok_dir)
-            return True
-        _rank0_decides(rank, lambda: None if os.path.isfile(os.path.join(tok_dir, "tokenizer.json")) else train())
-        tok = load_tokenizer(tok_dir, "tokenizer in the run directory")
-    return family.prepare_tokenizer(tok)
-
-
-# --------------------------------------------------------------------------------------------
-# data streams per stage
-# --------------------------------------------------------------------------------------------
-class DataStats:
-    """Per-rank data counters for the current step: the bad-file reports of the micro-batches this
-    rank consumed (merged over all ranks by the trainer into the run's ``BadSampleLedger``),
-    samples drawn, and seconds the training loop waited for the loader."""
-
-    def __init__(self, sample_log: Optional[str] = None, rank: int = 0, stage: int = 0):
-        self.sample_log = open(sample_log, "a") if sample_log else None
-        self.rank, self.stage, self.step = rank, stage, 0  # ``step``: set by the trainer before each step
-        self.reset()
-
-    def reset(self) -> None:
-        self.reports, self.wait, self.drawn = [], 0.0, 0
-
-    def add(self, batch) -> None:
-        self.drawn += len(batch["keys"]) + len(batch["bad"])
-        if self.sample_log is not None:  # one JSON object per micro-batch
-            self.sample_log.write(json.dumps({"rank": self.rank, "step": self.step, "stage": self.stage,
-                                              "keys": [str(k) for k in batch["keys"]]}) + "\n")
-            self.sample_log.flush()
-        self.reports.extend((str(path), str(why)) for path, why in batch["bad"])
-
-
-def memory_summary(engine, inner_optimizer, rank: int, stage: int) -> str:
-    """One line per rank after the first step: what this rank holds (frozen groups show here)."""
-    import resource
-
-    from deepspeed.accelerator import get_accelerator
-    params = list(engine.module.parameters())
-    numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731 - ZeRO-3 partitions parameters
-    total = sum(numel(p) for p in params)
-    trainable = sum(numel(p) for p in params if p.requires_grad)
-    state = sum(t.numel() * t.element_size() for s in inner_optimizer.state.values() for t in s.values()
-                if torch.is_tensor(t))
-    acc = get_accelerator()
-    if acc.device_name() == "cpu":
-        peak = f"max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB"
-    else:
-        peak = f"peak device memory {acc.max_memory_allocated() / 2**20:.0f} MB"
-    return (f"rank {rank} stage {stage}: params {total / 1e6:.2f}M (trainable {trainable / 1e6:.2f}M), "
-            f"optimizer state {state / 2**20:.1f} MB, {peak}" + (f", {CPU_THREADS}" if CPU_THREADS else ""))
-
-
-def _as_pipe_batches(loader, stats: DataStats, family, count: bool = True):
-    """(first-stage fields, last-stage fields) per micro-batch; ``count``: this rank's draws and bad
-    files count for the run (the first stage's; a last stage that reads only for labels does not)."""
-    it = iter(loader)
-    while True:
-        t0 = time.perf_counter()
-        try:
-            b = next(it)
-        except StopIteration:
-            return
-        if count:
-            stats.wait += time.perf_counter() - t0
-            stats.add(b)
-        yield tuple(b[f] for f in family.inputs), tuple(b[f] for f in family.labels) or LABEL_PLACEHOLDER
-
-
-def _warn(msg: str) -> None:
-    print(f"[mmpipe] warning: {msg}", flush=True)
-
-
-def _rank0_decides(rank: int, decide):
-    """Run ``decide()`` on rank 0 and hand its result to every rank; an mmpipe error it raises is
-    raised on every rank (and printed once)."""
-    result = [None]
-    if rank == 0:
-        try:
-            result = [decide()]
-        except MmpipeError as e:
-            result = [e]
-    dist.broadcast_object_list(result, src=0)
-    if isinstance(result[0], MmpipeError):
-        raise _everywhere(type(result[0]), str(result[0]))
-    return result[0]
-
-
-def _everywhere(cls, msg: str) -> MmpipeError:
-    err = cls(msg)
-    err.everywhere = True  # every rank raises it: printed once (by rank 0)
-    return err
-
-
-def agree(rank: int, work):
-    """Run ``work()`` on every rank; if it raised on any rank, raise on every rank, so no rank is
-    left waiting in a collective for one that has already exited. An mmpipe error is raised alike
-    everywhere (printed once, naming the rank it came from); any other exception is re-raised with
-    its traceback on its own rank, and the others stop with one line naming that rank."""
-    err, original = None, None
-    try:
-        result = work()
-    except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised
-        err, original, result = (type(e).__name__, str(e), isinstance(e, MmpipeError)), e, None
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, err)
-    for r, e in enumerate(errors):
-        if e is None:
-            continue
-        name, msg, ours = e
-        if ours:
-            cls = DataError if name == "DataError" else ConfigError
-            raise _everywhere(cls, msg if r == 0 else f"[rank {r}] {msg}")
-        if original is not None and not isinstance(original, MmpipeError):
-            raise original
-        raise MmpipeError(f"stopped: rank {r} failed with {name} (its traceback is printed above)")
-    return result
-
-
-def check_run_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
-    """A fresh run never mixes with an earlier run's files: a run directory that already holds a run
-    is continued (--resume), replaced (--overwrite) or refused in one line."""
-    if resume and overwrite:
-        raise ConfigError("--resume and --overwrite contradict each other: --resume continues the run in "
-                          f"train.output_dir={out_dir}, --overwrite deletes it")
-    if resume or overwrite or not os.path.isdir(out_dir):
-        return
-    held = [f for f in RUN_FILES if os.path.exists(os.path.join(out_dir, f))]
-    if held:
-        latest = os.path.join(out_dir, "checkpoints", "latest")
-        if os.path.isfile(latest):
-            raise ConfigError(f"train.output_dir={out_dir} already holds a run (checkpoint "
-                              f"{open(latest).read().strip()}): continue it with --resume, replace it with --overwrite, "
-                              "or set another train.output_dir")
-        raise ConfigError(f"train.output_dir={out_dir} already holds a run without a checkpoint ({', '.join(held)}): "
-                          "replace it with --overwrite, or set another train.output_dir")
-
-
-# what a run writes into its directory (--overwrite removes exactly these)
-RUN_FILES = ("checkpoints", "metrics.jsonl", "tokenizer", "config.yaml", "ds_config.json", "plan.json", "samples",
-             "trace.json", "timeline.png", "tb", "layout.json")
-
-
-def clear_run_dir(out_dir: str, keep=()) -> None:
-    """Remove an earlier run's files, except those the new run's config reads (``keep``: e.g. a
-    ``data.tokenizer`` or ``parallel.plan`` inside the directory)."""
-    import shutil
-    kept = {os.path.realpath(k) for k in keep if k}
-    for f in RUN_FILES:
-        path = os.path.join(out_dir, f)
-        real = os.path.realpath(path)
-        if any(k == real or k.startswith(real + os.sep) for k in kept):
-            continue
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
-
-
-def eval_due(step: int, eval_every: int, total_steps: int) -> bool:
-    """Eval steps: every ``eval_every`` steps and the last step, whether or not a run stops
-    (--stop-at) and resumes in between."""
-    return step == total_steps or bool(eval_every and step % eval_every == 0)
-
-
-def lr_fields(inner_optimizer, groups) -> list:
-    """This rank's current lr of every configured group (NaN where the group is not on this rank),
-    in config order: the trainer gathers them so every group's lr is logged in every layout."""
-    current = {g.get("name"): g["lr"] for g in inner_optimizer.param_groups}
-    return [current.get(g.name, float("nan")) for g in groups]
-
-
-def lr_record(per_group: list, groups, base_lr: float, ds_scheduler: bool = False) -> dict:
-    """``lr.<group>`` for every trainable group, and ``lr``: the schedule applied to ``optim.lr``
-    (the same in every layout, whichever groups the reporting rank holds). Under a DeepSpeed-JSON
-    ``scheduler`` (WarmupLR, ...), which sets one absolute lr on every group, ``lr`` is that lr."""
-    out = {f"lr.{g.name}": v for g, v in zip(groups, per_group) if math.isfinite(v)}
-    held = [(g, v) for g, v in zip(groups, per_group) if math.isfinite(v)]
-    if ds_scheduler:
-        return {"lr": held[0][1] if held else 0.0, **out}
-    ratio = next((v / g.lr for g, v in held if g.lr > 0), None)
-    return {"lr": base_lr * ratio if ratio is not None else 0.0, **out}
-
-
-def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool = True):
-    """The run's ``Plan`` (``mmpipe.planning.place.place``), computed once, on rank 0: on a resume of a
-    measured placement, the checkpoint's plan (a new profile could differ); else from measured costs
-    (``parallel.profile``, unless ``measure`` is False), else from trainable parameters."""
-    from mmpipe.planning.measure import get_profile
-    from mmpipe.planning.place import Plan, place
-    names, segments, P = family.layer_names(), family.segments(), topo.pipeline_stages
-    M, mbs = topo.accumulation_steps, topo.micro_batch_size
-    p = cfg.parallel
-    measured = measure and P > 1 and p.profile and not p.plan and p.placement in ("modality", "balanced", "auto")
-    stages = (saved or {}).get("stages")
-    if measured and stages and len(stages) == P and [n for s in stages for n in s] == names:
-        if "parts" in saved:
-            return Plan.from_json(saved)
-        from mmpipe.planning.partition import parts_from_lists  # a record older than plans: its stages
-        return Plan(names, segments, parts_from_lists(names, stages), p.placement, M, mbs, "checkpoint")
-    # (a different model: the layout check says what the checkpoint holds)
-    params = family.meta_params()
-    prof = None
-    if measured:
-        prof = get_profile(cfg, family, mbs, forward_only, frozen, threads=torch.get_num_threads(),
-                           measure_comm=p.placement == "auto", log=lambda s: print(f"[mmpipe] {s}", flush=True))
-    costs = ([sum(v.values()) for v in params.values()] if p.placement == "parameters" else
-             [1 + sum(n for name, n in v.items() if name not in frozen) for v in params.values()])
-    cap = int(p.memory_budget_gb * 2**30) if p.memory_budget_gb else None
-    return place(names, segments, P, p.placement, M, prof=prof, param_costs=costs, plan_file=p.plan,
-                 micro_batch_size=mbs, memory_cap=cap, precision=cfg.train.precision, zero_stage=p.zero_stage,
-                 data_parallel=topo.data_parallel)
-
-
-def check_auto_micro_batch(cfg: RunConfig) -> None:
-    if cfg.train.deepspeed_config:
-        from mmpipe.config.deepspeed import AUTO, load_json
-        v = load_json(cfg.train.deepspeed_config).get("train_micro_batch_size_per_gpu", AUTO)
-        if v != AUTO:
-            raise ConfigError(f"{cfg.train.deepspeed_config}: train_micro_batch_size_per_gpu={v} disagrees with "
-                              "parallel.micro_batch_size=auto; write \"auto\" in the JSON or give a size")
-
-
-def _probe_micro_batch(cfg, family, source, tok, image_size, topo, forward_only, frozen) -> int:
-    """Probe real batches for the largest micro-batch that fits (``mmpipe.planning.measure.auto_micro_batch``),
-    against the stage boundaries of the plan without measured costs (a plan file, ``type:``,
-    DeepSpeed's methods: the run's own; measured placements: their parameter-cost estimate)."""
-    from deepspeed.accelerator import get_accelerator
-
-    from mmpipe.planning.measure import auto_micro_batch
-    acc = get_accelerator()
-    budget = int((cfg.parallel.memory_budget_gb or acc.total_memory() / 2**30) * 2**30)
-    parts = make_plan(cfg, family, topo, frozen, forward_only, measure=False).parts
-    m, _ = auto_micro_batch(cfg, family, source, tok, image_size, topo.pipeline_stages, topo.data_parallel,
-                            parts, forward_only, frozen, budget, torch.device(acc.device_name()),
-                            log=lambda s: print(f"[mmpipe] {s}", flush=True))
-    return m
-
-
-# --------------------------------------------------------------------------------------------
-# the loop
-# --------------------------------------------------------------------------------------------
-def counts_as_bad(record: dict, previous_loss_scale: Optional[float]) -> bool:
-    """Whether a step counts towards ``train.max_bad_steps``: a skipped step, unless fp16's dynamic
-    loss scaler skipped it and lowered its scale (calibrating, as it does at the start of every fp16
-    run: DeepSpeed's overflow check, not a broken run; still counted in ``skipped_steps``)."""
-    if not record.get("skipped"):
-        return False
-    scale = record.get("loss_scale")
-    return not (scale is not None and previous_loss_scale is not None and scale < previous_loss_scale)
+from mmpipe.parallel.startup import init_distributed
+from mmpipe.train.setup import _probe_micro_batch
+from mmpipe.planning.micro_batch import check_auto_micro_batch
+from mmpipe.train.faults import _everywhere, _rank0_decides, _warn, agree, counts_as_bad
+from mmpipe.train.run_dir import check_run_dir, clear_run_dir
+from mmpipe.train.setup import make_plan, prepare_tokenizer
+from mmpipe.train.step_stats import DataStats, _as_pipe_batches, eval_due, lr_fields, lr_record, memory_summary
 
 
 SAME_REQUEST_SECONDS = 3.0  # signals this close to the first one are one stop request (launchers relay)
@@ -640,7 +323,8 @@ class Trainer:
     def build_engine(self) -> None:
         import deepspeed
 
-        from mmpipe.config.groups import GradClipper, apply_freeze, innermost_optimizer, lr_lambda, param_groups
+        from mmpipe.train.clipping import GradClipper, innermost_optimizer
+        from mmpipe.config.groups import apply_freeze, lr_lambda, param_groups
         cfg = self.cfg
         strategy = strategy_for(self.topo)(self.family, self.plan, self.topo, self.forward_only)
         model = strategy.build_module(dynamic_shape=cfg.data.padding == "batch" or self.family.dynamic_shapes)
@@ -700,7 +384,7 @@ class Trainer:
 
     def write_run_files(self) -> None:
         """config.yaml, ds_config.json, plan.json (rank 0); the metrics writer (reporting rank)."""
-        from mmpipe.planning.partition import stage_lists
+        from mmpipe.parallel.plan import stage_lists
         cfg, out = self.cfg, self.out_dir
         self.writer = (MetricsWriter(out, cfg.train.steps, self.start_step, progress=cfg.log.progress,
                                      tensorboard=cfg.log.tensorboard, every=cfg.log.every)

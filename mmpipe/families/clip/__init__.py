@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from mmpipe.errors import ConfigError
-from mmpipe.families import register_family
+from mmpipe.config.registry import register_family
 from mmpipe.families.base import Family, Layer
 from mmpipe.families.clip import model as m
 from mmpipe.families.clip.config import ClipConfig
@@ -180,7 +180,7 @@ class ClipFamily(Family):
         return self.hf.hf_model(state), P(self.preprocessor(), tokenizer)
 
     def preprocessor(self):
-        from mmpipe.train.export import image_processor
+        from mmpipe.families.towers.hf import image_processor
         return image_processor(self.vision.image_size, self.vision.mean, self.vision.std)
 
     @property
@@ -192,5 +192,5 @@ class ClipFamily(Family):
 
 def build_model(config, seed: Optional[int] = None) -> m.DualEncoder:
     """The plain CLIP model from a run config (or its ``model`` section)."""
-    from mmpipe.families import build_family
+    from mmpipe.config.registry import build_family
     return build_family(config, seed).plain_model()

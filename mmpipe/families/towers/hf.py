@@ -158,3 +158,9 @@ def load_part_weights(module: torch.nn.Module, part_name: str, source: WeightSou
         warnings.warn(f"{source.key}: {source.path} has no {', '.join(fresh)}: initialised fresh (train them)",
                       stacklevel=2)
     module.load_state_dict(sd, strict=True)
+
+
+def image_processor(size: int, mean, std):
+    from transformers import CLIPImageProcessor
+    return CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
+                              image_mean=list(mean), image_std=list(std), do_convert_rgb=True)

@@ -10,7 +10,7 @@ from torch import nn
 
 from mmpipe.families.vlm.chat_data import SPECIAL_TOKENS
 from mmpipe.errors import ConfigError
-from mmpipe.families import register_family
+from mmpipe.config.registry import register_family
 from mmpipe.families.base import Family, Layer, PlainModel
 from mmpipe.families.towers import hf
 from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, init_transformer_part
@@ -294,7 +294,7 @@ class VlmFamily(Family):
         return self.hf.hf_model(state), proc
 
     def preprocessor(self):
-        from mmpipe.train.export import image_processor
+        from mmpipe.families.towers.hf import image_processor
         return image_processor(self.vision_cfg.image_size, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
 
     @property

@@ -1,0 +1,47 @@
+"""TODO docstring."""
+from __future__ import annotations
+from mmpipe.errors import ConfigError
+
+
+def cmd_data_synth(args) -> int:
+    from mmpipe.data.synth import synth, synth_vlm
+    if args.kind == "vlm":
+        info = synth_vlm(args.out, args.n, val_fraction=args.val_fraction, size=args.size or 64, seed=args.seed)
+        print(f"wrote {info['n_train']} train and {info['n_val']} val chat samples (ms-swift JSONL): "
+              f"{info['train']} {info['val']}")
+        return 0
+    info = synth(args.out, args.n, val_fraction=args.val_fraction, size=args.size or 96, seed=args.seed)
+    print(f"wrote {info['n_train']} train and {info['n_val']} val pairs: {info['train']} {info['val']}")
+    return 0
+
+
+def cmd_data_prepare(args) -> int:
+    from mmpipe.config.schema import load_config
+    from mmpipe.data.cache import prepare
+    cfg = load_config(args.config, args.overrides)  # defaults for whatever the flags leave open
+    from mmpipe.config.schema import family_of
+    manifest = args.manifest or cfg.data.train
+    if not manifest:
+        raise ConfigError("mmpipe data prepare: give --manifest (or a --config with data.train)")
+    size = args.size or cfg.data.decode_size or family_of(cfg).image_size(cfg.model)
+    r = prepare(manifest, args.out, size, args.max_length or cfg.data.max_length,
+                tokenizer=args.tokenizer or cfg.data.tokenizer, vocab_size=cfg.data.tokenizer_vocab_size,
+                workers=args.workers, max_items=args.max_items)
+    state = "complete" if r["remaining"] == 0 else f"{r['remaining']} rows left: run the same command again"
+    print(f"{args.out}: {r['done_now']} rows done now; {r['ok']} usable, {r['bad']} unusable (see {args.out}/bad.jsonl);"
+          f" {state}. Train with --set data.cache={args.out}")
+    return 0
+
+
+def cmd_data_check(args) -> int:
+    from mmpipe.config.schema import load_config
+    from mmpipe.data.check import run_check
+    from mmpipe.data.shards import is_shard_spec
+    from mmpipe.config.schema import family_of
+    cfg = load_config(args.config, args.overrides)
+    manifest = args.manifest or cfg.data.train
+    if not manifest or is_shard_spec(manifest):
+        raise ConfigError("mmpipe data check: give --manifest (a .jsonl/.csv/.tsv manifest), or a --config with one "
+                          "as data.train")
+    size = cfg.data.decode_size or family_of(cfg).image_size(cfg.model)
+    return run_check(manifest, size, cfg.data.max_bad_fraction, args.json, args.workers)

@@ -1,0 +1,134 @@
+"""TODO docstring."""
+from __future__ import annotations
+import json
+import os
+from mmpipe.planning.charts import write_plan_png, write_png
+from mmpipe.planning.layouts import format_table, layouts_json, plan_layouts
+from mmpipe.planning.measure import _profile_for, format_plan, plan_all
+
+
+def cmd_plan_world(args) -> int:
+    """``mmpipe plan --world N [--memory-gb M]``: every layout of N ranks predicted, the fastest that
+    fits marked; layouts.json and layouts.png."""
+    from mmpipe.config.schema import load_config
+    cfg = load_config(args.config, args.overrides)
+    log = lambda m: print(f"[plan] {m}", flush=True)  # noqa: E731
+    res = plan_layouts(cfg, args.world, args.memory_gb, use_cache=not args.no_cache, log=log)
+    print(f"{args.world} ranks, batch {cfg.train.batch_size}, micro-batch {res['micro_batch_size']}, "
+          f"{res['threads']} thread(s) per rank, {res['comm'].backend}, memory budget "
+          f"{res['memory_budget'] / 2**30:.2f} GB per rank; predicted per optimizer step:")
+    print(format_table(res["rows"], res["chosen"], cfg.train.batch_size))
+    print(f"\nchosen: {res['chosen'].name} ({res['why']})")
+    out = args.out or os.path.join(cfg.train.output_dir, "plan")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "layouts.json"), "w") as fh:
+        json.dump(layouts_json(res), fh, indent=1)
+    write_png(os.path.join(out, "layouts.png"), res["rows"], res["chosen"],
+              title=f"{args.world} ranks: predicted step per layout (green: chosen)")
+    print(f"wrote {out}/layouts.json and {out}/layouts.png (train with --set parallel.layout=auto to use it)")
+    return 0
+
+
+def measured_from_run(run_dir: str, skip: int = 3) -> dict:
+    """Median step time and mean per-stage idle/busy fractions of a run's metrics.jsonl."""
+    import statistics
+
+    from mmpipe.train.metrics import read_metrics
+    recs = read_metrics(os.path.join(run_dir, "metrics.jsonl"))[skip:]
+    if not recs:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no steps after the first {skip}")
+    P = sum(1 for k in recs[0] if k.startswith("stage") and k.endswith(".idle"))
+    return {"step_time": statistics.median(r["step_time"] for r in recs),
+            "idle_frac": [statistics.mean(r[f"stage{s}.idle"] for r in recs) for s in range(P)],
+            "busy_frac": [statistics.mean(r[f"stage{s}.busy"] for r in recs) for s in range(P)],
+            "steps": len(recs)}
+
+
+def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> str:
+    """Predicted (from the profile, for the run's own parts) beside measured (its metrics)."""
+    import json
+    with open(os.path.join(run_dir, "plan.json")) as fh:
+        run_plan = json.load(fh)
+    parts, M = run_plan["parts"], run_plan.get("micro_batches")
+    P = len(parts) - 1
+    _, prof = _profile_for(cfg, P, log=log, use_cache=use_cache)
+    from mmpipe.planning.place import predict
+    sim = predict(prof, parts, M)
+    meas = measured_from_run(run_dir)
+    lines = [f"{run_dir}: {P} stages, {M} micro-batches per step, parts {parts}",
+             "| | predicted | measured | error |", "|---|---|---|---|",
+             f"| step ms | {1e3 * sim.step_time:.1f} | {1e3 * meas['step_time']:.1f} | "
+             f"{100 * (sim.step_time / meas['step_time'] - 1):+.0f}% |"]
+    for s in range(P):
+        lines.append(f"| stage {s} idle | {sim.idle_frac[s]:.0%} | {meas['idle_frac'][s]:.0%} | "
+                     f"{100 * (sim.idle_frac[s] - meas['idle_frac'][s]):+.0f} pts |")
+    return "\n".join(lines)
+
+
+def cmd_plan(args) -> int:
+    from mmpipe.config.schema import load_config
+    log = lambda s: print(f"[plan] {s}", flush=True)  # noqa: E731
+    if args.run:  # the run's own resolved config: its model, micro-batch, precision
+        saved = os.path.join(args.run, "config.yaml")
+        if not os.path.isfile(saved) or not os.path.isfile(os.path.join(args.run, "plan.json")):
+            from mmpipe.errors import ConfigError
+            raise ConfigError(f"mmpipe plan --run {args.run}: no config.yaml/plan.json there (a pipelined run's output_dir)")
+        cfg = load_config(args.config or saved, args.overrides)
+        print(compare_with_run(cfg, args.run, use_cache=not args.no_cache, log=log))
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    stages = args.stages or cfg.parallel.pipeline_stages
+    if stages < 2:
+        from mmpipe.errors import ConfigError
+        raise ConfigError("mmpipe plan: parallel.pipeline_stages is 1; give --stages P (P >= 2) to plan a pipeline")
+    plan = plan_all(cfg, stages, args.dp, args.threads, use_cache=not args.no_cache, log=log)
+    chosen = cfg.parallel.placement if cfg.parallel.placement in plan["placements"] else "auto"
+    print(format_plan(plan, chosen, cfg.train.batch_size))
+    from mmpipe.planning.simulate import recommend_micro_batches
+    t = plan["placements"][chosen]["stage_times"]
+    per_rank = cfg.train.batch_size // args.dp
+    M = plan["micro_batches"]
+    scale = M  # stage times are per micro-batch of the configured size; rescale to the whole per-rank batch
+    rec = recommend_micro_batches([f * scale for f in t["F"]], [b * scale for b in t["B"]],
+                                  [c * scale for c in t["comm"]], t["opt"], per_rank, args.target_bubble)
+    if rec["best"]:
+        b = rec["best"]
+        print(f"\nrecommended: {b['micro_batches']} micro-batches of {b['micro_batch_size']} "
+              f"(bubble {b['bubble']:.0%} <= {args.target_bubble:.0%}, by the simulator with linearly scaled times)")
+    else:
+        print("\n" + rec["why"])
+    out = args.out or os.path.join(cfg.train.output_dir, "plan")
+    os.makedirs(out, exist_ok=True)
+    chosen_plan = plan["plans"][chosen]
+    chosen_plan.predicted = {k: v["sim"] for k, v in plan["placements"].items()}
+    chosen_plan.write(os.path.join(out, "plan.json"))
+    write_plan_png(os.path.join(out, "plan.png"), plan)
+    print(f"\nwrote {out}/plan.json (train with --set parallel.plan={out}/plan.json) and {out}/plan.png")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="profile the layers, place the pipeline stages, predict the schedule")
+    p.add_argument("--config", "-c")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--stages", type=int, help="P (default: parallel.pipeline_stages)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree the run will use")
+    p.add_argument("--world", type=int, help="instead: predict every layout of N ranks (data parallel with ZeRO "
+                   "0-3, every pipeline P dividing N, P x DP) and mark the fastest that fits")
+    p.add_argument("--memory-gb", type=float, help="with --world: per-rank memory budget (default: "
+                   "parallel.memory_budget_gb, else the device's memory; CPU: RAM / N)")
+    p.add_argument("--threads", type=int, help="threads per rank (default: cores / ranks, as training sets)")
+    p.add_argument("--target-bubble", type=float, default=0.15, help="bubble the micro-batch recommendation aims under")
+    p.add_argument("--run", help="a finished run's output dir: print predicted beside measured")
+    p.add_argument("--out", help="where plan.json and plan.png go (default: OUTPUT_DIR/plan)")
+    p.add_argument("--no-cache", action="store_true", help="profile again even if a cached profile matches")
+    p.set_defaults(func=cmd_plan)
+    return p
+
+
+def cmd_plan_any(args) -> int:
+    """``mmpipe plan``: one pipeline's placements (``mmpipe.planning.measure``), or with --world every layout
+    of N ranks (``mmpipe.planning.layouts``)."""
+    if args.world and not args.run:
+        return cmd_plan_world(args)
+    return cmd_plan(args)

@@ -1,0 +1,63 @@
+"""TODO docstring."""
+from __future__ import annotations
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+from typing import Sequence
+
+
+@dataclass
+class Plan:
+    """Where every layer runs. ``parts``: P+1 layer indices (stage s holds layers
+    ``parts[s]:parts[s+1]``); ``predicted``: simulated step per placement considered (measured
+    costs only); ``chosen``/``why``: for ``auto``, which placement won and by how much."""
+    layers: list
+    segments: list
+    parts: list
+    placement: str
+    micro_batches: int
+    micro_batch_size: Optional[int] = None
+    costs: str = "parameters"  # what the boundaries were computed from: profile, parameters, plan file, checkpoint
+    chosen: Optional[str] = None
+    why: Optional[str] = None
+    predicted: Optional[dict] = field(default=None)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.parts) - 1
+
+    @property
+    def stages(self) -> list:
+        return stage_lists(self.layers, self.parts)
+
+    def to_json(self) -> dict:
+        return {"schema": SCHEMA, **asdict(self), "stages": self.stages}
+
+    def write(self, path: str) -> None:
+        with open(path, "w") as fh:
+            json.dump(self.to_json(), fh, indent=2)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "Plan":
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in doc.items() if k in known})
+
+
+def stage_lists(names: Sequence[str], parts: Sequence[int]) -> list[list[str]]:
+    return [list(names[parts[s]:parts[s + 1]]) for s in range(len(parts) - 1)]
+
+
+def parts_from_lists(names: Sequence[str], lists: Sequence[Sequence[str]]) -> list[int]:
+    """Inverse of ``stage_lists``: validates that the lists cover ``names`` in order."""
+    flat = [n for stage in lists for n in stage]
+    if flat != list(names):
+        raise ValueError("stage lists must cover every layer exactly once, in model order")
+    parts = [0]
+    for stage in lists:
+        if not stage:
+            raise ValueError("every stage needs at least one layer")
+        parts.append(parts[-1] + len(stage))
+    return parts
+
+
+SCHEMA = 2

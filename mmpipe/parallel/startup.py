@@ -1,0 +1,52 @@
+"""TODO docstring."""
+from __future__ import annotations
+import logging
+import os
+import socket
+from typing import Optional
+import torch
+import torch.distributed as dist
+
+
+# --------------------------------------------------------------------------------------------
+# process setup
+# --------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_minutes: Optional[float] = None) -> tuple[int, int]:
+    """Join (or, under plain ``python``, create) the process group with the accelerator's backend."""
+    if "RANK" not in os.environ:  # plain `python launch/train.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    os.environ.setdefault("LOCAL_RANK", "0")
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    if get_accelerator().device_name() != "cpu":  # before the first collective: NCCL uses the current device
+        get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+    else:  # before the model and its activations exist
+        from mmpipe.parallel.cpu_process import keep_freed_memory
+        keep_freed_memory()
+    if not dist.is_initialized():
+        from datetime import timedelta
+        if get_accelerator().device_name() == "cpu":
+            from mmpipe.parallel.ds_compat import skip_cpu_shm_allreduce
+            skip_cpu_shm_allreduce()
+        kw = {"timeout": timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **kw)
+    global CPU_THREADS
+    if get_accelerator().device_name() == "cpu":
+        from mmpipe.parallel.topology import cpu_threads
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or dist.get_world_size())
+        threads, why = cpu_threads(local, os.cpu_count() or 1)
+        torch.set_num_threads(threads)
+        CPU_THREADS = f"{threads} CPU thread{'s' if threads != 1 else ''} ({why})"
+    return dist.get_rank(), dist.get_world_size()
+
+
+CPU_THREADS = None  # this rank's CPU threads and why, for its memory line (GPU ranks: None)

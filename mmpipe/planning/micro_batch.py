@@ -1,0 +1,65 @@
+"""TODO docstring."""
+from __future__ import annotations
+from typing import Callable, Optional
+from mmpipe.planning.profiler import profile_layers
+from mmpipe.planning.memory import pick_micro_batch, stage_memory
+from mmpipe.config.schema import RunConfig
+from mmpipe.errors import ConfigError
+from mmpipe.planning.measure import iter_layers, precision_dtype
+
+
+def probe_batch(cfg, family, source, tok, m: int, image_size: int, device) -> tuple:
+    """A real micro-batch of ``m`` samples from the training source (the family's first-stage
+    fields), captions padded to ``data.max_length`` (the largest shape a run can meet)."""
+    from mmpipe.config.schema import replace
+    collate = family.collate(tok, replace(cfg, data__padding="max_length").data)
+    if source.kind == "shards":
+        import io
+
+        from mmpipe.data.loader import decode_sample
+        from mmpipe.data.shards import iter_tar
+        items = []
+        for _, image, text in iter_tar(source.shard_urls[0]):
+            px, _ = decode_sample(io.BytesIO(image), text or "", image_size) if image else (None, None)
+            if px is not None:
+                items.append({"pixel_values": px, "text": text, "index": -1, "bad": []})
+        if not items:
+            from mmpipe.errors import DataError
+            raise DataError(f"no usable sample in {source.shard_urls[0]}")
+        items = [items[i % len(items)] for i in range(m)]
+    else:
+        ds = source.dataset(cfg, image_size, family=family, tok=tok)
+        items = [ds[i % len(ds)] for i in range(m)]
+    b = collate(items)
+    return tuple(b[f].to(device) for f in family.inputs)
+
+
+def auto_micro_batch(cfg, family, source, tok, image_size: int, pipeline_stages: int, data_parallel: int,
+                     parts: Optional[list], forward_only: frozenset, frozen_params: frozenset, budget_bytes: int,
+                     device, log: Optional[Callable[[str], None]] = None) -> tuple[int, dict]:
+    """(micro-batch size, {probed size: peak bytes of the fullest stage})."""
+    dtype = precision_dtype(cfg.train.precision)
+    if parts is None:  # not placed yet: costed as one stage per P-th of the layers
+        n = len(family.layer_names())
+        parts = [round(i * n / pipeline_stages) for i in range(pipeline_stages + 1)]
+    per_rank = cfg.train.batch_size // data_parallel
+
+    def peak(m: int) -> int:
+        layers = iter_layers(family, forward_only, frozen_params, device, dtype)  # one layer alive at a time
+        costs = profile_layers(layers, probe_batch(cfg, family, source, tok, m, image_size, device), timed=False)
+        micro_batches = per_rank // m
+        return max(stage_memory(costs, parts, micro_batches, cfg.train.precision, cfg.parallel.zero_stage,
+                                data_parallel))
+
+    return pick_micro_batch(per_rank, peak, budget_bytes, log, min_size=family.min_micro_batch)
+
+
+def check_auto_micro_batch(cfg: RunConfig) -> None:
+    if cfg.train.deepspeed_config:
+        from mmpipe.config.deepspeed import AUTO, load_json
+        v = load_json(cfg.train.deepspeed_config).get("train_micro_batch_size_per_gpu", AUTO)
+        if v != AUTO:
+            raise ConfigError(f"{cfg.train.deepspeed_config}: train_micro_batch_size_per_gpu={v} disagrees with "
+                              "parallel.micro_batch_size=auto; write \"auto\" in the JSON or give a size")
+
+

@@ -1,0 +1,201 @@
+"""TODO docstring."""
+from __future__ import annotations
+import math
+import time
+from typing import Optional
+import torch
+import torch.distributed as dist
+from mmpipe.config.groups import Group
+
+
+# --------------------------------------------------------------------------------------------
+# clipping
+# --------------------------------------------------------------------------------------------
+def innermost_optimizer(opt):
+    while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):
+        opt = opt.optimizer
+    return opt
+
+
+def _test_inject_nan(named_grads, step: int) -> None:
+    """Test hook: ``MMPIPE_TEST_NAN_GRAD=STEP:RANK`` (``STEP-:RANK``: that step and every later one)
+    puts a NaN into one gradient of that rank before the norms are taken."""
+    import os
+    spec = os.environ.get("MMPIPE_TEST_NAN_GRAD")
+    if not spec:
+        return
+    at, rank = spec.split(":")
+    me = dist.get_rank() if dist.is_initialized() else 0
+    hit = step >= int(at[:-1]) if at.endswith("-") else step == int(at)
+    if hit and me == int(rank):
+        for _, gs, _ in named_grads:
+            if gs:
+                gs[0].view(-1)[0] = float("nan")
+                return
+
+
+def clip_coef(norm: float, limit: Optional[float]) -> float:
+    """``torch.nn.utils.clip_grad_norm_``'s coefficient: min(1, limit / (norm + 1e-6))."""
+    if limit is None or not math.isfinite(limit) or not math.isfinite(norm):
+        return 1.0
+    return min(1.0, limit / (norm + 1e-6))
+
+
+def sum_of_squares(grads) -> float:
+    """Sum of the squared elements of ``grads``, with norms taken in fp32 whatever the gradients'
+    dtype: a loss-scaled fp16 ZeRO partition's norm can pass fp16's 65504 with every element finite."""
+    return float(sum(n.double() ** 2 for n in torch._foreach_norm(list(grads), 2.0, dtype=torch.float32)))
+
+
+class GradClipper:
+    """Per-group and global gradient norms at the optimizer step, clipped to the configured limits.
+
+    Where the hook sits depends on how DeepSpeed wrapped the optimizer:
+    - client optimizer (fp32, ZeRO-0), ``FP16_Optimizer``, ``BF16_Optimizer``: they call the inner
+      torch optimizer's ``step()`` once with every group's (unscaled) gradient in place, so a
+      step pre-hook on the inner optimizer sees them all;
+    - ``DeepSpeedZeroOptimizer`` (ZeRO-1/2 without bf16) steps the inner optimizer once *per group*
+      and builds each group's gradient just before it, so mmpipe wraps its ``step()`` instead and
+      reads the reduced partitions (``averaged_gradients``) of all groups first;
+    - ZeRO-2/3 (P = 1 only): the reduced gradients live in DeepSpeed's buckets, so DeepSpeed clips
+      globally (``gradient_clipping`` = ``optim.max_grad_norm``, see ``ds_config``; its coefficient
+      is 1 / max(1, (norm + 1e-6) / limit), the same as ours) and mmpipe installs no hook, only
+      reports DeepSpeed's pre-clip global norm (``engine.get_global_grad_norm()``). Per-group limits
+      are refused there (``train.run``).
+    """
+
+    def __init__(self, engine, groups: list[Group], max_norm: Optional[float]):
+        self.engine = engine
+        self.max_norm = max_norm
+        self.groups = [g for g in groups if not g.frozen]
+        self.names = [g.name for g in self.groups]
+        self.limits = {g.name: g.max_grad_norm for g in self.groups}
+        self.inner = innermost_optimizer(engine.optimizer)
+        self.partitioned = self.inner is not engine.optimizer and not type(engine.optimizer).__name__.startswith("FP16")
+        grid = getattr(engine, "grid", None)
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            self.reduce_group, self.needs_reduce = None, False
+        elif self.partitioned:
+            self.reduce_group, self.needs_reduce = None, True  # every rank holds a distinct piece
+        elif grid is not None and grid.pipe_parallel_size > 1:
+            self.reduce_group, self.needs_reduce = grid.get_pipe_parallel_group(), True
+        else:
+            self.reduce_group, self.needs_reduce = None, False  # replicated over data-parallel ranks
+        self.last_norm: Optional[float] = None
+        self.last_coef: float = 1.0
+        self.group_norms: dict = {}
+        self.group_coefs: dict = {}
+        self.seconds = 0.0  # time computing norms and scaling this step (benchmarks)
+        self.wait_seconds = 0.0  # time in the norm all-reduce, including waiting for other stages
+        self._handle = None
+        self._zero = None
+        self.skip = False  # this step's gradients are not finite (on some rank): no optimizer step anywhere
+        self.computed = False  # the norms were taken this step (not on a step DeepSpeed's loss scaler skipped)
+        self.step_no = 0  # the trainer's step (test hook)
+        stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
+        self.deepspeed_clips = stage >= 2
+        if self.deepspeed_clips:  # per-group limits are refused before this (train.Trainer.validate)
+            self.ds_limit = float(engine.gradient_clipping() or 0.0) or None
+            return
+        # the norms are always computed (one small all-reduce): a non-finite one skips the step
+        from mmpipe.parallel.ds_compat import is_zero_optimizer, wrap_zero_step
+        if is_zero_optimizer(engine.optimizer):
+            self._zero = engine.optimizer
+            wrap_zero_step(self._zero, self._zero_pre_step)
+        self._wrap_inner_step()
+
+    def _wrap_inner_step(self) -> None:
+        """The inner torch optimizer's ``step`` runs only when the step's gradients are finite
+        (every DeepSpeed wrapper calls it; skipping it leaves weights, moments and Adam's step count
+        as they were, and DeepSpeed's copies to bf16/partitioned weights then copy unchanged values)."""
+        inner, original = self.inner, self.inner.step
+
+        def step(*args, **kwargs):
+            if self._zero is None:  # the gradients of every group are in place now
+                self._hook(inner, args, kwargs)
+            if self.skip:
+                return None
+            return original(*args, **kwargs)
+
+        step._wrapped_by_lr_sched = True  # (torch's LR scheduler checks that its own wrapper is still there)
+        inner.step = step
+
+    # -- where the gradients are -----------------------------------------------------------------
+    def _hook(self, optimizer, args, kwargs):
+        named = [(g.get("name"), [p.grad for p in g["params"] if p.grad is not None], g.get("replica", False))
+                 for g in optimizer.param_groups]
+        self._clip(named, scale=1.0)
+        return None
+
+    def _zero_pre_step(self):
+        from mmpipe.parallel.ds_compat import zero_group_grads
+        zo = self._zero
+        named = [(group.get("name"), zero_group_grads(zo, i), group.get("replica", False))
+                 for i, group in enumerate(zo.optimizer.param_groups)]
+        self._clip(named, scale=float(getattr(zo, "loss_scale", 1.0) or 1.0))
+
+    # -- the arithmetic --------------------------------------------------------------------------
+    def _clip(self, named_grads, scale: float) -> None:
+        """``named_grads``: (group name, gradients, replica) per optimizer group; a replica group (a
+        tied parameter's later copy) is scaled with its group but not counted in its norm. A
+        non-finite norm (reduced over the ranks that hold different gradients, so every rank sees
+        it) sets ``skip``: the optimizer step is left out on every rank."""
+        t0 = time.perf_counter()
+        _test_inject_nan(named_grads, self.step_no)
+        sq = torch.zeros(max(1, len(self.names)), dtype=torch.float64)
+        grads: dict = {}
+        for name, gs, replica in named_grads:
+            if name not in self.names or not gs:
+                continue
+            grads.setdefault(name, []).extend(gs)
+            if not replica:
+                sq[self.names.index(name)] += sum_of_squares(gs)
+        if self.needs_reduce:
+            dev = next((x.device for gs in grads.values() for x in gs), self.engine.device)
+            t = sq.to(dev)
+            t1 = time.perf_counter()
+            dist.all_reduce(t, group=self.reduce_group)
+            sq = t.cpu()
+            # the all-reduce also absorbs the wait for the slowest stage (pipeline skew that would
+            # otherwise show at the next step's first receive): counted apart from the compute
+            self.wait_seconds += time.perf_counter() - t1
+            t0 += time.perf_counter() - t1
+        norms = {n: math.sqrt(v) / scale if math.isfinite(v) else float("nan")
+                 for n, v in zip(self.names, sq.tolist())}  # of unscaled gradients
+        coefs = {n: clip_coef(norms[n], self.limits[n]) for n in self.names}
+        total = math.sqrt(sum(v * v for v in norms.values()))
+        clipped_total = math.sqrt(sum((norms[n] * coefs[n]) ** 2 for n in self.names))
+        global_coef = clip_coef(clipped_total, self.max_norm)
+        self.skip = not math.isfinite(total)
+        for n, gs in ([] if self.skip else grads.items()):
+            c = coefs[n] * global_coef
+            if c != 1.0:
+                torch._foreach_mul_(gs, c)
+        self.group_norms, self.group_coefs = norms, coefs
+        self.last_norm, self.last_coef = total, global_coef
+        self.computed = True
+        self.seconds += time.perf_counter() - t0
+
+    def record(self) -> dict:
+        """Metrics for this step: global pre-clip norm and coefficient, and each group's."""
+        if self.deepspeed_clips:  # DeepSpeed's global norm over all partitions (None if it computed none)
+            norm = self.engine.get_global_grad_norm()
+            self.last_norm = None if norm is None else float(norm)
+            self.last_coef = 1.0 if self.last_norm is None else clip_coef(self.last_norm, self.ds_limit)
+        # fp16: DeepSpeed's loss scaler skips an overflowing step itself; it counts the same
+        ds_skipped = int(getattr(self.engine, "skipped_steps", 0) or 0)
+        overflow, self._ds_skipped = ds_skipped > getattr(self, "_ds_skipped", 0), ds_skipped
+        # a step DeepSpeed's loss scaler skipped before the norms were taken has none (not the last step's)
+        fresh = self.deepspeed_clips or self.computed
+        out = {"grad_norm": self.last_norm if fresh else None, "clip_coef": self.last_coef if fresh else None,
+               "clip_time": self.seconds, "clip_wait": self.wait_seconds, "skipped": bool(self.skip or overflow)}
+        from mmpipe.parallel.ds_compat import dynamic_loss_scale
+        scale = dynamic_loss_scale(self.engine.optimizer)
+        if scale is not None:
+            out["loss_scale"] = scale  # after this step's update (lowered on an overflow)
+        self.skip = self.computed = False
+        for n in self.names:
+            out[f"grad_norm.{n}"] = self.group_norms.get(n) if fresh else None
+            out[f"clip_coef.{n}"] = self.group_coefs.get(n) if fresh else None
+        self.seconds = self.wait_seconds = 0.0
+        return out
