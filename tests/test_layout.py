@@ -292,7 +292,7 @@ def test_medians_of_several_profiles_and_collective_measurements():
 SPY = '''
 import collections, json, sys
 import mmpipe.data.source as src
-from mmpipe.train import trainer as train
+from mmpipe.train import setup, trainer as train
 calls = collections.Counter()
 def spy(owner, name):
     real = getattr(owner, name)
@@ -300,7 +300,7 @@ def spy(owner, name):
         calls[name] += 1
         return real(*a, **k)
     setattr(owner, name, counted)
-spy(src, "open_source"); spy(train.Trainer, "validate"); spy(train.Trainer, "resolve_layout")
+spy(src, "open_source"); spy(setup, "validate"); spy(setup, "locate")
 if __name__ == "__main__":
     from mmpipe.config.schema import load_config
     cfg = load_config(sys.argv[1], sys.argv[3:])
@@ -329,7 +329,7 @@ def test_layout_auto_validates_and_opens_the_data_once_and_keeps_a_type_placemen
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     got = json.loads(result.read_text())
     assert got["step"] == 2
-    assert got["calls"] == {"open_source": 1, "validate": 1, "resolve_layout": 2}
+    assert got["calls"] == {"open_source": 1, "validate": 1, "locate": 2}
     assert "parallel.layout=auto -> single process: pipeline_stages=1" in proc.stdout + proc.stderr
     import mmpipe
     assert mmpipe.load_config(os.path.join(out, "config.yaml")).parallel.placement == "type:Embed"

@@ -420,14 +420,13 @@ def test_a_resolved_config_is_derived_not_mutated_and_sealed():
 def test_the_trainer_resolves_a_copy_and_leaves_the_callers_config_alone(tiny_data, tmp_path):
     """Validation adopts the DeepSpeed JSON's values and a stand-in for ``micro_batch_size: auto``
     into the run's own copy; the config object the caller passed is unchanged."""
-    from mmpipe.train.trainer import Trainer
+    from mmpipe.train.setup import validate
     cfg = mmpipe.load_config(TINY, [f"data.train={tiny_data['train']}", f"train.output_dir={tmp_path / 'o'}",
                                     "parallel.micro_batch_size=auto", "train.deepspeed_config=ds_configs/auto.json",
                                     "parallel.pipeline_stages=1"])
     before = cfg.to_dict()
-    t = Trainer(cfg)
-    t.validate()
-    assert t.cfg is not cfg and t.cfg.parallel.micro_batch_size != "auto"
+    run_cfg = validate(cfg, resume=False, stop_at=None, overwrite=False)[0]
+    assert run_cfg is not cfg and run_cfg.parallel.micro_batch_size != "auto"
     assert cfg.to_dict() == before
 
 

@@ -1,8 +1,20 @@
-"""TODO docstring."""
+"""Faults every rank must agree on: errors raised alike on every rank (``agree``,
+``_rank0_decides``), stop requests by signal (``FaultGuard``: SIGTERM / SIGINT stop at the next step
+boundary with a checkpoint, a second signal at once) and runs of skipped steps
+(``train.max_bad_steps``)."""
 from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
 from typing import Optional
+
 import torch.distributed as dist
+
 from mmpipe.errors import ConfigError, DataError, MmpipeError
+
+SAME_REQUEST_SECONDS = 3.0  # signals this close to the first one are one stop request (launchers relay)
 
 
 def _warn(msg: str) -> None:
@@ -66,3 +78,52 @@ def counts_as_bad(record: dict, previous_loss_scale: Optional[float]) -> bool:
         return False
     scale = record.get("loss_scale")
     return not (scale is not None and previous_loss_scale is not None and scale < previous_loss_scale)
+
+
+class FaultGuard:
+    """This rank's stop requests and bad-step count. A stop request is local until the step's
+    gather, where every rank learns it and the first requesting rank (``agree_stop``)."""
+
+    def __init__(self, max_bad_steps: int):
+        self.max_bad_steps = max_bad_steps
+        self.requested = None  # this rank's signal name
+        self.requested_at = 0.0
+        self.signal = self.signal_rank = None  # agreed by every rank at a step boundary
+        self.bad_run = 0
+        self.last_loss_scale = None  # fp16's dynamic loss scale after the previous step
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(s, self.on_signal)
+
+    def on_signal(self, signum, frame) -> None:
+        """SIGTERM / SIGINT: stop at the next step boundary with a checkpoint (all ranks agree
+        through the step's gather); a second signal stops at once. A signal within
+        ``SAME_REQUEST_SECONDS`` of the first is the same request: a Ctrl-C under the ``deepspeed``
+        launcher reaches every rank as SIGINT and, from DeepSpeed's ``launch.py`` at once, SIGTERM."""
+        now = time.monotonic()
+        if self.requested:
+            if now - self.requested_at <= SAME_REQUEST_SECONDS:
+                return
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.requested, self.requested_at = signal.Signals(signum).name, now
+
+    def agree_stop(self, first_rank: int, world: int) -> None:
+        """Every rank's signal name; the stop is ``first_rank``'s (gathered with the step's stats)."""
+        if self.signal is None:
+            names = [None] * world
+            dist.all_gather_object(names, self.requested)
+            self.signal, self.signal_rank = names[first_rank], f"rank {first_rank}"
+
+    def check_bad_steps(self, step: int, record: dict) -> None:
+        """A skipped step (non-finite gradients on some rank) is counted; ``train.max_bad_steps``
+        consecutive ones stop the run with one line."""
+        self.bad_run = self.bad_run + 1 if counts_as_bad(record, self.last_loss_scale) else 0
+        self.last_loss_scale = record.get("loss_scale", self.last_loss_scale)
+        limit = self.max_bad_steps
+        if limit and self.bad_run >= limit:
+            norms = ", ".join(f"{k}={v:.4g}" for k, v in record.items() if k.startswith("grad_norm.") and v is not None)
+            raise _everywhere(MmpipeError, f"step {step}: {self.bad_run} consecutive steps skipped for non-finite "
+                              f"gradients ({norms or 'grad_norm=' + str(record.get('grad_norm'))}); "
+                              "train.max_bad_steps stops the run here: lower optim.lr, clip gradients "
+                              "(optim.max_grad_norm) or check the data")

@@ -1,4 +1,5 @@
-"""TODO docstring."""
+"""The run directory: refuse to overwrite a run by accident, clear it with ``--overwrite``, and
+remove a checkpoint left incomplete by a run killed while saving before ``--resume``."""
 from __future__ import annotations
 import os
 from mmpipe.errors import ConfigError
@@ -42,3 +43,51 @@ def clear_run_dir(out_dir: str, keep=()) -> None:
 # what a run writes into its directory (--overwrite removes exactly these)
 RUN_FILES = ("checkpoints", "metrics.jsonl", "tokenizer", "config.yaml", "ds_config.json", "plan.json", "samples",
              "trace.json", "timeline.png", "tb", "layout.json")
+
+
+def prepare_run_dir(cfg, rank: int, resume: bool, overwrite: bool) -> None:
+    """Rank 0: clear (``--overwrite``, keeping inputs that live inside it) or create the run
+    directory; on ``--resume`` remove a partial checkpoint, which is never loaded."""
+    from mmpipe.train import checkpoint
+    from mmpipe.train.faults import _warn
+    if rank != 0:
+        return
+    out_dir, c = cfg.train.output_dir, cfg
+    if overwrite:
+        clear_run_dir(out_dir, keep=(c.data.tokenizer, c.parallel.plan, c.data.cache, c.train.deepspeed_config))
+    os.makedirs(out_dir, exist_ok=True)
+    if resume:
+        ckpt_dir = os.path.join(out_dir, "checkpoints")
+        for tag in checkpoint.remove_partial(ckpt_dir):
+            _warn(f"removed the incomplete checkpoint {ckpt_dir}/{tag} (the run stopped while saving it)")
+
+
+def write_run_files(run, eng, start_step: int):
+    """config.yaml, ds_config.json, layout.json, plan.json (rank 0); returns the metrics writer
+    (the reporting rank's; a null writer elsewhere) after its opening lines."""
+    import json
+
+    from mmpipe.config.schema import save_yaml
+    from mmpipe.parallel.plan import stage_lists
+    from mmpipe.train.metrics import MetricsWriter, NullWriter
+    cfg, out = run.cfg, run.out_dir
+    writer = (MetricsWriter(out, cfg.train.steps, start_step, progress=cfg.log.progress,
+                            tensorboard=cfg.log.tensorboard, every=cfg.log.every) if run.is_reporter else NullWriter())
+    if run.rank == 0:
+        save_yaml(cfg, os.path.join(out, "config.yaml"))
+        with open(os.path.join(out, "ds_config.json"), "w") as fh:
+            json.dump(run.where.ds_cfg, fh, indent=2)
+        if run.layout_doc is not None:  # parallel.layout=auto: what it chose and why
+            with open(os.path.join(out, "layout.json"), "w") as fh:
+                json.dump(run.layout_doc, fh, indent=1)
+        plan_file = os.path.join(out, "plan.json")
+        # a resume keeps the plan (and its predictions) it continues
+        if eng.layer_names is not None and not (run.resume and os.path.isfile(plan_file)):
+            run.plan.write(plan_file)
+    writer.info(f"{run.topo.describe()} precision={cfg.train.precision} zero={cfg.parallel.zero_stage} "
+                f"device={run.device_name}" + (f" resume@{start_step}" if run.resume else ""))
+    if eng.layer_names is not None:
+        for s, names in enumerate(stage_lists(eng.layer_names, eng.parts)):
+            fo = ", forward-only" if all(n in run.frozen[2] for n in names) else ""
+            writer.info(f"stage {s}: {names[0]} .. {names[-1]} ({len(names)} layers{fo})")
+    return writer

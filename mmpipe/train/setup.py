@@ -1,11 +1,240 @@
-"""TODO docstring."""
+"""Resolve a run before it trains: validate the config (everything that needs no process group
+first), join the process group, choose the layout (``parallel.layout: auto``), open the data, build
+the tokenizer and the family, size the micro-batch and place the stages. ``resolve_run`` returns
+one frozen ``ResolvedRun``; the caller's config is never changed (the run derives its own with
+``config.replace`` and seals it)."""
 from __future__ import annotations
+
+import json
 import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
 import torch
-from mmpipe.config.schema import RunConfig
-from mmpipe.errors import ConfigError
-from mmpipe.train.faults import _rank0_decides
-from mmpipe.planning.micro_batch import auto_micro_batch
+
+from mmpipe.config.schema import RunConfig, family_of, replace
+from mmpipe.errors import ConfigError, MmpipeError
+from mmpipe.parallel.plan import Plan
+from mmpipe.parallel.startup import init_distributed
+from mmpipe.parallel.topology import Topology
+from mmpipe.planning.micro_batch import auto_micro_batch, check_auto_micro_batch
+from mmpipe.train import checkpoint
+from mmpipe.train.faults import _everywhere, _rank0_decides, _warn, agree
+from mmpipe.train.run_dir import check_run_dir, prepare_run_dir
+
+
+@dataclass(frozen=True)
+class Placement:
+    """This rank's place in the layout: DeepSpeed's config, the topology, its stage and replica,
+    and whether it reads the training data (the first stage; the last too when the family has
+    label fields, which reach it from the loader, not through the stages)."""
+    ds_cfg: dict
+    topo: Topology
+    stage: int
+    dp_rank: int
+    reads_inputs: bool
+    reads_data: bool
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """Everything a run decided before its first step, frozen."""
+    cfg: RunConfig
+    family: Any
+    groups: list
+    where: Placement
+    source: Any
+    val_samples: Optional[list]
+    tok: Any
+    plan: Plan
+    frozen: tuple  # (parameters per layer, frozen parameter names, forward-only layer names)
+    rank: int
+    world: int
+    device_name: str
+    resume: bool
+    layout_doc: Optional[dict] = None
+
+    @property
+    def topo(self) -> Topology:
+        return self.where.topo
+
+    @property
+    def out_dir(self) -> str:
+        return self.cfg.train.output_dir
+
+    @property
+    def is_reporter(self) -> bool:
+        return self.rank == self.topo.reporting_rank
+
+
+def resolve_run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None,
+                overwrite: bool = False) -> ResolvedRun:
+    """Validate, join the process group, then resolve the run (see the module docstring)."""
+    requested = cfg
+    auto_layout = cfg.parallel.layout == "auto"
+    if auto_layout:  # everything but the layout is checked first, with a stand-in (data parallel)
+        cfg = replace(requested, parallel__pipeline_stages=1, parallel__zero_stage=0)
+    cfg, family_cls, groups, where, data = validate(cfg, resume, stop_at, overwrite)
+    rank, world = init_distributed(cfg.train.collective_timeout_minutes)
+    if world > 1:
+        from mmpipe.parallel import roster
+        roster.gather()  # so that a rank losing contact can name the one that is gone
+    layout_doc = None
+    if auto_layout:
+        cfg, where, layout_doc = choose_layout(requested, family_cls, groups, rank, world, resume)
+    prepare_run_dir(cfg, rank, resume, overwrite)
+    import torch.distributed as dist
+    dist.barrier()
+    cfg, tok, family, frozen = build_family(cfg, family_cls, groups, rank, data[0])
+    cfg, where, plan = place(cfg, family, where, tok, data[0], frozen, rank, world, resume,
+                             auto_mbs=requested.parallel.micro_batch_size == "auto")
+    return ResolvedRun(cfg, family, groups, where, data[0], data[1], tok, plan, frozen, rank, world,
+                       _device_name(), resume, layout_doc)
+
+
+def _device_name() -> str:
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator().device_name()
+
+
+def validate(cfg: RunConfig, resume: bool, stop_at: Optional[int], overwrite: bool) -> tuple:
+    """Everything that needs no process group, first: config mistakes end as one line, raised
+    alike on every rank (printed once). Returns (the run's own config, family class, groups,
+    placement, (training source, val records))."""
+    from mmpipe.config.groups import resolve_groups
+    # the run's own copy: adopting DeepSpeed-JSON / Accelerate values is part of its resolution
+    cfg = replace(cfg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        if stop_at is not None and stop_at < 1:
+            raise ConfigError(f"--stop-at {stop_at}: give a step >= 1 (the run stops after that step with a "
+                              "checkpoint)")
+        check_run_dir(cfg.train.output_dir, resume, overwrite)
+        family_cls = family_of(cfg)
+        if family_cls.training_unsupported:
+            raise ConfigError(f"model.type={cfg.model.type}: {family_cls.training_unsupported}")
+        if cfg.parallel.micro_batch_size == "auto":  # validated with a stand-in (the per-rank batch); probed later
+            check_auto_micro_batch(cfg)
+            stand_in = max(1, cfg.train.batch_size // max(1, world // cfg.parallel.pipeline_stages))
+            cfg = replace(cfg, parallel__micro_batch_size=stand_in)
+        if cfg.train.precision == "fp16" and _device_name() == "cpu":
+            raise ConfigError("train.precision=fp16 needs a GPU: DeepSpeed refuses fp16 on the CPU accelerator; "
+                              "use bf16 or fp32 here")
+        groups = resolve_groups(cfg.optim, family_cls)
+        where = locate(cfg, family_cls, groups)
+        # (parallel.layout: auto has not chosen yet: every rank opens the data, once)
+        data = open_data(cfg, family_cls, read=where.reads_data or int(os.environ.get("RANK", "0")) == 0
+                         or cfg.parallel.layout == "auto")
+    except MmpipeError as e:
+        e.everywhere = True
+        raise
+    return cfg, family_cls, groups, where, data
+
+
+def locate(cfg: RunConfig, family_cls, groups: list) -> Placement:
+    """The part of the resolution that depends on the layout: DeepSpeed's config, the topology,
+    this rank's stage and what it reads, ZeRO-2/3 against per-group clipping. ``parallel.layout:
+    auto`` runs it again, alone, for the layout it chose."""
+    from mmpipe.config.deepspeed import resolve
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    ds_cfg, topo = resolve(cfg, world)
+    stage, dp_rank = topo.coords(rank)
+    if cfg.parallel.zero_stage >= 2 and any(g.max_grad_norm is not None for g in groups):
+        raise ConfigError(f"per-group clipping (optim.groups.*.max_grad_norm) supports ZeRO 0/1, not "
+                          f"parallel.zero_stage={cfg.parallel.zero_stage}: use zero_stage 1, or only "
+                          "optim.max_grad_norm (DeepSpeed clips globally under ZeRO-2/3)")
+    reads_inputs = stage == 0
+    reads_data = reads_inputs or (bool(family_cls.labels) and topo.is_last_stage(rank))
+    return Placement(ds_cfg, topo, stage, dp_rank, reads_inputs, reads_data)
+
+
+def open_data(cfg: RunConfig, family_cls, read: bool) -> tuple:
+    """(the training source, the val records): every rank reads the val records (all stages need
+    the eval micro-batch count)."""
+    from mmpipe.data.source import open_source
+    source = open_source(cfg, family_cls.image_size(cfg.model), read=read, family=family_cls)
+    val = family_cls.read_records(cfg.data.val, cfg.data, "data.val") if cfg.data.val else None
+    return source, val
+
+
+def choose_layout(requested: RunConfig, family_cls, groups: list, rank: int, world: int, resume: bool) -> tuple:
+    """``parallel.layout: auto``: rank 0 predicts every layout of this world (``mmpipe.planning.layouts``)
+    and every rank takes the fastest that fits; a resume keeps the layout its run chose. Returns
+    (config, placement, the layouts document to save or None)."""
+    saved = os.path.join(requested.train.output_dir, "layout.json")
+
+    def decide():
+        if resume and os.path.isfile(saved):
+            with open(saved) as fh:
+                doc = json.load(fh)
+            if doc.get("world") == world:
+                return {"chosen": doc["chosen"], "why": f"kept from {saved} ({doc['why']})", "doc": None}
+        from mmpipe.planning.layouts import layouts_json, plan_layouts
+        res = plan_layouts(requested, world, log=lambda m: _warn(f"layout: {m}"))
+        doc = layouts_json(res)
+        return {"chosen": doc["chosen"], "why": res["why"], "doc": doc}
+    choice = _rank0_decides(rank, decide)
+    c = choice["chosen"]
+    # a pipeline row's placement ("auto:balanced": auto, which chose balanced); a data-parallel
+    # row has none, and the requested one (type:REGEX included) stays as it is
+    placement = c["placement"].split(":")[0] if c["placement"] else requested.parallel.placement
+    cfg = replace(requested, parallel__pipeline_stages=c["pipeline_stages"], parallel__zero_stage=c["zero_stage"],
+                  parallel__placement=placement)
+    if rank == 0:
+        _warn(f"parallel.layout=auto -> {c['name']}: pipeline_stages={c['pipeline_stages']} data_parallel="
+              f"{c['data_parallel']} zero_stage={c['zero_stage']}" + (f" placement={placement}"
+                                                                      if c["pipeline_stages"] > 1 else "")
+              + f" ({choice['why']})")
+    try:  # the rest of the config was validated with the stand-in: only the layout's part again
+        where = locate(cfg, family_cls, groups)
+    except MmpipeError as e:
+        e.everywhere = True
+        raise
+    return cfg, where, choice["doc"] if rank == 0 else None
+
+
+def build_family(cfg: RunConfig, family_cls, groups: list, rank: int, source) -> tuple:
+    """(config with the fields left to the tokenizer resolved, tokenizer, family, frozen layout)."""
+    from mmpipe.config.groups import frozen_layout
+    tok = agree(rank, lambda: prepare_tokenizer(cfg, family_cls, rank, source))
+    model = agree(rank, lambda: family_cls.resolve(cfg.model, tok, cfg.data))
+    cfg = replace(cfg, model=model)
+    family = agree(rank, lambda: family_cls(cfg.model, cfg.train.seed))
+    return cfg, tok, family, frozen_layout(family, groups)
+
+
+def place(cfg: RunConfig, family, where: Placement, tok, source, frozen: tuple, rank: int, world: int,
+          resume: bool, auto_mbs: bool) -> tuple:
+    """``micro_batch_size: auto`` (probed on rank 0), then the plan (rank 0, once); the config is
+    resolved after this and sealed. Returns (config, placement, plan)."""
+    part_params, frozen_names, forward_only = frozen
+    if auto_mbs:
+        from mmpipe.config.deepspeed import resolve
+        m = _rank0_decides(rank, lambda: probe_micro_batch(cfg, family, source, tok, where.topo, forward_only,
+                                                           frozen_names))
+        cfg = replace(cfg, parallel__micro_batch_size=m)
+        ds_cfg, topo = resolve(cfg, world)
+        where = Placement(ds_cfg, topo, *topo.coords(rank), where.reads_inputs, where.reads_data)
+        if rank == 0:
+            _warn(f"parallel.micro_batch_size=auto -> {m} (accumulation {topo.accumulation_steps})")
+    cfg.seal()
+    saved = checkpoint.saved_plan(os.path.join(cfg.train.output_dir, "checkpoints")) if resume else None
+    plan = _rank0_decides(rank, lambda: make_plan(cfg, family, where.topo, frozen_names, forward_only, saved))
+    if plan.chosen and rank == 0:
+        _warn(f"parallel.placement=auto -> {plan.chosen} ({plan.why})")
+    check_frozen_stages(cfg, plan, part_params, frozen_names)
+    return cfg, where, plan
+
+
+def check_frozen_stages(cfg: RunConfig, plan: Plan, part_params: dict, frozen_names) -> None:
+    if plan.num_stages == 1 or (cfg.parallel.zero_stage == 0 and cfg.train.precision == "fp32"):
+        return
+    for s_, names in enumerate(plan.stages):
+        if all(pn in frozen_names for part in names for pn in part_params[part]):
+            raise _everywhere(ConfigError,
+                f"pipeline stage {s_} ({names[0]} .. {names[-1]}) holds only frozen parameters, which "
+                f"DeepSpeed's ZeRO-{cfg.parallel.zero_stage}/{cfg.train.precision} optimizer cannot hold; "
+                "use zero_stage 0 with fp32, or a parallel.plan that gives every stage a trainable layer")
 
 
 def prepare_tokenizer(cfg: RunConfig, family, rank: int, source=None):
@@ -72,7 +301,7 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
                  data_parallel=topo.data_parallel)
 
 
-def _probe_micro_batch(cfg, family, source, tok, image_size, topo, forward_only, frozen) -> int:
+def probe_micro_batch(cfg, family, source, tok, topo, forward_only, frozen) -> int:
     """Probe real batches for the largest micro-batch that fits (``mmpipe.planning.measure.auto_micro_batch``),
     against the stage boundaries of the plan without measured costs (a plan file, ``type:``,
     DeepSpeed's methods: the run's own; measured placements: their parameter-cost estimate)."""
@@ -81,7 +310,7 @@ def _probe_micro_batch(cfg, family, source, tok, image_size, topo, forward_only,
     acc = get_accelerator()
     budget = int((cfg.parallel.memory_budget_gb or acc.total_memory() / 2**30) * 2**30)
     parts = make_plan(cfg, family, topo, frozen, forward_only, measure=False).parts
-    m, _ = auto_micro_batch(cfg, family, source, tok, image_size, topo.pipeline_stages, topo.data_parallel,
-                            parts, forward_only, frozen, budget, torch.device(acc.device_name()),
+    m, _ = auto_micro_batch(cfg, family, source, tok, family.image_size(cfg.model), topo.pipeline_stages,
+                            topo.data_parallel, parts, forward_only, frozen, budget, torch.device(acc.device_name()),
                             log=lambda s: print(f"[mmpipe] {s}", flush=True))
     return m

@@ -1,37 +1,16 @@
-"""TODO docstring."""
+"""What a step reports: every rank's counters gathered once into a typed ``StepStats``, the lr of
+every group wherever it lives, the memory line per rank, the stage trace, and DeepSpeed's monitors."""
 from __future__ import annotations
-import json
+
 import math
-import time
+from dataclasses import dataclass
 from typing import Optional
+
+import numpy as np
 import torch
+import torch.distributed as dist
+
 from mmpipe.parallel import startup
-from mmpipe.parallel.strategies import LABEL_PLACEHOLDER
-
-
-# --------------------------------------------------------------------------------------------
-# data streams per stage
-# --------------------------------------------------------------------------------------------
-class DataStats:
-    """Per-rank data counters for the current step: the bad-file reports of the micro-batches this
-    rank consumed (merged over all ranks by the trainer into the run's ``BadSampleLedger``),
-    samples drawn, and seconds the training loop waited for the loader."""
-
-    def __init__(self, sample_log: Optional[str] = None, rank: int = 0, stage: int = 0):
-        self.sample_log = open(sample_log, "a") if sample_log else None
-        self.rank, self.stage, self.step = rank, stage, 0  # ``step``: set by the trainer before each step
-        self.reset()
-
-    def reset(self) -> None:
-        self.reports, self.wait, self.drawn = [], 0.0, 0
-
-    def add(self, batch) -> None:
-        self.drawn += len(batch["keys"]) + len(batch["bad"])
-        if self.sample_log is not None:  # one JSON object per micro-batch
-            self.sample_log.write(json.dumps({"rank": self.rank, "step": self.step, "stage": self.stage,
-                                              "keys": [str(k) for k in batch["keys"]]}) + "\n")
-            self.sample_log.flush()
-        self.reports.extend((str(path), str(why)) for path, why in batch["bad"])
 
 
 def memory_summary(engine, inner_optimizer, rank: int, stage: int) -> str:
@@ -52,22 +31,6 @@ def memory_summary(engine, inner_optimizer, rank: int, stage: int) -> str:
         peak = f"peak device memory {acc.max_memory_allocated() / 2**20:.0f} MB"
     return (f"rank {rank} stage {stage}: params {total / 1e6:.2f}M (trainable {trainable / 1e6:.2f}M), "
             f"optimizer state {state / 2**20:.1f} MB, {peak}" + (f", {startup.CPU_THREADS}" if startup.CPU_THREADS else ""))
-
-
-def _as_pipe_batches(loader, stats: DataStats, family, count: bool = True):
-    """(first-stage fields, last-stage fields) per micro-batch; ``count``: this rank's draws and bad
-    files count for the run (the first stage's; a last stage that reads only for labels does not)."""
-    it = iter(loader)
-    while True:
-        t0 = time.perf_counter()
-        try:
-            b = next(it)
-        except StopIteration:
-            return
-        if count:
-            stats.wait += time.perf_counter() - t0
-            stats.add(b)
-        yield tuple(b[f] for f in family.inputs), tuple(b[f] for f in family.labels) or LABEL_PLACEHOLDER
 
 
 def eval_due(step: int, eval_every: int, total_steps: int) -> bool:
@@ -95,3 +58,106 @@ def lr_record(per_group: list, groups, base_lr: float, ds_scheduler: bool = Fals
     return {"lr": base_lr * ratio if ratio is not None else 0.0, **out}
 
 
+
+
+FIXED = ("new_reports", "loader_wait", "drawn", "stop", "timed_save")
+
+
+@dataclass
+class StepStats:
+    """Every rank's counters of one step, gathered once (one small all-gather), a field per column:
+    new bad-file reports, seconds waiting for the loader, samples drawn, a stop request (1 + the
+    rank, else 0), rank 0's save clock; then every group's lr and the stage clock's fields."""
+    new_reports: torch.Tensor  # one value per rank
+    loader_wait: torch.Tensor
+    drawn: torch.Tensor
+    stop: torch.Tensor
+    timed_save: torch.Tensor
+    lrs: torch.Tensor  # world x groups (NaN where a group is not on that rank)
+    timings: torch.Tensor  # world x stage-clock fields
+
+    @classmethod
+    def gather(cls, fixed: dict, lrs: list, timings: list, world: int, device) -> "StepStats":
+        mine = torch.tensor([float(fixed[k]) for k in FIXED] + lrs + timings, dtype=torch.float64,
+                            device=device)  # NCCL gathers device tensors only
+        everyone = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+        s, n = torch.stack(everyone).cpu(), len(FIXED)
+        return cls(*(s[:, i] for i in range(n)), s[:, n:n + len(lrs)], s[:, n + len(lrs):])
+
+    @property
+    def stop_rank(self) -> Optional[int]:
+        first = int(self.stop.max())
+        return first - 1 if first > 0 else None
+
+    def lr_now(self) -> list:
+        """Every group's lr, from whichever rank holds it."""
+        return [float(np.nanmax(col)) if not np.isnan(col).all() else float("nan") for col in self.lrs.T.numpy()]
+
+    def stage_means(self, stage_ranks: list) -> dict:
+        return {s: self.timings[ranks].mean(0).tolist() for s, ranks in enumerate(stage_ranks)}
+
+
+def gather_step(run, eng, ledger, data_stats, lrs: list, stop_requested: bool, timed_save: bool) -> tuple:
+    """(``StepStats``, the bad-file reports new to the run, merged over ranks in rank order). ``lrs``:
+    this rank's lr per group as the step began (the scheduler moves it in the step)."""
+    from mmpipe.parallel.stage_clock import FIELDS
+    timings = []
+    if eng.runner.clock is not None:  # the norm all-reduce in the optimizer step waits for other stages: idle
+        timings = list(eng.runner.timings)
+        w = min(eng.clipper.wait_seconds, timings[FIELDS.index("opt")])
+        timings[FIELDS.index("opt")] -= w
+        timings[FIELDS.index("comm")] += w
+    reports = ledger.unknown(data_stats.reports)
+    fixed = {"new_reports": len(reports), "loader_wait": data_stats.wait, "drawn": data_stats.drawn,
+             "stop": 1.0 + run.rank if stop_requested else 0.0, "timed_save": timed_save}
+    stats = StepStats.gather(fixed, lrs, timings, run.world, eng.engine.device)
+    if stats.new_reports.sum() > 0:  # new bad files somewhere: merge every rank's, in rank order
+        per_rank = [None] * run.world
+        dist.all_gather_object(per_rank, reports)
+        reports = [r for rr in per_rank for r in rr]
+    data_stats.reset()
+    return stats, reports
+
+
+def to_monitor(run, monitor, step: int, record: Optional[dict], prefix: str = "mmpipe/") -> None:
+    """The step's metrics.jsonl scalars to DeepSpeed's own monitors (``tensorboard``,
+    ``csv_monitor``, ``wandb``, ``comet`` blocks of the DeepSpeed JSON), as ``mmpipe/<key>``.
+    DeepSpeed writes them from rank 0; the record is the reporting rank's."""
+    src = run.topo.reporting_rank
+    if src != 0:
+        box = [record if run.rank == src else None]
+        dist.broadcast_object_list(box, src=src)
+        record = box[0]
+    if run.rank == 0:
+        events = [(f"{prefix}{k}", float(v), step) for k, v in (record or {}).items()
+                  if k != "step" and isinstance(v, (int, float)) and v is not None]
+        monitor.write_events(events)
+
+
+def write_trace(run, eng, writer, trace_offset: float) -> None:
+    """The traced steps' stage events of every rank: a Perfetto trace and a timeline PNG."""
+    if eng.runner.clock is None:
+        return
+    import os
+
+    from mmpipe.parallel.stage_clock import write_timeline_png
+    from mmpipe.parallel.stage_clock import write_trace as write_trace_json
+    events = [None] * run.world
+    dist.all_gather_object(events, (eng.runner.clock.events, trace_offset))
+    eng.runner.clock.events = []
+    if run.is_reporter:
+        coords = [run.topo.coords(r) for r in range(run.world)]
+        first, last = run.cfg.log.trace
+        write_trace_json(os.path.join(run.out_dir, "trace.json"), events, coords)
+        write_timeline_png(os.path.join(run.out_dir, "timeline.png"), events, coords,
+                           f"steps {first}-{last}, {run.topo.describe()}")
+        writer.info(f"wrote {run.out_dir}/trace.json (open in ui.perfetto.dev) and {run.out_dir}/timeline.png")
+
+
+def log_memory(run, eng, writer) -> None:
+    """What each rank holds (frozen groups show here), printed by the reporter after the first step."""
+    lines = [None] * run.world
+    dist.all_gather_object(lines, memory_summary(eng.engine, eng.clipper.inner, run.rank, run.where.stage))
+    for line in lines:
+        writer.info(line)

@@ -1,0 +1,104 @@
+"""What each rank feeds the pipeline: the training stream (first stage: inputs; last stage:
+labels, read from the loader or a placeholder), its per-step counters (``DataStats``), and, for a
+``token_mean`` family, micro-batches that carry the step's loss normaliser."""
+from __future__ import annotations
+import json
+import time
+from typing import Optional
+import torch
+from mmpipe.parallel.strategies import LABEL_PLACEHOLDER
+
+
+# --------------------------------------------------------------------------------------------
+# data streams per stage
+# --------------------------------------------------------------------------------------------
+class DataStats:
+    """Per-rank data counters for the current step: the bad-file reports of the micro-batches this
+    rank consumed (merged over all ranks by the trainer into the run's ``BadSampleLedger``),
+    samples drawn, and seconds the training loop waited for the loader."""
+
+    def __init__(self, sample_log: Optional[str] = None, rank: int = 0, stage: int = 0):
+        self.sample_log = open(sample_log, "a") if sample_log else None
+        self.rank, self.stage, self.step = rank, stage, 0  # ``step``: set by the trainer before each step
+        self.reset()
+
+    def reset(self) -> None:
+        self.reports, self.wait, self.drawn = [], 0.0, 0
+
+    def add(self, batch) -> None:
+        self.drawn += len(batch["keys"]) + len(batch["bad"])
+        if self.sample_log is not None:  # one JSON object per micro-batch
+            self.sample_log.write(json.dumps({"rank": self.rank, "step": self.step, "stage": self.stage,
+                                              "keys": [str(k) for k in batch["keys"]]}) + "\n")
+            self.sample_log.flush()
+        self.reports.extend((str(path), str(why)) for path, why in batch["bad"])
+
+
+def _as_pipe_batches(loader, stats: DataStats, family, count: bool = True):
+    """(first-stage fields, last-stage fields) per micro-batch; ``count``: this rank's draws and bad
+    files count for the run (the first stage's; a last stage that reads only for labels does not)."""
+    it = iter(loader)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            b = next(it)
+        except StopIteration:
+            return
+        if count:
+            stats.wait += time.perf_counter() - t0
+            stats.add(b)
+        yield tuple(b[f] for f in family.inputs), tuple(b[f] for f in family.labels) or LABEL_PLACEHOLDER
+
+
+class TrainData:
+    """This rank's training stream and its counters (``None`` stream: a middle stage)."""
+
+    def __init__(self, run, start_step: int, data_position: Optional[dict]):
+        import itertools
+        import os
+
+        from mmpipe.data.source import build_train_loader
+        from mmpipe.train.faults import agree
+        cfg, rank, where = run.cfg, run.rank, run.where
+        sample_log = None
+        if cfg.data.log_samples and where.reads_inputs:
+            os.makedirs(os.path.join(run.out_dir, "samples"), exist_ok=True)
+            sample_log = os.path.join(run.out_dir, "samples", f"rank{rank}.jsonl")
+        self.stats = DataStats(sample_log, rank, where.stage)
+        self.collate = run.family.collate(run.tok, cfg.data)
+        self.sampler = None  # its position is what a resume continues at
+        if where.reads_data:
+            loader = agree(rank, lambda: build_train_loader(cfg, run.source, run.tok, self.collate, run.topo,
+                                                            where.dp_rank, start_step,
+                                                            run.family.image_size(cfg.model),
+                                                            run.device_name == "cpu", run.family,
+                                                            start_at=data_position))
+            self.sampler = getattr(loader, "batch_sampler", None)
+            self.stream = _as_pipe_batches(loader, self.stats, run.family, count=where.reads_inputs)
+        else:
+            agree(rank, lambda: None)  # the data-reading ranks' loader errors reach every rank
+            self.stream = (itertools.repeat((None, LABEL_PLACEHOLDER)) if run.topo.is_last_stage(rank) else None)
+
+    def position(self, step: int) -> Optional[dict]:
+        return self.sampler.position(step) if hasattr(self.sampler, "position") else None
+
+    def step_batches(self, run, device):
+        """This step's micro-batches. For a ``token_mean`` family every rank first learns the global
+        batch's loss units (label tokens, counted on the last stage of each data-parallel replica),
+        and each micro-batch's labels carry ``units / (micro-batches x data-parallel ranks)``: the
+        engine's mean over micro-batches and ranks of ``sum / that`` is the mean over every label
+        token of the step, whatever the tokens per micro-batch (not the mean of per-micro-batch
+        means that ``loss / accumulation_steps`` gives)."""
+        import torch.distributed as dist
+        family, topo = run.family, run.topo
+        if not family.token_mean:
+            return self.stream
+        A, D = topo.accumulation_steps, topo.data_parallel
+        batches = [next(self.stream) for _ in range(A)] if self.stream is not None else None
+        units = 0
+        if batches is not None and topo.is_last_stage(run.rank):
+            units = sum(family.loss_units(*labels) for _, labels in batches)
+        t = torch.tensor([float(units)], dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        norm = torch.tensor(max(float(t.item()), 1.0) / (A * D), dtype=torch.float32)
+        return iter([(inputs, tuple(labels) + (norm,)) for inputs, labels in batches]) if batches else None

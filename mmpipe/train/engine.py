@@ -1,0 +1,67 @@
+"""The DeepSpeed engine of a resolved run: the strategy's module (frozen groups applied), torch
+parameter groups, the learning-rate schedule, DeepSpeed's monitors, grouped clipping hooked into
+the innermost optimizer, and the records a checkpoint carries."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from mmpipe.parallel.strategies import strategy_for
+from mmpipe.train import checkpoint
+from mmpipe.train.clipping import GradClipper, innermost_optimizer
+
+
+@dataclass
+class Engine:
+    engine: Any  # DeepSpeed's engine
+    runner: Any  # the strategy's step runner
+    clipper: GradClipper
+    inner: Any  # the innermost torch optimizer
+    named_params: list  # plain names (layout-free checkpoints)
+    trainable: list  # the groups that train
+    layer_names: Optional[list]  # pipelined: the plan's layers and boundaries
+    parts: Optional[list]
+    layout: dict  # the checkpoint's layout record
+    record: dict  # the checkpoint's run record
+    monitor: Any  # DeepSpeed's monitors (tensorboard, csv, wandb blocks of its JSON) or None
+    stage_ranks: list  # ranks per stage (per-stage means of the step gather)
+
+
+def build_engine(run) -> Engine:
+    import deepspeed
+
+    from mmpipe.config.groups import apply_freeze, lr_lambda, param_groups
+    cfg, topo, family = run.cfg, run.topo, run.family
+    forward_only = run.frozen[2]
+    strategy = strategy_for(topo)(family, run.plan, topo, forward_only)
+    model = strategy.build_module(dynamic_shape=cfg.data.padding == "batch" or family.dynamic_shapes)
+    apply_freeze(strategy.named_parameters(model), run.groups)
+    torch_groups = param_groups(strategy.named_parameters(model), run.groups)
+    if not torch_groups:  # every layer of this stage is frozen: it still runs, forward only
+        torch_groups = [{"name": "none", "params": []}]
+    scheduler = None
+    if "scheduler" not in run.where.ds_cfg:
+        f = lr_lambda(cfg.optim, cfg.train.steps)
+        scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)  # noqa: E731
+    if cfg.train.precision == "fp16":  # DeepSpeed 0.19.8 leaves ZeRO-0's fp16 gradients unscaled
+        from mmpipe.parallel.ds_compat import fix_fp16_backward_scaling
+        fix_fp16_backward_scaling()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=torch_groups, config=run.where.ds_cfg,
+                                           lr_scheduler=scheduler)
+    monitor = getattr(engine, "monitor", None)
+    pipelined = topo.pipeline_stages > 1
+    layer_names = run.plan.layers if pipelined else None
+    parts = run.plan.parts if pipelined else None
+    layout = checkpoint.layout_record(topo, cfg, layer_names, parts)
+    stage_of = [topo.coords(r)[0] for r in range(run.world)]
+    return Engine(
+        engine=engine, runner=strategy.runner(engine, cfg.log.stage_timing),
+        # under ZeRO-2/3 DeepSpeed clips (its gradient buckets are not read here); the clipper logs its norm
+        clipper=GradClipper(engine, run.groups, cfg.optim.max_grad_norm),
+        inner=innermost_optimizer(engine.optimizer), named_params=list(strategy.named_parameters(model)),
+        trainable=[g for g in run.groups if not g.frozen], layer_names=layer_names, parts=parts, layout=layout,
+        record=checkpoint.run_record(cfg, layout, run.plan.to_json()),
+        monitor=monitor if monitor is not None and monitor.enabled else None,
+        stage_ranks=[[r for r in range(run.world) if stage_of[r] == s] for s in range(topo.pipeline_stages)])
