@@ -1,6 +1,5 @@
 """mmpipe: pipeline-parallel training of image+text models on DeepSpeed."""
 from mmpipe._version import __version__  # noqa: E402
-
 from mmpipe.config.schema import load_config  # noqa: E402
 from mmpipe.errors import ConfigError, DataError, MmpipeError  # noqa: E402
 

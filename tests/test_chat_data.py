@@ -7,8 +7,14 @@ import json
 
 import pytest
 
-from mmpipe.families.vlm.chat_data import (IMAGE, ChatEncoder, add_chat_tokens, read_chat, read_llava_json,
-                              read_swift_jsonl)
+from mmpipe.families.vlm.chat_data import (
+    IMAGE,
+    ChatEncoder,
+    add_chat_tokens,
+    read_chat,
+    read_llava_json,
+    read_swift_jsonl,
+)
 
 N = 9  # image tokens per image (a 3x3 patch grid)
 CONV = [("user", "<image>\nwhat colour is the circle?"), ("assistant", "red"),
@@ -96,8 +102,8 @@ def test_chat_batches_hold_every_image_in_order_and_skip_bad_samples(tok, tmp_pa
     (replaced by the next usable sample and reported); images stacked in order, labels padded -100."""
     import torch
 
-    from mmpipe.families.vlm.chat_data import ChatCollate, ChatDataset
     from mmpipe.data.synth import synth
+    from mmpipe.families.vlm.chat_data import ChatCollate, ChatDataset
     info = synth(str(tmp_path / "imgs"), 4, val_fraction=0.0, size=32, seed=0, progress=False)
     paths = [json.loads(line)["image"] for line in open(info["train"])]
     paths = [p if p.startswith("/") else str(tmp_path / "imgs" / p) for p in paths]
@@ -127,8 +133,8 @@ def test_a_chat_batch_trains_the_vlm_plain_model(tok, tmp_path):
     import torch
 
     import mmpipe
-    from mmpipe.families.vlm.chat_data import ChatCollate, ChatDataset
     from mmpipe.data.synth import synth
+    from mmpipe.families.vlm.chat_data import ChatCollate, ChatDataset
     info = synth(str(tmp_path / "imgs"), 2, val_fraction=0.0, size=32, seed=0, progress=False)
     paths = [json.loads(line)["image"] for line in open(info["train"])]
     paths = [p if p.startswith("/") else str(tmp_path / "imgs" / p) for p in paths]
@@ -191,8 +197,8 @@ def test_the_tokenizers_own_chat_template_is_used(tmp_path):
     """With a chat template (a ChatML one, as Qwen2's tokenizer has), the ids are the rendered
     conversation's and exactly each assistant turn (its text and its end marker) is learned; only
     <image> is added to the tokenizer (no plain-template role markers)."""
-    from mmpipe.families.vlm.chat_data import ChatSample
     from mmpipe.data.tokenizer import train_tokenizer
+    from mmpipe.families.vlm.chat_data import ChatSample
     t = train_tokenizer(["what colour is the circle", "red two shapes how many and", "user assistant"], 200,
                         str(tmp_path / "tok"))
     t.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})

@@ -193,15 +193,16 @@ def test_missing_shard_is_one_line(tmp_path):
 
 # ---- micro_batch_size: auto ------------------------------------------------------------------------
 def test_auto_micro_batch_picks_the_largest_size_that_fits(tiny_data, tok):
+    from conftest import TINY
+
+    from mmpipe.config.registry import build_family
     from mmpipe.config.schema import load_config
     from mmpipe.data.manifest import read_manifest
     from mmpipe.data.source import TrainSource
-    from mmpipe.config.registry import build_family
-    from mmpipe.planning.micro_batch import auto_micro_batch, probe_batch
     from mmpipe.planning.measure import build_layers
-    from mmpipe.planning.profiler import profile_layers
     from mmpipe.planning.memory import stage_memory
-    from conftest import TINY
+    from mmpipe.planning.micro_batch import auto_micro_batch, probe_batch
+    from mmpipe.planning.profiler import profile_layers
     cfg = load_config(TINY, [f"model.text.vocab_size={len(tok)}", "model.text.eos_token_id=3",
                              "model.text.max_position_embeddings=16", "train.batch_size=48"])
     spec = build_family(cfg.model, 0)
@@ -225,11 +226,12 @@ def test_auto_micro_batch_picks_the_largest_size_that_fits(tiny_data, tok):
 
 
 def test_profile_counts_activations_and_frozen_layers_run_forward_only(tok):
-    from mmpipe.config.schema import load_config
+    from conftest import TINY
+
     from mmpipe.config.registry import build_family
+    from mmpipe.config.schema import load_config
     from mmpipe.planning.measure import build_layers
     from mmpipe.planning.profiler import profile_layers
-    from conftest import TINY
     cfg = load_config(TINY, [f"model.text.vocab_size={len(tok)}", "model.text.eos_token_id=3",
                              "model.text.max_position_embeddings=16"])
     spec = build_family(cfg.model, 0)

@@ -7,7 +7,6 @@ import os
 import re
 
 import numpy as np
-
 from conftest import TINY, train_losses
 from test_data import write_shards
 from test_parity import REF, _weights, assert_weights_close
@@ -62,16 +61,16 @@ def test_auto_micro_batch_in_a_pipelined_run(runs, tiny_data, tmp_path_factory):
     (accumulation 4) on every rank, and the run trains with it."""
     import torch
 
+    from mmpipe.config.registry import build_family
     from mmpipe.config.schema import load_config
     from mmpipe.data.manifest import read_manifest
     from mmpipe.data.source import TrainSource
     from mmpipe.data.tokenizer import eos_id, train_tokenizer
-    from mmpipe.config.registry import build_family
     from mmpipe.planning.measure import build_layers
+    from mmpipe.planning.memory import stage_memory
     from mmpipe.planning.micro_batch import probe_batch
     from mmpipe.planning.place import place
     from mmpipe.planning.profiler import profile_layers
-    from mmpipe.planning.memory import stage_memory
     samples = read_manifest(tiny_data["train"])
     tok_dir = str(tmp_path_factory.mktemp("tok_auto"))
     tok = train_tokenizer([s.text for s in samples], 300, tok_dir)
@@ -105,8 +104,8 @@ def test_bad_val_samples_are_counted_and_a_val_set_with_none_usable_stops_every_
     import time
 
     import pytest
-
     from conftest import launch
+
     from mmpipe.train.metrics import read_metrics
     good = [json.loads(line) for line in open(tiny_data["val"])][:6]
     bad = [{"image": "images/corrupt.jpg", "text": "a red circle"},

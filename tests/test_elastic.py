@@ -8,11 +8,11 @@ import shutil
 
 import numpy as np
 import pytest
-
 from conftest import launch
+from test_parity import assert_weights_close, reference
+
 from mmpipe.train.checkpoint import load_model_weights
 from mmpipe.train.metrics import read_metrics
-from test_parity import assert_weights_close, reference
 
 
 def _from_step4(ref: str, out: str) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import TINY
+
 from mmpipe.cli.main import main
 
 

@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 from PIL import Image
+from test_parity import reference
 
 import mmpipe
-from test_parity import reference
 
 
 def _png(tmp_path, size: int) -> str:

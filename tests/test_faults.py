@@ -15,11 +15,11 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from conftest import ROOT, TRAIN_PY, _env, launch, train_losses
+from test_parity import REF, assert_weights_close, reference
+
 from mmpipe.train.checkpoint import load_model_weights
 from mmpipe.train.metrics import read_metrics
-from test_parity import REF, assert_weights_close, reference
 
 
 def _latest(out):

@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import json
 import math
-
-import numpy as np
 import os
 
+import numpy as np
 import pytest
 import torch
+from conftest import TINY, train_losses
 
 import mmpipe
-from conftest import TINY, train_losses
-from mmpipe.train.checkpoint import load_model_weights
+from mmpipe.config.groups import (
+    assign_groups,
+    forward_only_parts,
+    param_groups,
+    resolve_groups,
+)
 from mmpipe.config.schema import load_config
 from mmpipe.errors import ConfigError
-from mmpipe.train.metrics import read_metrics
 from mmpipe.families.clip import ClipFamily
-from mmpipe.config.groups import assign_groups, forward_only_parts, param_groups, resolve_groups
+from mmpipe.train.checkpoint import load_model_weights
 from mmpipe.train.clipping import clip_coef
+from mmpipe.train.metrics import read_metrics
 
 GROUP_SETS = ["optim.schedule=constant", "optim.groups.vision.max_grad_norm=0.5", "optim.groups.vision.lr=5e-4",
               "optim.groups.text.max_grad_norm=0.3", "optim.groups.text.lr=2e-3",
@@ -94,8 +98,8 @@ def _tiny_model_cfg(*sets):
 
 
 def test_frozen_branch_runs_forward_only_and_gets_no_optimizer_state():
-    from mmpipe.config.registry import build_family
     from mmpipe.config.groups import apply_freeze
+    from mmpipe.config.registry import build_family
     cfg = _tiny_model_cfg("optim.freeze_vision=true")
     groups = resolve_groups(cfg.optim, ClipFamily)
     family = build_family(cfg.model, 0)

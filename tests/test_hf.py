@@ -6,10 +6,14 @@ import os
 
 import pytest
 import torch
+from conftest import TINY, launch, train_losses
 
 import mmpipe
-from conftest import launch, train_losses, TINY
-from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, normalize_pixels
+from mmpipe.families.towers.common import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    normalize_pixels,
+)
 
 
 def _tiny_clip(vocab_size, eos, pad=0):

@@ -15,12 +15,11 @@ import sys
 import numpy as np
 import pytest
 import yaml
-
 from conftest import ACCEL_YAML, ROOT, TINY, TRAIN_PY, _env, train_losses
 from test_parity import REF
 
-from mmpipe.config.schema import load_config
 from mmpipe.config.deepspeed import resolve
+from mmpipe.config.schema import load_config
 from mmpipe.errors import ConfigError
 
 RUN_DS = os.path.join(ROOT, "launch", "run_deepspeed.sh")

@@ -224,8 +224,9 @@ def test_layout_auto_trains_at_world_size_two_and_records_its_choice(runs, tmp_p
     import json
     import os
 
-    import mmpipe
     from conftest import launch
+
+    import mmpipe
     from mmpipe.train.metrics import read_metrics
     out = str(tmp_path / "auto")
     proc = launch(2, runs.base(out, "--set", "parallel.pipeline_stages=auto"))
@@ -249,9 +250,9 @@ def test_plan_world_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
     import json
     import os
 
+    from conftest import TINY
     from PIL import Image
 
-    from conftest import TINY
     from mmpipe.cli.main import main
     out = str(tmp_path / "plan")
     assert main(["plan", "--config", TINY, "--world", "2", "--out", out]) == 0

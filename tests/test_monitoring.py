@@ -9,8 +9,8 @@ import json
 import os
 
 import pytest
-
 from conftest import launch
+
 from mmpipe.train.metrics import read_metrics
 
 
@@ -80,6 +80,7 @@ def test_report_of_a_one_stage_run_draws_that_stage(runs, tmp_path):
     assert load_config(os.path.join(run, "config.yaml")).log.stage_timing
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from mmpipe.train.metrics import read_metrics
     recs = read_metrics(os.path.join(run, "metrics.jsonl"))
     fig = report._stages_chart(plt, recs, report._pipeline_stages(run))

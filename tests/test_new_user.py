@@ -11,9 +11,9 @@ import sys
 
 import pytest
 import torch
+from conftest import ROOT, TINY, TRAIN_PY, _env
 
 import mmpipe
-from conftest import ROOT, TINY, TRAIN_PY, _env
 from mmpipe.cli.main import main
 from mmpipe.errors import ConfigError, DataError
 
@@ -68,9 +68,10 @@ def test_stream_bad_fraction_counts_samples_drawn_before_the_resume():
 def test_shard_run_resumed_keeps_counting_the_samples_drawn_before(tiny_data, tmp_path):
     """A real shard stream, stopped at step 2 and resumed to 4: the checkpoint's data position
     (samples drawn, bad files) carries on from the first invocation instead of restarting at 0."""
-    from mmpipe.train.checkpoint import read_record
-    from mmpipe.data.manifest import read_manifest
     from test_data import write_shards
+
+    from mmpipe.data.manifest import read_manifest
+    from mmpipe.train.checkpoint import read_record
     good = [(s.image, s.text) for s in read_manifest(tiny_data["train"]) if os.path.isfile(s.image)][:48]
     write_shards(str(tmp_path / "shards"), good, 12, bad_every=10)  # 4 shards, every 10th sample corrupt
     argv = _train_argv(tiny_data, tmp_path / "run", f"data.train={tmp_path}/shards/{{00000..00003}}.tar",
@@ -265,8 +266,8 @@ def test_profile_cached_without_transfers_gets_them_measured(tmp_path, monkeypat
 
 # ---- item 10: lr per group, and one lr that does not depend on the layout ------------------------------------
 def test_lr_record_names_every_group_and_scales_the_base_lr():
-    from mmpipe.families.clip import ClipFamily
     from mmpipe.config.groups import resolve_groups
+    from mmpipe.families.clip import ClipFamily
     from mmpipe.train.step_stats import lr_record
     groups = [g for g in resolve_groups(mmpipe.load_config(None, ["optim.lr=1e-3", "optim.groups.vision.lr=1e-4",
                                                                    "optim.freeze_text=true"]).optim, ClipFamily) if not g.frozen]
@@ -330,6 +331,7 @@ def test_resume_on_another_layout_says_what_the_checkpoint_holds(runs, tmp_path)
     its own layout only: another layout is one line saying what it holds. (With that state,
     tests/test_elastic.py resumes on other layouts.)"""
     import glob
+
     from test_parity import REF
     ref, _ = runs.get(*REF)
     out = tmp_path / "copy"
@@ -349,8 +351,9 @@ def test_resume_on_another_layout_says_what_the_checkpoint_holds(runs, tmp_path)
 def test_an_error_raised_on_one_rank_is_printed_once(tiny_data, tmp_path):
     """One shard for two data-parallel ranks: only rank 1 has no shard. Its one-line error must
     reach the user (not rank 0's lost-connection traceback)."""
-    from mmpipe.data.manifest import read_manifest
     from test_data import write_shards
+
+    from mmpipe.data.manifest import read_manifest
     good = [(s.image, s.text) for s in read_manifest(tiny_data["train"]) if os.path.isfile(s.image)][:16]
     write_shards(str(tmp_path / "shards"), good, 16)  # all 16 in one shard
     shards = f"{tmp_path}/shards/00000.tar"

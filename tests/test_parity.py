@@ -15,8 +15,8 @@ import os
 import numpy as np
 import pytest
 import torch
-
 from conftest import train_losses
+
 from mmpipe.train.checkpoint import load_model_weights
 
 REF = ("p2_ref", 2, ["parallel.pipeline_stages=2", "train.save_every=2", "log.trace=[2,3]", "train.eval_every=3"])

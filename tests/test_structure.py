@@ -92,3 +92,78 @@ def test_no_function_longer_than_80_lines():
                 if n > MAX_LINES:
                     long.append(f"{name}.{node.name}: {n} lines")
     assert long == []
+
+
+# --------------------------------------------------------------------------------------------
+# the floor plan: layers as folders, imports running one way
+# --------------------------------------------------------------------------------------------
+ORDER = ["ground", "parallel", "config", "data", "families", "planning", "train", "api"]
+# each folder may import the ones before it in ORDER (and itself); cli and bench sit on top
+ALLOWED = {layer: set(ORDER[:i + 1]) for i, layer in enumerate(ORDER)}
+ALLOWED["cli"] = set(ORDER) | {"cli", "bench"}
+ALLOWED["bench"] = set(ORDER) | {"bench"}
+ROOT_MODULES = {"mmpipe": "api", "mmpipe.errors": "ground", "mmpipe._version": "ground"}
+MAX_ATTRIBUTES = 20
+
+
+def layer_of(module: str) -> str:
+    if module in ROOT_MODULES:
+        return ROOT_MODULES[module]
+    return module.split(".")[1]
+
+
+def against_the_table(graph: dict) -> list:
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                  if layer_of(d) not in ALLOWED[layer_of(m)])
+
+
+def test_the_package_root_holds_only_the_api_errors_and_version():
+    mods = _modules()
+    assert {m for m in mods if m.count(".") == 1 and not os.path.isdir(os.path.join(PKG, m.split(".")[1]))} == \
+        {"mmpipe.errors", "mmpipe._version"}
+    assert {layer_of(m) for m in mods} <= set(ALLOWED)
+
+
+def test_imports_between_folders_follow_the_table():
+    mods = _modules()
+    graph = {m: _imports(m, p, mods) for m, p in mods.items()}
+    # the check can fail: the data layer importing the trainer is an arrow running back up
+    planted = dict(graph, **{"mmpipe.data.loader": graph["mmpipe.data.loader"] | {"mmpipe.train.trainer"}})
+    assert against_the_table(planted) == ["mmpipe.data.loader -> mmpipe.train.trainer"]
+    assert against_the_table(graph) == []
+
+
+def class_attributes(cls: ast.ClassDef) -> set:
+    """The names a class holds: annotated class-level fields (dataclasses) and ``self.X = ...``."""
+    names = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    for node in ast.walk(cls):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+        for t in targets:
+            for e in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                    names.add(e.attr)
+    return names
+
+
+def big_classes(sources: dict) -> list:
+    """Classes over the limit; a config section (a ``Section`` subclass) is exempt: its fields are
+    the user's keys of one YAML section, not state."""
+    out = []
+    for name, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if any(getattr(b, "id", None) == "Section" for b in getattr(node, "bases", [])):
+                continue
+            if isinstance(node, ast.ClassDef) and len(class_attributes(node)) > MAX_ATTRIBUTES:
+                out.append(f"{name}.{node.name}: {len(class_attributes(node))} attributes")
+    return out
+
+
+def test_no_class_holds_more_than_20_attributes():
+    planted = "class Big:\n    def __init__(self):\n" + "".join(f"        self.a{i} = {i}\n" for i in range(21))
+    assert big_classes({"planted": planted}) == ["planted.Big: 21 attributes"]
+    assert big_classes({m: open(p).read() for m, p in _modules().items()}) == []
+
+
+def test_the_trainer_is_wiring_and_a_loop():
+    assert sum(1 for _ in open(os.path.join(PKG, "train", "trainer.py"))) < 250

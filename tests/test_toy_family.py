@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-from mmpipe.data.loader import Collate
-from mmpipe.config.registry import register_family
-from mmpipe.families.base import Family, Layer
 from mmpipe.config.fields import Section, option, thawed_copy
+from mmpipe.config.registry import register_family
+from mmpipe.data.loader import Collate
+from mmpipe.families.base import Family, Layer
 
 FAMILY_CONFIG = """\
 model:

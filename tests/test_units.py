@@ -3,16 +3,16 @@ partitioner, sampler, manifests, tokenizer, synthetic data, model <-> pipeline l
 from __future__ import annotations
 
 import itertools
-import math
 import json
+import math
 import os
 import random
 
 import pytest
 import torch
+from conftest import TINY
 
 import mmpipe
-from conftest import TINY
 from mmpipe.config.schema import load_config, reference
 from mmpipe.errors import ConfigError, DataError
 
@@ -319,7 +319,11 @@ def test_padding_does_not_change_text_features():
 
 
 def test_uint8_pixels_are_normalised_on_device():
-    from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, normalize_pixels
+    from mmpipe.families.towers.common import (
+        OPENAI_CLIP_MEAN,
+        OPENAI_CLIP_STD,
+        normalize_pixels,
+    )
     model = mmpipe.build_model(_tiny_cfg()).eval()
     pix, _, _ = _batch()
     with torch.no_grad():

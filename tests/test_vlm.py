@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY_VLM
 
 import mmpipe
-from conftest import TINY_VLM
 
 IMAGE_TOKEN = 99
 N_PATCHES = 16  # (32 / 8)^2, CLS dropped
@@ -16,7 +16,13 @@ N_PATCHES = 16  # (32 / 8)^2, CLS dropped
 
 @pytest.fixture(scope="module", params=["llama", "qwen2_tied"])
 def llava_dir(request, tmp_path_factory):
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, Qwen2Config
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        Qwen2Config,
+    )
     torch.manual_seed(0)
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                               image_size=32, patch_size=8)
@@ -141,7 +147,12 @@ def test_vision_and_llm_from_their_own_directories(tmp_path):
     """model.vision.pretrained (a CLIPVisionModel) + model.llm.pretrained (a LlamaForCausalLM): the
     tower holds the CLIP weights, a text-only batch gives the bare LM's loss, and a tokenizer that
     adds <image> beyond the LM's vocabulary gets a row of its own (the LM's rows kept)."""
-    from transformers import CLIPVisionConfig, CLIPVisionModel, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        CLIPVisionConfig,
+        CLIPVisionModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
     torch.manual_seed(0)
     clip = CLIPVisionModel(CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                             num_attention_heads=4, image_size=32, patch_size=8))

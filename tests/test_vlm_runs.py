@@ -8,11 +8,11 @@ import os
 
 import numpy as np
 import torch
+from conftest import train_losses
+from test_parity import assert_weights_close, reference
 
 import mmpipe
-from conftest import train_losses
 from mmpipe.train.checkpoint import load_model_weights
-from test_parity import assert_weights_close, reference
 
 
 def test_accumulation_split_does_not_change_the_step(family_runs_of):
@@ -32,10 +32,10 @@ def test_micro_batch_means_would_differ(family_runs_of, tiny_chat_data):
     """The micro-batches the runs train on (the sampler's, for the reference's 6 steps) hold
     different numbers of label tokens, and some hold no image at all (what makes the layout and
     accumulation tests able to fail)."""
-    from mmpipe.families.vlm.chat_data import read_chat
+    from mmpipe.config.registry import build_family
     from mmpipe.data.loader import MicroBatchSampler
     from mmpipe.data.tokenizer import load_tokenizer
-    from mmpipe.config.registry import build_family
+    from mmpipe.families.vlm.chat_data import read_chat
     from mmpipe.families.vlm.model import label_tokens
     ref = reference(family_runs_of("vlm"))
     tok = load_tokenizer(os.path.join(ref, "tokenizer"))
@@ -93,9 +93,9 @@ def test_unusable_chat_lines_are_skipped_with_one_line_each(family_runs_of, tiny
 def test_generate_from_a_pipelined_checkpoint_matches_the_plain_model(family_runs_of, tiny_chat_data, capsys):
     """`mmpipe generate` (transformers' generate with the KV cache, on the P = 2 run's checkpoint)
     continues greedily exactly as mmpipe's own plain model does without a cache."""
+    from mmpipe.cli.generate import Generator
     from mmpipe.cli.main import main
     from mmpipe.families.vlm.chat_data import IMAGE, read_chat
-    from mmpipe.cli.generate import Generator
     ref = reference(family_runs_of("vlm"))
     sample = next(s for s in read_chat(tiny_chat_data["val"]) if s.images)
     question = sample.messages[0][1].replace(IMAGE, "").strip()

@@ -15,10 +15,10 @@ import os
 import numpy as np
 import pytest
 import torch
-
 from conftest import TINY
-from mmpipe.train.checkpoint import load_model_weights
+
 from mmpipe.config.schema import load_config
+from mmpipe.train.checkpoint import load_model_weights
 from mmpipe.train.metrics import read_metrics
 
 LIMIT = 0.05

@@ -1,13 +1,14 @@
-"""TODO docstring."""
+"""``mmpipe bench balance``: measured stage placements against DeepSpeed's partition methods."""
 from __future__ import annotations
+
 import os
 import re
 import shlex
 import shutil
 import sys
 import tempfile
-from mmpipe.bench.common import ROOT
-from mmpipe.bench.common import append_benchmarks, launch, pooled
+
+from mmpipe.bench.common import ROOT, append_benchmarks, launch, pooled
 
 
 def _balance_rounds(args, title: str, config: str, common: list, placements: list, extra: list, vlm_vocab,
@@ -41,10 +42,10 @@ def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: 
 
     from mmpipe.config.schema import load_config
     from mmpipe.data.cache import prepare
-    from mmpipe.cli.plan import measured_from_run
-    from mmpipe.planning.measure import median_profile, plan_all, single_process_time
     from mmpipe.planning.charts import write_plan_png
+    from mmpipe.planning.measure import median_profile, plan_all, single_process_time
     from mmpipe.planning.place import predict
+    from mmpipe.train.metrics import measured_from_run
     cfg = load_config(config, extra)
     from mmpipe.config.schema import family_of
     size = family_of(cfg).image_size(cfg.model)

@@ -9,11 +9,12 @@ with the exact command, the machine, and ratios against a baseline measured in t
 from __future__ import annotations
 
 import os
+
 from mmpipe.bench.balance import bench_balance
+from mmpipe.bench.common import ROOT
 from mmpipe.bench.data import bench_data
 from mmpipe.bench.groups import bench_groups
 from mmpipe.bench.strategies import bench_strategies
-from mmpipe.bench.common import ROOT
 
 
 def add_parser(sub) -> None:

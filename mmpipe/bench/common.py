@@ -1,5 +1,7 @@
-"""TODO docstring."""
+"""What every bench shares: the machine line, launching a training run, pooling its measured steps,
+and appending a result to BENCHMARKS.md."""
 from __future__ import annotations
+
 import datetime
 import os
 import re

@@ -1,10 +1,12 @@
-"""TODO docstring."""
+"""``mmpipe bench data``: the image/text data path against a naive PIL + per-sample tokenizer loader."""
 from __future__ import annotations
+
 import json
 import os
 import shlex
 import sys
 import tempfile
+
 from mmpipe.bench.common import append_benchmarks
 
 

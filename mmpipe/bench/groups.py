@@ -1,5 +1,6 @@
-"""TODO docstring."""
+"""``mmpipe bench groups``: grouped clipping's cost against DeepSpeed's global clipping."""
 from __future__ import annotations
+
 import json
 import os
 import re
@@ -7,6 +8,7 @@ import shlex
 import statistics
 import sys
 import tempfile
+
 from mmpipe.bench.common import _steps, append_benchmarks, launch
 
 

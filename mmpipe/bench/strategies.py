@@ -1,12 +1,13 @@
-"""TODO docstring."""
+"""``mmpipe bench strategies``: every layout of N ranks, predicted against measured."""
 from __future__ import annotations
+
 import os
 import re
 import shlex
 import sys
 import tempfile
-from mmpipe.bench.common import ROOT, _MEM_LINE
-from mmpipe.bench.common import append_benchmarks, launch, pooled
+
+from mmpipe.bench.common import _MEM_LINE, ROOT, append_benchmarks, launch, pooled
 
 
 def _layout_sets(row) -> list:
@@ -19,8 +20,8 @@ def _layout_sets(row) -> list:
 def _strategies_table(world: int, res: dict, rows: list, measured: dict, mem: dict, batch: int, single: float,
                       art: str, summary: list, rounds: dict) -> list:
     """Markdown lines of one world size: predicted beside measured per layout, the ranking verdict, PNG."""
-    from mmpipe.planning.memory import optimizer_state_bytes
     from mmpipe.planning.charts import write_png
+    from mmpipe.planning.memory import optimizer_state_bytes
     from mmpipe.planning.place import layer_costs
     costs, precision = layer_costs(res["profile"]), res["precision"]
     lines = [f"**{world} rank(s)** ({res['threads']} thread(s) per rank on {os.cpu_count()} cores; "
@@ -64,11 +65,11 @@ def bench_strategies(args) -> int:
     from mmpipe.config.schema import load_config
     from mmpipe.data.cache import prepare
     from mmpipe.data.synth import synth
+    from mmpipe.parallel.topology import threads_per_rank
     from mmpipe.planning.collectives import CommModel, comm_group_sizes, get_comm_model
     from mmpipe.planning.layouts import plan_layouts
-    from mmpipe.parallel.topology import threads_per_rank
-    from mmpipe.cli.plan import measured_from_run
     from mmpipe.planning.measure import median_profile
+    from mmpipe.train.metrics import measured_from_run
     tmp = tempfile.mkdtemp(prefix="mmpipe-bench-strategies-")
     art = os.path.join(os.getcwd(), "benchmarks")
     os.makedirs(art, exist_ok=True)

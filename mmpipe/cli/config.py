@@ -1,4 +1,4 @@
-"""TODO docstring."""
+"""``mmpipe config``: the configuration reference, generated from the schema."""
 from __future__ import annotations
 
 

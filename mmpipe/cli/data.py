@@ -1,5 +1,6 @@
-"""TODO docstring."""
+"""``mmpipe data synth | prepare | check``: generate demo data, pre-decode a cache, check a data set."""
 from __future__ import annotations
+
 from mmpipe.errors import ConfigError
 
 
@@ -34,10 +35,9 @@ def cmd_data_prepare(args) -> int:
 
 
 def cmd_data_check(args) -> int:
-    from mmpipe.config.schema import load_config
+    from mmpipe.config.schema import family_of, load_config
     from mmpipe.data.check import run_check
     from mmpipe.data.shards import is_shard_spec
-    from mmpipe.config.schema import family_of
     cfg = load_config(args.config, args.overrides)
     manifest = args.manifest or cfg.data.train
     if not manifest or is_shard_spec(manifest):

@@ -1,4 +1,4 @@
-"""TODO docstring."""
+"""``mmpipe export``: a run's checkpoint as a Hugging Face directory (or mmpipe's own format)."""
 from __future__ import annotations
 
 

@@ -18,8 +18,8 @@ class Generator:
     def __init__(self, run_dir: str, step: Optional[int] = None, device: str = "cpu"):
         import mmpipe
         from mmpipe.config.registry import build_family
-        from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
         from mmpipe.config.schema import family_of
+        from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
         from mmpipe.train.export import run_tokenizer
         cfg_path = os.path.join(run_dir, "config.yaml")
         if not os.path.isfile(cfg_path):

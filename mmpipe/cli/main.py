@@ -8,13 +8,13 @@ import argparse
 import os
 import sys
 
-from mmpipe.errors import ConfigError, MmpipeError
 from mmpipe.cli.config import cmd_config
 from mmpipe.cli.data import cmd_data_check, cmd_data_prepare, cmd_data_synth
 from mmpipe.cli.export import cmd_export
 from mmpipe.cli.generate import cmd_generate
 from mmpipe.cli.plan import cmd_plan_any
 from mmpipe.cli.train import _train_parser, cmd_train
+from mmpipe.errors import ConfigError, MmpipeError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,10 @@
-"""TODO docstring."""
+"""``mmpipe plan``: one pipeline's placements with predicted stage times (and, with --run, against
+a run's measured ones), or with --world every layout of N ranks."""
 from __future__ import annotations
+
 import json
 import os
+
 from mmpipe.planning.charts import write_plan_png, write_png
 from mmpipe.planning.layouts import format_table, layouts_json, plan_layouts
 from mmpipe.planning.measure import _profile_for, format_plan, plan_all
@@ -29,21 +32,6 @@ def cmd_plan_world(args) -> int:
     return 0
 
 
-def measured_from_run(run_dir: str, skip: int = 3) -> dict:
-    """Median step time and mean per-stage idle/busy fractions of a run's metrics.jsonl."""
-    import statistics
-
-    from mmpipe.train.metrics import read_metrics
-    recs = read_metrics(os.path.join(run_dir, "metrics.jsonl"))[skip:]
-    if not recs:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no steps after the first {skip}")
-    P = sum(1 for k in recs[0] if k.startswith("stage") and k.endswith(".idle"))
-    return {"step_time": statistics.median(r["step_time"] for r in recs),
-            "idle_frac": [statistics.mean(r[f"stage{s}.idle"] for r in recs) for s in range(P)],
-            "busy_frac": [statistics.mean(r[f"stage{s}.busy"] for r in recs) for s in range(P)],
-            "steps": len(recs)}
-
-
 def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> str:
     """Predicted (from the profile, for the run's own parts) beside measured (its metrics)."""
     import json
@@ -53,6 +41,7 @@ def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> st
     P = len(parts) - 1
     _, prof = _profile_for(cfg, P, log=log, use_cache=use_cache)
     from mmpipe.planning.place import predict
+    from mmpipe.train.metrics import measured_from_run
     sim = predict(prof, parts, M)
     meas = measured_from_run(run_dir)
     lines = [f"{run_dir}: {P} stages, {M} micro-batches per step, parts {parts}",

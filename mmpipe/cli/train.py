@@ -1,5 +1,6 @@
-"""TODO docstring."""
+"""``mmpipe train`` (= launch/train.py): the training command's arguments."""
 from __future__ import annotations
+
 import argparse
 
 

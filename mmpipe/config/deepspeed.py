@@ -18,9 +18,11 @@ import copy
 import json
 import os
 
+from mmpipe.config.jsonpath import AUTO
+from mmpipe.config.jsonpath import MISSING as _MISSING
+from mmpipe.config.jsonpath import get as _get
 from mmpipe.config.schema import RunConfig
 from mmpipe.errors import ConfigError
-from mmpipe.config.jsonpath import AUTO, MISSING as _MISSING, get as _get
 from mmpipe.parallel.topology import Topology
 
 # (DeepSpeed dotted key, run-config dotted key)

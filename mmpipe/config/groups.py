@@ -1,19 +1,5 @@
-"""Named parameter groups (per-branch lr, weight decay, gradient-norm limit, freezing), the
-learning-rate schedule, and grouped gradient clipping that is exact across pipeline stages and
-data-parallel / ZeRO partitions.
-
-Clipping contract: DeepSpeed's ``gradient_clipping`` is always 0 in the resolved config (see
-``ds_config``). ``GradClipper`` hooks the innermost torch optimizer (``register_step_pre_hook``),
-where DeepSpeed has already reduced, accumulated and unscaled the gradients: with fp32 ZeRO-0
-those are the model's own parameters, replicated over data-parallel ranks; with ZeRO-1 and with
-bf16 they are flat fp32 partitions spread over the data-parallel ranks, one per torch param group
-(the groups keep their ``name`` key). The hook sums squares per named group, all-reduces one small
-vector over exactly the ranks that hold distinct pieces (the pipeline stages, plus the
-data-parallel ranks when partitioned), clips each group to its own ``max_grad_norm`` (the same
-arithmetic as ``torch.nn.utils.clip_grad_norm_``), then applies the optional global
-``optim.max_grad_norm`` to the result, and scales the gradients once before the update. An fp16
-overflow step never reaches the inner optimizer: it is skipped, not clipped.
-"""
+"""Named parameter groups (per-branch lr, weight decay, gradient-norm limit, freezing), the parameter
+assignment and freezing they imply, and the learning-rate schedule. Clipping by group: ``mmpipe.train.clipping``."""
 from __future__ import annotations
 
 import math

@@ -33,8 +33,11 @@ import json
 import os
 from typing import Optional
 
+from mmpipe.config.jsonpath import AUTO
+from mmpipe.config.jsonpath import MISSING as _MISSING
+from mmpipe.config.jsonpath import get as _get
+from mmpipe.config.jsonpath import put as _put
 from mmpipe.errors import ConfigError
-from mmpipe.config.jsonpath import AUTO, MISSING as _MISSING, get as _get, put as _put
 
 PRECISION = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 

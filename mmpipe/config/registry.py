@@ -5,10 +5,11 @@ config resolution needs no import of the families layer; others register themsel
 module is imported: name it in ``MMPIPE_PLUGINS`` (comma-separated modules, imported by every
 process of a run) or expose it as a ``mmpipe.families`` entry point of an installed package."""
 from __future__ import annotations
+
 import importlib
 import os
-from mmpipe.errors import ConfigError
 
+from mmpipe.errors import ConfigError
 
 BUILTIN = {"clip": "mmpipe.families.clip", "vlm": "mmpipe.families.vlm"}
 _REGISTRY: dict = {}

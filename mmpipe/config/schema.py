@@ -15,9 +15,9 @@ from typing import Any, Dict, Optional, Union
 
 import yaml
 
-from mmpipe.errors import ConfigError
 from mmpipe.config.fields import Section, thawed_copy
 from mmpipe.config.fields import option as _f
+from mmpipe.errors import ConfigError
 
 
 def _model_section(type_name: str = "clip", where: str = "config"):

@@ -31,7 +31,6 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from mmpipe.data.manifest import Sample
 from mmpipe.errors import DataError
 
-
 try:  # libjpeg-turbo with DCT-domain scaling, ~15% faster than Pillow's JPEG decode here (BENCHMARKS.md)
     import simplejpeg
 except ImportError:  # pragma: no cover - Pillow does the same, a little slower

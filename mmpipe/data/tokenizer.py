@@ -36,7 +36,14 @@ def train_tokenizer(texts, vocab_size: int, out_dir: str):
     """
     from collections import Counter
 
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
     from transformers import PreTrainedTokenizerFast
 
     norm = normalizers.BertNormalizer(lowercase=True)

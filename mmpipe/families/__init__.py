@@ -3,6 +3,11 @@ its ``Family`` class under a ``model.type`` name; ``base.py`` is the modality-ag
 ``image_text.py`` the image-caption data defaults, ``towers/`` the reusable encoders. The registry
 itself lives in ``mmpipe.config.registry`` (config resolution needs it); its public names are
 re-exported here for plugins."""
-from mmpipe.config.registry import build_family, family_names, get_family, register_family
+from mmpipe.config.registry import (
+    build_family,
+    family_names,
+    get_family,
+    register_family,
+)
 
 __all__ = ["build_family", "family_names", "get_family", "register_family"]

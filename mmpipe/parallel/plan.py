@@ -1,9 +1,11 @@
-"""TODO docstring."""
+"""The ``Plan`` contract between planning and the runtime: layers, segments, stage boundaries
+(``parts``: P+1 layer indices, DeepSpeed's convention), placement, micro-batches and predictions,
+with one JSON schema (the run's ``plan.json`` and ``mmpipe plan``'s are the same)."""
 from __future__ import annotations
+
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Optional
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 @dataclass

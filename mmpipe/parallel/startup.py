@@ -1,9 +1,12 @@
-"""TODO docstring."""
+"""Process start-up: join DeepSpeed's process group on the accelerator's backend (NCCL on GPUs, gloo
+on the CPU), a free port for one process without a launcher, and the CPU thread count per rank."""
 from __future__ import annotations
+
 import logging
 import os
 import socket
 from typing import Optional
+
 import torch
 import torch.distributed as dist
 

@@ -7,12 +7,12 @@ engine and mmpipe always agree on which rank holds which stage.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Optional
 
 from mmpipe.errors import ConfigError
-import os
-from typing import Optional
 
 
 def threads_per_rank(local_ranks: int) -> int:

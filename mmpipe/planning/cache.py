@@ -1,5 +1,6 @@
-"""TODO docstring."""
+"""Where measurements are cached between runs (``MMPIPE_CACHE``, else ~/.cache/mmpipe), written atomically."""
 from __future__ import annotations
+
 import os
 
 

@@ -1,6 +1,9 @@
-"""TODO docstring."""
+"""Pictures of plans: the layouts chart of ``mmpipe plan --world`` and a pipeline plan's stage
+balance (predicted, and measured from a run)."""
 from __future__ import annotations
+
 from typing import Optional
+
 from mmpipe.planning.layouts import LayoutPrediction
 
 

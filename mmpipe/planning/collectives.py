@@ -1,13 +1,16 @@
-"""TODO docstring."""
+"""Measured communication: stage-to-stage transfers (``measure_p2p``), collectives per group size
+(all-reduce, all-gather, reduce-scatter), the ZeRO-2/3 hook probes and the CPU stretch factor, fitted
+into one ``CommModel`` (latency + seconds per byte) that the layout predictions use; cached on disk."""
 from __future__ import annotations
-import statistics
-import time
-from dataclasses import dataclass
-from typing import Optional
-import torch
-from dataclasses import field
+
 import json
 import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
 
 
 # ---- stage-to-stage transfers ------------------------------------------------------------------------

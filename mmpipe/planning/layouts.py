@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
+
 from mmpipe.planning.collectives import CommModel, comm_group_sizes, get_comm_model
 from mmpipe.planning.memory import device_memory_bytes, dp_memory, state_bytes
 
@@ -190,8 +191,8 @@ def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple) -> LayoutPredic
 
 def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: list) -> LayoutPrediction:
     from mmpipe.errors import ConfigError
-    from mmpipe.planning.place import place, predict, stage_times
     from mmpipe.planning.memory import stage_memory
+    from mmpipe.planning.place import place, predict, stage_times
     tag = f"PP{P}" + (f"xDP{D}" if D > 1 else "") + f" {pl}" + (f" ZeRO-{z}" if D > 1 else "")
     row = LayoutPrediction(tag, P, D, z, pl, 0)
     M = row.micro_batches = ctx.micro_batches(row, D)
@@ -306,10 +307,11 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
     """Profile (at the threads a rank of ``world`` gets; or take ``profile``), measure collectives
     (or take ``comm``), predict every layout; ``refresh`` / ``refresh_comm`` (default: ``refresh``):
     profile / time the collectives again, replacing the cached entries."""
-    from mmpipe.config.groups import frozen_layout, resolve_groups
-    from mmpipe.planning.measure import get_profile, resolve_for_plan
-    from mmpipe.parallel.topology import threads_per_rank
     from deepspeed.accelerator import get_accelerator
+
+    from mmpipe.config.groups import frozen_layout, resolve_groups
+    from mmpipe.parallel.topology import threads_per_rank
+    from mmpipe.planning.measure import get_profile, resolve_for_plan
     mbs = cfg.parallel.micro_batch_size
     if mbs == "auto":
         from mmpipe.errors import ConfigError

@@ -11,8 +11,8 @@ from typing import Callable, Optional
 
 import torch
 
-from mmpipe.planning.profiler import median_costs, profile_layers
 from mmpipe.planning.cache import _write_json, cache_dir
+from mmpipe.planning.profiler import median_costs, profile_layers
 
 
 def precision_dtype(precision: str) -> torch.dtype:
@@ -171,8 +171,8 @@ def plan_all(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = 
              log=print, refresh: bool = False, repeats: int = 5, profile: Optional[dict] = None) -> dict:
     """Profile (or take ``profile``), then place (``mmpipe.planning.place.place``) and simulate every
     placement for ``stages`` stages."""
-    from mmpipe.planning.place import layer_costs, place, predict, stage_times
     from mmpipe.planning.memory import stage_memory
+    from mmpipe.planning.place import layer_costs, place, predict, stage_times
     if profile is None:
         family, prof = _profile_for(cfg, stages, data_parallel, threads, log, use_cache=use_cache, refresh=refresh,
                                     repeats=repeats)

@@ -1,6 +1,10 @@
-"""TODO docstring."""
+"""The one memory model: bytes per parameter by precision and ZeRO stage, optimizer state per stage,
+activations in flight under 1F1B, per-stage peaks, the device's memory, and the micro-batch size
+that fits a budget."""
 from __future__ import annotations
+
 from typing import Callable, Optional
+
 from mmpipe.planning.profiler import LayerCost
 
 

@@ -1,11 +1,14 @@
-"""TODO docstring."""
+"""``parallel.micro_batch_size: auto``: the largest micro-batch whose measured peak memory fits the
+budget on every stage, probed with real batches (``auto_micro_batch``), and the config checks it needs."""
 from __future__ import annotations
+
 from typing import Callable, Optional
-from mmpipe.planning.profiler import profile_layers
-from mmpipe.planning.memory import pick_micro_batch, stage_memory
+
 from mmpipe.config.schema import RunConfig
 from mmpipe.errors import ConfigError
 from mmpipe.planning.measure import iter_layers, precision_dtype
+from mmpipe.planning.memory import pick_micro_batch, stage_memory
+from mmpipe.planning.profiler import profile_layers
 
 
 def probe_batch(cfg, family, source, tok, m: int, image_size: int, device) -> tuple:

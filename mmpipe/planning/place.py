@@ -15,8 +15,7 @@ import os
 from typing import Optional
 
 from mmpipe.errors import ConfigError
-from mmpipe.parallel.plan import parts_from_lists
-from mmpipe.parallel.plan import Plan
+from mmpipe.parallel.plan import Plan, parts_from_lists
 
 MEASURED = ("modality", "balanced", "auto")
 

@@ -2,10 +2,13 @@
 labels, read from the loader or a placeholder), its per-step counters (``DataStats``), and, for a
 ``token_mean`` family, micro-batches that carry the step's loss normaliser."""
 from __future__ import annotations
+
 import json
 import time
 from typing import Optional
+
 import torch
+
 from mmpipe.parallel.strategies import LABEL_PLACEHOLDER
 
 

@@ -216,7 +216,11 @@ def save_plain_optimizer(engine, inner, named_params, tag_dir: str, stage: int, 
     from deepspeed.utils import safe_get_full_fp32_param
     from safetensors.torch import save_file
 
-    from mmpipe.parallel.ds_compat import optimizer_kind, relink_optimizer_state, unfused_masters
+    from mmpipe.parallel.ds_compat import (
+        optimizer_kind,
+        relink_optimizer_state,
+        unfused_masters,
+    )
     kind = optimizer_kind(engine.optimizer)
     if kind == "other":
         return False
@@ -276,8 +280,12 @@ def load_elsewhere(engine, inner, named_params, tag_dir: str, step: int, aliases
     whichever optimizer wrapper this layout uses (``ds_compat.optimizer_kind``)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    from mmpipe.parallel.ds_compat import (ensure_zero_optimizer_state, optimizer_kind, set_zero3_partition,
-                                           unfused_masters)
+    from mmpipe.parallel.ds_compat import (
+        ensure_zero_optimizer_state,
+        optimizer_kind,
+        set_zero3_partition,
+        unfused_masters,
+    )
     state, adam_step = read_plain_optimizer(tag_dir, aliases)
     kind = optimizer_kind(engine.optimizer)
     if kind == "other":

@@ -1,10 +1,25 @@
-"""TODO docstring."""
+"""Grouped gradient clipping that is exact across pipeline stages and data-parallel / ZeRO partitions.
+
+Clipping contract: DeepSpeed's ``gradient_clipping`` is always 0 in the resolved config (see
+``config.deepspeed``). ``GradClipper`` hooks the innermost torch optimizer (``register_step_pre_hook``),
+where DeepSpeed has already reduced, accumulated and unscaled the gradients: with fp32 ZeRO-0
+those are the model's own parameters, replicated over data-parallel ranks; with ZeRO-1 and with
+bf16 they are flat fp32 partitions spread over the data-parallel ranks, one per torch param group
+(the groups keep their ``name`` key). The hook sums squares per named group, all-reduces one small
+vector over exactly the ranks that hold distinct pieces (the pipeline stages, plus the
+data-parallel ranks when partitioned), clips each group to its own ``max_grad_norm`` (the same
+arithmetic as ``torch.nn.utils.clip_grad_norm_``), then applies the optional global
+``optim.max_grad_norm`` to the result, and scales the gradients once before the update. An fp16
+overflow step never reaches the inner optimizer: it is skipped, not clipped."""
 from __future__ import annotations
+
 import math
 import time
 from typing import Optional
+
 import torch
 import torch.distributed as dist
+
 from mmpipe.config.groups import Group
 
 
@@ -68,26 +83,23 @@ class GradClipper:
         self.engine = engine
         self.max_norm = max_norm
         self.groups = [g for g in groups if not g.frozen]
-        self.names = [g.name for g in self.groups]
-        self.limits = {g.name: g.max_grad_norm for g in self.groups}
         self.inner = innermost_optimizer(engine.optimizer)
         self.partitioned = self.inner is not engine.optimizer and not type(engine.optimizer).__name__.startswith("FP16")
         grid = getattr(engine, "grid", None)
         if not dist.is_initialized() or dist.get_world_size() == 1:
-            self.reduce_group, self.needs_reduce = None, False
+            self.reduce = None  # one process
         elif self.partitioned:
-            self.reduce_group, self.needs_reduce = None, True  # every rank holds a distinct piece
+            self.reduce = (None,)  # the whole world: every rank holds a distinct piece
         elif grid is not None and grid.pipe_parallel_size > 1:
-            self.reduce_group, self.needs_reduce = grid.get_pipe_parallel_group(), True
+            self.reduce = (grid.get_pipe_parallel_group(),)  # the stages
         else:
-            self.reduce_group, self.needs_reduce = None, False  # replicated over data-parallel ranks
+            self.reduce = None  # replicated over data-parallel ranks
         self.last_norm: Optional[float] = None
         self.last_coef: float = 1.0
         self.group_norms: dict = {}
         self.group_coefs: dict = {}
         self.seconds = 0.0  # time computing norms and scaling this step (benchmarks)
         self.wait_seconds = 0.0  # time in the norm all-reduce, including waiting for other stages
-        self._handle = None
         self._zero = None
         self.skip = False  # this step's gradients are not finite (on some rank): no optimizer step anywhere
         self.computed = False  # the norms were taken this step (not on a step DeepSpeed's loss scaler skipped)
@@ -103,6 +115,14 @@ class GradClipper:
             self._zero = engine.optimizer
             wrap_zero_step(self._zero, self._zero_pre_step)
         self._wrap_inner_step()
+
+    @property
+    def names(self) -> list:
+        return [g.name for g in self.groups]
+
+    @property
+    def limits(self) -> dict:
+        return {g.name: g.max_grad_norm for g in self.groups}
 
     def _wrap_inner_step(self) -> None:
         """The inner torch optimizer's ``step`` runs only when the step's gradients are finite
@@ -150,11 +170,11 @@ class GradClipper:
             grads.setdefault(name, []).extend(gs)
             if not replica:
                 sq[self.names.index(name)] += sum_of_squares(gs)
-        if self.needs_reduce:
+        if self.reduce is not None:
             dev = next((x.device for gs in grads.values() for x in gs), self.engine.device)
             t = sq.to(dev)
             t1 = time.perf_counter()
-            dist.all_reduce(t, group=self.reduce_group)
+            dist.all_reduce(t, group=self.reduce[0])
             sq = t.cpu()
             # the all-reduce also absorbs the wait for the slowest stage (pipeline skew that would
             # otherwise show at the next step's first receive): counted apart from the compute

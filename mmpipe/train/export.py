@@ -46,9 +46,9 @@ def run_tokenizer(cfg, family_cls, run_dir: str):
 
 def export(run_dir: str, out: str, step: Optional[int] = None, dtype: str = "fp32", fmt: str = "auto") -> tuple:
     """Write the export; returns (out, what was written: a transformers class or "mmpipe", why)."""
-    from mmpipe.train.checkpoint import load_weights
-    from mmpipe.config.schema import family_of, load_config
     from mmpipe.config.registry import build_family
+    from mmpipe.config.schema import family_of, load_config
+    from mmpipe.train.checkpoint import load_weights
     cfg_path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(cfg_path):
         raise ConfigError(f"--run {run_dir}: no config.yaml (not an mmpipe run directory)")
@@ -127,8 +127,8 @@ def load_export_weights(path: str) -> dict:
 
 def build_exported(path: str, seed=None):
     """The plain model of an mmpipe-format export with its weights (pretrained paths resolved in it)."""
-    from mmpipe.config.schema import load_config
     from mmpipe.config.registry import build_family
+    from mmpipe.config.schema import load_config
     cfg = load_config(os.path.join(path, "config.yaml"))
 
     def resolve(section) -> None:

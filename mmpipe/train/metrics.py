@@ -100,3 +100,18 @@ def read_metrics(path: str, kind: Optional[str] = "train") -> list[dict]:
                 if kind is None or r.get("kind") == kind:
                     out.append(r)
     return out
+
+
+def measured_from_run(run_dir: str, skip: int = 3) -> dict:
+    """Median step time and mean per-stage idle/busy fractions of a run's metrics.jsonl."""
+    import statistics
+
+    from mmpipe.train.metrics import read_metrics
+    recs = read_metrics(os.path.join(run_dir, "metrics.jsonl"))[skip:]
+    if not recs:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no steps after the first {skip}")
+    P = sum(1 for k in recs[0] if k.startswith("stage") and k.endswith(".idle"))
+    return {"step_time": statistics.median(r["step_time"] for r in recs),
+            "idle_frac": [statistics.mean(r[f"stage{s}.idle"] for r in recs) for s in range(P)],
+            "busy_frac": [statistics.mean(r[f"stage{s}.busy"] for r in recs) for s in range(P)],
+            "steps": len(recs)}

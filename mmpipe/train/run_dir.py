@@ -1,7 +1,9 @@
 """The run directory: refuse to overwrite a run by accident, clear it with ``--overwrite``, and
 remove a checkpoint left incomplete by a run killed while saving before ``--resume``."""
 from __future__ import annotations
+
 import os
+
 from mmpipe.errors import ConfigError
 
 

@@ -241,7 +241,11 @@ def prepare_tokenizer(cfg: RunConfig, family, rank: int, source=None):
     """The run's tokenizer: ``data.tokenizer``, else the cache's, else the text weights' own (a
     pretrained directory's tokenizer files), else one trained on rank 0 from the captions (saved in
     the run directory); then given the family's special tokens (``Family.prepare_tokenizer``)."""
-    from mmpipe.data.source import check_cache_tokenizer, check_cache_tokenizer_fits_weights, tokenizer_dir
+    from mmpipe.data.source import (
+        check_cache_tokenizer,
+        check_cache_tokenizer_fits_weights,
+        tokenizer_dir,
+    )
     from mmpipe.data.tokenizer import has_tokenizer, load_tokenizer, train_tokenizer
     weights_key, weights_dir = family.tokenizer_weights(cfg.model)
     if cfg.data.tokenizer:
@@ -274,8 +278,8 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
     """The run's ``Plan`` (``mmpipe.planning.place.place``), computed once, on rank 0: on a resume of a
     measured placement, the checkpoint's plan (a new profile could differ); else from measured costs
     (``parallel.profile``, unless ``measure`` is False), else from trainable parameters."""
-    from mmpipe.planning.measure import get_profile
     from mmpipe.parallel.plan import Plan
+    from mmpipe.planning.measure import get_profile
     from mmpipe.planning.place import place
     names, segments, P = family.layer_names(), family.segments(), topo.pipeline_stages
     M, mbs = topo.accumulation_steps, topo.micro_batch_size
@@ -285,7 +289,9 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
     if measured and stages and len(stages) == P and [n for s in stages for n in s] == names:
         if "parts" in saved:
             return Plan.from_json(saved)
-        from mmpipe.parallel.plan import parts_from_lists  # a record older than plans: its stages
+        from mmpipe.parallel.plan import (
+            parts_from_lists,  # a record older than plans: its stages
+        )
         return Plan(names, segments, parts_from_lists(names, stages), p.placement, M, mbs, "checkpoint")
     # (a different model: the layout check says what the checkpoint holds)
     params = family.meta_params()

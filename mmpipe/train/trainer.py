@@ -29,7 +29,15 @@ from mmpipe.train.evaluate import Evaluator
 from mmpipe.train.faults import FaultGuard, _everywhere, _warn
 from mmpipe.train.run_dir import write_run_files
 from mmpipe.train.setup import resolve_run
-from mmpipe.train.step_stats import eval_due, gather_step, log_memory, lr_fields, lr_record, to_monitor, write_trace
+from mmpipe.train.step_stats import (
+    eval_due,
+    gather_step,
+    log_memory,
+    lr_fields,
+    lr_record,
+    to_monitor,
+    write_trace,
+)
 
 
 def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None, overwrite: bool = False) -> dict:

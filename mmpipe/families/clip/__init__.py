@@ -9,8 +9,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from mmpipe.errors import ConfigError
 from mmpipe.config.registry import register_family
+from mmpipe.errors import ConfigError
 from mmpipe.families.base import Family, Layer
 from mmpipe.families.clip import model as m
 from mmpipe.families.clip.config import ClipConfig
@@ -59,8 +59,8 @@ class ClipFamily(Family):
     def resolve(cls, model_cfg, tokenizer, data_cfg):
         """Text-tower fields a config may leave to the tokenizer. With pretrained text weights the
         tokenizer must fit their vocabulary, and pooling reads the EOS of the tokenizer actually used."""
-        from mmpipe.data.tokenizer import eos_id as eos_of
         from mmpipe.config.fields import thawed_copy
+        from mmpipe.data.tokenizer import eos_id as eos_of
         num_tokens, eos_id = len(tokenizer), eos_of(tokenizer)
         out = thawed_copy(model_cfg)
         t = out.text

@@ -12,10 +12,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-
 from mmpipe.errors import ConfigError
 from mmpipe.families.towers import hf
-from mmpipe.families.towers.common import causal_padding_mask, init_transformer_part, padding_mask
+from mmpipe.families.towers.common import (
+    causal_padding_mask,
+    init_transformer_part,
+    padding_mask,
+)
 from mmpipe.families.towers.vision import _first_line
 
 _HF_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
@@ -143,7 +146,9 @@ class TextSpec:
         c = self.hf_config
         if name == "embed":
             if self.arch == "clip_text":
-                from transformers.models.clip.modeling_clip import CLIPTextEmbeddings as E
+                from transformers.models.clip.modeling_clip import (
+                    CLIPTextEmbeddings as E,
+                )
             else:
                 from transformers.models.bert.modeling_bert import BertEmbeddings as E
             m = TokenEmbed(E(c))

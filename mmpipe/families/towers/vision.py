@@ -11,11 +11,17 @@ from typing import Optional
 import torch
 from torch import nn
 
-
 from mmpipe.errors import ConfigError
 from mmpipe.families.towers import hf
-from mmpipe.families.towers.common import (IMAGENET_MEAN, IMAGENET_STD, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD,
-                                  init_transformer_part, normalize_pixels, param_dtype)
+from mmpipe.families.towers.common import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    init_transformer_part,
+    normalize_pixels,
+    param_dtype,
+)
 
 _HF_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "image_size",
               "patch_size")

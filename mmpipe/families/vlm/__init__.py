@@ -8,13 +8,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmpipe.families.vlm.chat_data import SPECIAL_TOKENS
-from mmpipe.errors import ConfigError
 from mmpipe.config.registry import register_family
+from mmpipe.errors import ConfigError
 from mmpipe.families.base import Family, Layer, PlainModel
 from mmpipe.families.towers import hf
-from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, init_transformer_part
+from mmpipe.families.towers.common import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    init_transformer_part,
+)
 from mmpipe.families.vlm import model as m
+from mmpipe.families.vlm.chat_data import SPECIAL_TOKENS
 from mmpipe.families.vlm.config import VlmConfig
 
 _VISION_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "image_size",
@@ -145,8 +149,8 @@ class VlmFamily(Family):
     def resolve(cls, model_cfg, tokenizer, data_cfg):
         """``model.llm.vocab_size`` (at least the tokenizer's size), ``model.image_token_id`` (the
         tokenizer's ``<image>``) and the rotary table's length, when left unset."""
-        from mmpipe.families.vlm.chat_data import IMAGE
         from mmpipe.config.fields import thawed_copy
+        from mmpipe.families.vlm.chat_data import IMAGE
         out = thawed_copy(model_cfg)
         n = len(tokenizer)
         image_id = tokenizer.convert_tokens_to_ids(IMAGE)

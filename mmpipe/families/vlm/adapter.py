@@ -3,7 +3,6 @@ names; ``from_hf`` also reads the older ``language_model.model.`` / ``vision_tow
 layout through the family's loader rules)."""
 from __future__ import annotations
 
-
 # mmpipe prefix -> transformers prefix (in-memory names of LlavaForConditionalGeneration)
 RULES = [("vision.blocks.", "model.vision_tower.encoder.layers."), ("vision.embed.", "model.vision_tower."),
          ("projector.", "model.multi_modal_projector."), ("llm.blocks.", "model.language_model.layers."),

@@ -58,10 +58,14 @@ def decoder_block_cls(arch: str):
     """transformers' decoder layer that computes its own rotary table and causal+padding mask."""
     if arch == "llama":
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer as Base
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as Rotary
+        from transformers.models.llama.modeling_llama import (
+            LlamaRotaryEmbedding as Rotary,
+        )
     else:
         from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer as Base
-        from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding as Rotary
+        from transformers.models.qwen2.modeling_qwen2 import (
+            Qwen2RotaryEmbedding as Rotary,
+        )
 
     class DecoderBlock(Base):
         def __init__(self, config, layer_idx: int):
