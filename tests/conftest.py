@@ -3,18 +3,9 @@ config, and the multi-process runs, each launched once per session and shared by
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, "configs", "tiny.yaml")
-TINY_VLM = os.path.join(ROOT, "configs", "tiny_vlm.yaml")
-TRAIN_PY = os.path.join(ROOT, "launch", "train.py")
-ACCEL_YAML = os.path.join(ROOT, "launch", "accelerate", "cpu_2proc.yaml")
+from helpers import TINY_VLM, Runs
 
 
 @pytest.fixture(scope="session")
@@ -47,71 +38,6 @@ def tiny_chat_data(tmp_path_factory):
         fh.write(json.dumps({"messages": turn, "images": ["images/corrupt.jpg"]}) + "\n")
         fh.write(json.dumps({"messages": turn, "images": []}) + "\n")
     return {"dir": str(out), "train": info["train"], "val": info["val"]}
-
-
-def _env(extra=None):
-    env = dict(os.environ)
-    env.setdefault("DS_ACCELERATOR", "cpu")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    if extra and extra.get("MMPIPE_PLUGINS"):  # a family defined in a test module: tests/ on the path
-        env["PYTHONPATH"] = os.path.join(ROOT, "tests") + os.pathsep + env["PYTHONPATH"]
-    env.update(extra or {})
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    return env
-
-
-def launch(nprocs: int, args: list, launcher: str = "deepspeed", timeout: int = 600,
-           env: dict = None) -> subprocess.CompletedProcess:
-    """Run launch/train.py under the given launcher; return the completed process (output kept)."""
-    if launcher == "python":
-        cmd = [sys.executable, TRAIN_PY] + args
-    elif launcher == "accelerate":
-        cmd = [shutil.which("accelerate") or "accelerate", "launch", "--config_file", ACCEL_YAML,
-               "--num_processes", str(nprocs), TRAIN_PY] + args
-    else:
-        port = str(29500 + (os.getpid() % 1000) + nprocs * 7)
-        cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(nprocs), "--master_port", port,
-               TRAIN_PY] + args
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-        raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
-    return proc
-
-
-class Runs:
-    """Lazily launched, cached training runs (each multi-process launch costs ~10-20 s here)."""
-
-    def __init__(self, tmp, data, config: str = TINY, env: dict = None):
-        self.tmp, self.data, self.cache, self.config, self.env = tmp, data, {}, config, env
-
-    def base(self, out: str, *extra) -> list:
-        return ["--config", self.config, "--set", f"data.train={self.data['train']}", "--set", f"data.val={self.data['val']}",
-                "--set", f"train.output_dir={out}", "--set", "train.steps=6", "--set", "train.keep_checkpoints=0",
-                *extra]
-
-    def get(self, key: str, nprocs: int, sets: list, launcher="deepspeed", flags=()):
-        if key not in self.cache:
-            out = str(self.tmp / key)
-            args = self.base(out)
-            for s in sets:
-                args += ["--set", s]
-            proc = launch(nprocs, args + list(flags), launcher, env=self.env)
-            self.cache[key] = (out, proc)
-        return self.cache[key]
-
-    def resume(self, key: str, nprocs: int, sets: list):
-        """Run to step 3 (--stop-at 3), then --resume to the end in the same output dir."""
-        if key not in self.cache:
-            out = str(self.tmp / key)
-            args = self.base(out)
-            for s in sets:
-                args += ["--set", s]
-            launch(nprocs, args + ["--stop-at", "3"], env=self.env)
-            proc = launch(nprocs, args + ["--resume"], env=self.env)
-            self.cache[key] = (out, proc)
-        return self.cache[key]
 
 
 @pytest.fixture(scope="session")
@@ -163,6 +89,20 @@ def parity_family(request):
     return request.param
 
 
-def train_losses(out: str) -> list:
-    from mmpipe.train.metrics import read_metrics
-    return [r["loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))]
+# ---- the `dist` marker: tests that start processes (a launcher, torchrun, a subprocess run) --------
+DIST_FIXTURES = {"runs", "family_runs_of"}
+DIST_CALLS = ("launch(", "subprocess.", "torchrun", "mp.spawn", "run_cpu(")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "dist: starts processes (launchers, torchrun, subprocess runs); "
+                                       "`make test-fast` leaves these out")
+
+
+def pytest_collection_modifyitems(config, items):
+    import inspect
+    for item in items:
+        fn = getattr(item, "function", None)
+        src = inspect.getsource(fn) if fn is not None else ""
+        if DIST_FIXTURES & set(getattr(item, "fixturenames", ())) or any(c in src for c in DIST_CALLS):
+            item.add_marker(pytest.mark.dist)

@@ -6,7 +6,7 @@ import json
 import os
 
 import numpy as np
-from conftest import train_losses
+from helpers import train_losses
 from test_parity import REF, _weights, assert_weights_close
 
 
@@ -58,7 +58,7 @@ def test_stage_time_is_accounted_and_the_trace_is_written(runs):
 
 
 def test_mmpipe_plan_reports_every_placement_and_compares_with_a_run(runs, capsys, tmp_path, monkeypatch):
-    from conftest import TINY
+    from helpers import TINY
 
     from mmpipe.cli.main import main
     monkeypatch.setenv("MMPIPE_CACHE", str(tmp_path / "cache"))

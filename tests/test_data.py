@@ -193,7 +193,7 @@ def test_missing_shard_is_one_line(tmp_path):
 
 # ---- micro_batch_size: auto ------------------------------------------------------------------------
 def test_auto_micro_batch_picks_the_largest_size_that_fits(tiny_data, tok):
-    from conftest import TINY
+    from helpers import TINY
 
     from mmpipe.config.registry import build_family
     from mmpipe.config.schema import load_config
@@ -226,7 +226,7 @@ def test_auto_micro_batch_picks_the_largest_size_that_fits(tiny_data, tok):
 
 
 def test_profile_counts_activations_and_frozen_layers_run_forward_only(tok):
-    from conftest import TINY
+    from helpers import TINY
 
     from mmpipe.config.registry import build_family
     from mmpipe.config.schema import load_config

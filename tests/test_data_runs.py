@@ -7,7 +7,7 @@ import os
 import re
 
 import numpy as np
-from conftest import TINY, train_losses
+from helpers import TINY, train_losses
 from test_data import write_shards
 from test_parity import REF, _weights, assert_weights_close
 
@@ -69,7 +69,6 @@ def test_auto_micro_batch_in_a_pipelined_run(runs, tiny_data, tmp_path_factory):
     from mmpipe.planning.measure import build_layers
     from mmpipe.planning.memory import stage_memory
     from mmpipe.planning.micro_batch import probe_batch
-    from mmpipe.planning.place import place
     from mmpipe.planning.profiler import profile_layers
     samples = read_manifest(tiny_data["train"])
     tok_dir = str(tmp_path_factory.mktemp("tok_auto"))
@@ -104,7 +103,7 @@ def test_bad_val_samples_are_counted_and_a_val_set_with_none_usable_stops_every_
     import time
 
     import pytest
-    from conftest import launch
+    from helpers import launch
 
     from mmpipe.train.metrics import read_metrics
     good = [json.loads(line) for line in open(tiny_data["val"])][:6]

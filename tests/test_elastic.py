@@ -8,7 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import launch
+from helpers import launch
 from test_parity import assert_weights_close, reference
 
 from mmpipe.train.checkpoint import load_model_weights

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import TINY
+from helpers import TINY
 
 from mmpipe.cli.main import main
 
@@ -108,7 +108,7 @@ def test_bad_fraction_limit_stops_the_run(tiny_data, tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT, TRAIN_PY, _env
+    from helpers import ROOT, TRAIN_PY, _env
     proc = subprocess.run([sys.executable, TRAIN_PY, "--config", TINY, "--set", f"data.train={tiny_data['train']}",
                            "--set", f"train.output_dir={tmp_path}/out", "--set", "parallel.pipeline_stages=1",
                            "--set", "data.max_bad_fraction=0.01", "--set", "train.steps=8"],

@@ -4,18 +4,16 @@ checkpoint leaves ``latest`` on the previous complete one; a non-finite gradient
 the step on every rank; ``train.max_bad_steps`` stops the run with one line."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TRAIN_PY, _env, launch, train_losses
+from helpers import ROOT, TRAIN_PY, _env, launch
 from test_parity import REF, assert_weights_close, reference
 
 from mmpipe.train.checkpoint import load_model_weights

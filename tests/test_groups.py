@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, train_losses
+from helpers import TINY, train_losses
 
 import mmpipe
 from mmpipe.config.groups import (

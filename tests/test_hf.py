@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import TINY, launch, train_losses
+from helpers import TINY, launch, train_losses
 
 import mmpipe
 from mmpipe.families.towers.common import (

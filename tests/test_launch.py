@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 import yaml
-from conftest import ACCEL_YAML, ROOT, TINY, TRAIN_PY, _env, train_losses
+from helpers import ACCEL_YAML, ROOT, TINY, TRAIN_PY, _env, train_losses
 from test_parity import REF
 
 from mmpipe.config.deepspeed import resolve
@@ -47,7 +47,7 @@ def _tail(proc_out: str) -> str:
 # multi-node without ssh, torchrun
 # ---------------------------------------------------------------------------------------------
 def test_two_nodes_without_ssh_and_torchrun_reproduce_single_node(runs, tmp_path):
-    """README's no-ssh multi-node line, as node 0 and node 1 on this machine (1 rank each):
+    """docs/launching.md's no-ssh multi-node line, as node 0 and node 1 on this machine (1 rank each):
     P = 2 across the two "nodes" trains exactly like the single-node P = 2 reference; so does
     a plain single-node torchrun."""
     ref = runs.get(*REF)[0]

@@ -224,7 +224,7 @@ def test_layout_auto_trains_at_world_size_two_and_records_its_choice(runs, tmp_p
     import json
     import os
 
-    from conftest import launch
+    from helpers import launch
 
     import mmpipe
     from mmpipe.train.metrics import read_metrics
@@ -250,7 +250,7 @@ def test_plan_world_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
     import json
     import os
 
-    from conftest import TINY
+    from helpers import TINY
     from PIL import Image
 
     from mmpipe.cli.main import main
@@ -319,7 +319,7 @@ def test_layout_auto_validates_and_opens_the_data_once_and_keeps_a_type_placemen
     import subprocess
     import sys
 
-    from conftest import ROOT, TINY, _env
+    from helpers import ROOT, TINY, _env
     script, result = tmp_path / "spy.py", tmp_path / "calls.json"
     script.write_text(SPY)
     out = str(tmp_path / "auto_type")

@@ -9,7 +9,7 @@ import json
 import os
 
 import pytest
-from conftest import launch
+from helpers import launch
 
 from mmpipe.train.metrics import read_metrics
 

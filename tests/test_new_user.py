@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY, TRAIN_PY, _env
+from helpers import ROOT, TINY, TRAIN_PY, _env
 
 import mmpipe
 from mmpipe.cli.main import main

@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import train_losses
+from helpers import train_losses
 
 from mmpipe.train.checkpoint import load_model_weights
 

@@ -16,7 +16,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_VLM, launch
+from helpers import TINY_VLM, launch
 
 from mmpipe.train.checkpoint import load_model_weights
 from mmpipe.train.metrics import read_metrics

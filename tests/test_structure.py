@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import os
 
-from conftest import ROOT
+from helpers import ROOT
 
 PKG = os.path.join(ROOT, "mmpipe")
 MAX_LINES = 80

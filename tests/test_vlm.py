@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_VLM
+from helpers import TINY_VLM
 
 import mmpipe
 
@@ -84,7 +84,7 @@ def test_vlm_batch_without_images_is_the_bare_causal_lm(llava_dir):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
-def test_vlm_config_mistakes_are_one_line():
+def test_vlm_model_config_mistakes_are_one_line_at_load():
     with pytest.raises(mmpipe.ConfigError, match="model.llm.arch='gpt' is not one of llama, qwen2"):
         mmpipe.load_config(None, ["model.type=vlm", "model.llm.arch=gpt"])
     with pytest.raises(mmpipe.ConfigError, match="not a registered model family"):

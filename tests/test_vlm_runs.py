@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 import torch
-from conftest import train_losses
+from helpers import train_losses
 from test_parity import assert_weights_close, reference
 
 import mmpipe

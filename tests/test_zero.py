@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import TINY
+from helpers import TINY
 
 from mmpipe.config.schema import load_config
 from mmpipe.train.checkpoint import load_model_weights

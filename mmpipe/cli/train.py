@@ -5,7 +5,7 @@ import argparse
 
 
 def _train_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--config", "-c", help="YAML run config (see README: config reference)")
+    p.add_argument("--config", "-c", help="YAML run config (keys: docs/configuration.md, or mmpipe config --reference)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.steps=10 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.output_dir")

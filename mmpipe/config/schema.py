@@ -1,7 +1,7 @@
 """Typed run configuration: YAML in, ``--set section.key=value`` overrides, validated once.
 
 Every field carries a one-line ``help`` (printed by ``mmpipe config --reference`` and kept in
-README). Sub-components receive only the sub-config they use (``cfg.model``, ``cfg.data``...).
+docs/configuration.md). Sub-components receive only the sub-config they use (``cfg.model``, ``cfg.data``...).
 The fully resolved config is written into the run directory by the trainer.
 """
 from __future__ import annotations
@@ -437,7 +437,7 @@ def _check_numbers(cfg: RunConfig, where: str) -> None:
 
 
 def reference() -> str:
-    """Markdown table of every config key with its default and help (README's config reference)."""
+    """Markdown table of every config key with its default and help (docs/configuration.md's reference)."""
     rows = ["| key | default | meaning |", "|---|---|---|"]
 
     def walk(cls, prefix):

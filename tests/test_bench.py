@@ -1,0 +1,32 @@
+"""The benches' own arithmetic: pooled rounds and the groups bench's baseline row."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def test_bench_pools_the_steps_of_every_round_and_keeps_the_middle_run(tmp_path):
+    """A variant's measured step is the median over every round's steps after warm-up, so one round
+    caught in a slow spell of the machine weighs only its share; idle and memory come from the run
+    whose own median is the middle one."""
+    from mmpipe.bench.common import pooled
+    outs = []
+    for i, steps in enumerate([[9.0, 1.0, 1.1, 1.2], [9.0, 2.0, 2.1, 2.2], [9.0, 1.3, 1.4, 1.5]]):
+        d = tmp_path / f"r{i}"
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", "step": s + 1, "step_time": t}) + "\n"
+                                                 for s, t in enumerate(steps)) + '{"kind": "eval", "step_time": 50}\n')
+        outs.append(str(d))
+    step, mid, medians = pooled(outs, warmup=1)
+    assert step == pytest.approx(1.4)  # median of the 9 steps after warm-up; the best round alone would say 1.1
+    assert mid == outs[2] and medians == pytest.approx([1.1, 2.1, 1.4])
+
+
+def test_bench_groups_baseline_row_says_what_it_measures():
+    """Its runs take every group's norm each step (the skip check); the label must not say "no norms"."""
+    from mmpipe.bench.groups import GROUP_VARIANTS
+    label, sets = GROUP_VARIANTS[0]
+    assert "norms still taken" in label and "no norms" not in label
+    assert not [s for s in sets if "max_grad_norm" in s or "grad_norm=false" in s]
+    assert all(any("max_grad_norm" in s for s in v) for _, v in GROUP_VARIANTS[1:])

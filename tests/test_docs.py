@@ -1,0 +1,89 @@
+"""Every command the README and docs/ show in a fenced shell block is run here, or listed with the
+reason it is not (it trains for minutes, needs several nodes, or is the suite itself). A command
+added to the docs that matches no rule below fails ``test_every_docs_command_has_a_rule``."""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT, _env
+
+RUN = "run"
+LONG_RUN = ("trains the demo config for minutes; the same launch line runs on the tiny config in "
+            "tests/test_parity.py and tests/test_launch.py")
+RULES = [  # (command regex, RUN or the reason it is not run here)
+    (r"^mmpipe data synth ", RUN),
+    (r"^mmpipe data check ", RUN),
+    (r"^mmpipe data prepare ", RUN),
+    (r"^pip install ", "installs the package; .ci/run does it on a fresh machine"),
+    (r"^make (test|test-fast)$", "the test suite itself"),
+    (r"^make demo(-vlm)?$", "trains for minutes (the demo); its parts run in tests/test_parity.py and test_vlm_runs.py"),
+    (r"^mmpipe plan --config configs/demo\.yaml$", "profiles every layer of the demo model (a minute); "
+                                                    "tests/test_balance_runs.py runs mmpipe plan on the tiny config"),
+    (r"^mmpipe plan .*--run ", "needs a finished demo run (make demo)"),
+    (r"^mmpipe plan .*--world ", "measures collectives at 4 ranks (minutes); tests/test_layout.py runs --world 2"),
+    (r"^mmpipe bench ", "a benchmark (minutes): results in BENCHMARKS.md"),
+    (r"^mmpipe generate --run runs/demo_vlm ", "needs make demo-vlm's run; tests/test_vlm_runs.py generates from a run"),
+    (r"^(deepspeed|torchrun|accelerate launch|python launch/train\.py) .*--config configs/demo\.yaml", LONG_RUN),
+    (r"--config C\b", "C stands for the reader's config; these launch lines run on the tiny config in "
+                      "tests/test_launch.py, test_faults.py (--stop-at, --resume) and test_new_user.py (--overwrite)"),
+]
+PLACEHOLDERS = {"C": "configs/demo.yaml"}  # a docs placeholder, where a run rule needs a value
+
+
+def docs_commands() -> list:
+    """(file, command) for every line of a fenced bash block and every ``$ `` line of another block."""
+    out = []
+    for path in ["README.md", "ARCHITECTURE.md"] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
+        f = os.path.relpath(os.path.join(ROOT, path), ROOT)
+        for m in re.finditer(r"```(\w*)\n(.*?)```", open(os.path.join(ROOT, f)).read(), re.S):
+            lang, body = m.group(1), m.group(2).replace("\\\n", " ")
+            for line in body.splitlines():
+                if lang in ("bash", "sh", "shell"):
+                    cmd = "" if line.lstrip().startswith("#") else line.split(" #")[0].strip()
+                else:
+                    cmd = line[2:].strip() if line.startswith("$ ") else ""
+                if cmd:
+                    out.append((f, cmd))
+    return out
+
+
+def rule_for(cmd: str):
+    hits = [what for pattern, what in RULES if re.search(pattern, cmd)]
+    return hits[0] if hits else None
+
+
+def test_every_docs_command_has_a_rule():
+    assert len(docs_commands()) > 20
+    assert rule_for("mmpipe frobnicate --now") is None  # the check can fail
+    assert [c for c in docs_commands() if rule_for(c[1]) is None] == []
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A directory shaped like the repository root (configs, launch, ds_configs) where the docs'
+    relative paths (data/synth, cache/) are written."""
+    d = tmp_path_factory.mktemp("docs")
+    for name in ("configs", "launch", "ds_configs"):
+        os.symlink(os.path.join(ROOT, name), d / name)
+    return d
+
+
+def _argv(cmd: str) -> list:
+    argv = [PLACEHOLDERS.get(a, a) for a in shlex.split(cmd)]
+    return [sys.executable, "-m", "mmpipe.cli.main"] + argv[1:] if argv[0] == "mmpipe" else argv
+
+
+# in the docs' order, so the data the later commands read was written by the earlier ones
+@pytest.mark.parametrize("where,cmd", docs_commands(), ids=lambda v: v if "/" in v or v.endswith(".md") else None)
+def test_docs_command(where, cmd, workdir):
+    what = rule_for(cmd)
+    if what != RUN:
+        pytest.skip(what or "no rule")
+    proc = subprocess.run(_argv(cmd), cwd=workdir, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{where}: {cmd}\n{(proc.stdout + proc.stderr)[-2000:]}"
