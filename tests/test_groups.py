@@ -327,3 +327,15 @@ def test_stage_boundary_inside_a_frozen_tower_trains_like_one_process(runs):
     b = load_model_weights(os.path.join(p1, "checkpoints"), "global_step3")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+
+
+def test_optim_freeze_names_groups_as_the_shortcuts_do():
+    """``optim.freeze: [group]`` is the generic spelling; ``freeze_vision`` (open_clip's --lock-image)
+    and ms-swift's ``freeze_vit`` freeze the same group; an unknown group is one line."""
+    from mmpipe.config.groups import resolve_groups
+    from mmpipe.families.clip import ClipFamily
+    generic = resolve_groups(load_config(None, ["optim.freeze=[vision]"]).optim, ClipFamily)
+    shortcut = resolve_groups(load_config(None, ["optim.freeze_vision=true"]).optim, ClipFamily)
+    assert generic == shortcut and [g.name for g in generic if g.frozen] == ["vision"]
+    with pytest.raises(ConfigError, match="optim.freeze: 'visoin' is not a group"):
+        resolve_groups(load_config(None, ["optim.freeze=[visoin]"]).optim, ClipFamily)

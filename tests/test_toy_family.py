@@ -20,7 +20,8 @@ from torch import nn
 from mmpipe.config.fields import Section, option, thawed_copy
 from mmpipe.config.registry import register_family
 from mmpipe.data.loader import Collate
-from mmpipe.families.base import Family, Layer
+from mmpipe.families.base import Layer
+from mmpipe.families.image_text import ImageTextFamily
 
 FAMILY_CONFIG = """\
 model:
@@ -97,7 +98,7 @@ class ToyCollate(Collate):
 
 
 @register_family
-class ToyFamily(Family):
+class ToyFamily(ImageTextFamily):
     name = "toy"
     config_class = ToyConfig
     labels = ("target",)

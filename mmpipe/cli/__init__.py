@@ -1,0 +1,1 @@
+"""The ``mmpipe`` command line: one module per command (``main`` builds the parser)."""

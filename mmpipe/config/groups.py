@@ -26,11 +26,17 @@ class Group:
 
 
 def resolve_groups(optim_cfg, family) -> list[Group]:
-    """The configured groups with the family's freeze shortcuts (``optim.freeze_<segment>``) applied."""
+    """The configured groups with ``optim.freeze`` and the family's freeze spellings (``optim.freeze_vit``...)
+    applied."""
     from mmpipe.config.schema import FREEZE_FLAGS, LR_FLAGS
     shortcuts: dict = {}
     for flag, group in family.freeze_shortcuts.items():
         shortcuts[group] = shortcuts.get(group, False) or getattr(optim_cfg, flag)
+    for group in optim_cfg.freeze or ():
+        if group not in optim_cfg.groups:
+            raise ConfigError(f"optim.freeze: {group!r} is not a group (groups: {', '.join(optim_cfg.groups)}); "
+                              "name a group of optim.groups")
+        shortcuts[group] = True
     for flag in FREEZE_FLAGS:
         if getattr(optim_cfg, flag) and flag not in family.freeze_shortcuts:
             raise ConfigError(f"optim.{flag}: model.type={family.name} has no such shortcut (it has "

@@ -113,6 +113,8 @@ class OptimConfig(Section):
     groups: Dict[str, GroupConfig] = field(default_factory=default_groups, metadata={
         "help": "named parameter groups (defaults vision, projector, text, logit_scale); each key: patterns, lr, "
                 "weight_decay, max_grad_norm, freeze"})
+    freeze: list = _f([], "groups to freeze, by name (e.g. [vision]); the spellings below (open_clip's, ms-swift's) "
+                          "freeze the group they name")
     freeze_vision: bool = _f(False, "shortcut: freeze the vision group (open_clip --lock-image, ms-swift freeze_vit)")
     freeze_projector: bool = _f(False, "shortcut: freeze the projector group (ms-swift freeze_aligner)")
     freeze_text: bool = _f(False, "shortcut: freeze the text group (open_clip --lock-text, ms-swift freeze_llm)")

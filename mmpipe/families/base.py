@@ -6,7 +6,8 @@ last, how the loss and the evaluation are computed, and how its weights map to t
 Parallelism, planning and the training loop use only this interface: the plain model (P = 1),
 the pipeline layers (P >= 2), the profiler and the checkpoint reader are all built from
 ``layers()`` and ``build_layer(name)``, so a layer's weights and arithmetic are the same in
-every layout. Adding a family = subclass ``Family``, decorate it with
+every layout. The interface is modality-agnostic; ``ImageTextFamily`` (``image_text.py``) adds the
+image-caption data defaults. Adding a family = subclass one of them, decorate it with
 ``mmpipe.families.register_family``, give it a config dataclass (see ARCHITECTURE.md).
 """
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Family:
 
     name: ClassVar[str] = ""
     config_class: ClassVar[type] = None
-    inputs: ClassVar[tuple] = ("pixel_values", "input_ids", "attention_mask")  # batch fields -> first stage
+    inputs: ClassVar[tuple] = ()  # batch fields -> first stage
     labels: ClassVar[tuple] = ()  # batch fields -> last stage (``loss(outputs, *labels)``)
     min_micro_batch: ClassVar[int] = 1
     min_micro_batch_why: ClassVar[str] = ""
@@ -62,8 +63,9 @@ class Family:
         """Choices and ranges of the ``model:`` section (one-line ConfigError)."""
 
     @classmethod
-    def image_size(cls, model_cfg) -> int:
-        raise NotImplementedError
+    def image_size(cls, model_cfg) -> Optional[int]:
+        """The side of the square images the model takes (None: the family reads no images)."""
+        return None
 
     @classmethod
     def tokenizer_weights(cls, model_cfg) -> tuple:
@@ -78,15 +80,13 @@ class Family:
     # ---- data: class methods (read before any model is built) ---------------------------------
     @classmethod
     def read_records(cls, path: str, data_cfg, key: str) -> list:
-        """The training / val records of ``path`` (``key`` names it in errors). Default: an
-        image-caption manifest."""
-        from mmpipe.data.manifest import read_manifest
-        return read_manifest(path, key)
+        """The training / val records of ``path`` (``key`` names it in errors)."""
+        raise NotImplementedError
 
     @classmethod
     def record_texts(cls, records: list) -> list:
         """Texts to train a tokenizer on."""
-        return [s.text for s in records]
+        raise NotImplementedError
 
     @classmethod
     def prepare_tokenizer(cls, tokenizer):
@@ -209,8 +209,7 @@ class Family:
     # ---- data ---------------------------------------------------------------------------------
     def dataset(self, records: list, tokenizer, data_cfg, image_size: int, augment=None, decode_size=None):
         """The indexable dataset of ``records`` (items for ``collate``)."""
-        from mmpipe.data.loader import ImageTextDataset
-        return ImageTextDataset(records, image_size, augment, decode_size or image_size)
+        raise NotImplementedError
 
     def loss_units(self, *labels) -> int:
         """With ``token_mean``: how many units (label tokens) a micro-batch's loss sums over."""
@@ -219,8 +218,7 @@ class Family:
     def collate(self, tokenizer, data_cfg):
         """The collate function run in loader workers: decoded samples -> batch dict holding the
         ``inputs`` and ``labels`` fields (plus ``index``, ``keys``, ``bad``). Must be picklable."""
-        from mmpipe.data.loader import Collate
-        return Collate(tokenizer, data_cfg.max_length, data_cfg.padding, data_cfg.pad_multiple)
+        raise NotImplementedError
 
     def example_batch(self, micro_batch_size: int, max_length: int, device) -> dict:
         """A batch of the configured shapes (inputs and labels) for the profiler: timing does not

@@ -11,9 +11,10 @@ from torch import nn
 
 from mmpipe.config.registry import register_family
 from mmpipe.errors import ConfigError
-from mmpipe.families.base import Family, Layer
+from mmpipe.families.base import Layer
 from mmpipe.families.clip import model as m
 from mmpipe.families.clip.config import ClipConfig
+from mmpipe.families.image_text import ImageTextFamily
 from mmpipe.families.towers import hf
 from mmpipe.families.towers.text import TextSpec
 from mmpipe.families.towers.vision import VisionSpec
@@ -23,7 +24,7 @@ _CHOICES = {"vision.arch": ("clip_vit", "resnet"), "vision.variant": ("resnet18"
 
 
 @register_family
-class ClipFamily(Family):
+class ClipFamily(ImageTextFamily):
     name = "clip"
     config_class = ClipConfig
     inputs = ("pixel_values", "input_ids", "attention_mask")

@@ -10,7 +10,8 @@ from torch import nn
 
 from mmpipe.config.registry import register_family
 from mmpipe.errors import ConfigError
-from mmpipe.families.base import Family, Layer, PlainModel
+from mmpipe.families.base import Layer, PlainModel
+from mmpipe.families.image_text import ImageTextFamily
 from mmpipe.families.towers import hf
 from mmpipe.families.towers.common import (
     OPENAI_CLIP_MEAN,
@@ -101,7 +102,7 @@ PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }
 
 
 @register_family
-class VlmFamily(Family):
+class VlmFamily(ImageTextFamily):
     name = "vlm"
     config_class = VlmConfig
     inputs = ("pixel_values", "input_ids", "attention_mask")

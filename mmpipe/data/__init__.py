@@ -1,0 +1,1 @@
+"""The generic data layer: images, manifests, shards, the cache, samplers, the bad-sample ledger, the tokenizer."""
