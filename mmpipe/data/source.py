@@ -32,22 +32,19 @@ class TrainSource:
             return self.cache_meta["n"]
         return None
 
-    def dataset(self, cfg, image_size: int, augment=None, family=None, tok=None):
+    def dataset(self, cfg, image_size: int, augment=None, *, family, tok=None):
         """The indexable dataset of a manifest (the family's records) or cache source."""
         if self.kind == "cache":
             from mmpipe.data.cache import CachedDataset
             return CachedDataset(cfg.data.cache, image_size, augment)
         if self.kind == "manifest":
-            if family is not None:
-                return family.dataset(self.samples, tok, cfg.data, image_size, augment, decode_size(cfg, image_size))
-            from mmpipe.data.loader import ImageTextDataset
-            return ImageTextDataset(self.samples, image_size, augment, decode_size(cfg, image_size))
+            return family.dataset(self.samples, tok, cfg.data, image_size, augment, decode_size(cfg, image_size))
         raise TypeError("shards are a stream, not an indexable dataset")
 
-    def captions(self, limit: int = 100_000, family=None) -> list[str]:
-        """Texts to train a tokenizer on."""
+    def captions(self, limit: int = 100_000, *, family) -> list[str]:
+        """Texts to train a tokenizer on (a manifest's: the family's ``record_texts``)."""
         if self.kind == "manifest":
-            return family.record_texts(self.samples) if family is not None else [s.text for s in self.samples]
+            return family.record_texts(self.samples)
         from mmpipe.data.shards import iter_tar
         out = []
         for url in self.shard_urls:
@@ -61,14 +58,13 @@ def decode_size(cfg, image_size: int) -> int:
     return cfg.data.decode_size or image_size
 
 
-def open_source(cfg, image_size: int, read: bool, family=None) -> TrainSource:
+def open_source(cfg, image_size: int, read: bool, *, family) -> TrainSource:
     """Check the configured source exists (every rank: the same one-line error everywhere) and, with
     ``read``, load what the data-reading rank needs (``family.read_records``: its record format)."""
-    from mmpipe.data.manifest import read_manifest, require_manifest
+    from mmpipe.data.manifest import require_manifest
     from mmpipe.data.shards import expand, is_shard_spec
     d = cfg.data
-    if family is not None:
-        family.check_source("cache" if d.cache else "shards" if d.train and is_shard_spec(d.train) else "manifest")
+    family.check_source("cache" if d.cache else "shards" if d.train and is_shard_spec(d.train) else "manifest")
     if d.cache:
         from mmpipe.data.cache import check_compatible, open_meta
         meta = open_meta(d.cache)
@@ -79,9 +75,7 @@ def open_source(cfg, image_size: int, read: bool, family=None) -> TrainSource:
     if not read:
         require_manifest(d.train, "data.train")
         return TrainSource("manifest", samples=[])
-    if family is not None:
-        return TrainSource("manifest", samples=family.read_records(d.train, d, "data.train"))
-    return TrainSource("manifest", samples=read_manifest(d.train, "data.train"))
+    return TrainSource("manifest", samples=family.read_records(d.train, d, "data.train"))
 
 
 def tokenizer_dir(cfg) -> Optional[str]:
@@ -121,7 +115,7 @@ def train_lengths(source: TrainSource, tok, max_length: int) -> list[int]:
 
 
 def build_train_loader(cfg, source: TrainSource, tok, collate, topo, dp_rank: int, start_step: int,
-                       image_size: int, device_is_cpu: bool, family=None, start_at: Optional[dict] = None):
+                       image_size: int, device_is_cpu: bool, family, start_at: Optional[dict] = None):
     """The training loader from global step ``start_step``; ``start_at``: the stream position a
     checkpoint saved (``MicroBatchSampler.position``), so a resume with another batch size continues
     at the next unseen sample. The loader's ``batch_sampler`` (indexable sources) tells positions."""
@@ -139,7 +133,7 @@ def build_train_loader(cfg, source: TrainSource, tok, collate, topo, dp_rank: in
         kw = {"prefetch_factor": d.prefetch_factor, "persistent_workers": d.persistent_workers} if d.num_workers else {}
         return DataLoader(stream, batch_size=None, num_workers=stream.workers if d.num_workers else 0,
                           pin_memory=d.pin_memory and not device_is_cpu, **kw)
-    dataset = source.dataset(cfg, image_size, augment, family, tok)
+    dataset = source.dataset(cfg, image_size, augment, family=family, tok=tok)
     lengths = None
     if d.group_by_length:  # the cache and chat data count their tokens; a manifest's are counted here
         lengths = dataset.lengths if hasattr(dataset, "lengths") else train_lengths(source, tok, d.max_length)
