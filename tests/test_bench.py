@@ -30,3 +30,15 @@ def test_bench_groups_baseline_row_says_what_it_measures():
     assert "norms still taken" in label and "no norms" not in label
     assert not [s for s in sets if "max_grad_norm" in s or "grad_norm=false" in s]
     assert all(any("max_grad_norm" in s for s in v) for _, v in GROUP_VARIANTS[1:])
+
+
+def test_benchmarks_md_shows_the_latest_of_each_bench_and_the_history_keeps_every_run(tmp_path):
+    from mmpipe.bench.common import HISTORY, append_benchmarks
+    append_benchmarks("Data path", "mmpipe bench data --repeats 3", "| a |", "note-a", root=str(tmp_path))
+    append_benchmarks("Layouts", "mmpipe bench strategies --worlds 2 4 --steps 8", "| b |", "note-b", root=str(tmp_path))
+    append_benchmarks("Data path", "mmpipe bench data", "| c |", "note-c", root=str(tmp_path))
+    history = (tmp_path / HISTORY).read_text()
+    assert [history.index(n) for n in ("note-a", "note-b", "note-c")] == sorted(history.index(n) for n in ("note-a", "note-b", "note-c"))
+    latest = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "note-c" in latest and "note-b" in latest and "note-a" not in latest  # the same bench: its latest only
+    assert latest.index("note-c") < latest.index("note-b")  # newest first

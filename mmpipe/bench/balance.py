@@ -9,6 +9,13 @@ import sys
 import tempfile
 
 from mmpipe.bench.common import ROOT, append_benchmarks, launch, pooled
+from mmpipe.config.schema import family_of, load_config
+from mmpipe.data.cache import prepare
+from mmpipe.data.synth import synth, synth_vlm
+from mmpipe.planning.charts import write_plan_png
+from mmpipe.planning.measure import median_profile, plan_all, single_process_time
+from mmpipe.planning.place import layer_costs, predict
+from mmpipe.train.metrics import measured_from_run
 
 
 def _balance_rounds(args, title: str, config: str, common: list, placements: list, extra: list, vlm_vocab,
@@ -40,14 +47,7 @@ def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: 
     Returns (markdown table, {variant: step seconds})."""
     import json
 
-    from mmpipe.config.schema import load_config
-    from mmpipe.data.cache import prepare
-    from mmpipe.planning.charts import write_plan_png
-    from mmpipe.planning.measure import median_profile, plan_all, single_process_time
-    from mmpipe.planning.place import predict
-    from mmpipe.train.metrics import measured_from_run
     cfg = load_config(config, extra)
-    from mmpipe.config.schema import family_of
     size = family_of(cfg).image_size(cfg.model)
     vlm = cfg.model.type == "vlm"
     if vlm:  # chat data is read as it is (the VLM has no cache)
@@ -110,7 +110,6 @@ def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: 
 
 def vision_share(plan: dict) -> float:
     """The vision tower's share (forward + backward) of the profiled single-process compute."""
-    from mmpipe.planning.place import layer_costs
     costs = layer_costs(plan["profile"])
     t = [c.fwd_ms + c.bwd_ms for c in costs]
     return sum(x for n, x in zip(plan["names"], t) if n.startswith("vision.")) / sum(t)
@@ -120,7 +119,6 @@ def bench_balance(args) -> int:
     """Samples/s of every placement on an image-heavy and a text-heavy dual encoder (P = 2, 1 thread
     per rank), against the single-process baseline (1 thread, same model and batch), with the
     simulator's prediction beside each measurement."""
-    from mmpipe.data.synth import synth, synth_vlm
     tmp = tempfile.mkdtemp(prefix="mmpipe-bench-balance-")
     os.environ["OMP_NUM_THREADS"] = "1"  # every rank (and the baseline) computes on one thread
     print(f"[bench] synthetic data and caches in {tmp} ...", flush=True)

@@ -1,5 +1,6 @@
-"""``mmpipe bench ...``: measured comparisons, printed as a table and appended to BENCHMARKS.md
-with the exact command, the machine, and ratios against a baseline measured in the same run.
+"""``mmpipe bench ...``: measured comparisons, printed as a table and written to BENCHMARKS.md (the
+latest of each bench; every run in docs/benchmarks/history.md) with the exact command, the machine,
+and ratios against a baseline measured in the same run.
 
     mmpipe bench groups    # grouped clipping cost and frozen-tower memory, P = 2 demo model
     mmpipe bench data      # images/s: naive loading vs mmpipe's direct path vs its preprocessed cache

@@ -10,6 +10,8 @@ import statistics
 import subprocess
 import sys
 
+from mmpipe.train.metrics import read_metrics
+
 
 def machine() -> str:
     import deepspeed
@@ -33,7 +35,6 @@ def launch(nprocs: int, config: str, sets: list, out: str) -> str:
 
 
 def _steps(out: str, warmup: int) -> list:
-    from mmpipe.train.metrics import read_metrics
     return read_metrics(os.path.join(out, "metrics.jsonl"))[warmup:]
 
 
@@ -47,12 +48,63 @@ def pooled(outs: list, warmup: int) -> tuple:
     return statistics.median([t for v in per.values() for t in v]), mid, [meds[o] for o in outs]
 
 
-def append_benchmarks(title: str, command: str, table: str, notes: str) -> None:
-    path = os.path.join(os.getcwd(), "BENCHMARKS.md")
+HISTORY = os.path.join("docs", "benchmarks", "history.md")
+INTRO = """# mmpipe benchmarks
+
+The latest result of each bench, newest first; every run, oldest first, is in
+[docs/benchmarks/history.md](docs/benchmarks/history.md). Each section was written by a `mmpipe bench ...`
+command: the exact command, the machine, and ratios against a baseline measured **in the same run**.
+Absolute times on a shared 2-core CPU machine are noise; read the ratios. CPU runs are
+multi-process (`deepspeed --num_gpus N` on the CPU accelerator with gloo); GPU sections say so.
+"""
+HISTORY_INTRO = "# Benchmark history\n\nEvery `mmpipe bench` result, oldest first (the latest of each: BENCHMARKS.md).\n"
+_HEADING = re.compile(r"^## (.*?) \((\d{4}-\d{2}-\d{2}[^)]*)\)\s*$")
+
+
+def append_benchmarks(title: str, command: str, table: str, notes: str, root: str = None) -> None:
+    """Append a result to the history and rewrite BENCHMARKS.md as the latest result of each bench."""
+    root = root or os.getcwd()
+    history = os.path.join(root, HISTORY)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    with open(path, "a") as fh:
+    os.makedirs(os.path.dirname(history), exist_ok=True)
+    if not os.path.isfile(history):
+        with open(history, "w") as fh:
+            fh.write(HISTORY_INTRO)
+    with open(history, "a") as fh:
         fh.write(f"\n## {title} ({stamp})\n\n`{command}`\n\nMachine: {machine()}\n\n{table}\n\n{notes}\n")
-    print(f"appended to {path}")
+    write_latest(root)
+    print(f"appended to {history}; BENCHMARKS.md shows the latest of each bench")
+
+
+def sections(text: str) -> list:
+    """(title, stamp, section text) of every ``## title (stamp)`` section, in order."""
+    out, current = [], None
+    for line in text.splitlines(keepends=True):
+        m = _HEADING.match(line)
+        if m:
+            current = [m.group(1), m.group(2), line]
+            out.append(current)
+        elif current is not None:
+            current[2] += line
+    return [tuple(c) for c in out]
+
+
+_HOW_LONG = re.compile(r"\s--(steps|warmup|rounds|repeats|n)\s+\d+|\s--refresh\b")
+
+
+def _subject(section: str) -> str:
+    """What a bench section measured: its command without the how-long flags (steps, rounds...)."""
+    m = re.search(r"^`(mmpipe bench [^`]*)`", section, re.M)
+    return _HOW_LONG.sub("", m.group(1)).strip() if m else ""
+
+
+def write_latest(root: str) -> None:
+    """BENCHMARKS.md: the latest section of each bench and subject, newest first."""
+    with open(os.path.join(root, HISTORY)) as fh:
+        latest = {(title, _subject(text)): (stamp, text) for title, stamp, text in sections(fh.read())}
+    ordered = sorted(latest.values(), key=lambda st: st[0], reverse=True)
+    with open(os.path.join(root, "BENCHMARKS.md"), "w") as fh:
+        fh.write(INTRO + "".join("\n" + text.strip("\n") + "\n" for _, text in ordered))
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

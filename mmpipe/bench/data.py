@@ -8,6 +8,11 @@ import sys
 import tempfile
 
 from mmpipe.bench.common import append_benchmarks
+from mmpipe.data import loader
+from mmpipe.data.cache import CachedDataset, prepare
+from mmpipe.data.loader import Collate, ImageTextDataset
+from mmpipe.data.manifest import Sample
+from mmpipe.data.tokenizer import train_tokenizer
 
 
 def make_photos(out: str, n: int, width: int = 640, height: int = 480, seed: int = 0) -> list:
@@ -70,10 +75,6 @@ def bench_data(args) -> int:
     import torch
     from torch.utils.data import DataLoader
 
-    from mmpipe.data.cache import CachedDataset, prepare
-    from mmpipe.data.loader import Collate, ImageTextDataset
-    from mmpipe.data.manifest import Sample
-    from mmpipe.data.tokenizer import train_tokenizer
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="mmpipe-bench-data-")
     print(f"[bench] writing {args.n} JPEGs of {args.width}x{args.height} ...", flush=True)
@@ -99,8 +100,8 @@ def bench_data(args) -> int:
     }
     results = {name: [] for name in loaders}
     for _ in range(args.repeats):  # alternate, keep the best: less exposed to the shared machine's noise
-        for name, loader in loaders.items():
-            results[name].append(_images_per_sec(loader, args.n))
+        for name, ldr in loaders.items():
+            results[name].append(_images_per_sec(ldr, args.n))
     base = max(next(iter(results.values())))
     lines = ["| path | images/s (best of %d) | vs (a) |" % args.repeats, "|---|---|---|"]
     for name, vals in results.items():
@@ -119,5 +120,4 @@ def bench_data(args) -> int:
 
 
 def _has_simplejpeg() -> bool:
-    from mmpipe.data import loader
     return loader.simplejpeg is not None

@@ -8,6 +8,17 @@ import sys
 import tempfile
 
 from mmpipe.bench.common import _MEM_LINE, ROOT, append_benchmarks, launch, pooled
+from mmpipe.config.schema import load_config
+from mmpipe.data.cache import prepare
+from mmpipe.data.synth import synth
+from mmpipe.parallel.topology import threads_per_rank
+from mmpipe.planning.charts import write_png
+from mmpipe.planning.collectives import CommModel, comm_group_sizes, get_comm_model
+from mmpipe.planning.layouts import plan_layouts
+from mmpipe.planning.measure import median_profile
+from mmpipe.planning.memory import optimizer_state_bytes
+from mmpipe.planning.place import layer_costs
+from mmpipe.train.metrics import measured_from_run
 
 
 def _layout_sets(row) -> list:
@@ -20,9 +31,6 @@ def _layout_sets(row) -> list:
 def _strategies_table(world: int, res: dict, rows: list, measured: dict, mem: dict, batch: int, single: float,
                       art: str, summary: list, rounds: dict) -> list:
     """Markdown lines of one world size: predicted beside measured per layout, the ranking verdict, PNG."""
-    from mmpipe.planning.charts import write_png
-    from mmpipe.planning.memory import optimizer_state_bytes
-    from mmpipe.planning.place import layer_costs
     costs, precision = layer_costs(res["profile"]), res["precision"]
     lines = [f"**{world} rank(s)** ({res['threads']} thread(s) per rank on {os.cpu_count()} cores; "
              f"chosen by the cost model: {res['chosen'].name})", "",
@@ -62,14 +70,6 @@ def _strategies_table(world: int, res: dict, rows: list, measured: dict, mem: di
 def bench_strategies(args) -> int:
     """The same model, data and global batch on 1, 2 and 4 ranks in every layout: measured step,
     samples/s, stage idle and memory beside the cost model's predictions (``mmpipe.planning.layouts``)."""
-    from mmpipe.config.schema import load_config
-    from mmpipe.data.cache import prepare
-    from mmpipe.data.synth import synth
-    from mmpipe.parallel.topology import threads_per_rank
-    from mmpipe.planning.collectives import CommModel, comm_group_sizes, get_comm_model
-    from mmpipe.planning.layouts import plan_layouts
-    from mmpipe.planning.measure import median_profile
-    from mmpipe.train.metrics import measured_from_run
     tmp = tempfile.mkdtemp(prefix="mmpipe-bench-strategies-")
     art = os.path.join(os.getcwd(), "benchmarks")
     os.makedirs(art, exist_ok=True)

@@ -21,7 +21,8 @@ import os
 from mmpipe.config.jsonpath import AUTO
 from mmpipe.config.jsonpath import MISSING as _MISSING
 from mmpipe.config.jsonpath import get as _get
-from mmpipe.config.schema import RunConfig
+from mmpipe.config.launch_env import AccelerateSettings
+from mmpipe.config.schema import RunConfig, validate
 from mmpipe.errors import ConfigError
 from mmpipe.parallel.topology import Topology
 
@@ -56,7 +57,6 @@ def _conflict(path, ds_key, ds_val, key, val, origin=None):
 def resolve(cfg: RunConfig, world_size: int) -> tuple[dict, Topology]:
     """Return (resolved DeepSpeed dict, topology). May adopt JSON values and `accelerate launch`
     settings (``mmpipe.config.launch_env``) into ``cfg``."""
-    from mmpipe.config.launch_env import AccelerateSettings
     acc = AccelerateSettings()
     origin = acc.apply_to_config(cfg) if acc else {}  # first: it may name the DeepSpeed JSON
     path = cfg.train.deepspeed_config
@@ -67,7 +67,6 @@ def resolve(cfg: RunConfig, world_size: int) -> tuple[dict, Topology]:
     if acc:  # offload / ZeRO-3 settings: into the JSON, once the ZeRO stage is known
         acc.apply_to_json(ds, where, cfg)
 
-    from mmpipe.config.schema import validate
     try:
         validate(cfg)  # adopted values must be valid too (e.g. ZeRO-3 with a pipeline)
         topo = Topology.from_config(cfg, world_size)

@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from mmpipe.config.schema import FREEZE_FLAGS, LR_FLAGS
 from mmpipe.errors import ConfigError
 
 
@@ -28,7 +29,6 @@ class Group:
 def resolve_groups(optim_cfg, family) -> list[Group]:
     """The configured groups with ``optim.freeze`` and the family's freeze spellings (``optim.freeze_vit``...)
     applied."""
-    from mmpipe.config.schema import FREEZE_FLAGS, LR_FLAGS
     shortcuts: dict = {}
     for flag, group in family.freeze_shortcuts.items():
         shortcuts[group] = shortcuts.get(group, False) or getattr(optim_cfg, flag)

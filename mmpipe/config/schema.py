@@ -15,20 +15,19 @@ from typing import Any, Dict, Optional, Union
 
 import yaml
 
-from mmpipe.config.fields import Section, thawed_copy
+from mmpipe.config.fields import Section, in_range, range_text, thawed_copy
 from mmpipe.config.fields import option as _f
+from mmpipe.config.registry import get_family
 from mmpipe.errors import ConfigError
 
 
 def _model_section(type_name: str = "clip", where: str = "config"):
     """The ``model:`` dataclass of the family ``model.type`` names (through the registry)."""
-    from mmpipe.config.registry import get_family
     return get_family(type_name, where).config_class
 
 
 def family_of(cfg):
     """The family class of a run config."""
-    from mmpipe.config.registry import get_family
     return get_family(cfg.model.type, cfg.source or "config")
 
 
@@ -96,7 +95,6 @@ class GroupConfig(Section):
 
 def default_groups(type_name: str = "clip") -> dict:
     """The family's default parameter groups (one per segment, plus its special parameters)."""
-    from mmpipe.config.registry import get_family
     return {name: GroupConfig(patterns=list(p)) for name, p in get_family(type_name).default_groups.items()}
 
 
@@ -346,7 +344,6 @@ _CHOICES = {
 def check_ranges(section, prefix: str, where: str) -> None:
     """Every number of the config within the range its field declares (``fields.option``), the
     model section and optimizer groups included: one line naming the key and what it accepts."""
-    from mmpipe.config.fields import in_range, range_text
     for f in dataclasses.fields(section):
         v = getattr(section, f.name)
         subs = v.items() if isinstance(v, dict) else [(None, v)]
@@ -455,7 +452,6 @@ def reference() -> str:
                 default = {k: dataclasses.asdict(v)["patterns"] for k, v in default.items()}
             helptext = f.metadata.get("help", "").replace("|", "\\|")
             if f.metadata.get("range"):
-                from mmpipe.config.fields import range_text
                 helptext += f" [{range_text(f.metadata['range'])}]"
             rows.append(f"| `{prefix}{f.name}` | `{json.dumps(default)}` | {helptext} |")
 

@@ -25,7 +25,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from mmpipe.data.loader import SubstitutingDataset
+from mmpipe.data.loader import SubstitutingDataset, decode_sample
+from mmpipe.data.manifest import read_manifest
+from mmpipe.data.tokenizer import load_tokenizer, train_tokenizer
 from mmpipe.errors import ConfigError
 
 VERSION = 1
@@ -56,7 +58,6 @@ def _init_worker(images_path: str, n: int, size: int) -> None:
 
 
 def _work(chunk: list) -> list:
-    from mmpipe.data.loader import decode_sample
     out = []
     for idx, path, text in chunk:
         pixels, why = decode_sample(path, text, _W["size"])
@@ -70,7 +71,6 @@ def _work(chunk: list) -> list:
 def _open_or_start(out: str, samples: list, fingerprint: dict, tokenizer: Optional[str], vocab_size: int) -> dict:
     """The cache's meta: read back when the build is continued (it must be the same build), else
     the build started: tokenizer, token ids and lengths written, image and status files allocated."""
-    from mmpipe.data.tokenizer import load_tokenizer, train_tokenizer
     n, size, max_length = fingerprint["n"], fingerprint["size"], fingerprint["max_length"]
     meta_path = os.path.join(out, "meta.json")
     tok_dir = os.path.join(out, "tokenizer")
@@ -112,7 +112,6 @@ def prepare(manifest: str, out: str, size: int, max_length: int, tokenizer: Opti
 
     from tqdm import tqdm
 
-    from mmpipe.data.manifest import read_manifest
 
     samples = read_manifest(manifest, "--manifest")
     n = len(samples)

@@ -14,11 +14,13 @@ import os
 import sys
 from typing import Iterator
 
+from mmpipe.data.loader import decode_sample
+from mmpipe.data.manifest import read_manifest
+
 _W: dict = {}  # worker side: the decode size
 
 
 def check_sample(s, size: int) -> dict:
-    from mmpipe.data.loader import decode_sample
     rec = {"line": s.line, "image": s.image or None, "text": None if s.error else s.text, "status": "bad",
            "why": s.error, "width": None, "height": None, "mode": None, "mean": None}
     if s.error is not None:
@@ -62,7 +64,6 @@ def run_check(manifest: str, size: int, max_bad_fraction: float, as_json: bool =
     """Report every row; 0 when the unusable fraction is within ``max_bad_fraction``, else 1."""
     from tqdm import tqdm
 
-    from mmpipe.data.manifest import read_manifest
     out, err = out or sys.stdout, err or sys.stderr
     samples = read_manifest(manifest, "--manifest", require_usable=False)
     n, bad = len(samples), 0

@@ -28,7 +28,7 @@ import torch
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from mmpipe.data.manifest import Sample
+from mmpipe.data.manifest import Sample, json_type
 from mmpipe.errors import DataError
 
 try:  # libjpeg-turbo with DCT-domain scaling, ~15% faster than Pillow's JPEG decode here (BENCHMARKS.md)
@@ -199,7 +199,6 @@ def decode_sample(path, text: str, size: int, info: Optional[dict] = None
     """(uint8 image, None), or (None, why the sample is unusable). ``path`` may be a file-like object.
     Nothing a file holds raises: a corrupt image of any kind is a bad sample."""
     if not isinstance(text, str):  # e.g. a shard's JSON caption that is a number
-        from mmpipe.data.manifest import json_type
         return None, f"caption is {json_type(text)}, expected text"
     if not text.strip():
         return None, "empty caption"

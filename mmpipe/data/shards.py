@@ -27,6 +27,8 @@ from typing import Iterator, Optional
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from mmpipe.data.loader import decode_sample, finish_pixels
+from mmpipe.data.manifest import TEXT_KEYS, _field, caption_text
 from mmpipe.errors import ConfigError
 
 IMAGE_EXT = ("jpg", "jpeg", "png", "webp")
@@ -74,7 +76,6 @@ def iter_tar(path: str) -> Iterator[tuple[str, Optional[bytes], Optional[str]]]:
 def _json_caption(raw: bytes):
     """A sample's ``.json`` caption by the manifests' rule (``text``/``caption``/``title``; a list:
     its first non-empty caption); an unusable value is returned as it is (the decode names it)."""
-    from mmpipe.data.manifest import TEXT_KEYS, _field, caption_text
     try:
         d = json.loads(raw)
     except ValueError:
@@ -109,7 +110,6 @@ class ShardStream(IterableDataset):
 
     def _samples(self, worker: int) -> Iterator[dict]:
         """Decoded samples (and the unusable ones, flagged) of this worker's shards, shuffled, forever."""
-        from mmpipe.data.loader import decode_sample
         urls = self.rank_urls[worker::self.workers]
         buf_rng = self._rng(worker, -1)
         buf: list = []
@@ -131,7 +131,6 @@ class ShardStream(IterableDataset):
         pixels, why = decode_sample(io.BytesIO(image), text or "", self.decode_size)
         if pixels is None:
             return {"bad": (name, why)}
-        from mmpipe.data.loader import finish_pixels
         sid = zlib.crc32(name.encode()) & 0x7FFFFFFF  # str hash() differs per process
         pixels = finish_pixels(pixels, self.image_size, self.augment, sid, epoch)
         return {"pixel_values": pixels, "text": text, "index": -1, "key": name, "bad": []}

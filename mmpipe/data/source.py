@@ -13,6 +13,16 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from mmpipe.data.cache import (
+    CachedDataset,
+    check_compatible,
+    open_meta,
+    tokenizer_digest,
+)
+from mmpipe.data.loader import MicroBatchSampler, make_augment, make_loader
+from mmpipe.data.manifest import require_manifest
+from mmpipe.data.shards import ShardStream, expand, is_shard_spec, iter_tar
+from mmpipe.data.tokenizer import has_tokenizer, load_tokenizer
 from mmpipe.errors import ConfigError
 
 
@@ -35,7 +45,6 @@ class TrainSource:
     def dataset(self, cfg, image_size: int, augment=None, *, family, tok=None):
         """The indexable dataset of a manifest (the family's records) or cache source."""
         if self.kind == "cache":
-            from mmpipe.data.cache import CachedDataset
             return CachedDataset(cfg.data.cache, image_size, augment)
         if self.kind == "manifest":
             return family.dataset(self.samples, tok, cfg.data, image_size, augment, decode_size(cfg, image_size))
@@ -45,7 +54,6 @@ class TrainSource:
         """Texts to train a tokenizer on (a manifest's: the family's ``record_texts``)."""
         if self.kind == "manifest":
             return family.record_texts(self.samples)
-        from mmpipe.data.shards import iter_tar
         out = []
         for url in self.shard_urls:
             out.extend(t for _, _, t in iter_tar(url) if t)
@@ -61,12 +69,9 @@ def decode_size(cfg, image_size: int) -> int:
 def open_source(cfg, image_size: int, read: bool, *, family) -> TrainSource:
     """Check the configured source exists (every rank: the same one-line error everywhere) and, with
     ``read``, load what the data-reading rank needs (``family.read_records``: its record format)."""
-    from mmpipe.data.manifest import require_manifest
-    from mmpipe.data.shards import expand, is_shard_spec
     d = cfg.data
     family.check_source("cache" if d.cache else "shards" if d.train and is_shard_spec(d.train) else "manifest")
     if d.cache:
-        from mmpipe.data.cache import check_compatible, open_meta
         meta = open_meta(d.cache)
         check_compatible(meta, d.cache, decode_size(cfg, image_size), d.max_length, d.train)
         return TrainSource("cache", cache_meta=meta)
@@ -87,7 +92,6 @@ def tokenizer_dir(cfg) -> Optional[str]:
 
 def check_cache_tokenizer(cfg, tok) -> None:
     if cfg.data.cache and cfg.data.tokenizer:
-        from mmpipe.data.cache import open_meta, tokenizer_digest
         if tokenizer_digest(tok) != open_meta(cfg.data.cache)["tokenizer_sha1"]:
             raise ConfigError(f"data.tokenizer={cfg.data.tokenizer} is not the tokenizer data.cache={cfg.data.cache} "
                               "was built with; unset data.tokenizer (the cache's is used) or re-run prepare with it")
@@ -95,8 +99,6 @@ def check_cache_tokenizer(cfg, tok) -> None:
 
 def check_cache_tokenizer_fits_weights(cache: str, weights_key: str, weights_dir: str) -> None:
     """A cache's token ids were made with its tokenizer: with pretrained text weights it must be theirs."""
-    from mmpipe.data.cache import open_meta, tokenizer_digest
-    from mmpipe.data.tokenizer import has_tokenizer, load_tokenizer
     meta = open_meta(cache)
     fix = "rebuild it with mmpipe data prepare --tokenizer DIR, DIR being the tokenizer the weights were trained with"
     if meta.get("tokenizer") is None:
@@ -121,12 +123,10 @@ def build_train_loader(cfg, source: TrainSource, tok, collate, topo, dp_rank: in
     at the next unseen sample. The loader's ``batch_sampler`` (indexable sources) tells positions."""
     from torch.utils.data import DataLoader
 
-    from mmpipe.data.loader import MicroBatchSampler, make_augment, make_loader
     d = cfg.data
     augment = make_augment(d, image_size, cfg.train.seed)
     size = decode_size(cfg, image_size)
     if source.kind == "shards":
-        from mmpipe.data.shards import ShardStream
         stream = ShardStream(source.shard_urls, topo.data_parallel, dp_rank, d.num_workers, topo.micro_batch_size,
                              collate, size, image_size, augment, cfg.train.seed, start_step, d.shuffle_buffer,
                              d.group_by_length, d.group_window)

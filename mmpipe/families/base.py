@@ -17,6 +17,7 @@ from typing import Callable, ClassVar, NamedTuple, Optional
 import torch
 from torch import nn
 
+from mmpipe.errors import NoHFFormat
 from mmpipe.families.towers.common import part_seed
 
 
@@ -175,7 +176,6 @@ class Family:
         """(transformers model holding ``state``, processor) for ``mmpipe export``; raises
         ``mmpipe.errors.NoHFFormat`` (saying why) when no transformers class computes the same outputs,
         and ``mmpipe export`` writes mmpipe's own format instead."""
-        from mmpipe.errors import NoHFFormat
         raise NoHFFormat(f"model.type={self.name} has no transformers format")
 
     def preprocessor(self):

@@ -4,11 +4,10 @@ PyTorch's CPU tensors come from glibc's ``malloc``. By default glibc hands block
 moving threshold straight back to the kernel when they are freed (``munmap``) and trims free
 memory off the top of the heap, so the next activation of that size is fresh memory that the
 kernel must fault in and zero, page by page. A frozen tower run without autograd frees every
-intermediate at once and paid that on every layer here: the image-heavy vision tower's forward
-(8 micro-batches, one thread) took 61-73 ms per micro-batch with 0.7-1.8 M page faults and
-1.5-3.1 s of system time in 10 s, and 55 ms (steady to 1%) with 0.14 M faults and 0.5 s once the
-freed memory stays in the process (what jemalloc/tcmalloc, often preloaded for CPU PyTorch, and
-the accelerators' caching allocators do). ``keep_freed_memory`` sets that with ``mallopt``:
+intermediate at once and paid that on every layer (page faults and system time dominated a
+frozen tower's forward; docs/design.md has the figures) until the freed memory stays in the process
+(what jemalloc/tcmalloc, often preloaded for CPU PyTorch, and the accelerators' caching allocators
+do). ``keep_freed_memory`` sets that with ``mallopt``:
 blocks up to 32 MB (glibc's largest heap allocation) come from the heap and the heap is never
 trimmed, so a rank's resident memory stays at its peak, as on an accelerator.
 

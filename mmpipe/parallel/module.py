@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from deepspeed.pipe import LayerSpec, PipelineModule
 
+from mmpipe.parallel.ds_compat import set_stage_bounds
 from mmpipe.parallel.layers import PipeLayer, plain_state_key
 from mmpipe.parallel.plan import stage_lists
 
@@ -73,7 +74,6 @@ class MMPipelineModule(PipelineModule):
         if len(self.mm_parts) != self.num_stages + 1 or self.mm_parts[-1] != len(self._layer_specs):
             raise ValueError(f"parts {self.mm_parts} do not describe {self.num_stages} stages of "
                              f"{len(self._layer_specs)} layers")
-        from mmpipe.parallel.ds_compat import set_stage_bounds
         set_stage_bounds(self, self.mm_parts)
 
     def plain_named_parameters(self):

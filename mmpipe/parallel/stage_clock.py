@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import time
 
+from mmpipe.parallel.ds_compat import wrap_instructions
+
 CATEGORY = {"ForwardPass": "fwd", "BackwardPass": "bwd", "OptimizerStep": "opt", "LoadMicroBatch": "data",
             "SendActivation": "comm", "RecvActivation": "comm", "SendGrad": "comm", "RecvGrad": "comm",
             "ReduceGrads": "reduce", "ReduceTiedGrads": "reduce"}
@@ -34,7 +36,6 @@ class StageClock:
         self._pending: list = []
         self.totals = dict.fromkeys(FIELDS, 0.0)
         self._t0 = None
-        from mmpipe.parallel.ds_compat import wrap_instructions
         wrap_instructions(engine, self._wrap)
 
     def _wrap(self, name: str, fn):

@@ -10,6 +10,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from mmpipe.parallel.cpu_process import keep_freed_memory
+from mmpipe.parallel.ds_compat import skip_cpu_shm_allreduce
+from mmpipe.parallel.topology import cpu_threads
+
 
 # --------------------------------------------------------------------------------------------
 # process setup
@@ -33,18 +37,15 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> tuple[int, int]
     if get_accelerator().device_name() != "cpu":  # before the first collective: NCCL uses the current device
         get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
     else:  # before the model and its activations exist
-        from mmpipe.parallel.cpu_process import keep_freed_memory
         keep_freed_memory()
     if not dist.is_initialized():
         from datetime import timedelta
         if get_accelerator().device_name() == "cpu":
-            from mmpipe.parallel.ds_compat import skip_cpu_shm_allreduce
             skip_cpu_shm_allreduce()
         kw = {"timeout": timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **kw)
     global CPU_THREADS
     if get_accelerator().device_name() == "cpu":
-        from mmpipe.parallel.topology import cpu_threads
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or dist.get_world_size())
         threads, why = cpu_threads(local, os.cpu_count() or 1)
         torch.set_num_threads(threads)

@@ -17,6 +17,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from mmpipe.parallel.ds_compat import (
+    check_version,
+    fix_recv_buffer_dtype,
+    reset_total_loss,
+)
+from mmpipe.parallel.module import MMPipelineModule
+from mmpipe.parallel.stage_clock import StageClock
+
 LABEL_PLACEHOLDER = torch.zeros(1)  # DeepSpeed's last stage reads "labels"; a family without labels gets this
 
 
@@ -44,7 +52,6 @@ class Pipeline:
         self.family, self.plan, self.topo, self.forward_only = family, plan, topo, forward_only
 
     def build_module(self, dynamic_shape: bool = False):
-        from mmpipe.parallel.module import MMPipelineModule
         # captions padded per micro-batch change the activations' shapes: the engine then sends tensor
         # shapes with every activation (DeepSpeed's dynamic_shape)
         return MMPipelineModule(self.family, self.topo.pipeline_stages, self.plan.parts,
@@ -55,7 +62,6 @@ class Pipeline:
         return module.plain_named_parameters()
 
     def runner(self, engine, stage_timing: bool = True) -> "PipelineRunner":
-        from mmpipe.parallel.ds_compat import check_version, fix_recv_buffer_dtype
         check_version()
         fix_recv_buffer_dtype(engine)
         return PipelineRunner(engine, self.topo, stage_timing)
@@ -111,7 +117,6 @@ class PipelineRunner:
         self.engine, self.topo = engine, topo
         self.clock = None
         if stage_timing:
-            from mmpipe.parallel.stage_clock import StageClock
             self.clock = StageClock(engine)
 
     def train_step(self, data_iter, step: int = 0, trace: bool = False) -> float:
@@ -123,7 +128,6 @@ class PipelineRunner:
         return loss
 
     def eval_outputs(self, batches, n_micro: int) -> Optional[list]:
-        from mmpipe.parallel.ds_compat import reset_total_loss
         reset_total_loss(self.engine)
         module = self.engine.module
         stats = module.family.eval_stats

@@ -12,6 +12,10 @@ from typing import Optional
 
 import torch
 
+from mmpipe.parallel.cpu_process import keep_freed_memory
+from mmpipe.parallel.ds_compat import skip_cpu_shm_allreduce
+from mmpipe.planning.cache import _write_json, cache_dir
+
 
 # ---- stage-to-stage transfers ------------------------------------------------------------------------
 def pingpong(rank: int, buf) -> None:
@@ -190,8 +194,6 @@ def _coll_worker(rank: int, n: int, port: int, sizes: list, repeats: int, backen
     torch.set_num_threads(1)
     import deepspeed
     if device == "cpu":  # as a training rank runs (and no shared-memory buffer left in /dev/shm)
-        from mmpipe.parallel.cpu_process import keep_freed_memory
-        from mmpipe.parallel.ds_compat import skip_cpu_shm_allreduce
         keep_freed_memory()
         skip_cpu_shm_allreduce()
     deepspeed.init_distributed(backend, verbose=False)
@@ -388,7 +390,6 @@ def get_comm_model(group_sizes: list, use_cache: bool = True, log=None, refresh:
 
     from deepspeed.accelerator import get_accelerator
 
-    from mmpipe.planning.cache import _write_json, cache_dir
     acc = get_accelerator()
     sizes = _group_sizes(group_sizes)
     key = f"comm6-{acc.communication_backend_name()}-{acc.device_name()}-{socket.gethostname()}-" + "_".join(map(str, sizes))

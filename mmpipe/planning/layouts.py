@@ -32,8 +32,19 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from mmpipe.config.groups import frozen_layout, resolve_groups
+from mmpipe.errors import ConfigError
+from mmpipe.parallel.topology import threads_per_rank
 from mmpipe.planning.collectives import CommModel, comm_group_sizes, get_comm_model
-from mmpipe.planning.memory import device_memory_bytes, dp_memory, state_bytes
+from mmpipe.planning.measure import get_profile, resolve_for_plan
+from mmpipe.planning.memory import (
+    device_memory_bytes,
+    dp_memory,
+    stage_memory,
+    state_bytes,
+)
+from mmpipe.planning.place import layer_costs, place, predict, stage_times
+from mmpipe.planning.simulate import simulate_shared_cores
 
 
 # ---- prediction ---------------------------------------------------------------------------------------
@@ -122,7 +133,6 @@ class _Ctx:
     """What every layout's prediction shares: the raw profile, the data-parallel stretch, sizes."""
 
     def __init__(self, prof, comm, world, batch_size, micro_batch_size, precision, cores):
-        from mmpipe.planning.place import layer_costs
         self.raw, self.comm, self.world, self.batch = prof, comm, world, batch_size
         self.mbs, self.precision, self.cores = micro_batch_size, precision, cores
         self.threads = int(prof.get("key", {}).get("threads", 1))
@@ -190,9 +200,6 @@ def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple) -> LayoutPredic
 
 
 def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: list) -> LayoutPrediction:
-    from mmpipe.errors import ConfigError
-    from mmpipe.planning.memory import stage_memory
-    from mmpipe.planning.place import place, predict, stage_times
     tag = f"PP{P}" + (f"xDP{D}" if D > 1 else "") + f" {pl}" + (f" ZeRO-{z}" if D > 1 else "")
     row = LayoutPrediction(tag, P, D, z, pl, 0)
     M = row.micro_batches = ctx.micro_batches(row, D)
@@ -210,7 +217,6 @@ def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: l
     # waiting stages free their cores (fill, drain, imbalance), its steady state does not
     t = stage_times(ctx.raw, parts)
     if ctx.cores and D * P * ctx.threads > ctx.cores:
-        from mmpipe.planning.simulate import simulate_shared_cores
         sim, _ = simulate_shared_cores(t["F"], t["B"], M, t["comm"], t["opt"], t["comm_grad"], D, ctx.threads,
                                        ctx.cores, ctx.slope)
         raw_busy = [M * (a + b) + o for a, b, o in zip(t["F"], t["B"], t["opt"])]
@@ -246,7 +252,6 @@ def choose(rows: list, tie: float = TIE) -> tuple:
     the model only estimates; a few percent of predicted gain does not pay for that risk."""
     ok = sorted((r for r in rows if r.fits), key=lambda r: r.step_time)
     if not ok:
-        from mmpipe.errors import ConfigError
         raise ConfigError("parallel.layout=auto: no layout fits: " + "; ".join(f"{r.name}: {r.why}" for r in rows)
                           + " (raise parallel.memory_budget_gb, use more ranks, or freeze/shrink the model)")
     near = [r for r in ok if r.step_time <= ok[0].step_time * (1 + tie)]
@@ -309,12 +314,8 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
     profile / time the collectives again, replacing the cached entries."""
     from deepspeed.accelerator import get_accelerator
 
-    from mmpipe.config.groups import frozen_layout, resolve_groups
-    from mmpipe.parallel.topology import threads_per_rank
-    from mmpipe.planning.measure import get_profile, resolve_for_plan
     mbs = cfg.parallel.micro_batch_size
     if mbs == "auto":
-        from mmpipe.errors import ConfigError
         raise ConfigError("parallel.layout=auto needs an integer parallel.micro_batch_size (the layouts are "
                           "compared at one micro-batch shape)")
     rcfg, family = resolve_for_plan(cfg)

@@ -11,7 +11,17 @@ from typing import Callable, Optional
 
 import torch
 
+from mmpipe.config.groups import frozen_layout, resolve_groups
+from mmpipe.config.schema import family_of, replace
+from mmpipe.data.tokenizer import StandInTokenizer, has_tokenizer, load_tokenizer
+from mmpipe.errors import ConfigError
+from mmpipe.parallel.cpu_process import keep_freed_memory
+from mmpipe.parallel.layers import PipeLayer, plain_state_key
+from mmpipe.parallel.topology import threads_per_rank
 from mmpipe.planning.cache import _write_json, cache_dir
+from mmpipe.planning.collectives import fit_comm, measure_p2p
+from mmpipe.planning.memory import stage_memory
+from mmpipe.planning.place import layer_costs, place, predict, stage_times
 from mmpipe.planning.profiler import median_costs, profile_layers
 
 
@@ -23,7 +33,6 @@ def iter_layers(family, forward_only: frozenset = frozenset(), frozen_params: fr
                 device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32):
     """The model's pipeline layers, built one at a time (seeded per part: the pipeline's weights),
     in training mode, with frozen parameters marked."""
-    from mmpipe.parallel.layers import PipeLayer, plain_state_key
     for name in family.layer_names():
         layer = PipeLayer(family, name, name in forward_only).to(device=device, dtype=dtype)
         for k, p in layer.named_parameters():
@@ -83,7 +92,6 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
         if log:
             log(f"layer profile from cache {path}")
         if measure_comm and not prof["comm"].get("measured"):  # cached without transfers: measure them now
-            from mmpipe.planning.place import layer_costs
             prof["comm"] = _measure_comm(layer_costs(prof))
             _write_json(path, prof)
         return prof
@@ -91,7 +99,6 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
         log(f"profiling {len(family.layer_names())} layers (micro-batch {micro_batch_size}, {cfg.train.precision}, "
             f"{device.type}, {threads} thread(s)) ...")
     if device.type == "cpu":  # as a training rank computes (mmpipe.parallel.cpu_process)
-        from mmpipe.parallel.cpu_process import keep_freed_memory
         keep_freed_memory()
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -114,7 +121,6 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
 def _measure_comm(costs) -> dict:
     """Stage-to-stage transfer model (latency + bytes / bandwidth) fitted to p2p timings at the
     sizes the layers hand on; ``measured`` marks it, so a profile cached without it is completed."""
-    from mmpipe.planning.collectives import fit_comm, measure_p2p
     sizes = sorted({c.out_bytes for c in costs[:-1]} | {4096})
     samples = measure_p2p(sizes)
     lat, spb = fit_comm(samples)
@@ -129,8 +135,6 @@ def resolve_for_plan(cfg):
     """(resolved config, family) without a training run: vocabulary from data.tokenizer (or the
     text weights' tokenizer) if there is one, else the configured size (only the embedding table
     depends on it)."""
-    from mmpipe.config.schema import family_of, replace
-    from mmpipe.data.tokenizer import StandInTokenizer, has_tokenizer, load_tokenizer
     fam = family_of(cfg)
     weights_dir = fam.tokenizer_weights(cfg.model)[1]
     tok_dir = cfg.data.tokenizer or (weights_dir if weights_dir and has_tokenizer(weights_dir) else None)
@@ -147,11 +151,8 @@ def resolve_for_plan(cfg):
 def _profile_for(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = None, log=print,
                  **profile_kw) -> tuple:
     """(family, profile) for a run of ``stages`` x ``data_parallel`` ranks on this machine."""
-    from mmpipe.config.groups import frozen_layout, resolve_groups
-    from mmpipe.parallel.topology import threads_per_rank
     mbs = cfg.parallel.micro_batch_size
     if mbs == "auto":
-        from mmpipe.errors import ConfigError
         raise ConfigError("mmpipe plan: parallel.micro_batch_size=auto; give the size a run chose (its config.yaml)")
     cfg, family = resolve_for_plan(cfg)
     _, frozen, forward_only = frozen_layout(family, resolve_groups(cfg.optim, type(family)))
@@ -162,7 +163,6 @@ def _profile_for(cfg, stages: int, data_parallel: int = 1, threads: Optional[int
 def median_profile(profiles: list) -> dict:
     """One profile from several of the same model and shape: each layer's forward, backward and
     optimizer time is its median over them (the first one's transfer model and key)."""
-    from mmpipe.planning.place import layer_costs
     costs = median_costs([layer_costs(p) for p in profiles])
     return {**profiles[0], "layers": [c.to_dict() for c in costs], "samples": len(profiles)}
 
@@ -171,8 +171,6 @@ def plan_all(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = 
              log=print, refresh: bool = False, repeats: int = 5, profile: Optional[dict] = None) -> dict:
     """Profile (or take ``profile``), then place (``mmpipe.planning.place.place``) and simulate every
     placement for ``stages`` stages."""
-    from mmpipe.planning.memory import stage_memory
-    from mmpipe.planning.place import layer_costs, place, predict, stage_times
     if profile is None:
         family, prof = _profile_for(cfg, stages, data_parallel, threads, log, use_cache=use_cache, refresh=refresh,
                                     repeats=repeats)
@@ -199,7 +197,6 @@ def plan_all(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = 
 
 
 def single_process_time(prof: dict, micro_batches: int) -> float:
-    from mmpipe.planning.place import layer_costs
     """Predicted step of the whole model on one process (one thread per rank's share)."""
     costs = layer_costs(prof)
     return micro_batches * sum(c.fwd_ms + c.bwd_ms for c in costs) / 1e3 + sum(c.opt_ms for c in costs) / 1e3

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from mmpipe.errors import ConfigError
 from mmpipe.planning.profiler import LayerCost
 
 
@@ -50,7 +51,6 @@ def pick_micro_batch(per_rank_batch: int, peak_of: Callable[[int], int], budget:
     """Largest divisor m >= ``min_size`` of the per-rank batch with ``peak_of(m) <= budget``; peak
     memory grows with m, so this is a binary search over the divisors (a probe per step). Returns
     (m, {m: peak}). ``min_size``: the smallest micro-batch the loss is defined on (contrastive: 2)."""
-    from mmpipe.errors import ConfigError
     cands = [m for m in divisors(per_rank_batch) if m >= min_size]
     if not cands:
         raise ConfigError(f"parallel.micro_batch_size=auto: the per-rank batch of {per_rank_batch} has no divisor >= "

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from mmpipe.config.schema import RunConfig
-from mmpipe.errors import ConfigError
+from mmpipe.config.deepspeed import AUTO, load_json
+from mmpipe.config.schema import RunConfig, replace
+from mmpipe.data.loader import decode_sample
+from mmpipe.data.shards import iter_tar
+from mmpipe.errors import ConfigError, DataError
 from mmpipe.planning.measure import iter_layers, precision_dtype
 from mmpipe.planning.memory import pick_micro_batch, stage_memory
 from mmpipe.planning.profiler import profile_layers
@@ -14,20 +17,16 @@ from mmpipe.planning.profiler import profile_layers
 def probe_batch(cfg, family, source, tok, m: int, image_size: int, device) -> tuple:
     """A real micro-batch of ``m`` samples from the training source (the family's first-stage
     fields), captions padded to ``data.max_length`` (the largest shape a run can meet)."""
-    from mmpipe.config.schema import replace
     collate = family.collate(tok, replace(cfg, data__padding="max_length").data)
     if source.kind == "shards":
         import io
 
-        from mmpipe.data.loader import decode_sample
-        from mmpipe.data.shards import iter_tar
         items = []
         for _, image, text in iter_tar(source.shard_urls[0]):
             px, _ = decode_sample(io.BytesIO(image), text or "", image_size) if image else (None, None)
             if px is not None:
                 items.append({"pixel_values": px, "text": text, "index": -1, "bad": []})
         if not items:
-            from mmpipe.errors import DataError
             raise DataError(f"no usable sample in {source.shard_urls[0]}")
         items = [items[i % len(items)] for i in range(m)]
     else:
@@ -59,7 +58,6 @@ def auto_micro_batch(cfg, family, source, tok, image_size: int, pipeline_stages:
 
 def check_auto_micro_batch(cfg: RunConfig) -> None:
     if cfg.train.deepspeed_config:
-        from mmpipe.config.deepspeed import AUTO, load_json
         v = load_json(cfg.train.deepspeed_config).get("train_micro_batch_size_per_gpu", AUTO)
         if v != AUTO:
             raise ConfigError(f"{cfg.train.deepspeed_config}: train_micro_batch_size_per_gpu={v} disagrees with "

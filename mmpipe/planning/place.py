@@ -16,6 +16,10 @@ from typing import Optional
 
 from mmpipe.errors import ConfigError
 from mmpipe.parallel.plan import Plan, parts_from_lists
+from mmpipe.planning.memory import bytes_per_param, in_flight
+from mmpipe.planning.partition import min_max_partition, modality_partition
+from mmpipe.planning.profiler import LayerCost
+from mmpipe.planning.simulate import simulate
 
 MEASURED = ("modality", "balanced", "auto")
 
@@ -52,7 +56,6 @@ def place(names: list, segments: list, num_stages: int, placement: str, micro_ba
             plan.chosen = ranked[0][0]
             plan.why = "fastest predicted step: " + ", ".join(f"{k} {1e3 * v['step_time']:.1f} ms" for k, v in ranked)
     else:
-        from mmpipe.planning.partition import min_max_partition, modality_partition
         plan.parts = (modality_partition(param_costs, segments, num_stages) if placement == "modality"
                       else min_max_partition(param_costs, num_stages))
     plan.parts = [int(x) for x in plan.parts]
@@ -63,7 +66,6 @@ def _measured_parts(prof: dict, segments: list, num_stages: int, placement: str,
                     memory_cap: Optional[int], precision: str, zero_stage: int, data_parallel: int) -> tuple:
     """(parts, {placement: predicted SimResult}) from measured costs (forward + backward per layer;
     a frozen forward-only layer costs its forward alone)."""
-    from mmpipe.planning.partition import min_max_partition, modality_partition
     costs = layer_costs(prof)
     work = [c.fwd_ms + c.bwd_ms for c in costs]
     candidates = {}
@@ -72,7 +74,6 @@ def _measured_parts(prof: dict, segments: list, num_stages: int, placement: str,
     if placement in ("balanced", "auto"):
         mem = None
         if memory_cap is not None:
-            from mmpipe.planning.memory import bytes_per_param, in_flight
             per_t, per_f = bytes_per_param(precision, zero_stage, data_parallel)
             # worst case in flight (stage 0) for every stage: conservative, keeps the DP additive
             k = in_flight(0, num_stages, micro_batches)
@@ -86,7 +87,6 @@ def _measured_parts(prof: dict, segments: list, num_stages: int, placement: str,
 
 
 def layer_costs(prof: dict) -> list:
-    from mmpipe.planning.profiler import LayerCost
     return [LayerCost(**d) for d in prof["layers"]]
 
 
@@ -107,7 +107,6 @@ def stage_times(prof: dict, parts: list) -> dict:
 
 
 def predict(prof: dict, parts: list, micro_batches: int, schedule: str = "1f1b"):
-    from mmpipe.planning.simulate import simulate
     t = stage_times(prof, parts)
     r = simulate(t["F"], t["B"], micro_batches, t["comm"], t["opt"], schedule=schedule, comm_grad=t["comm_grad"])
     r.parts = list(parts)

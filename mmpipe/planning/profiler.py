@@ -25,6 +25,8 @@ from typing import Callable, Optional
 
 import torch
 
+from mmpipe.parallel.layers import wants_grad
+
 
 @dataclass
 class LayerCost:
@@ -152,7 +154,6 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
     evict = CacheEvictor(device) if (cold and timed) else (lambda: None)
     rounds = (warmup + repeats) if timed else 1
     keep = slice(warmup, None) if timed else slice(0, None)
-    from mmpipe.parallel.layers import wants_grad
     costs = []
     x = inputs
     flags = None  # which float inputs want a gradient (all, unless the previous layer was forward-only)

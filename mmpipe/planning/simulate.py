@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from mmpipe.planning.memory import divisors
+
 
 @dataclass
 class SimResult:
@@ -180,7 +182,6 @@ def recommend_micro_batches(F: list, B: list, comm: list, opt: list, per_rank_ba
     the *current* size; a count M means micro-batches of per_rank_batch / M samples, with times
     scaled linearly (a lower bound on small micro-batches, which run less efficiently).
     ``stage_peak_bytes(M)`` (optional) gives the fullest stage's peak memory for M."""
-    from mmpipe.planning.memory import divisors
     rows = []
     for M in divisors(per_rank_batch):
         scale = 1.0 / M

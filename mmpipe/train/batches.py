@@ -9,7 +9,9 @@ from typing import Optional
 
 import torch
 
+from mmpipe.data.source import build_train_loader
 from mmpipe.parallel.strategies import LABEL_PLACEHOLDER
+from mmpipe.train.faults import agree
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,8 +62,6 @@ class TrainData:
         import itertools
         import os
 
-        from mmpipe.data.source import build_train_loader
-        from mmpipe.train.faults import agree
         cfg, rank, where = run.cfg, run.rank, run.where
         sample_log = None
         if cfg.data.log_samples and where.reads_inputs:

@@ -14,8 +14,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mmpipe._version import __version__
 from mmpipe.errors import MmpipeError
+from mmpipe.parallel.ds_compat import (
+    ensure_zero_optimizer_state,
+    optimizer_kind,
+    relink_optimizer_state,
+    set_zero3_partition,
+    unfused_masters,
+)
 from mmpipe.parallel.layers import plain_state_key
+from mmpipe.parallel.plan import stage_lists
 
 LAYERS_FILE = "mmpipe_layers.json"
 RECORD_FILE = "mmpipe_checkpoint.json"  # self-describing: family, model config, layout, step, data, versions
@@ -24,7 +33,6 @@ RECORD_FILE = "mmpipe_checkpoint.json"  # self-describing: family, model config,
 def layout_record(topo, cfg, layer_names: Optional[list], parts: Optional[list]) -> dict:
     """What a checkpoint's DeepSpeed files are tied to: stages, their layers, data-parallel degree
     (with ZeRO, optimizer state is partitioned over it) and ZeRO stage."""
-    from mmpipe.parallel.plan import stage_lists
     return {"pipeline_stages": topo.pipeline_stages, "data_parallel": topo.data_parallel,
             "zero_stage": cfg.parallel.zero_stage, "placement": cfg.parallel.placement,
             "stages": stage_lists(layer_names, parts) if layer_names is not None else None}
@@ -37,7 +45,6 @@ def run_record(cfg, layout: dict, plan: Optional[dict] = None) -> dict:
     import deepspeed
     import transformers
 
-    from mmpipe._version import __version__
     return {"format": 1, "family": cfg.model.type, "model": cfg.to_dict()["model"], "layout": layout, "plan": plan,
             "versions": {"mmpipe": __version__, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
                          "transformers": transformers.__version__}}
@@ -216,11 +223,6 @@ def save_plain_optimizer(engine, inner, named_params, tag_dir: str, stage: int, 
     from deepspeed.utils import safe_get_full_fp32_param
     from safetensors.torch import save_file
 
-    from mmpipe.parallel.ds_compat import (
-        optimizer_kind,
-        relink_optimizer_state,
-        unfused_masters,
-    )
     kind = optimizer_kind(engine.optimizer)
     if kind == "other":
         return False
@@ -280,12 +282,6 @@ def load_elsewhere(engine, inner, named_params, tag_dir: str, step: int, aliases
     whichever optimizer wrapper this layout uses (``ds_compat.optimizer_kind``)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    from mmpipe.parallel.ds_compat import (
-        ensure_zero_optimizer_state,
-        optimizer_kind,
-        set_zero3_partition,
-        unfused_masters,
-    )
     state, adam_step = read_plain_optimizer(tag_dir, aliases)
     kind = optimizer_kind(engine.optimizer)
     if kind == "other":

@@ -21,6 +21,12 @@ import torch
 import torch.distributed as dist
 
 from mmpipe.config.groups import Group
+from mmpipe.parallel.ds_compat import (
+    dynamic_loss_scale,
+    is_zero_optimizer,
+    wrap_zero_step,
+    zero_group_grads,
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -110,7 +116,6 @@ class GradClipper:
             self.ds_limit = float(engine.gradient_clipping() or 0.0) or None
             return
         # the norms are always computed (one small all-reduce): a non-finite one skips the step
-        from mmpipe.parallel.ds_compat import is_zero_optimizer, wrap_zero_step
         if is_zero_optimizer(engine.optimizer):
             self._zero = engine.optimizer
             wrap_zero_step(self._zero, self._zero_pre_step)
@@ -148,7 +153,6 @@ class GradClipper:
         return None
 
     def _zero_pre_step(self):
-        from mmpipe.parallel.ds_compat import zero_group_grads
         zo = self._zero
         named = [(group.get("name"), zero_group_grads(zo, i), group.get("replica", False))
                  for i, group in enumerate(zo.optimizer.param_groups)]
@@ -209,7 +213,6 @@ class GradClipper:
         fresh = self.deepspeed_clips or self.computed
         out = {"grad_norm": self.last_norm if fresh else None, "clip_coef": self.last_coef if fresh else None,
                "clip_time": self.seconds, "clip_wait": self.wait_seconds, "skipped": bool(self.skip or overflow)}
-        from mmpipe.parallel.ds_compat import dynamic_loss_scale
         scale = dynamic_loss_scale(self.engine.optimizer)
         if scale is not None:
             out["loss_scale"] = scale  # after this step's update (lowered on an overflow)

@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 import torch
 
+from mmpipe.config.groups import apply_freeze, lr_lambda, param_groups
+from mmpipe.parallel.ds_compat import fix_fp16_backward_scaling
 from mmpipe.parallel.strategies import strategy_for
 from mmpipe.train import checkpoint
 from mmpipe.train.clipping import GradClipper, innermost_optimizer
@@ -32,7 +34,6 @@ class Engine:
 def build_engine(run) -> Engine:
     import deepspeed
 
-    from mmpipe.config.groups import apply_freeze, lr_lambda, param_groups
     cfg, topo, family = run.cfg, run.topo, run.family
     forward_only = run.frozen[2]
     strategy = strategy_for(topo)(family, run.plan, topo, forward_only)
@@ -46,7 +47,6 @@ def build_engine(run) -> Engine:
         f = lr_lambda(cfg.optim, cfg.train.steps)
         scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)  # noqa: E731
     if cfg.train.precision == "fp16":  # DeepSpeed 0.19.8 leaves ZeRO-0's fp16 gradients unscaled
-        from mmpipe.parallel.ds_compat import fix_fp16_backward_scaling
         fix_fp16_backward_scaling()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=torch_groups, config=run.where.ds_cfg,
                                            lr_scheduler=scheduler)

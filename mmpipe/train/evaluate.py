@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from mmpipe.data.loader import eval_batches
 from mmpipe.parallel.strategies import LABEL_PLACEHOLDER
 from mmpipe.train.batches import DataStats, _as_pipe_batches
 from mmpipe.train.faults import _warn, agree
@@ -18,7 +19,6 @@ class Evaluator:
         self.named = set()  # bad val files already named (once per run)
 
     def __call__(self, step: int) -> Optional[dict]:
-        from mmpipe.data.loader import eval_batches
         run, family, val = self.run, self.run.family, self.run.val_samples
         if not val:
             return None

@@ -22,7 +22,13 @@ from typing import Optional
 
 import torch
 
+from mmpipe._version import __version__
+from mmpipe.config.fields import thawed_copy
+from mmpipe.config.registry import build_family
+from mmpipe.config.schema import family_of, load_config
+from mmpipe.data.tokenizer import has_tokenizer, load_tokenizer
 from mmpipe.errors import ConfigError, NoHFFormat
+from mmpipe.train.checkpoint import load_weights
 
 MARKER = "mmpipe_export.json"
 _PRETRAINED_FILES = ("config.json", "preprocessor_config.json")
@@ -31,7 +37,6 @@ _PRETRAINED_FILES = ("config.json", "preprocessor_config.json")
 def run_tokenizer(cfg, family_cls, run_dir: str):
     """The tokenizer a run trained with: ``data.tokenizer``, the pretrained weights' own, or the one
     mmpipe trained into the run directory; with the family's special tokens."""
-    from mmpipe.data.tokenizer import has_tokenizer, load_tokenizer
     key, weights = family_cls.tokenizer_weights(cfg.model)
     if cfg.data.tokenizer:
         tok = load_tokenizer(cfg.data.tokenizer)
@@ -46,9 +51,6 @@ def run_tokenizer(cfg, family_cls, run_dir: str):
 
 def export(run_dir: str, out: str, step: Optional[int] = None, dtype: str = "fp32", fmt: str = "auto") -> tuple:
     """Write the export; returns (out, what was written: a transformers class or "mmpipe", why)."""
-    from mmpipe.config.registry import build_family
-    from mmpipe.config.schema import family_of, load_config
-    from mmpipe.train.checkpoint import load_weights
     cfg_path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(cfg_path):
         raise ConfigError(f"--run {run_dir}: no config.yaml (not an mmpipe run directory)")
@@ -88,7 +90,6 @@ def _save_own(cfg, family, state: dict, tok, out: str) -> None:
     import yaml
     from safetensors.torch import save_file
 
-    from mmpipe._version import __version__
     model_section = cfg.to_dict()["model"]
 
     def localise(section: dict, where: str) -> None:
@@ -127,8 +128,6 @@ def load_export_weights(path: str) -> dict:
 
 def build_exported(path: str, seed=None):
     """The plain model of an mmpipe-format export with its weights (pretrained paths resolved in it)."""
-    from mmpipe.config.registry import build_family
-    from mmpipe.config.schema import load_config
     cfg = load_config(os.path.join(path, "config.yaml"))
 
     def resolve(section) -> None:
@@ -138,7 +137,6 @@ def build_exported(path: str, seed=None):
                 resolve(v)
             elif name == "pretrained" and v and not os.path.isabs(v):
                 object.__setattr__(section, name, os.path.join(path, v))
-    from mmpipe.config.fields import thawed_copy
     model_cfg = thawed_copy(cfg.model)
     resolve(model_cfg)
     family = build_family(model_cfg, 0 if seed is None else seed)

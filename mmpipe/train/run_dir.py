@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import os
 
+from mmpipe.config.schema import save_yaml
 from mmpipe.errors import ConfigError
+from mmpipe.parallel.plan import stage_lists
+from mmpipe.train import checkpoint
+from mmpipe.train.faults import _warn
+from mmpipe.train.metrics import MetricsWriter, NullWriter
 
 
 def check_run_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
@@ -50,8 +55,6 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "tokenizer", "config.yaml", "ds_con
 def prepare_run_dir(cfg, rank: int, resume: bool, overwrite: bool) -> None:
     """Rank 0: clear (``--overwrite``, keeping inputs that live inside it) or create the run
     directory; on ``--resume`` remove a partial checkpoint, which is never loaded."""
-    from mmpipe.train import checkpoint
-    from mmpipe.train.faults import _warn
     if rank != 0:
         return
     out_dir, c = cfg.train.output_dir, cfg
@@ -69,9 +72,6 @@ def write_run_files(run, eng, start_step: int):
     (the reporting rank's; a null writer elsewhere) after its opening lines."""
     import json
 
-    from mmpipe.config.schema import save_yaml
-    from mmpipe.parallel.plan import stage_lists
-    from mmpipe.train.metrics import MetricsWriter, NullWriter
     cfg, out = run.cfg, run.out_dir
     writer = (MetricsWriter(out, cfg.train.steps, start_step, progress=cfg.log.progress,
                             tensorboard=cfg.log.tensorboard, every=cfg.log.every) if run.is_reporter else NullWriter())

@@ -12,11 +12,26 @@ from typing import Any, Optional
 
 import torch
 
+from mmpipe.config.deepspeed import resolve
+from mmpipe.config.groups import frozen_layout, resolve_groups
 from mmpipe.config.schema import RunConfig, family_of, replace
+from mmpipe.data.source import (
+    check_cache_tokenizer,
+    check_cache_tokenizer_fits_weights,
+    open_source,
+    tokenizer_dir,
+)
+from mmpipe.data.tokenizer import has_tokenizer, load_tokenizer, train_tokenizer
 from mmpipe.errors import ConfigError, MmpipeError
-from mmpipe.parallel.plan import Plan
+from mmpipe.parallel import roster
+from mmpipe.parallel.plan import (
+    Plan,
+    parts_from_lists,  # a record older than plans: its stages
+)
 from mmpipe.parallel.startup import init_distributed
 from mmpipe.parallel.topology import Topology
+from mmpipe.planning.layouts import layouts_json, plan_layouts
+from mmpipe.planning.measure import get_profile
 from mmpipe.planning.micro_batch import auto_micro_batch, check_auto_micro_batch
 from mmpipe.train import checkpoint
 from mmpipe.train.faults import _everywhere, _rank0_decides, _warn, agree
@@ -77,7 +92,6 @@ def resolve_run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = N
     cfg, family_cls, groups, where, data = validate(cfg, resume, stop_at, overwrite)
     rank, world = init_distributed(cfg.train.collective_timeout_minutes)
     if world > 1:
-        from mmpipe.parallel import roster
         roster.gather()  # so that a rank losing contact can name the one that is gone
     layout_doc = None
     if auto_layout:
@@ -101,7 +115,6 @@ def validate(cfg: RunConfig, resume: bool, stop_at: Optional[int], overwrite: bo
     """Everything that needs no process group, first: config mistakes end as one line, raised
     alike on every rank (printed once). Returns (the run's own config, family class, groups,
     placement, (training source, val records))."""
-    from mmpipe.config.groups import resolve_groups
     # the run's own copy: adopting DeepSpeed-JSON / Accelerate values is part of its resolution
     cfg = replace(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -135,7 +148,6 @@ def locate(cfg: RunConfig, family_cls, groups: list) -> Placement:
     """The part of the resolution that depends on the layout: DeepSpeed's config, the topology,
     this rank's stage and what it reads, ZeRO-2/3 against per-group clipping. ``parallel.layout:
     auto`` runs it again, alone, for the layout it chose."""
-    from mmpipe.config.deepspeed import resolve
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     ds_cfg, topo = resolve(cfg, world)
     stage, dp_rank = topo.coords(rank)
@@ -151,7 +163,6 @@ def locate(cfg: RunConfig, family_cls, groups: list) -> Placement:
 def open_data(cfg: RunConfig, family_cls, read: bool) -> tuple:
     """(the training source, the val records): every rank reads the val records (all stages need
     the eval micro-batch count)."""
-    from mmpipe.data.source import open_source
     source = open_source(cfg, family_cls.image_size(cfg.model), read=read, family=family_cls)
     val = family_cls.read_records(cfg.data.val, cfg.data, "data.val") if cfg.data.val else None
     return source, val
@@ -169,7 +180,6 @@ def choose_layout(requested: RunConfig, family_cls, groups: list, rank: int, wor
                 doc = json.load(fh)
             if doc.get("world") == world:
                 return {"chosen": doc["chosen"], "why": f"kept from {saved} ({doc['why']})", "doc": None}
-        from mmpipe.planning.layouts import layouts_json, plan_layouts
         res = plan_layouts(requested, world, log=lambda m: _warn(f"layout: {m}"))
         doc = layouts_json(res)
         return {"chosen": doc["chosen"], "why": res["why"], "doc": doc}
@@ -195,7 +205,6 @@ def choose_layout(requested: RunConfig, family_cls, groups: list, rank: int, wor
 
 def build_family(cfg: RunConfig, family_cls, groups: list, rank: int, source) -> tuple:
     """(config with the fields left to the tokenizer resolved, tokenizer, family, frozen layout)."""
-    from mmpipe.config.groups import frozen_layout
     tok = agree(rank, lambda: prepare_tokenizer(cfg, family_cls, rank, source))
     model = agree(rank, lambda: family_cls.resolve(cfg.model, tok, cfg.data))
     cfg = replace(cfg, model=model)
@@ -209,7 +218,6 @@ def place(cfg: RunConfig, family, where: Placement, tok, source, frozen: tuple, 
     resolved after this and sealed. Returns (config, placement, plan)."""
     part_params, frozen_names, forward_only = frozen
     if auto_mbs:
-        from mmpipe.config.deepspeed import resolve
         m = _rank0_decides(rank, lambda: probe_micro_batch(cfg, family, source, tok, where.topo, forward_only,
                                                            frozen_names))
         cfg = replace(cfg, parallel__micro_batch_size=m)
@@ -241,12 +249,6 @@ def prepare_tokenizer(cfg: RunConfig, family, rank: int, source=None):
     """The run's tokenizer: ``data.tokenizer``, else the cache's, else the text weights' own (a
     pretrained directory's tokenizer files), else one trained on rank 0 from the captions (saved in
     the run directory); then given the family's special tokens (``Family.prepare_tokenizer``)."""
-    from mmpipe.data.source import (
-        check_cache_tokenizer,
-        check_cache_tokenizer_fits_weights,
-        tokenizer_dir,
-    )
-    from mmpipe.data.tokenizer import has_tokenizer, load_tokenizer, train_tokenizer
     weights_key, weights_dir = family.tokenizer_weights(cfg.model)
     if cfg.data.tokenizer:
         tok = load_tokenizer(cfg.data.tokenizer)
@@ -278,8 +280,6 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
     """The run's ``Plan`` (``mmpipe.planning.place.place``), computed once, on rank 0: on a resume of a
     measured placement, the checkpoint's plan (a new profile could differ); else from measured costs
     (``parallel.profile``, unless ``measure`` is False), else from trainable parameters."""
-    from mmpipe.parallel.plan import Plan
-    from mmpipe.planning.measure import get_profile
     from mmpipe.planning.place import place
     names, segments, P = family.layer_names(), family.segments(), topo.pipeline_stages
     M, mbs = topo.accumulation_steps, topo.micro_batch_size
@@ -289,9 +289,6 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
     if measured and stages and len(stages) == P and [n for s in stages for n in s] == names:
         if "parts" in saved:
             return Plan.from_json(saved)
-        from mmpipe.parallel.plan import (
-            parts_from_lists,  # a record older than plans: its stages
-        )
         return Plan(names, segments, parts_from_lists(names, stages), p.placement, M, mbs, "checkpoint")
     # (a different model: the layout check says what the checkpoint holds)
     params = family.meta_params()

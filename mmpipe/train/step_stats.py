@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 from mmpipe.parallel import startup
+from mmpipe.parallel.stage_clock import FIELDS, write_timeline_png
+from mmpipe.parallel.stage_clock import write_trace as write_trace_json
 
 
 def memory_summary(engine, inner_optimizer, rank: int, stage: int) -> str:
@@ -101,7 +103,6 @@ class StepStats:
 def gather_step(run, eng, ledger, data_stats, lrs: list, stop_requested: bool, timed_save: bool) -> tuple:
     """(``StepStats``, the bad-file reports new to the run, merged over ranks in rank order). ``lrs``:
     this rank's lr per group as the step began (the scheduler moves it in the step)."""
-    from mmpipe.parallel.stage_clock import FIELDS
     timings = []
     if eng.runner.clock is not None:  # the norm all-reduce in the optimizer step waits for other stages: idle
         timings = list(eng.runner.timings)
@@ -141,8 +142,6 @@ def write_trace(run, eng, writer, trace_offset: float) -> None:
         return
     import os
 
-    from mmpipe.parallel.stage_clock import write_timeline_png
-    from mmpipe.parallel.stage_clock import write_trace as write_trace_json
     events = [None] * run.world
     dist.all_gather_object(events, (eng.runner.clock.events, trace_offset))
     eng.runner.clock.events = []

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from mmpipe.config.schema import RunConfig
 from mmpipe.errors import DataError
 from mmpipe.parallel.ds_compat import dynamic_loss_scale
+from mmpipe.parallel.stage_clock import stage_record
 from mmpipe.train.batches import TrainData
 from mmpipe.train.checkpointer import Checkpointer
 from mmpipe.train.engine import build_engine
@@ -126,7 +127,6 @@ class Trainer:
             self.guard.agree_stop(stats.stop_rank, run.world)
         stage_fields = {}
         if eng.runner.clock is not None:
-            from mmpipe.parallel.stage_clock import stage_record
             stage_fields = stage_record(stats.stage_means(eng.stage_ranks), topo.pipeline_stages)
         lr = lr_record(stats.lr_now(), eng.trainable, run.cfg.optim.lr, ds_scheduler="scheduler" in run.where.ds_cfg)
         clip = eng.clipper.record()

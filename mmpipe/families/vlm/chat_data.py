@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from mmpipe.data.loader import _item_key, decode_sample, finish_pixels
 from mmpipe.errors import DataError
 
 IMAGE = "<image>"
@@ -237,7 +238,6 @@ class ChatDataset:
         return [len(self.encoder.encode(s).input_ids) if s.error is None else 0 for s in self.samples]
 
     def _load(self, j: int, epoch: int = 0):
-        from mmpipe.data.loader import decode_sample, finish_pixels
         s = self.samples[j]
         if s.error is not None:
             return None, (s.where, s.error)
@@ -253,7 +253,6 @@ class ChatDataset:
         return {"input_ids": enc.input_ids, "labels": enc.labels, "images": images, "truncated": enc.truncated}, None
 
     def __getitem__(self, item) -> dict:
-        from mmpipe.data.loader import _item_key
         idx, epoch = _item_key(item)
         bad = []
         for step in range(len(self)):
