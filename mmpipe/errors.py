@@ -28,3 +28,13 @@ class DataError(MmpipeError):
 class NoHFFormat(ConfigError):
     """The model has no transformers class computing the same outputs (``mmpipe export`` then
     writes mmpipe's own format); the message says why."""
+
+
+def one_line(e: BaseException, *, last: bool = False) -> str:
+    """An exception as one line: its message's first line (at most 200 characters), or with
+    ``last`` the last line of its cause's message (where a library puts the actual complaint
+    after context lines)."""
+    if last:
+        msg = str(getattr(e, "__cause__", None) or e).strip().splitlines()
+        return msg[-1] if msg else type(e).__name__
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]

@@ -14,7 +14,7 @@ from mmpipe.cli.export import cmd_export
 from mmpipe.cli.generate import cmd_generate
 from mmpipe.cli.plan import cmd_plan_any
 from mmpipe.cli.train import _train_parser, cmd_train
-from mmpipe.errors import ConfigError, MmpipeError
+from mmpipe.errors import ConfigError, MmpipeError, one_line
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,12 +106,10 @@ def run_guarded(func, args) -> int:
         who = describe_lost()
         what = f"{who} is gone" if who else "lost contact with another rank"
         print(f"mmpipe: [rank {rank}] stopped: {what}; resume from the last complete checkpoint with --resume "
-              f"({_first_line(e)})", file=sys.stderr, flush=True)
+              f"({one_line(e)})", file=sys.stderr, flush=True)
         return 3
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def _peer_lost(e: BaseException) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from mmpipe.errors import ConfigError
 
@@ -105,3 +106,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "voc
 def has_tokenizer(path: str) -> bool:
     """Whether a local directory holds a transformers tokenizer (e.g. a save_pretrained model dir)."""
     return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
+
+
+def tokenizer_choice(data_cfg, weights_key: Optional[str], weights_dir: Optional[str],
+                     run_dir: Optional[str]) -> tuple:
+    """(directory, what it is) of the tokenizer a run uses, the one rule for training, export and
+    planning: ``data.tokenizer``, else the cache's (its ids were made with it), else the pretrained
+    text weights' own, else the one mmpipe trains into the run directory (``run_dir``; None: not
+    asked, and (None, None) is returned)."""
+    if data_cfg.tokenizer:
+        return data_cfg.tokenizer, "data.tokenizer"
+    if data_cfg.cache:
+        return os.path.join(data_cfg.cache, "tokenizer"), "data.cache tokenizer"
+    if weights_dir and has_tokenizer(weights_dir):
+        return weights_dir, f"{weights_key} tokenizer"
+    if run_dir is None:
+        return None, None
+    return os.path.join(run_dir, "tokenizer"), "tokenizer in the run directory"

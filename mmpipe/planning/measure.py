@@ -13,7 +13,7 @@ import torch
 
 from mmpipe.config.groups import frozen_layout, resolve_groups
 from mmpipe.config.schema import family_of, replace
-from mmpipe.data.tokenizer import StandInTokenizer, has_tokenizer, load_tokenizer
+from mmpipe.data.tokenizer import StandInTokenizer, load_tokenizer, tokenizer_choice
 from mmpipe.errors import ConfigError
 from mmpipe.parallel.cpu_process import keep_freed_memory
 from mmpipe.parallel.layers import PipeLayer, plain_state_key
@@ -132,14 +132,14 @@ PLACEMENTS = ("modality", "balanced", "auto", "parameters", "uniform")
 
 
 def resolve_for_plan(cfg):
-    """(resolved config, family) without a training run: vocabulary from data.tokenizer (or the
-    text weights' tokenizer) if there is one, else the configured size (only the embedding table
+    """(resolved config, family) without a training run: vocabulary from the run's tokenizer where
+    it exists already (``data.tokenizer``, the cache's, the text weights'), else the configured size (only the embedding table
     depends on it)."""
     fam = family_of(cfg)
-    weights_dir = fam.tokenizer_weights(cfg.model)[1]
-    tok_dir = cfg.data.tokenizer or (weights_dir if weights_dir and has_tokenizer(weights_dir) else None)
-    if tok_dir:  # the tokenizer a training run would use (so its profile is the run's)
-        tok = fam.prepare_tokenizer(load_tokenizer(tok_dir))
+    # the tokenizer a training run would use (so its profile is the run's)
+    tok_dir, what = tokenizer_choice(cfg.data, *fam.tokenizer_weights(cfg.model), run_dir=None)
+    if tok_dir and (what != "data.cache tokenizer" or os.path.isdir(tok_dir)):
+        tok = fam.prepare_tokenizer(load_tokenizer(tok_dir, what))
     else:  # the WordPiece tokenizer mmpipe would train, by its size
         size = getattr(getattr(cfg.model, "text", cfg.model), "vocab_size", None) or cfg.data.tokenizer_vocab_size
         tok = StandInTokenizer(size, fam.special_tokens)

@@ -26,7 +26,7 @@ from mmpipe._version import __version__
 from mmpipe.config.fields import thawed_copy
 from mmpipe.config.registry import build_family
 from mmpipe.config.schema import family_of, load_config
-from mmpipe.data.tokenizer import has_tokenizer, load_tokenizer
+from mmpipe.data.tokenizer import load_tokenizer, tokenizer_choice
 from mmpipe.errors import ConfigError, NoHFFormat
 from mmpipe.train.checkpoint import load_weights
 
@@ -37,15 +37,8 @@ _PRETRAINED_FILES = ("config.json", "preprocessor_config.json")
 def run_tokenizer(cfg, family_cls, run_dir: str):
     """The tokenizer a run trained with: ``data.tokenizer``, the pretrained weights' own, or the one
     mmpipe trained into the run directory; with the family's special tokens."""
-    key, weights = family_cls.tokenizer_weights(cfg.model)
-    if cfg.data.tokenizer:
-        tok = load_tokenizer(cfg.data.tokenizer)
-    elif cfg.data.cache:
-        tok = load_tokenizer(os.path.join(cfg.data.cache, "tokenizer"), "data.cache tokenizer")
-    elif weights and has_tokenizer(weights):
-        tok = load_tokenizer(weights, f"{key} tokenizer")
-    else:
-        tok = load_tokenizer(os.path.join(run_dir, "tokenizer"), "tokenizer in the run directory")
+    path, what = tokenizer_choice(cfg.data, *family_cls.tokenizer_weights(cfg.model), run_dir)
+    tok = load_tokenizer(path, what)
     return family_cls.prepare_tokenizer(tok)
 
 

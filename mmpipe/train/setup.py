@@ -19,9 +19,13 @@ from mmpipe.data.source import (
     check_cache_tokenizer,
     check_cache_tokenizer_fits_weights,
     open_source,
-    tokenizer_dir,
 )
-from mmpipe.data.tokenizer import has_tokenizer, load_tokenizer, train_tokenizer
+from mmpipe.data.tokenizer import (
+    has_tokenizer,
+    load_tokenizer,
+    tokenizer_choice,
+    train_tokenizer,
+)
 from mmpipe.errors import ConfigError, MmpipeError
 from mmpipe.parallel import roster
 from mmpipe.parallel.plan import (
@@ -250,21 +254,12 @@ def prepare_tokenizer(cfg: RunConfig, family, rank: int, source=None):
     pretrained directory's tokenizer files), else one trained on rank 0 from the captions (saved in
     the run directory); then given the family's special tokens (``Family.prepare_tokenizer``)."""
     weights_key, weights_dir = family.tokenizer_weights(cfg.model)
-    if cfg.data.tokenizer:
-        tok = load_tokenizer(cfg.data.tokenizer)
-        check_cache_tokenizer(cfg, tok)
-    elif tokenizer_dir(cfg):
-        tok = load_tokenizer(tokenizer_dir(cfg), "data.cache tokenizer")
-        if weights_dir:
-            check_cache_tokenizer_fits_weights(cfg.data.cache, weights_key, weights_dir)
-    elif weights_dir:
-        if not has_tokenizer(weights_dir):
-            raise ConfigError(f"{weights_key}={weights_dir} holds pretrained text weights but no tokenizer, and "
-                              "data.tokenizer is unset: a tokenizer trained on the captions would feed those weights "
-                              "ids they never saw; set data.tokenizer to the tokenizer the weights were trained with")
-        tok = load_tokenizer(weights_dir, f"{weights_key} tokenizer")
-    else:
-        tok_dir = os.path.join(cfg.train.output_dir, "tokenizer")
+    if weights_dir and not cfg.data.tokenizer and not cfg.data.cache and not has_tokenizer(weights_dir):
+        raise ConfigError(f"{weights_key}={weights_dir} holds pretrained text weights but no tokenizer, and "
+                          "data.tokenizer is unset: a tokenizer trained on the captions would feed those weights "
+                          "ids they never saw; set data.tokenizer to the tokenizer the weights were trained with")
+    tok_dir, what = tokenizer_choice(cfg.data, weights_key, weights_dir, cfg.train.output_dir)
+    if what == "tokenizer in the run directory":  # trained on rank 0 from the captions, once
 
         def train():
             tok = family.prepare_tokenizer(train_tokenizer(source.captions(family=family),
@@ -272,7 +267,11 @@ def prepare_tokenizer(cfg: RunConfig, family, rank: int, source=None):
             tok.save_pretrained(tok_dir)
             return True
         _rank0_decides(rank, lambda: None if os.path.isfile(os.path.join(tok_dir, "tokenizer.json")) else train())
-        tok = load_tokenizer(tok_dir, "tokenizer in the run directory")
+    tok = load_tokenizer(tok_dir, what)
+    if cfg.data.tokenizer:
+        check_cache_tokenizer(cfg, tok)
+    elif cfg.data.cache and weights_dir:
+        check_cache_tokenizer_fits_weights(cfg.data.cache, weights_key, weights_dir)
     return family.prepare_tokenizer(tok)
 
 

@@ -12,14 +12,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from mmpipe.errors import ConfigError
+from mmpipe.errors import ConfigError, one_line
 from mmpipe.families.towers import hf
 from mmpipe.families.towers.common import (
     causal_padding_mask,
     init_transformer_part,
     padding_mask,
 )
-from mmpipe.families.towers.vision import _first_line
 
 _HF_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
               "max_position_embeddings")
@@ -118,7 +117,7 @@ class TextSpec:
             try:
                 c = C(**set_fields, **extra)
             except Exception as e:  # noqa: BLE001
-                raise ConfigError(f"model.text: {_first_line(e)}") from None
+                raise ConfigError(f"model.text: {one_line(e, last=True)}") from None
         c._attn_implementation = "sdpa"
         self.hf_config = c
         self.num_blocks = c.num_hidden_layers

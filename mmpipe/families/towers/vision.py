@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from mmpipe.errors import ConfigError
+from mmpipe.errors import ConfigError, one_line
 from mmpipe.families.towers import hf
 from mmpipe.families.towers.common import (
     IMAGENET_MEAN,
@@ -94,7 +94,7 @@ class VisionSpec:
                 try:
                     c = CLIPVisionConfig(**{f: getattr(cfg, f) for f in set_fields})
                 except Exception as e:  # noqa: BLE001
-                    raise ConfigError(f"model.vision: {_first_line(e)}") from None
+                    raise ConfigError(f"model.vision: {one_line(e, last=True)}") from None
             c._attn_implementation = "sdpa"
             self.hf_config = c
             self.num_blocks = c.num_hidden_layers
@@ -144,8 +144,4 @@ class VisionSpec:
         return self._weights
 
 
-def _first_line(e: Exception) -> str:
-    cause = getattr(e, "__cause__", None)
-    msg = str(cause or e).strip().splitlines()
-    return msg[-1] if msg else type(e).__name__
 

@@ -19,6 +19,7 @@ from mmpipe.families.towers.common import (
     init_transformer_part,
 )
 from mmpipe.families.vlm import model as m
+from mmpipe.families.vlm.adapter import LLM_RULES, LOAD_RULES, VISION_RULES
 from mmpipe.families.vlm.chat_data import SPECIAL_TOKENS
 from mmpipe.families.vlm.config import VlmConfig
 
@@ -26,24 +27,6 @@ _VISION_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "in
                   "patch_size")
 _LLM_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                "vocab_size", "max_position_embeddings", "tie_word_embeddings")
-# mmpipe name prefix -> transformers names tried in order (the layout save_pretrained writes today,
-# then llava-hf's older one, then the in-memory names)
-_RULES = [("vision.embed.", ["vision_tower.", "vision_tower.vision_model.", "model.vision_tower."]),
-          ("vision.blocks.", ["vision_tower.encoder.layers.", "vision_tower.vision_model.encoder.layers.",
-                              "model.vision_tower.encoder.layers."]),
-          ("projector.", ["multi_modal_projector.", "model.multi_modal_projector."]),
-          ("llm.embed.", ["language_model.model.", "model.language_model."]),
-          ("llm.blocks.", ["language_model.model.layers.", "model.language_model.layers."]),
-          ("llm.head.norm.", ["language_model.model.norm.", "model.language_model.norm."]),
-          ("llm.head.lm_head.", ["language_model.lm_head.", "lm_head."])]
-# the same for a vision-only directory (CLIPVisionModel or CLIPModel) and an LM-only one
-# (LlamaForCausalLM / Qwen2ForCausalLM)
-_VISION_RULES = [("vision.embed.", ["vision_model.", ""]),
-                 ("vision.blocks.", ["vision_model.encoder.layers.", "encoder.layers."])]
-_LLM_RULES = [("llm.embed.", ["model."]), ("llm.blocks.", ["model.layers."]), ("llm.head.norm.", ["model.norm."]),
-              ("llm.head.lm_head.", ["lm_head."])]
-
-
 def _llava_config(cfg):
     top = hf.load_hf_config(cfg.pretrained, "model.pretrained")
     if not hasattr(top, "text_config") or not hasattr(top, "vision_config"):
@@ -197,13 +180,13 @@ class VlmFamily(ImageTextFamily):
         self.arch = "qwen2" if self.text_cfg.model_type == "qwen2" else "llama"
         self.tied = bool(getattr(self.text_cfg, "tie_word_embeddings", False))
         # (weights, name rules) in the order they are looked up
-        self._sources = ([(hf.WeightSource(model_cfg.pretrained, "model.pretrained"), _RULES)]
+        self._sources = ([(hf.WeightSource(model_cfg.pretrained, "model.pretrained"), LOAD_RULES)]
                          if model_cfg.pretrained else [])
         if model_cfg.vision.pretrained and not model_cfg.pretrained:
             self._sources.append((hf.WeightSource(model_cfg.vision.pretrained, "model.vision.pretrained"),
-                                  _VISION_RULES))
+                                  VISION_RULES))
         if model_cfg.llm.pretrained and not model_cfg.pretrained:
-            self._sources.append((hf.WeightSource(model_cfg.llm.pretrained, "model.llm.pretrained"), _LLM_RULES))
+            self._sources.append((hf.WeightSource(model_cfg.llm.pretrained, "model.llm.pretrained"), LLM_RULES))
         self._layers = ([Layer("vision.embed", "vision", m.vision_embed_step)]
                         + [Layer(f"vision.blocks.{i}", "vision", m.vision_block_step)
                            for i in range(self.vision_blocks)]

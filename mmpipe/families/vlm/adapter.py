@@ -1,13 +1,29 @@
-"""The VLM's plain weights <-> transformers' ``LlavaForConditionalGeneration`` (transformers 5
-names; ``from_hf`` also reads the older ``language_model.model.`` / ``vision_tower.vision_model.``
-layout through the family's loader rules)."""
+"""The VLM's Hugging Face weight tables, one home: plain weights <-> transformers'
+``LlavaForConditionalGeneration`` (transformers 5 names), the names a pretrained directory is read
+by (today's ``save_pretrained`` layout, llava-hf's older one, the in-memory names), and those of a
+vision-only (CLIP) or LM-only (Llama, Qwen2) directory."""
 from __future__ import annotations
 
-# mmpipe prefix -> transformers prefix (in-memory names of LlavaForConditionalGeneration)
-RULES = [("vision.blocks.", "model.vision_tower.encoder.layers."), ("vision.embed.", "model.vision_tower."),
-         ("projector.", "model.multi_modal_projector."), ("llm.blocks.", "model.language_model.layers."),
-         ("llm.embed.", "model.language_model."), ("llm.head.norm.", "model.language_model.norm."),
-         ("llm.head.lm_head.", "lm_head.")]
+# mmpipe name prefix -> transformers names tried in order (the layout save_pretrained writes today,
+# then llava-hf's older one, then the in-memory names)
+LOAD_RULES = [("vision.embed.", ["vision_tower.", "vision_tower.vision_model.", "model.vision_tower."]),
+              ("vision.blocks.", ["vision_tower.encoder.layers.", "vision_tower.vision_model.encoder.layers.",
+                                  "model.vision_tower.encoder.layers."]),
+              ("projector.", ["multi_modal_projector.", "model.multi_modal_projector."]),
+              ("llm.embed.", ["language_model.model.", "model.language_model."]),
+              ("llm.blocks.", ["language_model.model.layers.", "model.language_model.layers."]),
+              ("llm.head.norm.", ["language_model.model.norm.", "model.language_model.norm."]),
+              ("llm.head.lm_head.", ["language_model.lm_head.", "lm_head."])]
+# the same for a vision-only directory (CLIPVisionModel or CLIPModel) and an LM-only one
+# (LlamaForCausalLM / Qwen2ForCausalLM)
+VISION_RULES = [("vision.embed.", ["vision_model.", ""]),
+                ("vision.blocks.", ["vision_model.encoder.layers.", "encoder.layers."])]
+LLM_RULES = [("llm.embed.", ["model."]), ("llm.blocks.", ["model.layers."]), ("llm.head.norm.", ["model.norm."]),
+             ("llm.head.lm_head.", ["lm_head."])]
+
+
+# mmpipe prefix -> the in-memory name of LlavaForConditionalGeneration (the last name tried above)
+RULES = [(mine, names[-1]) for mine, names in LOAD_RULES]
 
 
 def _translate(name: str, rules) -> str:
@@ -40,7 +56,7 @@ class VlmHF:
                 (n.startswith("model.vision_tower.encoder.layers.") and int(n.split(".")[4]) >= k)]
 
     def from_hf(self, hf_state: dict) -> dict:
-        inverse = [(theirs, mine) for mine, theirs in RULES]
+        inverse = sorted(((theirs, mine) for mine, theirs in RULES), key=lambda r: -len(r[0]))  # longest first
         out = {}
         for k, v in hf_state.items():
             if k in self.unused_hf_keys([k]):
