@@ -292,7 +292,6 @@ def test_medians_of_several_profiles_and_collective_measurements():
 
 SPY = '''
 import collections, json, sys
-import mmpipe.data.source as src
 from mmpipe.train import setup, trainer as train
 calls = collections.Counter()
 def spy(owner, name):
@@ -301,7 +300,7 @@ def spy(owner, name):
         calls[name] += 1
         return real(*a, **k)
     setattr(owner, name, counted)
-spy(src, "open_source"); spy(setup, "validate"); spy(setup, "locate")
+spy(setup, "open_source"); spy(setup, "validate"); spy(setup, "locate")  # the names setup calls
 if __name__ == "__main__":
     from mmpipe.config.schema import load_config
     cfg = load_config(sys.argv[1], sys.argv[3:])
