@@ -12,6 +12,7 @@ image-caption data defaults. Adding a family = subclass one of them, decorate it
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable, ClassVar, NamedTuple, Optional
 
 import torch
@@ -206,6 +207,21 @@ class Family:
         """The one-line summary of an eval record the trainer prints (None: its numbers, in order)."""
         return None
 
+    # ---- a loss over the whole step ---------------------------------------------------------------
+    @property
+    def step_loss(self) -> bool:
+        """The loss of a step spans its whole global batch (every micro-batch of every data-parallel
+        rank: a contrastive loss's negatives), not a mean of per-micro-batch losses. The runners then
+        cache the last layer's features (its ``eval_step`` output, one row per sample) in a
+        forward-only pass, compute ``batch_loss`` over all of them, and train each micro-batch on a
+        surrogate with the same gradients (``mmpipe.parallel.step_loss``)."""
+        return False
+
+    def batch_loss(self, loss_module: nn.Module, features: torch.Tensor) -> torch.Tensor:
+        """With ``step_loss``: the loss of a whole batch's features (rows = samples), computed by
+        calling ``loss_module`` (the last layer's module, which holds the loss's parameters)."""
+        raise NotImplementedError
+
     # ---- data ---------------------------------------------------------------------------------
     def dataset(self, records: list, tokenizer, data_cfg, image_size: int, augment=None, decode_size=None):
         """The indexable dataset of ``records`` (items for ``collate``)."""
@@ -240,20 +256,25 @@ class PlainModel(nn.Module):
         self._module_of = {layer.name: self.get_submodule(layer.name) for layer in self._layers}  # looked up once
         # layers that may run without autograd (frozen, nothing trainable upstream)
         self.forward_only = frozenset(forward_only)
+        self.features_mode = False  # a step loss: ``forward`` returns the last layer's features
+        self.replay = None  # a step loss with dropout: ``parallel.step_loss.Replay`` reseeds each layer
 
     def run_layers(self, acts: tuple, layers=None, evaluating: bool = False) -> tuple:
         for layer in layers or self._layers:
             module = self._module_of[layer.name]
             step = layer.eval_step if evaluating and layer.eval_step is not None else layer.step
-            if layer.name in self.forward_only and torch.is_grad_enabled():
-                with torch.no_grad():
+            with self.replay.rng(layer.name) if self.replay is not None and self.training else nullcontext():
+                if layer.name in self.forward_only and torch.is_grad_enabled():
+                    with torch.no_grad():
+                        acts = step(module, acts)
+                else:
                     acts = step(module, acts)
-            else:
-                acts = step(module, acts)
         return acts
 
     def forward(self, *fields):
         n = len(self.family.inputs)
+        if self.features_mode:
+            return self.run_layers(tuple(fields[:n]), evaluating=True)
         out = self.run_layers(tuple(fields[:n]))
         if self.family.labels:
             return self.family.loss(out, *fields[n:])

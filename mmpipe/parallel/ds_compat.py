@@ -19,6 +19,8 @@ names the run test that exercises the patch's behaviour.
 """
 from __future__ import annotations
 
+import contextlib
+
 import warnings
 from typing import Callable
 
@@ -121,6 +123,19 @@ def zero_group_grads(zero_optimizer, i: int) -> list:
     if flat is not None:
         return [flat]
     return [t for t in (zero_optimizer.averaged_gradients.get(i) or []) if t is not None]
+
+
+@contextlib.contextmanager
+def eval_batch_in_train_mode(engine):
+    """``PipelineEngine.eval_batch`` runs its forward-only schedule with the module in eval mode
+    (``self.module.eval()``); a step loss's first pass needs training mode (dropout, as in the pass
+    that trains): the module's ``eval`` is a no-op meanwhile. ``train_batch`` sets train mode anyway."""
+    module = engine.module
+    module.eval = lambda: module
+    try:
+        yield
+    finally:
+        del module.eval
 
 
 def reset_total_loss(engine) -> None:

@@ -23,8 +23,16 @@ class PipeLayer(nn.Module):
         self._eval_role = layer.eval_step or layer.step  # eval_batch puts the module in eval mode
         # frozen, and nothing upstream in its branch trains: run without autograd
         self.forward_only = forward_only
+        self.features = False  # a step loss: the last layer hands out its features in training too
+        self.replay = None  # a step loss with dropout: ``parallel.step_loss.Replay`` reseeds each forward
 
     def forward(self, acts):
+        if self.replay is not None and self.training:
+            with self.replay.rng(self.name):
+                return self._forward(acts)
+        return self._forward(acts)
+
+    def _forward(self, acts):
         if not (self.forward_only and torch.is_grad_enabled()):
             return self._step(acts)
         with torch.no_grad():
@@ -50,7 +58,7 @@ class PipeLayer(nn.Module):
         return res[0] if single else tuple(res)
 
     def _step(self, acts):
-        return (self._role if self.training else self._eval_role)(self.part, acts)
+        return (self._eval_role if self.features or not self.training else self._role)(self.part, acts)
 
     def extra_repr(self) -> str:
         return self.name

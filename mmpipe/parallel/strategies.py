@@ -12,6 +12,7 @@ are ``(inputs, labels)`` tuples: the family's first-stage fields and its last-st
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -19,11 +20,14 @@ import torch.distributed as dist
 
 from mmpipe.parallel.ds_compat import (
     check_version,
+    eval_batch_in_train_mode,
     fix_recv_buffer_dtype,
     reset_total_loss,
 )
+from mmpipe.parallel.layers import PipeLayer
 from mmpipe.parallel.module import MMPipelineModule
 from mmpipe.parallel.stage_clock import StageClock
+from mmpipe.parallel.step_loss import Replay, StepLossCache, is_stochastic
 
 LABEL_PLACEHOLDER = torch.zeros(1)  # DeepSpeed's last stage reads "labels"; a family without labels gets this
 
@@ -78,11 +82,41 @@ class PlainRunner:
 
     def __init__(self, engine, topo):
         self.engine, self.topo = engine, topo
+        module, A, D = engine.module, topo.accumulation_steps, topo.data_parallel
+        self.cache = None  # a step loss over more than one micro-batch: the feature cache
+        if module.family.step_loss and A * D > 1:
+            loss_module = module.get_submodule(module.family.layer_names()[-1])
+            self.cache = StepLossCache(module.family, loss_module, A, D, dist.get_rank() if D > 1 else 0)
+            if is_stochastic(module):
+                module.replay = Replay(module.family.seed)
 
     def _to_device(self, tensors):
         return tuple(t.to(self.engine.device, non_blocking=True) for t in tensors)
 
+    def _step_loss_step(self, data_iter, step: int) -> float:
+        """The step's micro-batches forward-only for their features, the batch loss, then each
+        micro-batch trained on its surrogate (``mmpipe.parallel.step_loss``)."""
+        module, cache = self.engine.module, self.cache
+        batches = [next(data_iter)[0] for _ in range(self.topo.accumulation_steps)]
+        module.features_mode = True
+        try:
+            if module.replay is not None:
+                module.replay.start(step)
+            with torch.no_grad():
+                cache.fill([self.engine(*self._to_device(inputs)) for inputs in batches])
+            if module.replay is not None:
+                module.replay.start(step)
+            with cache.training():
+                for inputs in batches:
+                    self.engine.backward(cache.surrogate(self.engine(*self._to_device(inputs))))
+                    self.engine.step()
+        finally:
+            module.features_mode = False
+        return float(cache.loss)
+
     def train_step(self, data_iter, step: int = 0, trace: bool = False) -> float:
+        if self.cache is not None:
+            return self._step_loss_step(data_iter, step)
         losses = []
         for _ in range(self.topo.accumulation_steps):
             inputs, labels = next(data_iter)
@@ -118,14 +152,54 @@ class PipelineRunner:
         self.clock = None
         if stage_timing:
             self.clock = StageClock(engine)
+        self.cache = self.replay = None
+        family = engine.module.family
+        if family.step_loss:  # every layer hands out features; the last stage's loss is the surrogate
+            layers = [m for m in engine.module.modules() if isinstance(m, PipeLayer)]
+            for layer in layers:
+                layer.features = True
+            if is_stochastic(engine.module):
+                self.replay = Replay(family.seed)
+                for layer in layers:
+                    layer.replay = self.replay
+            if engine.is_last_stage():
+                last = next(m for m in layers if m.name == family.layer_names()[-1])
+                self.cache = StepLossCache(family, last.part, topo.accumulation_steps, topo.data_parallel,
+                                           engine.grid.get_data_parallel_rank(),
+                                           engine.grid.get_data_parallel_group())
+                engine.module.loss_fn = lambda outputs, labels: self.cache.surrogate(outputs)
 
     def train_step(self, data_iter, step: int = 0, trace: bool = False) -> float:
-        if self.clock is None:
-            return float(self.engine.train_batch(data_iter))
-        self.clock.begin_step(step, trace)
-        loss = float(self.engine.train_batch(data_iter))
-        self.timings = self.clock.end_step()
+        if self.clock is not None:
+            self.clock.begin_step(step, trace)
+        if self.engine.module.family.step_loss:
+            loss = self._step_loss_step(data_iter, step)
+        else:
+            loss = float(self.engine.train_batch(data_iter))
+        if self.clock is not None:
+            self.timings = self.clock.end_step()
         return loss
+
+    def _step_loss_step(self, data_iter, step: int) -> float:
+        """Pass 1: the step's micro-batches forward-only through every stage (DeepSpeed's inference
+        schedule, training mode) for the last layer's features; the last stage's batch loss; pass 2:
+        DeepSpeed's 1F1B over the same micro-batches, the last stage backpropagating surrogates."""
+        engine = self.engine
+        batches = ([next(data_iter) for _ in range(self.topo.accumulation_steps)] if data_iter is not None
+                   else None)
+        reset_total_loss(engine)
+        if self.replay is not None:
+            self.replay.start(step)
+        with eval_batch_in_train_mode(engine), _monitors_off(engine):
+            out = engine.eval_batch(iter(batches) if batches is not None else None, compute_loss=False,
+                                    reduce_output=None, bcast_loss=False,
+                                    num_micro_batches=self.topo.accumulation_steps)
+        if self.cache is not None:
+            self.cache.fill(list(out))
+        if self.replay is not None:
+            self.replay.start(step)
+        with self.cache.training() if self.cache is not None else contextlib.nullcontext():
+            return float(engine.train_batch(iter(batches) if batches is not None else None))
 
     def eval_outputs(self, batches, n_micro: int) -> Optional[list]:
         reset_total_loss(self.engine)
@@ -134,20 +208,28 @@ class PipelineRunner:
         loss_fn = module.loss_fn
         if stats is not None:  # the last stage reduces each micro-batch against its labels
             module.loss_fn = lambda outputs, labels: stats(outputs, *labels)
-        # DeepSpeed's monitors (tensorboard/csv blocks) make eval_batch log a mean eval loss from rank
-        # 0, which has no outputs here (and fails on them): mmpipe logs its own eval metrics
-        monitor = getattr(self.engine, "monitor", None)
-        enabled = monitor.enabled if monitor is not None else False
         try:
-            if monitor is not None:
-                monitor.enabled = False
-            out = self.engine.eval_batch(iter(batches) if batches is not None else None,
-                                         compute_loss=stats is not None, reduce_output=None, bcast_loss=False,
-                                         num_micro_batches=n_micro)
+            with _monitors_off(self.engine):
+                out = self.engine.eval_batch(iter(batches) if batches is not None else None,
+                                             compute_loss=stats is not None, reduce_output=None, bcast_loss=False,
+                                             num_micro_batches=n_micro)
         finally:
             module.loss_fn = loss_fn
-            if monitor is not None:
-                monitor.enabled = enabled
         if not self.engine.is_last_stage():
             return None
         return list(out)
+
+
+@contextlib.contextmanager
+def _monitors_off(engine):
+    """DeepSpeed's monitors (tensorboard/csv blocks) make ``eval_batch`` log a mean eval loss from
+    rank 0, which may hold no outputs (and fails on them): mmpipe logs its own metrics."""
+    monitor = getattr(engine, "monitor", None)
+    enabled = monitor.enabled if monitor is not None else False
+    try:
+        if monitor is not None:
+            monitor.enabled = False
+        yield
+    finally:
+        if monitor is not None:
+            monitor.enabled = enabled

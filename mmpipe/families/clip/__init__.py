@@ -42,6 +42,8 @@ class ClipFamily(ImageTextFamily):
             v = getattr(getattr(model_cfg, section), field)
             if v not in choices:
                 raise ConfigError(f"{where}: model.{key}={v!r} is not one of {', '.join(choices)}")
+        if model_cfg.negatives not in ("global", "micro_batch"):
+            raise ConfigError(f"{where}: model.negatives={model_cfg.negatives!r} is not one of global, micro_batch")
 
     @classmethod
     def image_size(cls, model_cfg) -> int:
@@ -84,6 +86,17 @@ class ClipFamily(ImageTextFamily):
         if t.eos_token_id is None:
             t.eos_token_id = eos_id
         return out
+
+    # ---- the contrastive loss over the global batch ------------------------------------------------
+    @property
+    def step_loss(self) -> bool:
+        return self.cfg.negatives == "global"
+
+    def batch_loss(self, loss_module, features):
+        """Symmetric InfoNCE over every pair of ``features`` (image and text features side by side,
+        as the loss layer's ``eval_step`` gives them), with the loss module's ``logit_scale``."""
+        img, txt = features.split(features.shape[-1] // 2, dim=-1)
+        return loss_module(img, txt)
 
     # ---- structure ------------------------------------------------------------------------------
     def __init__(self, model_cfg, seed: int = 0):

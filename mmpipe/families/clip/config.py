@@ -43,6 +43,9 @@ class ClipConfig(Section):
     pretrained: Optional[str] = option(None, "local transformers CLIPModel directory: loads both towers, projections, temperature")
     projection_dim: int = option(512, "width of the shared image-text embedding space", ge=1)
     logit_scale_init: float = option(2.6592, "initial log temperature (CLIP: log(1/0.07))")
+    negatives: str = option("global", "global: the contrastive loss of a step spans its whole global batch (every "
+                                      "micro-batch of every data-parallel rank), as open_clip; micro_batch: only the "
+                                      "pairs of the same micro-batch are negatives")
     vision: VisionConfig = field(default_factory=VisionConfig, metadata={"help": "image tower"})
     text: TextConfig = field(default_factory=TextConfig, metadata={"help": "text tower"})
 

@@ -28,11 +28,10 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
 
 
 class ClipLoss(nn.Module):
-    """Symmetric InfoNCE over one micro-batch with a learnable temperature (``logit_scale``).
-
-    Negatives are the other pairs of the same micro-batch; the reported loss of a step is the mean
-    over its micro-batches. This keeps the loss identical in every layout (P, DP, accumulation).
-    """
+    """Symmetric InfoNCE over the pairs it is given, with a learnable temperature (``logit_scale``):
+    open_clip's ``ClipLoss`` on one process. With ``model.negatives: global`` it is given the features
+    of the whole global batch (``ClipFamily.batch_loss``); with ``micro_batch``, the loss layer calls
+    it on one micro-batch and a step's loss is the mean over its micro-batches."""
 
     def __init__(self, logit_scale_init: float):
         super().__init__()

@@ -1,0 +1,110 @@
+"""A loss over the whole step (``Family.step_loss``: CLIP's contrastive loss over the global batch),
+run by both strategies as a feature cache (GradCache; open_clip's ``--accum-freq``):
+
+1. a forward-only pass over the step's micro-batches, in training mode, gives the last layer's
+   features (its ``eval_step`` output, one row per sample); layers with dropout reseed per
+   (step, micro-batch, layer) in both passes, so the second pass replays the first's random numbers;
+2. the last stage all-gathers them over its data-parallel group and computes the loss of the whole
+   batch once (``Family.batch_loss``): the number reported;
+3. the ordinary pass (1F1B in a pipeline, one micro-batch at a time at P = 1) recomputes each
+   micro-batch's features with autograd and backpropagates a surrogate: the batch loss with that
+   micro-batch's rows live and every other row from the cache, times A x D (DeepSpeed divides each
+   micro-batch's loss by the A accumulation steps and averages over the D data-parallel ranks). The
+   loss module's own parameters (``logit_scale``) take 1/(A x D) of each surrogate's gradient, so
+   every parameter's gradient is that of the batch loss. The surrogate's value is the batch loss.
+
+Cost: one extra forward of every stage, the features of the global batch on the last stage, and
+one all-gather of them; activations are held for one micro-batch at a time, as without it.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class StepLossCache:
+    """The last stage's cache of one step's features and the surrogate of each micro-batch."""
+
+    def __init__(self, family, loss_module: nn.Module, accumulation: int, data_parallel: int, dp_rank: int,
+                 group=None):
+        self.family, self.module = family, loss_module
+        self.A, self.D, self.dp_rank, self.group = accumulation, data_parallel, dp_rank, group
+        self.features = self.loss = None
+        self.rows = self.k = 0
+        self._scale = 1.0
+        for p in loss_module.parameters():  # the loss's own parameters: 1/(A x D) of each surrogate's gradient
+            p.register_hook(self._scaled)
+
+    def _scaled(self, grad):
+        return grad * self._scale if self._scale != 1.0 else grad
+
+    def fill(self, outputs: list) -> None:
+        """This rank's last-layer outputs of the step (one per micro-batch, in order), gathered over
+        the data-parallel group, and the loss of the whole batch."""
+        local = torch.cat([o.detach().float() for o in outputs])
+        self.rows = outputs[0].shape[0]
+        if self.D > 1:
+            parts = [torch.empty_like(local) for _ in range(self.D)]
+            dist.all_gather(parts, local, group=self.group)
+            local = torch.cat(parts)
+        self.features = local
+        with torch.no_grad():
+            self.loss = self.family.batch_loss(self.module, self.features).detach().float()
+        self.k = 0
+
+    def surrogate(self, outputs: torch.Tensor) -> torch.Tensor:
+        """The loss to backpropagate for the next micro-batch (forward order) from its live features."""
+        start = (self.dp_rank * self.A + self.k) * self.rows
+        self.k += 1
+        live = torch.cat([self.features[:start], outputs.float(), self.features[start + self.rows:]])
+        s = (self.A * self.D) * self.family.batch_loss(self.module, live)
+        return s + (self.loss - s).detach()
+
+    @contextlib.contextmanager
+    def training(self):
+        self._scale = 1.0 / (self.A * self.D)
+        try:
+            yield
+        finally:
+            self._scale = 1.0
+
+
+def is_stochastic(module: nn.Module) -> bool:
+    """Whether training-mode forwards draw random numbers (dropout modules, attention dropout)."""
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        for attr in ("dropout", "attention_dropout"):
+            v = getattr(m, attr, None)
+            if isinstance(v, float) and v > 0:
+                return True
+    return False
+
+
+@contextlib.contextmanager
+def replayed_rng(seed: int, step: int, name: str, micro_batch: int):
+    """Random numbers of one layer's forward for one micro-batch, the same in every pass of the step."""
+    key = hashlib.sha256(f"{seed}/{step}/{name}/{micro_batch}".encode()).digest()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(int.from_bytes(key[:8], "little") & ((1 << 63) - 1))
+        yield
+
+
+class Replay:
+    """Per-layer counters of forwards within one pass; ``start(step)`` begins a pass."""
+
+    def __init__(self, seed: int):
+        self.seed, self.step, self.calls = seed, 0, {}
+
+    def start(self, step: int) -> None:
+        self.step, self.calls = step, {}
+
+    def rng(self, name: str):
+        k = self.calls.get(name, 0)
+        self.calls[name] = k + 1
+        return replayed_rng(self.seed, self.step, name, k)
