@@ -94,7 +94,7 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
         if measure_comm and not prof["comm"].get("measured"):  # cached without transfers: measure them now
             prof["comm"] = _measure_comm(layer_costs(prof))
             _write_json(path, prof)
-        return prof
+        return _with_step_loss(prof, family)
     if log:
         log(f"profiling {len(family.layer_names())} layers (micro-batch {micro_batch_size}, {cfg.train.precision}, "
             f"{device.type}, {threads} thread(s)) ...")
@@ -115,6 +115,17 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
     prof = {"key": key, "layers": [c.to_dict() for c in costs], "comm": comm, "passes": len(runs)}
     if use_cache:
         _write_json(path, prof)
+    return _with_step_loss(prof, family)
+
+
+def _with_step_loss(prof: dict, family) -> dict:
+    """A family whose loss spans the step (``Family.step_loss``) runs a forward-only pass first and
+    gathers the last layer's inputs (its features; fp32, one micro-batch's: ``features_bytes``)
+    over the last stage's data-parallel group: the predictions cost what runs."""
+    prof.pop("step_loss", None)
+    if family.step_loss:
+        widen = 1 if prof.get("key", {}).get("precision", "fp32") == "fp32" else 2  # features gathered in fp32
+        prof["step_loss"] = {"features_bytes": widen * layer_costs(prof)[-2].out_bytes}
     return prof
 
 

@@ -107,8 +107,10 @@ def stage_times(prof: dict, parts: list) -> dict:
 
 
 def predict(prof: dict, parts: list, micro_batches: int, schedule: str = "1f1b"):
+    """The simulated step of ``parts`` (a step loss's forward-only pass included, ``prof["step_loss"]``)."""
     t = stage_times(prof, parts)
-    r = simulate(t["F"], t["B"], micro_batches, t["comm"], t["opt"], schedule=schedule, comm_grad=t["comm_grad"])
+    r = simulate(t["F"], t["B"], micro_batches, t["comm"], t["opt"], schedule=schedule, comm_grad=t["comm_grad"],
+                 step_loss=bool(prof.get("step_loss")))
     r.parts = list(parts)
     return r
 

@@ -33,15 +33,21 @@ class SimResult:
                 "parts": self.parts}
 
 
-def _ds_streams(stages: int, micro_batches: int) -> list[list[tuple[str, Optional[int]]]]:
-    """Per stage: DeepSpeed's TrainSchedule flattened to (instruction name, buffer id)."""
+def _ds_streams(stages: int, micro_batches: int, step_loss: bool = False) -> list[list[tuple[str, Optional[int]]]]:
+    """Per stage: DeepSpeed's TrainSchedule flattened to (instruction name, buffer id). With
+    ``step_loss`` (``mmpipe.parallel.step_loss``) its InferenceSchedule runs first (the forward-only
+    pass for the features), then the last stage gathers the features (``GatherFeatures``)."""
     from deepspeed.runtime.pipe import schedule as S
     out = []
     for s in range(stages):
         cmds = []
-        for step in S.TrainSchedule(micro_batches=micro_batches, stages=stages, stage_id=s).steps():
-            for c in step:
-                cmds.append((type(c).__name__, c.kwargs.get("buffer_id")))
+        kinds = ([S.InferenceSchedule] if step_loss else []) + [S.TrainSchedule]
+        for kind in kinds:
+            for step in kind(micro_batches=micro_batches, stages=stages, stage_id=s).steps():
+                for c in step:
+                    cmds.append((type(c).__name__, c.kwargs.get("buffer_id")))
+            if kind is not S.TrainSchedule and s == stages - 1:
+                cmds.append(("GatherFeatures", None))
         out.append(cmds)
     return out
 
@@ -77,17 +83,18 @@ BUSY_KINDS = ("ForwardPass", "BackwardPass", "OptimizerStep", "LoadMicroBatch")
 
 def simulate(F: list, B: list, micro_batches: int, comm: Optional[list] = None, opt: Optional[list] = None,
              load: Optional[list] = None, schedule: str = "1f1b", comm_grad: Optional[list] = None,
-             stretch: Optional[list] = None) -> SimResult:
+             stretch: Optional[list] = None, step_loss: bool = False, gather: float = 0.0) -> SimResult:
     """``F``, ``B``, ``opt``, ``load``: seconds per stage; ``comm[s]``: seconds to move one
     micro-batch's activations across the boundary between stage s and s+1, ``comm_grad[s]`` its
     gradients back (default: ``comm[s]``); ``stretch[s][i]``: a factor on the duration of stage s's
-    i-th instruction (``simulate_shared_cores``)."""
+    i-th instruction (``simulate_shared_cores``); ``step_loss``: a forward-only pass first and
+    ``gather`` seconds on the last stage between the passes."""
     P, M = len(F), micro_batches
     comm = comm if comm is not None else [0.0] * max(0, P - 1)
     back = comm_grad if comm_grad is not None else comm
     opt = opt if opt is not None else [0.0] * P
     load = load if load is not None else [0.0] * P
-    streams = _ds_streams(P, M) if schedule == "1f1b" else _gpipe_streams(P, M)
+    streams = _ds_streams(P, M, step_loss) if schedule == "1f1b" else _gpipe_streams(P, M)
     ptr, clock = [0] * P, [0.0] * P
     busy = [0.0] * P
     timeline = []
@@ -114,7 +121,7 @@ def simulate(F: list, B: list, micro_batches: int, comm: Optional[list] = None, 
                     progressed = True
                     continue
                 dur = {"ForwardPass": F[s], "BackwardPass": B[s], "OptimizerStep": opt[s],
-                       "LoadMicroBatch": load[s]}.get(kind, 0.0) * (stretch[s][ptr[s]] if stretch else 1.0)
+                       "LoadMicroBatch": load[s], "GatherFeatures": gather}.get(kind, 0.0) * (stretch[s][ptr[s]] if stretch else 1.0)
                 timeline.append((s, kind, streams[s][ptr[s]][1], clock[s], clock[s] + dur))
                 clock[s] += dur
                 if kind in BUSY_KINDS:
@@ -131,7 +138,7 @@ def simulate(F: list, B: list, micro_batches: int, comm: Optional[list] = None, 
 
 def simulate_shared_cores(F: list, B: list, micro_batches: int, comm: Optional[list], opt: Optional[list],
                           comm_grad: Optional[list], replicas: int, threads: int, cores: int, slope: float = 1.0,
-                          iters: int = 40) -> tuple:
+                          iters: int = 40, step_loss: bool = False, gather: float = 0.0) -> tuple:
     """The schedule when the stages' ranks (``replicas`` data-parallel copies of the pipeline, each
     rank ``threads`` threads) share ``cores``: each compute instruction runs slower by the
     oversubscription o = ranks computing at once x threads / cores while it runs: 1 + (o - 1) x
@@ -141,10 +148,11 @@ def simulate_shared_cores(F: list, B: list, micro_batches: int, comm: Optional[l
     predicted 4 stages on 2 cores 8-11% fast). Returns (SimResult, stretch per instruction)."""
     import bisect
     P = len(F)
-    streams = _ds_streams(P, micro_batches)
+    streams = _ds_streams(P, micro_batches, step_loss)
     stretch = [[1.0] * len(st) for st in streams]
     kinds_of = [[i for i, (kind, _) in enumerate(st) if kind in BUSY_KINDS] for st in streams]
-    r = simulate(F, B, micro_batches, comm, opt, comm_grad=comm_grad)
+    extra = {"step_loss": step_loss, "gather": gather}
+    r = simulate(F, B, micro_batches, comm, opt, comm_grad=comm_grad, **extra)
     for it in range(iters):
         busy = [(s, a, b) for s, kind, _, a, b in r.timeline if kind in BUSY_KINDS]  # stream order per stage
         edges = sorted({t for _, a, b in busy for t in (a, b)})
@@ -164,7 +172,7 @@ def simulate_shared_cores(F: list, B: list, micro_batches: int, comm: Optional[l
         moved = max(abs(x - y) for u, v in zip(stretch, new) for x, y in zip(u, v))
         w = 1.0 if it == 0 else 0.5  # damped after the first update (stretching one stage moves the others)
         stretch = [[(1 - w) * x + w * y for x, y in zip(u, v)] for u, v in zip(stretch, new)]
-        r = simulate(F, B, micro_batches, comm, opt, comm_grad=comm_grad, stretch=stretch)
+        r = simulate(F, B, micro_batches, comm, opt, comm_grad=comm_grad, stretch=stretch, **extra)
         if moved < 1e-4:
             break
     return r, stretch

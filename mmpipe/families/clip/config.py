@@ -35,6 +35,9 @@ class TextConfig(Section):
     pooling: str = option("auto", "auto (clip_text: EOS token, bert: mean), eos, cls, mean, or pooler (bert: its "
                                   "dense+tanh pooler over [CLS], as transformers' VisionTextDualEncoderModel)")
     eos_token_id: Optional[int] = option(None, "EOS id for eos pooling; unset = the tokenizer's EOS/SEP id")
+    dropout: Optional[float] = option(None, "dropout probability (clip_text: attention dropout; bert: hidden and "
+                                            "attention dropout); unset = the weights' or transformers' default "
+                                            "(clip_text 0, bert 0.1)", ge=0, le=1)
 
 
 @dataclass

@@ -118,6 +118,11 @@ class TextSpec:
                 c = C(**set_fields, **extra)
             except Exception as e:  # noqa: BLE001
                 raise ConfigError(f"model.text: {one_line(e, last=True)}") from None
+        if cfg.dropout is not None:
+            names = ("attention_dropout",) if cfg.arch == "clip_text" else ("hidden_dropout_prob",
+                                                                          "attention_probs_dropout_prob")
+            for name in names:
+                setattr(c, name, float(cfg.dropout))
         c._attn_implementation = "sdpa"
         self.hf_config = c
         self.num_blocks = c.num_hidden_layers

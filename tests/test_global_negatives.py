@@ -1,0 +1,163 @@
+"""CLIP's contrastive loss over the whole global batch (``model.negatives: global``): the loss on
+given features is open_clip's; the feature cache reproduces its first pass bit for bit under
+dropout and gives autograd's gradient; every layout trains like one process on one micro-batch of
+the whole global batch; ``micro_batch`` negatives train differently."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from helpers import TINY, train_losses
+
+import mmpipe
+from mmpipe.config.registry import build_family
+from mmpipe.parallel.step_loss import Replay, StepLossCache, is_stochastic
+from mmpipe.train.checkpoint import load_model_weights
+
+TINY_SETS = ["model.text.vocab_size=300", "model.text.max_position_embeddings=16", "model.text.eos_token_id=2"]
+
+
+def test_the_batch_loss_is_open_clips_on_the_same_features():
+    from open_clip.loss import ClipLoss as OpenClipLoss
+
+    from mmpipe.families.clip.model import ClipLoss, l2_normalize
+    family = build_family(mmpipe.load_config(TINY, TINY_SETS).model)
+    g = torch.Generator().manual_seed(0)
+    img, txt = torch.randn(24, 32, generator=g, requires_grad=True), torch.randn(24, 32, generator=g, requires_grad=True)
+    ours_module = ClipLoss(2.6592)
+    ours = family.batch_loss(ours_module, torch.cat([img, txt], dim=-1))
+    scale = torch.tensor(2.6592, requires_grad=True)
+    theirs = OpenClipLoss()(l2_normalize(img), l2_normalize(txt), scale.exp())
+    assert abs(ours.item() - theirs.item()) < 1e-6
+    ga = torch.autograd.grad(ours, [img, txt, ours_module.logit_scale])
+    gb = torch.autograd.grad(theirs, [img, txt, scale])
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a.reshape(b.shape), b, rtol=1e-5, atol=1e-7)
+
+
+def _batches(cfg, n_micro: int, m: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    size = cfg.model.vision.image_size
+    out = []
+    for _ in range(n_micro):
+        pixels = torch.randint(0, 256, (m, 3, size, size), dtype=torch.uint8, generator=g)
+        ids = torch.randint(3, 300, (m, 12), generator=g)
+        ids[:, -1] = 2
+        out.append((pixels, ids, torch.ones_like(ids)))
+    return out
+
+
+def test_the_cache_replays_dropout_and_gives_autograds_gradient():
+    """BERT text tower with transformers' default dropout: the second pass draws the first pass's
+    random numbers (features bit for bit), and the surrogates' gradients (DeepSpeed's 1/A applied)
+    equal autograd through one forward of every micro-batch under the same random state."""
+    cfg = mmpipe.load_config(TINY, TINY_SETS + ["model.text.arch=bert"])
+    model = mmpipe.build_model(cfg).train()
+    assert is_stochastic(model)
+    family, loss_module = model.family, model.get_submodule("loss")
+    batches, A = _batches(cfg, 3, 4), 3
+    model.features_mode, model.replay = True, Replay(0)
+
+    def features(grad: bool) -> list:
+        if model.replay is not None:
+            model.replay.start(7)
+        with torch.set_grad_enabled(grad):
+            return [model(*b) for b in batches]
+    first, again = features(False), features(True)
+    assert all(torch.equal(a, b.detach()) for a, b in zip(first, again))
+    model.replay = None  # without the replay the passes differ: the tower does draw random numbers
+    assert not torch.equal(features(False)[0], features(False)[0])
+    model.replay = Replay(0)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    reference = family.batch_loss(loss_module, torch.cat(features(True)))
+    want = torch.autograd.grad(reference, params, allow_unused=True)
+    cache = StepLossCache(family, loss_module, A, 1, 0)
+    cache.fill(features(False))
+    assert torch.allclose(cache.loss, reference.detach())
+    model.zero_grad()
+    model.replay.start(7)
+    with cache.training():
+        for b in batches:
+            (cache.surrogate(model(*b)) / A).backward()  # DeepSpeed divides by the accumulation steps
+    for p, w in zip(params, want):
+        if w is not None:
+            torch.testing.assert_close(p.grad, w, rtol=1e-5, atol=1e-7)
+
+
+# ---- every layout against one process on one micro-batch of the whole global batch ----------------------
+ONE_MICRO_BATCH = ["parallel.pipeline_stages=1", "parallel.micro_batch_size=16"]  # tiny: batch 16
+
+
+def _steps4(runs, key, nprocs, sets, launcher="deepspeed"):
+    return runs.get(key, nprocs, sets, launcher, flags=["--stop-at", "4"])[0]
+
+
+def _assert_same_training(a: str, b: str, steps: int = 4):
+    np.testing.assert_allclose(train_losses(a)[:steps], train_losses(b)[:steps], rtol=1e-5)
+    wa = load_model_weights(os.path.join(a, "checkpoints"), f"global_step{steps}")
+    wb = load_model_weights(os.path.join(b, "checkpoints"), f"global_step{steps}")
+    for k in wa:
+        torch.testing.assert_close(wa[k].float(), wb[k].float(), rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("key,nprocs,launcher,sets", [
+    ("gn_p1x4", 1, "python", ["parallel.pipeline_stages=1"]),
+    ("gn_p2", 2, "deepspeed", ["parallel.pipeline_stages=2"]),
+    ("gn_p3", 3, "deepspeed", ["parallel.pipeline_stages=3"]),
+    ("gn_p2dp2_z1", 4, "deepspeed", ["parallel.pipeline_stages=2", "parallel.zero_stage=1"]),
+])
+def test_every_layout_trains_like_one_micro_batch_of_the_global_batch(runs, key, nprocs, launcher, sets):
+    one = _steps4(runs, "gn_one", 1, ONE_MICRO_BATCH, "python")
+    _assert_same_training(_steps4(runs, key, nprocs, sets, launcher), one)
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("bert", ["model.text.arch=bert", "model.text.dropout=0"]),
+    ("frozen_vision", ["optim.freeze_vision=true"]),
+])
+def test_bert_and_frozen_towers_train_like_one_micro_batch(runs, name, extra):
+    one = _steps4(runs, f"gn_one_{name}", 1, ONE_MICRO_BATCH + extra, "python")
+    _assert_same_training(_steps4(runs, f"gn_p2_{name}", 2, ["parallel.pipeline_stages=2"] + extra), one)
+
+
+def test_micro_batch_negatives_train_differently(runs):
+    """The comparison above can fail: with each micro-batch its own negatives the losses differ."""
+    one = _steps4(runs, "gn_one", 1, ONE_MICRO_BATCH, "python")
+    mb = _steps4(runs, "gn_p2_micro_batch", 2, ["parallel.pipeline_stages=2", "model.negatives=micro_batch"])
+    assert not np.allclose(train_losses(mb)[:4], train_losses(one)[:4], rtol=1e-3)
+    assert train_losses(mb)[0] < train_losses(one)[0]  # fewer negatives: an easier first loss
+
+
+# ---- the cost model runs the schedule that runs -------------------------------------------------------
+def test_the_simulator_adds_the_forward_only_pass_and_the_gather():
+    """Balanced stages: the forward-only pass overlaps the 1F1B fill, so it costs M forwards of a
+    stage; the features' gather on the last stage comes on top."""
+    from mmpipe.planning.simulate import simulate
+    for P, M in ((2, 4), (3, 8)):
+        F, B, comm = [1.0] * P, [2.0] * P, [0.0] * (P - 1)
+        plain = simulate(F, B, M, comm).step_time
+        assert plain == (M + P - 1) * 3.0
+        assert simulate(F, B, M, comm, step_loss=True).step_time == plain + M * 1.0
+        assert simulate(F, B, M, comm, step_loss=True, gather=0.5).step_time == plain + M * 1.0 + 0.5
+
+
+def test_layout_predictions_cost_the_extra_forward_and_the_all_gather():
+    from test_layout import NAMES, SEGS, _layer, _prof
+
+    from mmpipe.planning.collectives import CommModel
+    from mmpipe.planning.layouts import predict_layouts
+    layers = [_layer(n, 2.0, 4.0, 1000, out=4000) for n in NAMES]
+    comm = CommModel(ops={"allreduce": {2: (1e-3, 2e-9)}, "allgather": {2: (5e-4, 1e-9)},
+                          "reduce_scatter": {2: (5e-4, 1e-9)}})
+    kw = dict(world=2, batch_size=16, micro_batch_size=4, precision="fp32", names=NAMES, segments=SEGS,
+              fetch_units=10, zero_stages=(0,))
+    plain = {r.name: r for r in predict_layouts(_prof(layers), comm, **kw)}
+    step = {r.name: r for r in predict_layouts({**_prof(layers), "step_loss": {"features_bytes": 4000}}, comm, **kw)}
+    M = 16 // (4 * 2)
+    extra = M * 4 * 2.0 / 1e3 + 5e-4 + 1e-9 * M * 4000  # a forward of every layer per micro-batch; the gather
+    assert step["DP2 ZeRO-0"].step_time == pytest.approx(plain["DP2 ZeRO-0"].step_time + extra, rel=1e-9)
+    pp = [n for n in plain if n.startswith("PP2")]
+    assert pp and all(step[n].step_time > plain[n].step_time for n in pp)
