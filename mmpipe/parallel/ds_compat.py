@@ -20,7 +20,6 @@ names the run test that exercises the patch's behaviour.
 from __future__ import annotations
 
 import contextlib
-
 import warnings
 from typing import Callable
 
