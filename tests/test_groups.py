@@ -153,9 +153,12 @@ def reference_run(tiny_data, tokenizer_dir, steps=3, family="clip", config=TINY)
     micro = [perm[i:i + 4] for i in range(0, len(perm) - 3, 4)]
     norms = []
     for step in range(steps):
-        for mb in micro[4 * step:4 * step + 4]:
+        # a loss over the whole step (CLIP's global negatives): one forward of the global batch;
+        # else the mean of the micro-batch losses
+        batches = ([sum(micro[4 * step:4 * step + 4], [])] if fam.step_loss else micro[4 * step:4 * step + 4])
+        for mb in batches:
             b = collate([ds[i] for i in mb])
-            (model(*(b[f] for f in fam.inputs + fam.labels)) / 4).backward()
+            (model(*(b[f] for f in fam.inputs + fam.labels)) / len(batches)).backward()
         step_norms = {}
         for g in case.limits:
             params = [p for (gg, _), ps in buckets.items() if gg == g for p in ps]

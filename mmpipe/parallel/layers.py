@@ -25,12 +25,19 @@ class PipeLayer(nn.Module):
         self.forward_only = forward_only
         self.features = False  # a step loss: the last layer hands out its features in training too
         self.replay = None  # a step loss with dropout: ``parallel.step_loss.Replay`` reseeds each forward
+        self.surrogate = None  # a step loss's last layer: features -> the loss to backpropagate (with autograd)
 
     def forward(self, acts):
         if self.replay is not None and self.training:
             with self.replay.rng(self.name):
-                return self._forward(acts)
-        return self._forward(acts)
+                out = self._forward(acts)
+        else:
+            out = self._forward(acts)
+        # inside the module's forward, as the loss layer's own loss is: DeepSpeed's bf16 pipeline
+        # drops the gradient of a parameter used only in ``loss_fn`` (logit_scale)
+        if self.surrogate is not None and torch.is_grad_enabled():
+            return self.surrogate(out)
+        return out
 
     def _forward(self, acts):
         if not (self.forward_only and torch.is_grad_enabled()):

@@ -9,9 +9,10 @@ run by both strategies as a feature cache (GradCache; open_clip's ``--accum-freq
 3. the ordinary pass (1F1B in a pipeline, one micro-batch at a time at P = 1) recomputes each
    micro-batch's features with autograd and backpropagates a surrogate: the batch loss with that
    micro-batch's rows live and every other row from the cache, times A x D (DeepSpeed divides each
-   micro-batch's loss by the A accumulation steps and averages over the D data-parallel ranks). The
-   loss module's own parameters (``logit_scale``) take 1/(A x D) of each surrogate's gradient, so
-   every parameter's gradient is that of the batch loss. The surrogate's value is the batch loss.
+   micro-batch's loss by the A accumulation steps and averages over the D data-parallel ranks), less
+   (A x D - 1) times the same loss on detached features, so that the loss module's own parameters
+   (``logit_scale``) get the batch loss's gradient exactly once per micro-batch and rank, as every
+   other parameter does. The surrogate's value is the batch loss.
 
 Cost: one extra forward of every stage, the features of the global batch on the last stage, and
 one all-gather of them; activations are held for one micro-batch at a time, as without it.
@@ -35,12 +36,6 @@ class StepLossCache:
         self.A, self.D, self.dp_rank, self.group = accumulation, data_parallel, dp_rank, group
         self.features = self.loss = None
         self.rows = self.k = 0
-        self._scale = 1.0
-        for p in loss_module.parameters():  # the loss's own parameters: 1/(A x D) of each surrogate's gradient
-            p.register_hook(self._scaled)
-
-    def _scaled(self, grad):
-        return grad * self._scale if self._scale != 1.0 else grad
 
     def fill(self, outputs: list) -> None:
         """This rank's last-layer outputs of the step (one per micro-batch, in order), gathered over
@@ -57,20 +52,18 @@ class StepLossCache:
         self.k = 0
 
     def surrogate(self, outputs: torch.Tensor) -> torch.Tensor:
-        """The loss to backpropagate for the next micro-batch (forward order) from its live features."""
+        """The loss to backpropagate for the next micro-batch (forward order) from its live features:
+        n L(live) - (n - 1) L(live, features detached), n = A x D. Its gradient is n times the batch
+        loss's for this micro-batch's features and exactly the batch loss's for the loss module's own
+        parameters (``logit_scale``), which every micro-batch of every rank sees; its value is L."""
         start = (self.dp_rank * self.A + self.k) * self.rows
         self.k += 1
         live = torch.cat([self.features[:start], outputs.float(), self.features[start + self.rows:]])
-        s = (self.A * self.D) * self.family.batch_loss(self.module, live)
+        n = self.A * self.D
+        s = n * self.family.batch_loss(self.module, live)
+        if n > 1:
+            s = s - (n - 1) * self.family.batch_loss(self.module, live.detach())
         return s + (self.loss - s).detach()
-
-    @contextlib.contextmanager
-    def training(self):
-        self._scale = 1.0 / (self.A * self.D)
-        try:
-            yield
-        finally:
-            self._scale = 1.0
 
 
 def is_stochastic(module: nn.Module) -> bool:

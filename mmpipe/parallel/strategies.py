@@ -106,10 +106,9 @@ class PlainRunner:
                 cache.fill([self.engine(*self._to_device(inputs)) for inputs in batches])
             if module.replay is not None:
                 module.replay.start(step)
-            with cache.training():
-                for inputs in batches:
-                    self.engine.backward(cache.surrogate(self.engine(*self._to_device(inputs))))
-                    self.engine.step()
+            for inputs in batches:
+                self.engine.backward(cache.surrogate(self.engine(*self._to_device(inputs))))
+                self.engine.step()
         finally:
             module.features_mode = False
         return float(cache.loss)
@@ -167,7 +166,7 @@ class PipelineRunner:
                 self.cache = StepLossCache(family, last.part, topo.accumulation_steps, topo.data_parallel,
                                            engine.grid.get_data_parallel_rank(),
                                            engine.grid.get_data_parallel_group())
-                engine.module.loss_fn = lambda outputs, labels: self.cache.surrogate(outputs)
+                last.surrogate = self.cache.surrogate
 
     def train_step(self, data_iter, step: int = 0, trace: bool = False) -> float:
         if self.clock is not None:
@@ -198,8 +197,7 @@ class PipelineRunner:
             self.cache.fill(list(out))
         if self.replay is not None:
             self.replay.start(step)
-        with self.cache.training() if self.cache is not None else contextlib.nullcontext():
-            return float(engine.train_batch(iter(batches) if batches is not None else None))
+        return float(engine.train_batch(iter(batches) if batches is not None else None))
 
     def eval_outputs(self, batches, n_micro: int) -> Optional[list]:
         reset_total_loss(self.engine)
