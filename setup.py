@@ -23,6 +23,6 @@ setup(
         "matplotlib",
         "tensorboard",
     ],
-    extras_require={"test": ["pytest>=8"]},
+    extras_require={"test": ["pytest>=8", "open-clip-torch>=2.20"]},  # open_clip: the loss parity test
     entry_points={"console_scripts": ["mmpipe=mmpipe.cli.main:main"]},
 )

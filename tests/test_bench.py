@@ -1,6 +1,7 @@
 """The benches' own arithmetic: pooled rounds and the groups bench's baseline row."""
 from __future__ import annotations
 
+import os
 import json
 
 import pytest
@@ -42,3 +43,10 @@ def test_benchmarks_md_shows_the_latest_of_each_bench_and_the_history_keeps_ever
     latest = (tmp_path / "BENCHMARKS.md").read_text()
     assert "note-c" in latest and "note-b" in latest and "note-a" not in latest  # the same bench: its latest only
     assert latest.index("note-c") < latest.index("note-b")  # newest first
+
+
+def test_the_benches_find_the_repository_they_run_in():
+    """Their default configs and launch/train.py are found from the package's location."""
+    from mmpipe.bench.common import ROOT
+    assert os.path.isfile(os.path.join(ROOT, "launch", "train.py"))
+    assert os.path.isfile(os.path.join(ROOT, "configs", "demo.yaml"))

@@ -107,7 +107,7 @@ def write_latest(root: str) -> None:
         fh.write(INTRO + "".join("\n" + text.strip("\n") + "\n" for _, text in ordered))
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 # ---- mmpipe bench strategies ---------------------------------------------------------------------------
