@@ -23,6 +23,7 @@ setup(
         "matplotlib",
         "tensorboard",
     ],
-    extras_require={"test": ["pytest>=8", "open-clip-torch>=2.20"]},  # open_clip: the loss parity test
+    # open_clip: the loss and format parity tests; with what open_clip_train imports, mmpipe bench peers --family clip
+    extras_require={"test": ["pytest>=8", "open-clip-torch>=2.20"], "peers": ["open-clip-torch>=2.20", "pandas", "webdataset", "braceexpand"]},
     entry_points={"console_scripts": ["mmpipe=mmpipe.cli.main:main"]},
 )

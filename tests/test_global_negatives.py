@@ -13,7 +13,7 @@ from helpers import TINY, train_losses
 
 import mmpipe
 from mmpipe.config.registry import build_family
-from mmpipe.parallel.step_loss import Replay, StepLossCache, is_stochastic
+from mmpipe.parallel.step_loss import FirstPassMemo, Replay, StepLossCache, frozen_prefix, is_stochastic
 from mmpipe.train.checkpoint import load_model_weights
 
 TINY_SETS = ["model.text.vocab_size=300", "model.text.max_position_embeddings=16", "model.text.eos_token_id=2"]
@@ -86,6 +86,42 @@ def test_the_cache_replays_dropout_and_gives_autograds_gradient():
             torch.testing.assert_close(p.grad, w, rtol=1e-5, atol=1e-7)
 
 
+def test_a_frozen_prefix_runs_once_per_step():
+    """Lock-image tuning: the frozen vision tower runs in the forward-only pass only; the training
+    pass takes its recorded output (no vision layer is called) and gets the same features and the
+    same gradients as running the tower again."""
+    cfg = mmpipe.load_config(TINY, TINY_SETS)
+    family = build_family(cfg.model)
+    vision = [n for n in family.layer_names() if family.layer(n).segment == "vision"]
+    model = family.plain_model(forward_only=frozenset(vision)).train()
+    for n, p in model.named_parameters():
+        p.requires_grad_(not any(n.startswith(v + ".") for v in vision))
+    assert frozen_prefix(family.layer_names(), model.forward_only) == vision
+    batches, calls = _batches(cfg, 3, 4), []
+    for n in vision:
+        model.get_submodule(n).register_forward_hook(lambda *a, n=n: calls.append(n))
+    model.features_mode = True
+    with torch.no_grad():
+        plain = [model(*b) for b in batches]
+    model.memo = FirstPassMemo(vision)
+    model.memo.start(recording=True)
+    with torch.no_grad():
+        first = [model(*b) for b in batches]
+    assert len(calls) == 2 * 3 * len(vision)
+    model.memo.start(recording=False)
+    live = [model(*b) for b in batches]
+    assert len(calls) == 2 * 3 * len(vision)  # not one vision layer ran in the training pass
+    assert all(torch.equal(a, b) and torch.equal(a, c.detach()) for a, b, c in zip(plain, first, live))
+    params = [p for p in model.parameters() if p.requires_grad]
+    with_memo = torch.autograd.grad(family.batch_loss(model.loss, torch.cat(live)), params)
+    model.memo = None
+    again = torch.autograd.grad(family.batch_loss(model.loss, torch.cat([model(*b) for b in batches])), params)
+    for a, b in zip(with_memo, again):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="not recorded"):
+        FirstPassMemo(vision).take()
+
+
 # ---- every layout against one process on one micro-batch of the whole global batch ----------------------
 ONE_MICRO_BATCH = ["parallel.pipeline_stages=1", "parallel.micro_batch_size=16"]  # tiny: batch 16
 
@@ -107,6 +143,7 @@ def _assert_same_training(a: str, b: str, steps: int = 4):
     ("gn_p2", 2, "deepspeed", ["parallel.pipeline_stages=2"]),
     ("gn_p3", 3, "deepspeed", ["parallel.pipeline_stages=3"]),
     ("gn_p2dp2_z1", 4, "deepspeed", ["parallel.pipeline_stages=2", "parallel.zero_stage=1"]),
+    ("gn_dp2", 2, "deepspeed", ["parallel.pipeline_stages=1", "parallel.micro_batch_size=8"]),  # one pass
 ])
 def test_every_layout_trains_like_one_micro_batch_of_the_global_batch(runs, key, nprocs, launcher, sets):
     one = _steps4(runs, "gn_one", 1, ONE_MICRO_BATCH, "python")
@@ -141,6 +178,29 @@ def test_the_simulator_adds_the_forward_only_pass_and_the_gather():
         assert plain == (M + P - 1) * 3.0
         assert simulate(F, B, M, comm, step_loss=True).step_time == plain + M * 1.0
         assert simulate(F, B, M, comm, step_loss=True, gather=0.5).step_time == plain + M * 1.0 + 0.5
+
+
+def test_a_frozen_prefix_is_costed_once():
+    """The training pass takes a frozen prefix's output from the forward-only pass: stage 0's forward
+    in the training pass is its unfrozen layers only; the first pass runs them all. A first stage that
+    is all frozen prefix (lock-image tuning at P = 2) then adds about M forwards of the last stage."""
+    from test_layout import NAMES, _layer, _prof
+
+    from mmpipe.planning.place import predict, stage_times
+    from mmpipe.planning.simulate import simulate
+    layers = [_layer(n, 2.0, 4.0, 1000) for n in NAMES]
+    prof = {**_prof(layers), "step_loss": {"features_bytes": 4000, "frozen_prefix": 1}}
+    t = stage_times(prof, [0, 2, 4])
+    assert t["F1"] == [4e-3, 4e-3] and t["F"] == [2e-3, 4e-3]
+    assert "F1" not in stage_times(_prof(layers), [0, 2, 4])
+    full = predict({**prof, "step_loss": {"features_bytes": 4000, "frozen_prefix": 0}}, [0, 2, 4], 4).step_time
+    assert predict(prof, [0, 2, 4], 4).step_time < full
+    F, B, M = [1.0, 1.0], [0.0, 2.0], 4
+    plain = simulate(F, B, M, [0.0]).step_time
+    reused = simulate([0.0, 1.0], B, M, [0.0], step_loss=True, first_pass=F).step_time
+    # the last stage's M forwards of the first pass on top; the training pass has no fill left
+    # (stage 0 hands its recorded outputs on at once), the first pass has the one fill
+    assert reused == plain + M * 1.0
 
 
 def test_layout_predictions_cost_the_extra_forward_and_the_all_gather():

@@ -258,9 +258,14 @@ class PlainModel(nn.Module):
         self.forward_only = frozenset(forward_only)
         self.features_mode = False  # a step loss: ``forward`` returns the last layer's features
         self.replay = None  # a step loss with dropout: ``parallel.step_loss.Replay`` reseeds each layer
+        self.memo = None  # a step loss's frozen prefix: ``parallel.step_loss.FirstPassMemo``
 
     def run_layers(self, acts: tuple, layers=None, evaluating: bool = False) -> tuple:
-        for layer in layers or self._layers:
+        layers = layers or self._layers
+        memo = self.memo if self.features_mode and self.training and layers is self._layers else None
+        if memo is not None and not memo.recording:  # the training pass: the prefix ran in the first pass
+            acts, layers = memo.take(), layers[len(memo.names):]
+        for layer in layers:
             module = self._module_of[layer.name]
             step = layer.eval_step if evaluating and layer.eval_step is not None else layer.step
             with self.replay.rng(layer.name) if self.replay is not None and self.training else nullcontext():
@@ -269,6 +274,8 @@ class PlainModel(nn.Module):
                         acts = step(module, acts)
                 else:
                     acts = step(module, acts)
+            if memo is not None and layer.name == memo.last:
+                memo.record(acts)
         return acts
 
     def forward(self, *fields):

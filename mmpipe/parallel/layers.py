@@ -26,8 +26,12 @@ class PipeLayer(nn.Module):
         self.features = False  # a step loss: the last layer hands out its features in training too
         self.replay = None  # a step loss with dropout: ``parallel.step_loss.Replay`` reseeds each forward
         self.surrogate = None  # a step loss's last layer: features -> the loss to backpropagate (with autograd)
+        self.memo = None  # a step loss's frozen prefix: ``parallel.step_loss.FirstPassMemo``
 
     def forward(self, acts):
+        memo = self.memo if self.training else None
+        if memo is not None and not memo.recording:  # the training pass: the prefix ran in the first pass
+            return self._as_forward_only(memo.take(), acts) if self.name == memo.last else acts
         if self.replay is not None and self.training:
             with self.replay.rng(self.name):
                 out = self._forward(acts)
@@ -37,6 +41,8 @@ class PipeLayer(nn.Module):
         # drops the gradient of a parameter used only in ``loss_fn`` (logit_scale)
         if self.surrogate is not None and torch.is_grad_enabled():
             return self.surrogate(out)
+        if memo is not None and self.name == memo.last:
+            memo.record(out)
         return out
 
     def _forward(self, acts):
@@ -44,6 +50,11 @@ class PipeLayer(nn.Module):
             return self._step(acts)
         with torch.no_grad():
             out = self._step(acts)
+        return self._as_forward_only(out, acts)
+
+    @staticmethod
+    def _as_forward_only(out, acts):
+        """A forward-only layer's outputs (computed without autograd), as the pipeline needs them."""
         # DeepSpeed runs backward on every float tensor a stage sends, and sends a gradient back
         # for every float tensor a stage received. Outputs are tied to the float inputs that
         # want a gradient by a zero-weight scalar: backward through it is a sum and a zero fill,

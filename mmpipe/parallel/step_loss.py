@@ -15,7 +15,10 @@ run by both strategies as a feature cache (GradCache; open_clip's ``--accum-freq
    other parameter does. The surrogate's value is the batch loss.
 
 Cost: one extra forward of every stage, the features of the global batch on the last stage, and
-one all-gather of them; activations are held for one micro-batch at a time, as without it.
+one all-gather of them; activations are held for one micro-batch at a time, as without it. A frozen
+prefix (the leading layers that run without autograd: a locked image tower) is not run twice: the
+first pass records its last layer's output per micro-batch and the second takes it
+(``FirstPassMemo``), so lock-image tuning pays its frozen tower's forward once per step.
 """
 from __future__ import annotations
 
@@ -64,6 +67,48 @@ class StepLossCache:
         if n > 1:
             s = s - (n - 1) * self.family.batch_loss(self.module, live.detach())
         return s + (self.loss - s).detach()
+
+
+class FirstPassMemo:
+    """The outputs of a frozen prefix from a step's forward-only pass, for the pass that trains.
+
+    ``names``: the leading layers of the model (of the first stage, in a pipeline) that run without
+    autograd (``forward_only``: frozen, nothing trainable upstream). They compute the same outputs in
+    both passes of a step (no weight changes between the passes, dropout replayed), so the first pass
+    records the last one's output per micro-batch and the second pass skips them all and takes the
+    record: what the first stage holds meanwhile is one boundary output per micro-batch."""
+
+    def __init__(self, names: list):
+        self.names, self.last = tuple(names), names[-1]
+        self.recording, self.k, self.outputs = True, 0, []
+
+    def start(self, recording: bool) -> None:
+        """Begin a pass: the forward-only one records, the training one replays."""
+        self.recording, self.k = recording, 0
+        if recording:
+            self.outputs = []
+
+    def record(self, out) -> None:
+        self.outputs.append(out)
+
+    def take(self):
+        """The recorded output of the next micro-batch (forward order)."""
+        if self.k >= len(self.outputs):
+            raise RuntimeError(f"FirstPassMemo: micro-batch {self.k} of the training pass was not recorded by the "
+                               f"forward-only pass ({len(self.outputs)} were)")
+        out = self.outputs[self.k]
+        self.k += 1
+        return out
+
+
+def frozen_prefix(names: list, forward_only) -> list:
+    """The leading layers of ``names`` that run without autograd (``forward_only``)."""
+    out = []
+    for name in names:
+        if name not in forward_only:
+            break
+        out.append(name)
+    return out
 
 
 def is_stochastic(module: nn.Module) -> bool:

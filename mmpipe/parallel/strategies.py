@@ -27,7 +27,7 @@ from mmpipe.parallel.ds_compat import (
 from mmpipe.parallel.layers import PipeLayer
 from mmpipe.parallel.module import MMPipelineModule
 from mmpipe.parallel.stage_clock import StageClock
-from mmpipe.parallel.step_loss import Replay, StepLossCache, is_stochastic
+from mmpipe.parallel.step_loss import FirstPassMemo, Replay, StepLossCache, frozen_prefix, is_stochastic
 
 LABEL_PLACEHOLDER = torch.zeros(1)  # DeepSpeed's last stage reads "labels"; a family without labels gets this
 
@@ -89,23 +89,43 @@ class PlainRunner:
             self.cache = StepLossCache(module.family, loss_module, A, D, dist.get_rank() if D > 1 else 0)
             if is_stochastic(module):
                 module.replay = Replay(module.family.seed)
+            prefix = frozen_prefix(module.family.layer_names(), module.forward_only)
+            if prefix and A > 1 and engine.zero_optimization_stage() < 3:  # ZeRO-3 traces the modules' order
+                module.memo = FirstPassMemo(prefix)
 
     def _to_device(self, tensors):
         return tuple(t.to(self.engine.device, non_blocking=True) for t in tensors)
 
     def _step_loss_step(self, data_iter, step: int) -> float:
         """The step's micro-batches forward-only for their features, the batch loss, then each
-        micro-batch trained on its surrogate (``mmpipe.parallel.step_loss``)."""
+        micro-batch trained on its surrogate (``mmpipe.parallel.step_loss``). With one micro-batch
+        per rank, no pass is repeated: its features, with autograd, are gathered (detached) and its
+        surrogate backpropagated."""
         module, cache = self.engine.module, self.cache
         batches = [next(data_iter)[0] for _ in range(self.topo.accumulation_steps)]
         module.features_mode = True
+        if len(batches) == 1:  # data parallel, one micro-batch per rank: one pass, as open_clip's
+            try:  # the live features give the step's loss and the gathered features their negatives
+                if module.replay is not None:
+                    module.replay.start(step)
+                out = self.engine(*self._to_device(batches[0]))
+                cache.fill([out])
+                self.engine.backward(cache.surrogate(out))
+                self.engine.step()
+            finally:
+                module.features_mode = False
+            return float(cache.loss)
         try:
             if module.replay is not None:
                 module.replay.start(step)
+            if module.memo is not None:
+                module.memo.start(recording=True)
             with torch.no_grad():
                 cache.fill([self.engine(*self._to_device(inputs)) for inputs in batches])
             if module.replay is not None:
                 module.replay.start(step)
+            if module.memo is not None:
+                module.memo.start(recording=False)
             for inputs in batches:
                 self.engine.backward(cache.surrogate(self.engine(*self._to_device(inputs))))
                 self.engine.step()
@@ -151,7 +171,7 @@ class PipelineRunner:
         self.clock = None
         if stage_timing:
             self.clock = StageClock(engine)
-        self.cache = self.replay = None
+        self.cache = self.replay = self.memo = None
         family = engine.module.family
         if family.step_loss:  # every layer hands out features; the last stage's loss is the surrogate
             layers = [m for m in engine.module.modules() if isinstance(m, PipeLayer)]
@@ -161,6 +181,11 @@ class PipelineRunner:
                 self.replay = Replay(family.seed)
                 for layer in layers:
                     layer.replay = self.replay
+            prefix = frozen_prefix([m.name for m in layers], {m.name for m in layers if m.forward_only})
+            if prefix and engine.is_first_stage():  # a frozen prefix runs once per step (FirstPassMemo)
+                self.memo = FirstPassMemo(prefix)
+                for layer in layers[:len(prefix)]:
+                    layer.memo = self.memo
             if engine.is_last_stage():
                 last = next(m for m in layers if m.name == family.layer_names()[-1])
                 self.cache = StepLossCache(family, last.part, topo.accumulation_steps, topo.data_parallel,
@@ -189,6 +214,8 @@ class PipelineRunner:
         reset_total_loss(engine)
         if self.replay is not None:
             self.replay.start(step)
+        if self.memo is not None:
+            self.memo.start(recording=True)
         with eval_batch_in_train_mode(engine), _monitors_off(engine):
             out = engine.eval_batch(iter(batches) if batches is not None else None, compute_loss=False,
                                     reduce_output=None, bcast_loss=False,
@@ -197,6 +224,8 @@ class PipelineRunner:
             self.cache.fill(list(out))
         if self.replay is not None:
             self.replay.start(step)
+        if self.memo is not None:
+            self.memo.start(recording=False)
         return float(engine.train_batch(iter(batches) if batches is not None else None))
 
     def eval_outputs(self, batches, n_micro: int) -> Optional[list]:

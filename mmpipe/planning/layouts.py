@@ -192,10 +192,11 @@ def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple) -> LayoutPredic
         else:  # unmeasured: one gather latency per further module
             cm += M * 2 * (units[0] + units[1] - 1) * comm.time("allgather", n, 1.0)
     step_loss = ctx.raw.get("step_loss")
-    if step_loss and M * n > 1:  # the forward-only pass for the features, and their all-gather
-        fb += sum(c.fwd_ms for c in costs) / 1e3
-        if n > 1:
-            cm += comm.time("allgather", n, M * step_loss["features_bytes"])
+    if step_loss and M > 1:  # the forward-only pass for the features (the training pass takes a frozen
+        # prefix's output from it); with one micro-batch per rank there is one pass (parallel.strategies)
+        fb += sum(c.fwd_ms for c in costs[step_loss.get("frozen_prefix", 0) if z < 3 else 0:]) / 1e3
+    if step_loss and n > 1:  # the features' all-gather
+        cm += comm.time("allgather", n, M * step_loss["features_bytes"])
     row.compute = M * fb + (opt / n if z >= 1 else opt)
     row.comm = cm * ctx.over + fixed  # collectives between oversubscribed ranks wait for the cores too
     row.step_time = row.compute + row.comm
@@ -225,8 +226,8 @@ def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: l
     gather = ctx.comm.time("allgather", D, M * step_loss["features_bytes"]) if step_loss and D > 1 else 0.0
     if ctx.cores and D * P * ctx.threads > ctx.cores:
         sim, _ = simulate_shared_cores(t["F"], t["B"], M, t["comm"], t["opt"], t["comm_grad"], D, ctx.threads,
-                                       ctx.cores, ctx.slope, step_loss=bool(step_loss))
-        raw_busy = [M * (a + b + (a if step_loss else 0.0)) + o for a, b, o in zip(t["F"], t["B"], t["opt"])]
+                                       ctx.cores, ctx.slope, step_loss=bool(step_loss), first_pass=t.get("F1"))
+        raw_busy = [M * (a + b + a1) + o for a, b, a1, o in zip(t["F"], t["B"], t.get("F1", [0.0] * P), t["opt"])]
         f = sum(sim.busy) / sum(raw_busy) if sum(raw_busy) else 1.0  # the mean stretch, for what follows
     else:
         sim, f = predict(ctx.raw, parts, M), 1.0
@@ -241,7 +242,7 @@ def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: l
         if z == 1:
             opt_saving = max(opt_saving, t["opt"][s] * (1 - 1 / D))
     row.step_time = sim.step_time - opt_saving + dp_comm + gather * f
-    row.compute = M * max(a + b + (a if step_loss else 0.0) for a, b in zip(t["F"], t["B"]))
+    row.compute = M * max(a + b + a1 for a, b, a1 in zip(t["F"], t["B"], t.get("F1", [0.0] * P)))
     row.comm = dp_comm + sim.step_time - max(sim.busy)  # waiting, transfers and the reduction
     row.bubble = sim.bubble
     row.samples_per_s = ctx.batch / row.step_time

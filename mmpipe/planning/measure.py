@@ -17,6 +17,7 @@ from mmpipe.data.tokenizer import StandInTokenizer, load_tokenizer, tokenizer_ch
 from mmpipe.errors import ConfigError
 from mmpipe.parallel.cpu_process import keep_freed_memory
 from mmpipe.parallel.layers import PipeLayer, plain_state_key
+from mmpipe.parallel.step_loss import frozen_prefix
 from mmpipe.parallel.topology import threads_per_rank
 from mmpipe.planning.cache import _write_json, cache_dir
 from mmpipe.planning.collectives import fit_comm, measure_p2p
@@ -121,11 +122,15 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
 def _with_step_loss(prof: dict, family) -> dict:
     """A family whose loss spans the step (``Family.step_loss``) runs a forward-only pass first and
     gathers the last layer's inputs (its features; fp32, one micro-batch's: ``features_bytes``)
-    over the last stage's data-parallel group: the predictions cost what runs."""
+    over the last stage's data-parallel group; its training pass skips the leading frozen layers
+    (``frozen_prefix`` of them): the predictions cost what runs."""
     prof.pop("step_loss", None)
     if family.step_loss:
         widen = 1 if prof.get("key", {}).get("precision", "fp32") == "fp32" else 2  # features gathered in fp32
-        prof["step_loss"] = {"features_bytes": widen * layer_costs(prof)[-2].out_bytes}
+        forward_only = prof.get("key", {}).get("forward_only", [])
+        prof["step_loss"] = {"features_bytes": widen * layer_costs(prof)[-2].out_bytes,
+                             # leading layers run once per step (parallel.step_loss.FirstPassMemo)
+                             "frozen_prefix": len(frozen_prefix(family.layer_names(), set(forward_only)))}
     return prof
 
 

@@ -93,7 +93,9 @@ def layer_costs(prof: dict) -> list:
 def stage_times(prof: dict, parts: list) -> dict:
     """Per-stage forward, backward, optimizer seconds per micro-batch, and per boundary the seconds to
     send one micro-batch's activations (``comm``: one message per tensor of the tuple) and to send
-    their gradients back (``comm_grad``: one message per float tensor that wants one)."""
+    their gradients back (``comm_grad``: one message per float tensor that wants one). With a step
+    loss (``prof["step_loss"]``), ``F1`` is the forward-only pass's forward per stage and ``F`` the
+    training pass's, which takes a frozen prefix's output from the first pass (``FirstPassMemo``)."""
     costs = layer_costs(prof)
     P = len(parts) - 1
     F = [sum(c.fwd_ms for c in costs[parts[s]:parts[s + 1]]) / 1e3 for s in range(P)]
@@ -103,14 +105,18 @@ def stage_times(prof: dict, parts: list) -> dict:
     last = [costs[parts[s + 1] - 1] for s in range(P - 1)]
     comm = [c.out_tensors * lat + spb * c.out_bytes for c in last]
     back = [c.grad_tensors * lat + spb * (c.out_bytes if c.grad_bytes is None else c.grad_bytes) for c in last]
-    return {"F": F, "B": B, "opt": opt, "comm": comm, "comm_grad": back}
+    out = {"F": F, "B": B, "opt": opt, "comm": comm, "comm_grad": back}
+    if prof.get("step_loss"):  # the forward-only pass runs every layer; the training pass skips a frozen prefix
+        out["F1"] = list(F)
+        F[0] -= sum(c.fwd_ms for c in costs[:min(prof["step_loss"].get("frozen_prefix", 0), parts[1])]) / 1e3
+    return out
 
 
 def predict(prof: dict, parts: list, micro_batches: int, schedule: str = "1f1b"):
     """The simulated step of ``parts`` (a step loss's forward-only pass included, ``prof["step_loss"]``)."""
     t = stage_times(prof, parts)
     r = simulate(t["F"], t["B"], micro_batches, t["comm"], t["opt"], schedule=schedule, comm_grad=t["comm_grad"],
-                 step_loss=bool(prof.get("step_loss")))
+                 step_loss=bool(prof.get("step_loss")), first_pass=t.get("F1"))
     r.parts = list(parts)
     return r
 

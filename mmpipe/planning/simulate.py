@@ -36,16 +36,19 @@ class SimResult:
 def _ds_streams(stages: int, micro_batches: int, step_loss: bool = False) -> list[list[tuple[str, Optional[int]]]]:
     """Per stage: DeepSpeed's TrainSchedule flattened to (instruction name, buffer id). With
     ``step_loss`` (``mmpipe.parallel.step_loss``) its InferenceSchedule runs first (the forward-only
-    pass for the features), then the last stage gathers the features (``GatherFeatures``)."""
+    pass for the features: its forwards are ``FeaturesPass``), then the last stage gathers the
+    features (``GatherFeatures``)."""
     from deepspeed.runtime.pipe import schedule as S
     out = []
     for s in range(stages):
         cmds = []
         kinds = ([S.InferenceSchedule] if step_loss else []) + [S.TrainSchedule]
         for kind in kinds:
+            first = kind is not S.TrainSchedule
             for step in kind(micro_batches=micro_batches, stages=stages, stage_id=s).steps():
                 for c in step:
-                    cmds.append((type(c).__name__, c.kwargs.get("buffer_id")))
+                    name = type(c).__name__
+                    cmds.append(("FeaturesPass" if first and name == "ForwardPass" else name, c.kwargs.get("buffer_id")))
             if kind is not S.TrainSchedule and s == stages - 1:
                 cmds.append(("GatherFeatures", None))
         out.append(cmds)
@@ -78,22 +81,26 @@ def _gpipe_streams(stages: int, micro_batches: int) -> list[list[tuple[str, Opti
 
 _PARTNER = {"SendActivation": (1, "RecvActivation"), "RecvActivation": (-1, "SendActivation"),
             "SendGrad": (-1, "RecvGrad"), "RecvGrad": (1, "SendGrad")}
-BUSY_KINDS = ("ForwardPass", "BackwardPass", "OptimizerStep", "LoadMicroBatch")
+BUSY_KINDS = ("ForwardPass", "BackwardPass", "OptimizerStep", "LoadMicroBatch", "FeaturesPass")
 
 
 def simulate(F: list, B: list, micro_batches: int, comm: Optional[list] = None, opt: Optional[list] = None,
              load: Optional[list] = None, schedule: str = "1f1b", comm_grad: Optional[list] = None,
-             stretch: Optional[list] = None, step_loss: bool = False, gather: float = 0.0) -> SimResult:
+             stretch: Optional[list] = None, step_loss: bool = False, gather: float = 0.0,
+             first_pass: Optional[list] = None) -> SimResult:
     """``F``, ``B``, ``opt``, ``load``: seconds per stage; ``comm[s]``: seconds to move one
     micro-batch's activations across the boundary between stage s and s+1, ``comm_grad[s]`` its
     gradients back (default: ``comm[s]``); ``stretch[s][i]``: a factor on the duration of stage s's
-    i-th instruction (``simulate_shared_cores``); ``step_loss``: a forward-only pass first and
-    ``gather`` seconds on the last stage between the passes."""
+    i-th instruction (``simulate_shared_cores``); ``step_loss``: a forward-only pass first, its
+    forwards ``first_pass[s]`` seconds (default ``F``; then ``F`` is the training pass's, less a
+    frozen prefix it takes from the first pass), and ``gather`` seconds on the last stage between
+    the passes."""
     P, M = len(F), micro_batches
     comm = comm if comm is not None else [0.0] * max(0, P - 1)
     back = comm_grad if comm_grad is not None else comm
     opt = opt if opt is not None else [0.0] * P
     load = load if load is not None else [0.0] * P
+    first_pass = first_pass if first_pass is not None else F
     streams = _ds_streams(P, M, step_loss) if schedule == "1f1b" else _gpipe_streams(P, M)
     ptr, clock = [0] * P, [0.0] * P
     busy = [0.0] * P
@@ -120,7 +127,7 @@ def simulate(F: list, B: list, micro_batches: int, comm: Optional[list] = None, 
                     done += 2
                     progressed = True
                     continue
-                dur = {"ForwardPass": F[s], "BackwardPass": B[s], "OptimizerStep": opt[s],
+                dur = {"ForwardPass": F[s], "FeaturesPass": first_pass[s], "BackwardPass": B[s], "OptimizerStep": opt[s],
                        "LoadMicroBatch": load[s], "GatherFeatures": gather}.get(kind, 0.0) * (stretch[s][ptr[s]] if stretch else 1.0)
                 timeline.append((s, kind, streams[s][ptr[s]][1], clock[s], clock[s] + dur))
                 clock[s] += dur
@@ -138,7 +145,8 @@ def simulate(F: list, B: list, micro_batches: int, comm: Optional[list] = None, 
 
 def simulate_shared_cores(F: list, B: list, micro_batches: int, comm: Optional[list], opt: Optional[list],
                           comm_grad: Optional[list], replicas: int, threads: int, cores: int, slope: float = 1.0,
-                          iters: int = 40, step_loss: bool = False, gather: float = 0.0) -> tuple:
+                          iters: int = 40, step_loss: bool = False, gather: float = 0.0,
+                          first_pass: Optional[list] = None) -> tuple:
     """The schedule when the stages' ranks (``replicas`` data-parallel copies of the pipeline, each
     rank ``threads`` threads) share ``cores``: each compute instruction runs slower by the
     oversubscription o = ranks computing at once x threads / cores while it runs: 1 + (o - 1) x
@@ -151,7 +159,7 @@ def simulate_shared_cores(F: list, B: list, micro_batches: int, comm: Optional[l
     streams = _ds_streams(P, micro_batches, step_loss)
     stretch = [[1.0] * len(st) for st in streams]
     kinds_of = [[i for i, (kind, _) in enumerate(st) if kind in BUSY_KINDS] for st in streams]
-    extra = {"step_loss": step_loss, "gather": gather}
+    extra = {"step_loss": step_loss, "gather": gather, "first_pass": first_pass}
     r = simulate(F, B, micro_batches, comm, opt, comm_grad=comm_grad, **extra)
     for it in range(iters):
         busy = [(s, a, b) for s, kind, _, a, b in r.timeline if kind in BUSY_KINDS]  # stream order per stage
