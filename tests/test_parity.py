@@ -58,6 +58,11 @@ def assert_weights_close(a: dict, b: dict, rtol=1e-4, atol=1e-6):
         torch.testing.assert_close(a[k].float(), b[k].float(), rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
 
 
+# the toy family (a third family from one test file) trains at P = 1 and P = 2 with parity in its own
+# file; here it runs the P x DP layout only, so the suite stays within CI's time
+TOY_COVERED = "toy family: P = 1 / P = 2 parity in test_toy_family.py; here only P2 x DP2"
+
+
 @pytest.mark.parametrize("key,nprocs,launcher,sets", [
     ("p1", 1, "python", ["parallel.pipeline_stages=1"]),
     ("p3", 3, "deepspeed", ["parallel.pipeline_stages=3"]),
@@ -66,6 +71,8 @@ def assert_weights_close(a: dict, b: dict, rtol=1e-4, atol=1e-6):
 ])
 def test_layout_parity(parity_family, family_runs_of, key, nprocs, launcher, sets):
     family = parity_family
+    if family == "toy" and key != "p2dp2":
+        pytest.skip(TOY_COVERED)
     runs = family_runs_of(family)
     ref = reference(runs)
     out, _ = runs.get(key, nprocs, sets, launcher, flags=["--stop-at", "4"])
@@ -107,6 +114,8 @@ def test_resume_reproduces_straight_run(parity_family, family_runs_of):
     """Stop at 3 and resume: losses, weights and every carried metric (bad-sample count, lr, the
     eval lines, including the eval due at the stop step) equal the straight run's."""
     family = parity_family
+    if family == "toy":
+        pytest.skip(TOY_COVERED)
     runs = family_runs_of(family)
     ref = reference(runs)
     out, proc = runs.resume("p2_resume", 2, ["parallel.pipeline_stages=2", "train.eval_every=3"])
