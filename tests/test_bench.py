@@ -50,3 +50,16 @@ def test_the_benches_find_the_repository_they_run_in():
     from mmpipe.bench.common import ROOT
     assert os.path.isfile(os.path.join(ROOT, "launch", "train.py"))
     assert os.path.isfile(os.path.join(ROOT, "configs", "demo.yaml"))
+
+
+def test_peers_reads_open_clips_step_log(tmp_path):
+    """``mmpipe bench peers`` times open_clip_train by its own per-step log line (train.py's format)."""
+    from mmpipe.bench.peers import open_clip_step_times
+    lines = ["2026-11-25,18:01:00 | INFO | Train Epoch: 0 [   64/25600 (0%)] Data (t): 0.210 Batch (t): 1.250, "
+             "51.2000/s, 25.6000/s/gpu LR: 0.000033 Logit Scale: 14.286 Contrastive_loss: 4.1589 (4.1589) Loss: "
+             "4.1589 (4.1589)",
+             "2026-11-25,18:01:01 | INFO | Train Epoch: 0 [  128/25600 (1%)] Data (t): 0.105 Batch (t): 0.700, "
+             "200.000/s, 100.000/s/gpu LR: 0.000067 Logit Scale: 14.286 Contrastive_loss: 4.1500 (4.1544) Loss: "
+             "4.1500 (4.1544)"]
+    (tmp_path / "out.log").write_text("\n".join(["2026-11-25,18:00:59 | INFO | Start epoch 0"] + lines) + "\n")
+    assert open_clip_step_times(str(tmp_path), 64) == [64 / 51.2, 64 / 200.0]

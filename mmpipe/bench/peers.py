@@ -61,6 +61,8 @@ class Job:
         self.sets = [f"data.train={info['train']}", f"data.val={info['val']}", f"data.tokenizer={tok_dir}",
                      f"train.steps={args.steps}", f"train.eval_every={args.steps}", f"train.save_every={args.steps}",
                      "parallel.layout=auto", "log.progress=false"]
+        # open_clip runs each rank's share of the batch as one batch: mmpipe gets the same micro-batch
+        self.sets.append(f"parallel.micro_batch_size={load_config(args.config).train.batch_size // 2}")
         cfg = load_config(args.config, self.sets)
         cfg = replace(cfg, model=self.family_cls.resolve(cfg.model, self.tokenizer, cfg.data))
         self.cfg, self.size = cfg, size
@@ -190,7 +192,8 @@ def bench_peers(args) -> int:
     notes = (f"{os.path.basename(args.config)}'s model ({job.cfg.model.vision.num_hidden_layers}+"
              f"{job.cfg.model.text.num_hidden_layers}-layer CLIP ViT + CLIP text), {args.n} synthetic pairs "
              f"({len(job.val)} held out for recall, chance R@1 {1 / len(job.val):.3f}), global batch {batch}, "
-             f"{args.steps} steps, fp32, 2 ranks on this machine's cores; samples/s from the median step after the "
+             f"{args.steps} steps, fp32, 2 ranks on this machine's cores, micro-batch {batch // 2} for both (open_clip "
+             f"runs each rank's share as one batch); samples/s from the median step after the "
              f"first {args.warmup} (open_clip: its own per-step `Batch (t)` log; mmpipe: its metrics). Both start from "
              "mmpipe's initial weights, converted to open_clip's names and checked equal on a batch, and read the "
              "same token ids (mmpipe's tokenizer) and pixels (mmpipe's decode and resize): open_clip_train "
@@ -202,7 +205,9 @@ def bench_peers(args) -> int:
              f"{job.cfg.data.max_length} tokens (mmpipe pads to the batch's longest) and samples with its "
              "DistributedSampler (mmpipe with its own seeded sampler), so recall agrees within noise, not exactly.")
     if not args.no_append:
-        cmd = "mmpipe bench peers " + " ".join(shlex.quote(a) for a in sys.argv[3:])
+        given = sys.argv[3:]
+        cmd = "mmpipe bench peers " + " ".join(shlex.quote(a) for a in
+                                               (given if "--family" in given else ["--family", args.family] + given))
         append_benchmarks("Peers: mmpipe vs open_clip_train (CLIP)", cmd, table, notes)
     return 0
 
