@@ -6,13 +6,16 @@ run by both strategies as a feature cache (GradCache; open_clip's ``--accum-freq
    (step, micro-batch, layer) in both passes, so the second pass replays the first's random numbers;
 2. the last stage all-gathers them over its data-parallel group and computes the loss of the whole
    batch once (``Family.batch_loss``): the number reported;
-3. the ordinary pass (1F1B in a pipeline, one micro-batch at a time at P = 1) recomputes each
-   micro-batch's features with autograd and backpropagates a surrogate: the batch loss with that
-   micro-batch's rows live and every other row from the cache, times A x D (DeepSpeed divides each
-   micro-batch's loss by the A accumulation steps and averages over the D data-parallel ranks), less
-   (A x D - 1) times the same loss on detached features, so that the loss module's own parameters
-   (``logit_scale``) get the batch loss's gradient exactly once per micro-batch and rank, as every
-   other parameter does. The surrogate's value is the batch loss.
+3. from the same batch loss, its gradient with respect to every feature (one backward through the
+   B x B loss, as GradCache does);
+4. the ordinary pass (1F1B in a pipeline, one micro-batch at a time at P = 1) recomputes each
+   micro-batch's features with autograd and backpropagates a surrogate: n <features, their cached
+   gradient>, n = A x D (DeepSpeed divides each micro-batch's loss by the A accumulation steps and
+   averages over the D data-parallel ranks), plus, on each rank's first micro-batch only, A times the
+   batch loss on the cached features, so that the loss module's own parameters (``logit_scale``) get
+   the batch loss's gradient exactly once. The surrogate's value is the batch loss. The B x B loss is
+   thus computed three times a step (the loss, its feature gradient, the loss module's gradient),
+   not once per micro-batch.
 
 Cost: one extra forward of every stage, the features of the global batch on the last stage, and
 one all-gather of them; activations are held for one micro-batch at a time, as without it. A frozen
@@ -42,7 +45,7 @@ class StepLossCache:
 
     def fill(self, outputs: list) -> None:
         """This rank's last-layer outputs of the step (one per micro-batch, in order), gathered over
-        the data-parallel group, and the loss of the whole batch."""
+        the data-parallel group; the loss of the whole batch and its gradient for every feature."""
         local = torch.cat([o.detach().float() for o in outputs])
         self.rows = outputs[0].shape[0]
         if self.D > 1:
@@ -50,22 +53,23 @@ class StepLossCache:
             dist.all_gather(parts, local, group=self.group)
             local = torch.cat(parts)
         self.features = local
-        with torch.no_grad():
-            self.loss = self.family.batch_loss(self.module, self.features).detach().float()
+        with torch.enable_grad():
+            feats = local.clone().requires_grad_(True)
+            loss = self.family.batch_loss(self.module, feats)
+            self.grad, = torch.autograd.grad(loss, feats)
+        self.loss = loss.detach().float()
         self.k = 0
 
     def surrogate(self, outputs: torch.Tensor) -> torch.Tensor:
         """The loss to backpropagate for the next micro-batch (forward order) from its live features:
-        n L(live) - (n - 1) L(live, features detached), n = A x D. Its gradient is n times the batch
-        loss's for this micro-batch's features and exactly the batch loss's for the loss module's own
-        parameters (``logit_scale``), which every micro-batch of every rank sees; its value is L."""
+        n <live, cached gradient> (n = A x D), plus A L(cached features) on the rank's first
+        micro-batch, for the loss module's own parameters; its value is L."""
         start = (self.dp_rank * self.A + self.k) * self.rows
+        first = self.k == 0
         self.k += 1
-        live = torch.cat([self.features[:start], outputs.float(), self.features[start + self.rows:]])
-        n = self.A * self.D
-        s = n * self.family.batch_loss(self.module, live)
-        if n > 1:
-            s = s - (n - 1) * self.family.batch_loss(self.module, live.detach())
+        s = self.A * self.D * (outputs.float() * self.grad[start:start + self.rows]).sum()
+        if first and any(p.requires_grad for p in self.module.parameters()):
+            s = s + self.A * self.family.batch_loss(self.module, self.features)
         return s + (self.loss - s).detach()
 
 
