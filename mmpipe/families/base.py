@@ -20,6 +20,7 @@ from torch import nn
 
 from mmpipe.errors import NoHFFormat
 from mmpipe.families.towers.common import part_seed
+from mmpipe.parallel.layers import checkpoint
 
 
 class Layer(NamedTuple):
@@ -259,6 +260,7 @@ class PlainModel(nn.Module):
         self.features_mode = False  # a step loss: ``forward`` returns the last layer's features
         self.replay = None  # a step loss with dropout: ``parallel.step_loss.Replay`` reseeds each layer
         self.memo = None  # a step loss's frozen prefix: ``parallel.step_loss.FirstPassMemo``
+        self.checkpointing = False  # parallel.activation_checkpointing: trained layers recompute in backward
 
     def run_layers(self, acts: tuple, layers=None, evaluating: bool = False) -> tuple:
         layers = layers or self._layers
@@ -272,6 +274,8 @@ class PlainModel(nn.Module):
                 if layer.name in self.forward_only and torch.is_grad_enabled():
                     with torch.no_grad():
                         acts = step(module, acts)
+                elif self.checkpointing and self.training and torch.is_grad_enabled():
+                    acts = checkpoint(step, module, acts)
                 else:
                     acts = step(module, acts)
             if memo is not None and layer.name == memo.last:

@@ -27,16 +27,18 @@ class PipeLayer(nn.Module):
         self.replay = None  # a step loss with dropout: ``parallel.step_loss.Replay`` reseeds each forward
         self.surrogate = None  # a step loss's last layer: features -> the loss to backpropagate (with autograd)
         self.memo = None  # a step loss's frozen prefix: ``parallel.step_loss.FirstPassMemo``
+        self.checkpointing = False  # parallel.activation_checkpointing: recompute the forward in backward
 
     def forward(self, acts):
         memo = self.memo if self.training else None
         if memo is not None and not memo.recording:  # the training pass: the prefix ran in the first pass
             return self._as_forward_only(memo.take(), acts) if self.name == memo.last else acts
+        run = self._checkpointed if self.checkpointing and not self.forward_only else self._forward
         if self.replay is not None and self.training:
             with self.replay.rng(self.name):
-                out = self._forward(acts)
+                out = run(acts)
         else:
-            out = self._forward(acts)
+            out = run(acts)
         # inside the module's forward, as the loss layer's own loss is: DeepSpeed's bf16 pipeline
         # drops the gradient of a parameter used only in ``loss_fn`` (logit_scale)
         if self.surrogate is not None and torch.is_grad_enabled():
@@ -44,6 +46,11 @@ class PipeLayer(nn.Module):
         if memo is not None and self.name == memo.last:
             memo.record(out)
         return out
+
+    def _checkpointed(self, acts):
+        if not (self.training and torch.is_grad_enabled()):
+            return self._forward(acts)
+        return checkpoint(self._forward, acts)
 
     def _forward(self, acts):
         if not (self.forward_only and torch.is_grad_enabled()):
@@ -80,6 +87,26 @@ class PipeLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return self.name
+
+
+def checkpoint(fn, *args):
+    """``fn(*args)`` keeping only its inputs for backward, where it runs again (torch's non-reentrant
+    activation checkpoint; the random-number state is restored for the recompute, so dropout draws
+    the same masks)."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+    return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+def set_activation_checkpointing(module: nn.Module, on: bool = True) -> int:
+    """Turn activation checkpointing on for every layer of a pipeline module or plain model that
+    trains (forward-only layers never); returns how many layers it applies to."""
+    layers = [m for m in module.modules() if isinstance(m, PipeLayer)]
+    if layers:
+        for layer in layers:
+            layer.checkpointing = on
+        return sum(not la.forward_only for la in layers)
+    module.checkpointing = on  # a plain model (families.base.PlainModel)
+    return len([n for n in module.family.layer_names() if n not in module.forward_only])
 
 
 def wants_grad(t) -> bool:

@@ -10,6 +10,7 @@ import torch
 
 from mmpipe.config.groups import apply_freeze, lr_lambda, param_groups
 from mmpipe.parallel.ds_compat import fix_fp16_backward_scaling
+from mmpipe.parallel.layers import set_activation_checkpointing
 from mmpipe.parallel.strategies import strategy_for
 from mmpipe.train import checkpoint
 from mmpipe.train.clipping import GradClipper, innermost_optimizer
@@ -38,6 +39,8 @@ def build_engine(run) -> Engine:
     forward_only = run.frozen[2]
     strategy = strategy_for(topo)(family, run.plan, topo, forward_only)
     model = strategy.build_module(dynamic_shape=cfg.data.padding == "batch" or family.dynamic_shapes)
+    if cfg.parallel.activation_checkpointing == "all":
+        set_activation_checkpointing(model)
     apply_freeze(strategy.named_parameters(model), run.groups)
     torch_groups = param_groups(strategy.named_parameters(model), run.groups)
     if not torch_groups:  # every layer of this stage is frozen: it still runs, forward only
