@@ -123,3 +123,14 @@ def test_a_vlm_pipeline_trains_exactly_as_without_it(family_runs_of):
     ckpt = runs.get("ac_all_p3", 3, ["parallel.pipeline_stages=3", "parallel.activation_checkpointing=all"],
                     flags=flags)[0]
     _same_run(ckpt, plain)
+
+
+def test_the_cost_model_adds_the_recomputed_forward():
+    """A checkpointed layer's backward runs its forward again; a forward-only layer's does not."""
+    from test_layout import NAMES, _layer, _prof
+
+    from mmpipe.planning.place import stage_times
+    layers = [_layer(n, 2.0, 4.0, 1000) for n in NAMES]
+    prof = {**_prof(layers), "key": {"threads": 1, "forward_only": [NAMES[0]]}}
+    assert stage_times(prof, [0, 2, 4])["B"] == [8e-3, 8e-3]
+    assert stage_times({**prof, "checkpointing": True}, [0, 2, 4])["B"] == [10e-3, 12e-3]

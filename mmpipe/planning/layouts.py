@@ -43,7 +43,7 @@ from mmpipe.planning.memory import (
     stage_memory,
     state_bytes,
 )
-from mmpipe.planning.place import layer_costs, place, predict, stage_times
+from mmpipe.planning.place import recomputed_ms, layer_costs, place, predict, stage_times
 from mmpipe.planning.simulate import simulate_shared_cores
 
 
@@ -161,7 +161,7 @@ def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple) -> LayoutPredic
         return row
     if z >= 2 and grouped_clip:
         row.fits, row.why = False, "per-group max_grad_norm needs ZeRO 0/1"
-    fb = sum(c.fwd_ms + c.bwd_ms for c in costs) / 1e3
+    fb = sum(c.fwd_ms + c.bwd_ms + r for c, r in zip(costs, recomputed_ms(ctx.raw, costs))) / 1e3
     opt = sum(c.opt_ms for c in costs) / 1e3
     G = sum(c.trainable for c in costs) * ctx.g_b
     W = sum(c.params for c in costs) * ctx.w_b

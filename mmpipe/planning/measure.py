@@ -95,7 +95,7 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
         if measure_comm and not prof["comm"].get("measured"):  # cached without transfers: measure them now
             prof["comm"] = _measure_comm(layer_costs(prof))
             _write_json(path, prof)
-        return _with_step_loss(prof, family)
+        return _with_schedule(prof, family, cfg)
     if log:
         log(f"profiling {len(family.layer_names())} layers (micro-batch {micro_batch_size}, {cfg.train.precision}, "
             f"{device.type}, {threads} thread(s)) ...")
@@ -116,6 +116,14 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
     prof = {"key": key, "layers": [c.to_dict() for c in costs], "comm": comm, "passes": len(runs)}
     if use_cache:
         _write_json(path, prof)
+    return _with_schedule(prof, family, cfg)
+
+
+def _with_schedule(prof: dict, family, cfg) -> dict:
+    """What the run does beyond one forward and backward per micro-batch: a loss over the step
+    (``_with_step_loss``) and activation checkpointing (``checkpointing``: every trained layer's
+    forward runs again in its backward), so the predictions cost what runs."""
+    prof["checkpointing"] = cfg.parallel.activation_checkpointing == "all"
     return _with_step_loss(prof, family)
 
 

@@ -90,16 +90,28 @@ def layer_costs(prof: dict) -> list:
     return [LayerCost(**d) for d in prof["layers"]]
 
 
+def recomputed_ms(prof: dict, costs: list) -> list:
+    """Per layer, the forward milliseconds its backward runs again: activation checkpointing
+    (``prof["checkpointing"]``) recomputes every layer but the forward-only ones."""
+    if not prof.get("checkpointing"):
+        return [0.0] * len(costs)
+    forward_only = set(prof.get("key", {}).get("forward_only", []))
+    return [0.0 if c.name in forward_only else c.fwd_ms for c in costs]
+
+
 def stage_times(prof: dict, parts: list) -> dict:
     """Per-stage forward, backward, optimizer seconds per micro-batch, and per boundary the seconds to
     send one micro-batch's activations (``comm``: one message per tensor of the tuple) and to send
-    their gradients back (``comm_grad``: one message per float tensor that wants one). With a step
+    their gradients back (``comm_grad``: one message per float tensor that wants one); a backward
+    includes the recomputed forward under activation checkpointing. With a step
     loss (``prof["step_loss"]``), ``F1`` is the forward-only pass's forward per stage and ``F`` the
     training pass's, which takes a frozen prefix's output from the first pass (``FirstPassMemo``)."""
     costs = layer_costs(prof)
     P = len(parts) - 1
     F = [sum(c.fwd_ms for c in costs[parts[s]:parts[s + 1]]) / 1e3 for s in range(P)]
-    B = [sum(c.bwd_ms for c in costs[parts[s]:parts[s + 1]]) / 1e3 for s in range(P)]
+    recompute = recomputed_ms(prof, costs)
+    B = [sum(c.bwd_ms + r for c, r in zip(costs[parts[s]:parts[s + 1]], recompute[parts[s]:parts[s + 1]])) / 1e3
+         for s in range(P)]
     opt = [sum(c.opt_ms for c in costs[parts[s]:parts[s + 1]]) / 1e3 for s in range(P)]
     lat, spb = prof["comm"]["latency_s"], prof["comm"]["s_per_byte"]
     last = [costs[parts[s + 1] - 1] for s in range(P - 1)]
