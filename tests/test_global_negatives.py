@@ -150,13 +150,16 @@ def test_every_layout_trains_like_one_micro_batch_of_the_global_batch(runs, key,
     _assert_same_training(_steps4(runs, key, nprocs, sets, launcher), one)
 
 
-@pytest.mark.parametrize("name,extra", [
-    ("bert", ["model.text.arch=bert", "model.text.dropout=0"]),
-    ("frozen_vision", ["optim.freeze_vision=true"]),
+@pytest.mark.parametrize("name,extra", [  # an evaluation at step 2: the next step's first pass trains again
+    ("bert", ["model.text.arch=bert", "model.text.dropout=0", "train.eval_every=2"]),
+    ("frozen_vision", ["optim.freeze_vision=true", "train.eval_every=2"]),
 ])
 def test_bert_and_frozen_towers_train_like_one_micro_batch(runs, name, extra):
     one = _steps4(runs, f"gn_one_{name}", 1, ONE_MICRO_BATCH + extra, "python")
     _assert_same_training(_steps4(runs, f"gn_p2_{name}", 2, ["parallel.pipeline_stages=2"] + extra), one)
+    if name == "frozen_vision":  # the frozen prefix's record at P = 1 too (4 micro-batches, PlainRunner)
+        _assert_same_training(_steps4(runs, "gn_p1x4_frozen_vision", 1, ["parallel.pipeline_stages=1"] + extra,
+                                      "python"), one)
 
 
 def test_micro_batch_negatives_train_differently(runs):
@@ -201,6 +204,25 @@ def test_a_frozen_prefix_is_costed_once():
     # the last stage's M forwards of the first pass on top; the training pass has no fill left
     # (stage 0 hands its recorded outputs on at once), the first pass has the one fill
     assert reused == plain + M * 1.0
+
+
+def test_one_micro_batch_per_rank_costs_no_extra_forward():
+    """Data parallel with the per-rank batch in one micro-batch runs one pass (PlainRunner): the
+    layout model adds the features' all-gather only."""
+    from test_layout import NAMES, SEGS, _layer, _prof
+
+    from mmpipe.planning.collectives import CommModel
+    from mmpipe.planning.layouts import predict_layouts
+    layers = [_layer(n, 2.0, 4.0, 1000, out=4000) for n in NAMES]
+    comm = CommModel(ops={"allreduce": {2: (1e-3, 2e-9)}, "allgather": {2: (5e-4, 1e-9)},
+                          "reduce_scatter": {2: (5e-4, 1e-9)}})
+    kw = dict(world=2, batch_size=16, micro_batch_size=8, precision="fp32", names=NAMES, segments=SEGS,
+              fetch_units=10, zero_stages=(0,))
+    plain = {r.name: r for r in predict_layouts(_prof(layers), comm, **kw)}["DP2 ZeRO-0"]
+    step = {r.name: r for r in predict_layouts({**_prof(layers), "step_loss": {"features_bytes": 4000}}, comm,
+                                               **kw)}["DP2 ZeRO-0"]
+    assert step.micro_batches == 1
+    assert step.step_time == pytest.approx(plain.step_time + 5e-4 + 1e-9 * 4000, rel=1e-9)
 
 
 def test_layout_predictions_cost_the_extra_forward_and_the_all_gather():

@@ -59,7 +59,7 @@ def assert_weights_close(a: dict, b: dict, rtol=1e-4, atol=1e-6):
 
 
 # the toy family (a third family from one test file) trains at P = 1 and P = 2 with parity in its own
-# file; here it runs the P x DP layout only, so the suite stays within CI's time
+# file; here it runs the P x DP layout (and the resume below) only, so the suite stays within CI's time
 TOY_COVERED = "toy family: P = 1 / P = 2 parity in test_toy_family.py; here only P2 x DP2"
 
 
@@ -114,8 +114,6 @@ def test_resume_reproduces_straight_run(parity_family, family_runs_of):
     """Stop at 3 and resume: losses, weights and every carried metric (bad-sample count, lr, the
     eval lines, including the eval due at the stop step) equal the straight run's."""
     family = parity_family
-    if family == "toy":
-        pytest.skip(TOY_COVERED)
     runs = family_runs_of(family)
     ref = reference(runs)
     out, proc = runs.resume("p2_resume", 2, ["parallel.pipeline_stages=2", "train.eval_every=3"])

@@ -128,8 +128,10 @@ def zero_group_grads(zero_optimizer, i: int) -> list:
 def eval_batch_in_train_mode(engine):
     """``PipelineEngine.eval_batch`` runs its forward-only schedule with the module in eval mode
     (``self.module.eval()``); a step loss's first pass needs training mode (dropout, as in the pass
-    that trains): the module's ``eval`` is a no-op meanwhile. ``train_batch`` sets train mode anyway."""
+    that trains): the module is put in training mode (an evaluation's ``eval_batch`` left it in eval
+    mode) and its ``eval`` is a no-op meanwhile. ``train_batch`` sets train mode anyway."""
     module = engine.module
+    module.train()
     module.eval = lambda: module
     try:
         yield

@@ -95,6 +95,10 @@ class FirstPassMemo:
     def record(self, out) -> None:
         self.outputs.append(out)
 
+    def clear(self) -> None:
+        """After the training pass: the record is not kept through evaluation and checkpoints."""
+        self.outputs = []
+
     def take(self):
         """The recorded output of the next micro-batch (forward order)."""
         if self.k >= len(self.outputs):

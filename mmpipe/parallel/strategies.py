@@ -131,6 +131,8 @@ class PlainRunner:
                 self.engine.step()
         finally:
             module.features_mode = False
+            if module.memo is not None:
+                module.memo.clear()
         return float(cache.loss)
 
     def train_step(self, data_iter, step: int = 0, trace: bool = False) -> float:
@@ -226,7 +228,10 @@ class PipelineRunner:
             self.replay.start(step)
         if self.memo is not None:
             self.memo.start(recording=False)
-        return float(engine.train_batch(iter(batches) if batches is not None else None))
+        loss = float(engine.train_batch(iter(batches) if batches is not None else None))
+        if self.memo is not None:
+            self.memo.clear()
+        return loss
 
     def eval_outputs(self, batches, n_micro: int) -> Optional[list]:
         reset_total_loss(self.engine)
