@@ -119,6 +119,22 @@ def test_zero3_memory_is_a_shard_of_everything_plus_the_gathered_layer():
     assert dp_memory(costs, "bf16", 0, n) == int(4000 * (2 + 2 + 16) + 440)
 
 
+def test_model_states_agree_with_deepspeeds_estimators():
+    """DeepSpeed's own estimators (mixed precision, no offload) on the same parameter count: ZeRO-2
+    is the same number (2 P + 18 P / N); ZeRO-3 differs by the 16-bit gradient shard (2 P / N), which
+    DeepSpeed's formula leaves out and mmpipe counts (4 x the largest layer gathered in both)."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    layers = [_layer("a", 1, 1, 1_000_000, act=0, out=0), _layer("b", 1, 1, 3_000_000, act=0, out=0)]
+    costs = layer_costs(_prof(layers))
+    total = 4_000_000
+    for n in (1, 2, 8):
+        _, z2 = estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=n, cpu_offload=False)
+        assert dp_memory(costs, "bf16", 2, n) == z2
+        _, z3, _ = estimate_zero3_model_states_mem_needs(total, 3_000_000, num_gpus_per_node=n, cpu_offload=False)
+        assert dp_memory(costs, "bf16", 3, n) == pytest.approx(z3 + 2 * total / n, abs=1)
+
+
 def test_the_chooser_prefers_data_parallel_when_it_fits_and_communication_is_cheap():
     layers = [_layer(n, 3.0, 6.0, 1000) for n in NAMES]
     cheap = CommModel(ops={op: {2: (1e-5, 1e-12)} for op in ("allreduce", "allgather", "reduce_scatter")})
