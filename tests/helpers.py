@@ -90,3 +90,17 @@ class Runs:
 def train_losses(out: str) -> list:
     from mmpipe.train.metrics import read_metrics
     return [r["loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))]
+
+
+def assert_same_training(a: str, b: str, steps: int = 4, loss_rtol: float = 1e-5, rtol: float = 1e-4,
+                         atol: float = 1e-6) -> None:
+    """Runs ``a`` and ``b`` give the same losses for ``steps`` steps and the same weights after them."""
+    import numpy as np
+    import torch
+
+    from mmpipe.train.checkpoint import load_model_weights
+    np.testing.assert_allclose(train_losses(a)[:steps], train_losses(b)[:steps], rtol=loss_rtol)
+    wa = load_model_weights(os.path.join(a, "checkpoints"), f"global_step{steps}")
+    wb = load_model_weights(os.path.join(b, "checkpoints"), f"global_step{steps}")
+    for k in wa:
+        torch.testing.assert_close(wa[k].float(), wb[k].float(), rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")

@@ -4,17 +4,14 @@ recompute restores the random-number state); fewer bytes saved for backward; for
 layers are never recomputed; the pipeline trains exactly as without it."""
 from __future__ import annotations
 
-import os
 
-import numpy as np
 import pytest
 import torch
-from helpers import TINY, TINY_VLM, train_losses
+from helpers import TINY, TINY_VLM, assert_same_training
 
 import mmpipe
 from mmpipe.config.registry import build_family
 from mmpipe.parallel.layers import PipeLayer, run_sequential, set_activation_checkpointing
-from mmpipe.train.checkpoint import load_model_weights
 
 CLIP_BERT = ["model.text.arch=bert", "model.text.vocab_size=300", "model.text.max_position_embeddings=16"]
 
@@ -99,11 +96,7 @@ def test_the_choice_is_checked():
 
 # ---- pipelines train exactly as without it ----------------------------------------------------------------
 def _same_run(a: str, b: str, steps: int = 4):
-    np.testing.assert_allclose(train_losses(a)[:steps], train_losses(b)[:steps], rtol=1e-6)
-    wa = load_model_weights(os.path.join(a, "checkpoints"), f"global_step{steps}")
-    wb = load_model_weights(os.path.join(b, "checkpoints"), f"global_step{steps}")
-    for k in wa:
-        torch.testing.assert_close(wa[k].float(), wb[k].float(), rtol=1e-6, atol=1e-7, msg=lambda m: f"{k}: {m}")
+    assert_same_training(a, b, steps, loss_rtol=1e-6, rtol=1e-6, atol=1e-7)
 
 
 def test_a_pipeline_with_dropout_trains_exactly_as_without_it(runs):

@@ -4,17 +4,15 @@ dropout and gives autograd's gradient; every layout trains like one process on o
 the whole global batch; ``micro_batch`` negatives train differently."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 import torch
-from helpers import TINY, train_losses
+from helpers import TINY, assert_same_training, train_losses
 
 import mmpipe
 from mmpipe.config.registry import build_family
 from mmpipe.parallel.step_loss import FirstPassMemo, Replay, StepLossCache, frozen_prefix, is_stochastic
-from mmpipe.train.checkpoint import load_model_weights
 
 TINY_SETS = ["model.text.vocab_size=300", "model.text.max_position_embeddings=16", "model.text.eos_token_id=2"]
 
@@ -131,11 +129,7 @@ def _steps4(runs, key, nprocs, sets, launcher="deepspeed"):
 
 
 def _assert_same_training(a: str, b: str, steps: int = 4):
-    np.testing.assert_allclose(train_losses(a)[:steps], train_losses(b)[:steps], rtol=1e-5)
-    wa = load_model_weights(os.path.join(a, "checkpoints"), f"global_step{steps}")
-    wb = load_model_weights(os.path.join(b, "checkpoints"), f"global_step{steps}")
-    for k in wa:
-        torch.testing.assert_close(wa[k].float(), wb[k].float(), rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    assert_same_training(a, b, steps)
 
 
 @pytest.mark.parametrize("key,nprocs,launcher,sets", [
