@@ -19,7 +19,11 @@ step, for a world of N ranks and a global batch B of micro-batches of m samples:
 - **pipelines** P | N with DP = N / P, modality and auto placement, ZeRO 0/1: DeepSpeed's 1F1B
   schedule replayed by ``mmpipe.planning.simulate`` with the stages' costs and the measured
   send/recv, then the data-parallel all-reduce of the largest stage's gradients (and, under ZeRO-1,
-  its sharded step and all-gather). Memory per stage: ``mmpipe.planning.profiler.stage_memory``.
+  its sharded step and all-gather). Memory per stage: ``mmpipe.planning.memory.stage_breakdown``.
+
+Every layout is predicted with and without activation checkpointing where the run leaves it to the
+chooser (``parallel.activation_checkpointing: auto``): checkpointing costs a recomputed forward
+per trained layer (``place.recomputed_ms``) and saves activations (``memory.activation_bytes``).
 
 When the N ranks share fewer cores than they compute with (N x threads > cores, this CPU machine),
 compute is stretched by that oversubscription (measured, ``oversubscription``); ranks that each have
@@ -39,8 +43,8 @@ from mmpipe.planning.collectives import CommModel, comm_group_sizes, get_comm_mo
 from mmpipe.planning.measure import get_profile, resolve_for_plan
 from mmpipe.planning.memory import (
     device_memory_bytes,
-    dp_memory,
-    stage_memory,
+    schedule_of,
+    stage_breakdown,
     state_bytes,
 )
 from mmpipe.planning.place import recomputed_ms, layer_costs, place, predict, stage_times
@@ -66,6 +70,8 @@ class LayoutPrediction:
     why: str = ""  # why it does not fit / cannot run
     parts: Optional[list] = None
     clipping: str = "grouped"
+    checkpointing: bool = False  # activation checkpointing
+    breakdown: list = field(default_factory=list)  # per stage: MemoryBreakdown.to_dict()
 
     @property
     def peak(self) -> int:
@@ -102,24 +108,32 @@ def predict_layouts(prof: dict, comm: CommModel, world: int, batch_size: int, mi
                     precision: str, names: list, segments: list, memory_budget: Optional[int] = None,
                     cores: Optional[int] = None, zero_stages=(0, 1, 2, 3), placements=("modality", "auto"),
                     max_pipeline: Optional[int] = None, grouped_clip: bool = False,
-                    fetch_units=None) -> list:
+                    fetch_units=None, checkpointing=(False,)) -> list:
     """Every layout of ``world`` ranks (see the module doc), predicted; a list of ``LayoutPrediction``.
     ``fetch_units``: (modules whose parameters ZeRO-3 partitions, modules whose parameters it keeps
     persistent, the persistent parameters' element count, parameter tensors), or one count of
     partitioned modules; ZeRO-3 fetches each partitioned module separately, twice per micro-batch,
     and all-gathers the persistent parameters after each step; ZeRO-2 hooks every parameter tensor.
-    Default: one partitioned module (and one tensor) per layer."""
-    ctx = _Ctx(prof, comm, world, batch_size, micro_batch_size, precision, cores)
-    units = fetch_units if isinstance(fetch_units, tuple) else (fetch_units or len(ctx.costs), 0)
-    units = tuple(units)[:4]
-    units = units + (0,) * max(0, 3 - len(units)) + ((len(ctx.costs),) if len(units) < 4 else ())
-    out = [_dp_row(ctx, z, grouped_clip, units) for z in zero_stages if world > 1 or z == 0]
-    for P in range(2, min(world, max_pipeline or len(names)) + 1):
-        if world % P:
-            continue
-        D = world // P
-        for z in (0, 1) if D > 1 else (0,):
-            out += [_pp_row(ctx, P, D, z, pl, names, segments) for pl in placements]
+    Default: one partitioned module (and one tensor) per layer. ``checkpointing``: predict each
+    layout without and/or with activation checkpointing."""
+    out = []
+    for ck in checkpointing:
+        ctx = _Ctx({**prof, "checkpointing": ck}, comm, world, batch_size, micro_batch_size, precision, cores)
+        units = fetch_units if isinstance(fetch_units, tuple) else (fetch_units or len(ctx.costs), 0)
+        units = tuple(units)[:4]
+        units = units + (0,) * max(0, 3 - len(units)) + ((len(ctx.costs),) if len(units) < 4 else ())
+        rows = [_dp_row(ctx, z, grouped_clip, units) for z in zero_stages if world > 1 or z == 0]
+        for P in range(2, min(world, max_pipeline or len(names)) + 1):
+            if world % P:
+                continue
+            D = world // P
+            for z in (0, 1) if D > 1 else (0,):
+                rows += [_pp_row(ctx, P, D, z, pl, names, segments) for pl in placements]
+        for row in rows:
+            row.checkpointing = ck
+            if ck:
+                row.name += " +ckpt"
+        out += rows
     if memory_budget:
         for row in out:
             if row.fits and row.peak > memory_budget:
@@ -201,7 +215,7 @@ def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple) -> LayoutPredic
     row.comm = cm * ctx.over + fixed  # collectives between oversubscribed ranks wait for the cores too
     row.step_time = row.compute + row.comm
     row.samples_per_s = ctx.batch / row.step_time
-    row.memory = [dp_memory(costs, ctx.precision, z, n)]
+    _memory(row, ctx, [0, len(costs)], M, z, n)
     return row
 
 
@@ -246,8 +260,15 @@ def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: l
     row.comm = dp_comm + sim.step_time - max(sim.busy)  # waiting, transfers and the reduction
     row.bubble = sim.bubble
     row.samples_per_s = ctx.batch / row.step_time
-    row.memory = stage_memory(ctx.costs, parts, M, ctx.precision, z, D)
+    _memory(row, ctx, parts, M, z, D)
     return row
+
+
+def _memory(row, ctx: _Ctx, parts: list, M: int, z: int, dp: int) -> None:
+    """The row's predicted peak per stage (``mmpipe.planning.memory``), totals and breakdowns."""
+    mem = stage_breakdown(ctx.costs, parts, M, ctx.precision, z, dp, schedule_of(ctx.raw))
+    row.memory = [m.total for m in mem]
+    row.breakdown = [m.to_dict() for m in mem]
 
 
 TIE = 0.05  # predictions this close are a tie: the model's error on this machine is larger
@@ -256,14 +277,14 @@ TIE = 0.05  # predictions this close are a tie: the model's error on this machin
 def choose(rows: list, tie: float = TIE) -> tuple:
     """(the layout to run, one line saying why): of the layouts that fit, those predicted within
     ``tie`` of the fastest, the one with the fewest pipeline stages, then the lowest ZeRO stage,
-    then the fastest. A deeper pipeline or a higher ZeRO stage adds hops, bubbles and collectives
+    then without activation checkpointing, then the fastest. A deeper pipeline or a higher ZeRO stage adds hops, bubbles and collectives
     the model only estimates; a few percent of predicted gain does not pay for that risk."""
     ok = sorted((r for r in rows if r.fits), key=lambda r: r.step_time)
     if not ok:
         raise ConfigError("parallel.layout=auto: no layout fits: " + "; ".join(f"{r.name}: {r.why}" for r in rows)
                           + " (raise parallel.memory_budget_gb, use more ranks, or freeze/shrink the model)")
     near = [r for r in ok if r.step_time <= ok[0].step_time * (1 + tie)]
-    best = min(near, key=lambda r: (r.pipeline_stages, r.zero_stage, r.step_time))
+    best = min(near, key=lambda r: (r.pipeline_stages, r.zero_stage, r.checkpointing, r.step_time))
     others = [r for r in ok if r is not best]
     runner_up = f", next {others[0].name} {1e3 * others[0].step_time:.1f} ms" if others else ""
     simpler = (f" (within {tie:.0%} of the fastest, {ok[0].name} {1e3 * ok[0].step_time:.1f} ms, with fewer "
@@ -342,11 +363,17 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
     grouped_clip = any(g.max_grad_norm is not None for g in groups)
     rows = predict_layouts(prof, comm, world, cfg.train.batch_size, mbs, cfg.train.precision, family.layer_names(),
                            family.segments(), memory_budget=budget, cores=cores() if on_cpu else None,
-                           grouped_clip=grouped_clip, fetch_units=fetch_units(family))
+                           grouped_clip=grouped_clip, fetch_units=fetch_units(family),
+                           checkpointing=checkpointing_choices(cfg.parallel.activation_checkpointing))
     best, why = choose(rows)
     return {"world": world, "batch_size": cfg.train.batch_size, "micro_batch_size": mbs, "threads": threads,
             "precision": cfg.train.precision,
             "memory_budget": budget, "rows": rows, "chosen": best, "why": why, "comm": comm, "profile": prof}
+
+
+def checkpointing_choices(setting: str) -> tuple:
+    """``parallel.activation_checkpointing`` as the choices the layout chooser weighs."""
+    return {"none": (False,), "all": (True,)}.get(setting, (False, True))
 
 
 def layouts_json(result: dict) -> dict:

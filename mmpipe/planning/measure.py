@@ -21,7 +21,7 @@ from mmpipe.parallel.step_loss import frozen_prefix
 from mmpipe.parallel.topology import threads_per_rank
 from mmpipe.planning.cache import _write_json, cache_dir
 from mmpipe.planning.collectives import fit_comm, measure_p2p
-from mmpipe.planning.memory import stage_memory
+from mmpipe.planning.memory import schedule_of, stage_breakdown, stage_memory
 from mmpipe.planning.place import layer_costs, place, predict, stage_times
 from mmpipe.planning.profiler import median_costs, profile_layers
 
@@ -57,15 +57,21 @@ def profile_key(cfg, family, micro_batch_size: int, threads: int, device: str, f
             "micro_batch_size": micro_batch_size, "max_length": cfg.data.max_length, "precision": cfg.train.precision,
             "device": device, "threads": threads, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "forward_only": sorted(forward_only),
-            "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 5,
+            "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 11,
             # a CPU profile is timed as a rank computes, with or without mmpipe's malloc settings
             "cpu_malloc": device != "cpu" or os.environ.get("MMPIPE_CPU_MALLOC", "").lower() != "default"}
 
 
-def synthetic_batch(family, m: int, max_length: int, device) -> tuple:
-    """A micro-batch of the configured shape (timing does not depend on the pixels or words)."""
+def synthetic_batch(family, m: int, max_length: int, device, with_loss: bool = False):
+    """A micro-batch of the configured shape (timing does not depend on the pixels or words); with
+    ``with_loss``, also the loss the last stage computes on the last layer's outputs (None when the
+    last layer computes it)."""
     b = family.example_batch(m, max_length, device)
-    return tuple(b[f] for f in family.inputs)
+    inputs = tuple(b[f] for f in family.inputs)
+    if not with_loss:
+        return inputs
+    labels = tuple(b[f] for f in family.labels)
+    return inputs, ((lambda out: family.loss(out, *labels)) if family.labels else None)
 
 
 def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = frozenset(),
@@ -104,9 +110,10 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        batch = synthetic_batch(family, micro_batch_size, cfg.data.max_length, device)
+        batch, loss_fn = synthetic_batch(family, micro_batch_size, cfg.data.max_length, device, with_loss=True)
         runs = [profile_layers(iter_layers(family, forward_only, frozen, device,  # one layer alive at a time
-                                           precision_dtype(cfg.train.precision)), batch, repeats=repeats)
+                                           precision_dtype(cfg.train.precision)), batch, repeats=repeats,
+                               n_layers=len(family.layer_names()), loss_fn=loss_fn)
                 for _ in range(passes or (3 if device.type == "cpu" else 1))]
         costs = median_costs(runs)
     finally:
@@ -124,7 +131,31 @@ def _with_schedule(prof: dict, family, cfg) -> dict:
     (``_with_step_loss``) and activation checkpointing (``checkpointing``: every trained layer's
     forward runs again in its backward), so the predictions cost what runs."""
     prof["checkpointing"] = cfg.parallel.activation_checkpointing == "all"
+    prof["ties"] = tied_layers(family)
+    mbs = prof.get("key", {}).get("micro_batch_size")
+    if mbs:  # one micro-batch as the loader hands it over (inputs and labels)
+        b = family.example_batch(int(mbs), cfg.data.max_length, "meta")
+        prof["batch_bytes"] = sum(t.numel() * t.element_size() for f in family.inputs + family.labels
+                                  for t in ([b[f]] if torch.is_tensor(b[f]) else []))
+        prof["last_reads"] = bool(family.labels)
     return _with_step_loss(prof, family)
+
+
+def tied_layers(family) -> list:
+    """[(layer, layer, elements)] per parameter the family ties between two layers (``tied_weights``):
+    a stage holding both layers holds it once."""
+    names = family.layer_names()
+
+    def layer_of(param: str) -> str:
+        return max((n for n in names if param.startswith(n + ".")), key=len)
+    out = []
+    for a, b in family.tied_weights():
+        la, lb = layer_of(a), layer_of(b)
+        with torch.device("meta"):
+            part = family.build_unseeded(la)
+        n = dict(part.named_parameters())[a[len(la) + 1:]].numel()
+        out.append([la, lb, int(n)])
+    return out
 
 
 def _with_step_loss(prof: dict, family) -> dict:
@@ -149,6 +180,24 @@ def _measure_comm(costs) -> dict:
     samples = measure_p2p(sizes)
     lat, spb = fit_comm(samples)
     return {"latency_s": lat, "s_per_byte": spb, "samples": {str(k): v for k, v in samples.items()}, "measured": True}
+
+
+# ---- a run's memory --------------------------------------------------------------------------------
+def run_memory(cfg, run_dir: str, world: int, use_cache: bool = True, log=None) -> list:
+    """Predicted peak per stage (``MemoryBreakdown``) of a finished run: its resolved config, its
+    plan's parts and micro-batches, the layer profile at its micro-batch shape (bytes only)."""
+    import json
+    with open(os.path.join(run_dir, "plan.json")) as fh:
+        run_plan = json.load(fh)
+    parts, M = run_plan["parts"], run_plan["micro_batches"]
+    if os.path.isdir(os.path.join(run_dir, "tokenizer")):  # the run's own vocabulary
+        from dataclasses import replace as dc_replace
+        cfg = replace(cfg, data=dc_replace(cfg.data, tokenizer=os.path.join(run_dir, "tokenizer")))
+    P = len(parts) - 1
+    family, prof = _profile_for(cfg, P, world // P, log=log or (lambda m: None), use_cache=use_cache,
+                                measure_comm=False)
+    return stage_breakdown(layer_costs(prof), parts, M, cfg.train.precision, cfg.parallel.zero_stage, world // P,
+                           schedule_of(prof))
 
 
 # ---- mmpipe plan ----------------------------------------------------------------------------------
@@ -213,7 +262,8 @@ def plan_all(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = 
                      precision=cfg.train.precision, zero_stage=cfg.parallel.zero_stage, data_parallel=data_parallel)
         parts = plan.parts
         sim = predict(prof, parts, M)
-        mem = stage_memory(costs, parts, M, cfg.train.precision, cfg.parallel.zero_stage, data_parallel)
+        mem = stage_memory(costs, parts, M, cfg.train.precision, cfg.parallel.zero_stage, data_parallel,
+                           schedule_of(prof))
         out["plans"][pl] = plan
         out["placements"][pl] = {"parts": parts, "stages": plan.stages, "sim": sim.to_dict(),
                                  "stage_times": stage_times(prof, parts), "memory": mem}

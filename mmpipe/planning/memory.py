@@ -3,21 +3,24 @@ activations in flight under 1F1B, per-stage peaks, the device's memory, and the 
 that fits a budget."""
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 from mmpipe.errors import ConfigError
-from mmpipe.planning.profiler import LayerCost
 
 
 # ---- memory model --------------------------------------------------------------------------------
+def state_bytes(precision: str) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer-state) bytes per trainable parameter: fp32 = 4, 4, 8 (Adam m, v);
+    bf16/fp16 = 2, 2, 16 (fp32 master, m, v and the fp32 gradient accumulator)."""
+    return (4, 4, 8) if precision == "fp32" else (2, 2, 16)
+
+
 def bytes_per_param(precision: str, zero_stage: int, data_parallel: int) -> tuple[float, float]:
-    """(bytes per trainable parameter, bytes per frozen parameter) held by one rank: weights,
-    gradients, and AdamW state (plus fp32 master weights and gradient accumulation under bf16/fp16),
-    the optimizer part divided over data-parallel ranks under ZeRO-1."""
-    shard = data_parallel if zero_stage >= 1 else 1
-    if precision == "fp32":
-        return 4 + 4 + 8 / shard, 4
-    return 2 + 2 + (4 + 4 + 8) / shard, 2
+    """(bytes per trainable parameter, bytes per frozen parameter) held by one pipeline rank: weights,
+    gradients and optimizer state, the optimizer part divided over data-parallel ranks from ZeRO-1 on."""
+    w, g, o = state_bytes(precision)
+    return w + g + o / (data_parallel if zero_stage >= 1 else 1), w
 
 
 def in_flight(stage: int, stages: int, micro_batches: int) -> int:
@@ -25,20 +28,144 @@ def in_flight(stage: int, stages: int, micro_batches: int) -> int:
     return max(1, min(stages - stage, micro_batches))
 
 
-def stage_memory(costs: list[LayerCost], parts: list[int], micro_batches: int, precision: str,
-                 zero_stage: int = 0, data_parallel: int = 1) -> list[int]:
-    """Peak bytes per stage: weights + gradients + optimizer state + activations kept for backward
-    (times the micro-batches in flight) + one received input and one outgoing output buffer."""
-    per_train, per_frozen = bytes_per_param(precision, zero_stage, data_parallel)
+@dataclass(frozen=True)
+class Schedule:
+    """What a run does beyond one forward and backward per micro-batch that changes its memory:
+    activation checkpointing (every layer but the forward-only ones keeps only its input and
+    recomputes its forward in backward), and a loss over the step (``features_bytes``: one
+    micro-batch's fp32 features on one rank, cached with their gradients for the global batch on the
+    last stage; ``frozen_prefix``: leading forward-only layers whose output stage 0 keeps per
+    micro-batch from the first pass)."""
+    checkpointing: bool = False
+    forward_only: frozenset = frozenset()
+    features_bytes: int = 0
+    frozen_prefix: int = 0
+    ties: tuple = ()  # (layer, layer, elements): one parameter in two layers, held once where both are
+    batch_bytes: int = 0  # one micro-batch as loaded (inputs and labels): the step's are held by the stages that read data
+    last_reads: bool = False  # the last stage reads the data too (a family with label fields)
+
+
+def schedule_of(prof: dict, checkpointing: Optional[bool] = None) -> Schedule:
+    """The ``Schedule`` a profile was made for (``planning.measure.get_profile`` marks it);
+    ``checkpointing`` overrides the profile's."""
+    sl = prof.get("step_loss") or {}
+    return Schedule(bool(prof.get("checkpointing")) if checkpointing is None else checkpointing,
+                    frozenset(prof.get("key", {}).get("forward_only", [])),
+                    int(sl.get("features_bytes", 0)), int(sl.get("frozen_prefix", 0)),
+                    tuple(tuple(t) for t in prof.get("ties", ())), int(prof.get("batch_bytes", 0)),
+                    bool(prof.get("last_reads", False)))
+
+
+@dataclass
+class MemoryBreakdown:
+    """Predicted peak bytes of one rank, by what holds them."""
+    weights: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0  # saved for backward, times the micro-batches in flight
+    buffers: float = 0.0  # stage-boundary transfers and the outputs kept for backward
+    workspace: float = 0.0  # one layer's transient bytes in its forward/backward (profiled)
+    features: float = 0.0  # a step loss's feature cache, a frozen prefix's memo, the step's batches
+
+    @property
+    def total(self) -> int:
+        return int(self.weights + self.grads + self.optimizer + self.activations + self.buffers + self.workspace
+                   + self.features)
+
+    def to_dict(self) -> dict:
+        return {**{k: int(v) for k, v in asdict(self).items()}, "total": self.total}
+
+
+def _in_bytes(costs: list, i: int) -> int:
+    c = costs[i]
+    if c.in_bytes is not None:
+        return c.in_bytes
+    return costs[i - 1].out_bytes if i else c.act_bytes  # profiles older than in_bytes
+
+
+def activation_bytes(costs: list, a: int, b: int, k: int, sch: Schedule) -> float:
+    """Bytes layers ``a..b-1`` keep for backward with ``k`` micro-batches in flight: every layer's saved
+    tensors and input per micro-batch; checkpointed, only the inputs per micro-batch plus one layer's
+    saved tensors while its forward runs again in the backward."""
+    ck = [i for i in range(a, b) if sch.checkpointing and costs[i].name not in sch.forward_only]
+    held = sum(_in_bytes(costs, i) if i in ck else costs[i].act_bytes for i in range(a, b))
+    recompute = max((costs[i].act_bytes - _in_bytes(costs, i) for i in ck), default=0)
+    return k * held + recompute
+
+
+def _states(costs: list, a: int, b: int, precision: str, zero: int, dp: int, ties: tuple = ()) -> tuple:
+    """(weights, gradients, optimizer state) bytes of layers ``a..b-1`` on one rank; a parameter tied
+    between two of them (``Schedule.ties``) counted once."""
+    w, g, o = state_bytes(precision)
+    trainable = sum(c.trainable for c in costs[a:b])
+    frozen = sum(c.params - c.trainable for c in costs[a:b])
+    names = {c.name: c for c in costs[a:b]}
+    for first, second, n in ties:
+        if first in names and second in names:
+            if names[second].trainable:
+                trainable -= n
+            else:
+                frozen -= n
+    n = dp if zero >= 1 else 1
+    if zero <= 1:
+        return trainable * w + frozen * w, trainable * g, trainable * o / n
+    if zero == 2:
+        return trainable * w + frozen * w, trainable * g / n, trainable * o / n
+    # ZeRO-3: everything sharded; the largest layer is gathered whole (weights, and gradients in backward)
+    gathered = max(c.params * w + c.trainable * g for c in costs[a:b])
+    return (trainable + frozen) * w / n + gathered, trainable * g / n, trainable * o / n
+
+
+def _features(costs: list, stage: int, stages: int, micro_batches: int, dp: int, sch: Schedule) -> float:
+    """A step loss's feature cache (last stage) and frozen-prefix memo (first stage), and the step's
+    micro-batches, which the first and last stage read before the step (``TrainData.step_batches``
+    and the step loss's first pass take them all up front)."""
+    out = 0.0
+    if stage == 0 or (stage == stages - 1 and sch.last_reads):
+        out += micro_batches * sch.batch_bytes
+    if sch.features_bytes and stage == stages - 1:  # the global batch's features and their gradients
+        out += 2 * micro_batches * dp * sch.features_bytes
+    if sch.frozen_prefix and stage == 0 and micro_batches > 1:  # the prefix's output per micro-batch
+        out += micro_batches * costs[sch.frozen_prefix - 1].out_bytes
+    return out
+
+
+def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str, zero_stage: int = 0,
+                    data_parallel: int = 1, schedule: Schedule = Schedule()) -> list:
+    """Predicted peak per pipeline stage (``MemoryBreakdown``): weights, gradients, optimizer state
+    (sharded over ``data_parallel`` from ZeRO-1 on), activations of the micro-batches in flight
+    under 1F1B (``activation_bytes``), the boundary buffers (the stage's outputs kept per micro-batch
+    in flight until their backward, one received input and one received gradient), one layer's
+    transient working set (``LayerCost.workspace``, the largest on the stage) and a step loss's
+    feature cache. ``parts`` of one stage (P = 1) is the whole model on each data-parallel rank."""
     P = len(parts) - 1
     out = []
     for s in range(P):
-        layers = costs[parts[s]:parts[s + 1]]
-        static = sum(c.static_bytes(per_train, per_frozen) for c in layers)
-        acts = sum(c.act_bytes for c in layers)
-        buffers = layers[-1].out_bytes
-        out.append(int(static + in_flight(s, P, micro_batches) * acts + buffers))
+        a, b = parts[s], parts[s + 1]
+        k = in_flight(s, P, micro_batches) if P > 1 else 1
+        w, g, o = _states(costs, a, b, precision, zero_stage, data_parallel, schedule.ties)
+        # the outputs of each micro-batch in flight are kept for its backward (the last stage's for the
+        # loss), and a non-last stage receives their gradient into one more buffer of that size
+        buffers = (k + (s < P - 1)) * costs[b - 1].out_bytes
+        if s > 0:
+            buffers += _in_bytes(costs, a)
+        workspace = max(c.workspace for c in costs[a:b])
+        out.append(MemoryBreakdown(w, g, o, activation_bytes(costs, a, b, k, schedule), buffers, workspace,
+                                   _features(costs, s, P, micro_batches, data_parallel, schedule)))
     return out
+
+
+def stage_memory(costs: list, parts: list, micro_batches: int, precision: str, zero_stage: int = 0,
+                 data_parallel: int = 1, schedule: Schedule = Schedule()) -> list[int]:
+    """Peak bytes per stage (``stage_breakdown``'s totals)."""
+    return [m.total for m in stage_breakdown(costs, parts, micro_batches, precision, zero_stage, data_parallel,
+                                             schedule)]
+
+
+def dp_memory(costs: list, precision: str, zero: int, n: int, schedule: Schedule = Schedule(),
+              micro_batches: int = 1) -> int:
+    """Peak bytes of one data-parallel rank holding the whole model (ZeRO 0-3)."""
+    return stage_memory(costs, [0, len(costs)], micro_batches, precision, zero, n, schedule)[0]
 
 
 # ---- micro_batch_size: auto --------------------------------------------------------------------
@@ -78,31 +205,6 @@ def pick_micro_batch(per_rank_batch: int, peak_of: Callable[[int], int], budget:
         else:
             hi = mid - 1
     return cands[lo], probed
-
-
-# ---- memory -------------------------------------------------------------------------------------------
-def state_bytes(precision: str) -> tuple[int, int, int]:
-    """(weight, gradient, optimizer-state) bytes per trainable parameter: fp32 = 4, 4, 8 (Adam m, v);
-    bf16/fp16 = 2, 2, 16 (fp32 master, m, v and the fp32 gradient accumulator)."""
-    return (4, 4, 8) if precision == "fp32" else (2, 2, 16)
-
-
-def dp_memory(costs: list, precision: str, zero: int, n: int) -> int:
-    """Peak bytes of one data-parallel rank holding the whole model (see the module doc)."""
-    w, g, o = state_bytes(precision)
-    trainable = sum(c.trainable for c in costs)
-    frozen = sum(c.params - c.trainable for c in costs)
-    if zero == 0:
-        static = trainable * (w + g + o)
-    elif zero == 1:
-        static = trainable * (w + g + o / n)
-    elif zero == 2:
-        static = trainable * (w + (g + o) / n)
-    else:  # everything sharded; the largest layer is gathered whole (weights, and gradients in backward)
-        static = trainable * (w + g + o) / n + max((c.params * w + c.trainable * g) for c in costs)
-    static += frozen * w / (n if zero == 3 else 1)
-    acts = sum(c.act_bytes for c in costs) + max(c.out_bytes for c in costs)
-    return int(static + acts)
 
 
 def optimizer_state_bytes(costs: list, precision: str, zero: int, dp: int, parts: Optional[list] = None) -> float:

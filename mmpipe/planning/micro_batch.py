@@ -10,7 +10,7 @@ from mmpipe.data.loader import decode_sample
 from mmpipe.data.shards import iter_tar
 from mmpipe.errors import ConfigError, DataError
 from mmpipe.planning.measure import iter_layers, precision_dtype
-from mmpipe.planning.memory import pick_micro_batch, stage_memory
+from mmpipe.planning.memory import Schedule, pick_micro_batch, stage_memory
 from mmpipe.planning.profiler import profile_layers
 
 
@@ -50,8 +50,9 @@ def auto_micro_batch(cfg, family, source, tok, image_size: int, pipeline_stages:
         layers = iter_layers(family, forward_only, frozen_params, device, dtype)  # one layer alive at a time
         costs = profile_layers(layers, probe_batch(cfg, family, source, tok, m, image_size, device), timed=False)
         micro_batches = per_rank // m
+        schedule = Schedule(cfg.parallel.activation_checkpointing == "all", frozenset(forward_only))
         return max(stage_memory(costs, parts, micro_batches, cfg.train.precision, cfg.parallel.zero_stage,
-                                data_parallel))
+                                data_parallel, schedule))
 
     return pick_micro_batch(per_rank, peak, budget_bytes, log, min_size=family.min_micro_batch)
 

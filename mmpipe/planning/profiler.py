@@ -12,9 +12,8 @@ gives, per layer and micro-batch shape:
 - ``out_bytes``: size of what the layer hands on (the send/receive volume at a stage boundary);
 - ``param_bytes`` / ``trainable``: weights held, and how many of them train.
 
-``stage_memory`` turns these into a per-stage peak for a layout (weights, gradients, optimizer
-state, activations times the micro-batches in flight under 1F1B). It backs
-``parallel.micro_batch_size: auto`` and the stage planner.
+``mmpipe.planning.memory`` turns these into a per-stage peak for a layout (weights, gradients,
+optimizer state, activations times the micro-batches in flight under 1F1B, checkpointed or not).
 """
 from __future__ import annotations
 
@@ -26,6 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from mmpipe.parallel.layers import wants_grad
+from mmpipe.parallel.live_bytes import LiveBytes
 
 
 @dataclass
@@ -44,6 +44,8 @@ class LayerCost:
     out_tensors: int = 1
     grad_tensors: int = 1
     grad_bytes: Optional[int] = None  # bytes of those gradients (None: ``out_bytes``)
+    in_bytes: Optional[int] = None  # the layer's input (what it keeps per micro-batch when checkpointed)
+    workspace: int = 0  # bytes its backward needs beyond what it saved and its parameters' gradients
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -141,7 +143,8 @@ class CacheEvictor:
 
 
 def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
-                   timed: bool = True, cold: bool = True) -> list[LayerCost]:
+                   timed: bool = True, cold: bool = True, n_layers: Optional[int] = None,
+                   loss_fn: Optional[Callable] = None) -> list[LayerCost]:
     """Costs of ``layers`` (PipeLayers on their device and dtype; a list, or an iterator that builds
     them one at a time) for one micro-batch ``inputs``.
 
@@ -149,7 +152,9 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
     gradient on its float outputs - the time does not depend on the values) run on the previous
     layer's detached output, so only one layer's weights and activations are alive at a time and a
     model larger than one device can still be profiled layer by layer. ``cold``: each pass is
-    timed after evicting the caches (``CacheEvictor``)."""
+    timed after evicting the caches (``CacheEvictor``). ``loss_fn``: the loss the last stage computes
+    on the last layer's outputs (a family with label fields), run as part of the last of the
+    ``n_layers`` layers: its saved tensors and working set are the last stage's too."""
     device = inputs[0].device
     evict = CacheEvictor(device) if (cold and timed) else (lambda: None)
     rounds = (warmup + repeats) if timed else 1
@@ -160,7 +165,7 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
     for i, layer in enumerate(layers):
         ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
         fwd, bwd = [], []
-        act = out_b = 0
+        act = out_b = in_b = 0
         y = None
         for r in range(rounds):
             y = None  # free the previous round's graph first
@@ -168,12 +173,14 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
             in_ptrs = {t.untyped_storage().data_ptr() for t in ([x_in] if torch.is_tensor(x_in) else x_in)}
             evict()
             t0 = time.perf_counter()
+            run = _WithLoss(layer, loss_fn if i == (n_layers or 0) - 1 else None)
             with _SavedBytes(ptrs, in_ptrs) as saved:
-                y = layer(x_in)
+                y = run(x_in)
             _sync(device)
             fwd.append(time.perf_counter() - t0)
             if r == 0:
-                act, out_b = saved.total + _nbytes(x_in), _nbytes(y)
+                in_b = _nbytes(x_in)
+                act, out_b = saved.total + in_b, run.out_bytes or _nbytes(y)
                 sent = [t for t in ([y] if torch.is_tensor(y) else y) if torch.is_tensor(t)]
                 back = [t for t in sent if wants_grad(t)]
             outs = [o for o in ([y] if torch.is_tensor(y) else y)
@@ -193,12 +200,47 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
             param_bytes=sum(p.numel() * p.element_size() for p in params),
             params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
             opt_ms=optimizer_ms(layer, repeats if timed else 0, evict),
-            out_tensors=len(sent), grad_tensors=len(back), grad_bytes=_nbytes(back)))
+            out_tensors=len(sent), grad_tensors=len(back), grad_bytes=_nbytes(back), in_bytes=in_b,
+            workspace=backward_workspace(run, _detach(x, flags), layer)))
         ys = [y] if torch.is_tensor(y) else list(y)
         flags = [wants_grad(t) for t in ys]
         x = ys[0].detach() if torch.is_tensor(y) else tuple(t.detach() for t in ys)
         del layer, y, ys, params
     return costs
+
+
+class _WithLoss:
+    """A layer followed by the loss on its outputs; ``out_bytes``: the layer's outputs (the last
+    stage keeps them per micro-batch, DeepSpeed's ``outputs`` buffer)."""
+
+    def __init__(self, layer, loss_fn):
+        self.layer, self.loss_fn, self.out_bytes = layer, loss_fn, 0
+
+    def __call__(self, x):
+        y = self.layer(x)
+        if self.loss_fn is None:
+            return y
+        self.out_bytes = _nbytes(y)
+        return self.loss_fn(y)
+
+
+def backward_workspace(run, x_in, layer) -> int:
+    """Peak bytes a layer's forward and backward hold beyond its saved tensors and its parameters'
+    gradients (the gradients of its intermediate tensors, attention scores...), counted
+    (``LiveBytes``) over one forward and backward: the peak, less what was alive when the forward
+    ended, less the gradients."""
+    counter = LiveBytes()
+    with counter:
+        y = run(x_in)
+        outs = [o for o in ([y] if torch.is_tensor(y) else y)
+                if torch.is_tensor(o) and o.is_floating_point() and o.grad_fn is not None]
+        before = counter.total
+        counter.reset_peak()
+        if outs:
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    grads = sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
+    layer.zero_grad(set_to_none=True)
+    return max(0, int(counter.peak - before - grads))
 
 
 def median_costs(runs: list) -> list[LayerCost]:

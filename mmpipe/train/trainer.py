@@ -14,6 +14,7 @@ Launch (see launch/train.py for copy-paste commands):
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Optional
 
@@ -28,6 +29,7 @@ from mmpipe.train.checkpointer import Checkpointer
 from mmpipe.train.engine import build_engine
 from mmpipe.train.evaluate import Evaluator
 from mmpipe.train.faults import FaultGuard, _everywhere, _warn
+from mmpipe.train.memory_meter import MemoryMeter, write_memory
 from mmpipe.train.run_dir import write_run_files
 from mmpipe.train.setup import resolve_run
 from mmpipe.train.step_stats import (
@@ -71,6 +73,7 @@ class Trainer:
         self.data = TrainData(run, self.start_step, restored["data_position"])
         self.evaluate = Evaluator(run, eng, self.data.collate, self.writer)
         self.trace_offset = time.time() - time.perf_counter()
+        self.meter = MemoryMeter(eng.engine.module, eng.engine.optimizer, eng.inner) if self.cfg.log.memory else None
 
     # ---- the loop ------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -103,6 +106,8 @@ class Trainer:
                 self.writer.info(f"stopped at step {step} by {guard.signal} ({guard.signal_rank}): checkpoint "
                                  f"saved; continue with --resume")
                 break
+        if self.meter is not None:
+            write_memory(self.run.out_dir, self.run.rank, self.run.where.stage, self.meter.peak())
         self.writer.close()
         dist.barrier()
         return {"step": step, "eval": self.last_eval, "bad_samples": self.ledger.count}
@@ -114,7 +119,8 @@ class Trainer:
         lrs = lr_fields(eng.inner, eng.trainable)  # the lr this step uses (the scheduler moves it in the step)
         eng.clipper.step_no = self.data.stats.step = step
         t0 = time.perf_counter()
-        loss = eng.runner.train_step(self.data.step_batches(run, eng.engine.device), step, tracing)
+        with self.meter or contextlib.nullcontext():
+            loss = eng.runner.train_step(self.data.step_batches(run, eng.engine.device), step, tracing)
         dt = time.perf_counter() - t0
         stats, reports = gather_step(run, eng, self.ledger, self.data.stats, lrs, bool(self.guard.requested),
                                      self.ckpt.clock_due())
