@@ -1,0 +1,68 @@
+"""The memory model (``mmpipe.planning.memory``) against what real runs hold: every stage's predicted
+peak within 10% of the peak counted live (``log.memory``), CLIP and the VLM, P = 2 and 3, with and
+without activation checkpointing, and checkpointing saves what the model says it saves.
+
+Shapes are fixed (``data.padding=max_length``; chat samples each with one image) because the model
+predicts the configured shape, the worst case a run must fit."""
+from __future__ import annotations
+
+import pytest
+from helpers import TINY_VLM, Runs
+
+import mmpipe
+from mmpipe.planning.measure import run_memory
+from mmpipe.train.memory_meter import read_memory
+
+# activations large enough to matter next to the weights (65 image tokens, micro-batch 8)
+CLIP = ["model.vision.patch_size=4", "parallel.micro_batch_size=8", "train.batch_size=32"]
+VLM = ["parallel.micro_batch_size=4", "train.batch_size=16"]
+COMMON = ["log.memory=true", "data.padding=max_length"]
+CASES = {  # name: (family, stages, checkpointing)
+    "clip_p2": ("clip", 2, False), "clip_p2_ckpt": ("clip", 2, True), "clip_p3_ckpt": ("clip", 3, True),
+    "vlm_p2": ("vlm", 2, False), "vlm_p3": ("vlm", 3, False), "vlm_p3_ckpt": ("vlm", 3, True),
+}
+
+
+@pytest.fixture(scope="module")
+def memory_runs(tmp_path_factory, runs):
+    from mmpipe.data.synth import synth_vlm
+    d = tmp_path_factory.mktemp("imagechat")
+    chat = synth_vlm(str(d), 40, val_fraction=0.1, size=32, seed=2, text_only=0.0, progress=False)
+    vlm = Runs(tmp_path_factory.mktemp("memory_vlm"), chat, TINY_VLM)
+
+    def get(name: str) -> tuple:
+        family, P, ckpt = CASES[name]
+        sets = (CLIP if family == "clip" else VLM) + COMMON + [f"parallel.pipeline_stages={P}"]
+        sets += ["parallel.activation_checkpointing=all"] if ckpt else []
+        out = (runs if family == "clip" else vlm).get(f"mem_{name}", P, sets, flags=["--stop-at", "2"])[0]
+        cfg = mmpipe.load_config(f"{out}/config.yaml")
+        measured = read_memory(out)
+        predicted = run_memory(cfg, out, len(measured))
+        return [(r["stage"], predicted[r["stage"]].to_dict(), r["peak"]) for r in measured]
+    return get
+
+
+def _dynamic(pred: dict) -> int:
+    """What the steps make: everything but the weights and the optimizer state."""
+    return pred["total"] - pred["weights"] - pred["optimizer"]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_stage_peak_is_predicted_within_10_percent(memory_runs, name):
+    for stage, pred, meas in memory_runs(name):
+        assert abs(pred["total"] / meas["total"] - 1) < 0.10, (name, stage, pred, meas)
+        # and the part that depends on the schedule (activations, gradients, buffers), on its own
+        assert abs(_dynamic(pred) / meas["dynamic"] - 1) < 0.15, (name, stage, pred, meas)
+        assert abs(pred["weights"] / meas["weights"] - 1) < 0.02, (name, stage, pred, meas)
+
+
+@pytest.mark.parametrize("plain,ckpt", [("clip_p2", "clip_p2_ckpt"), ("vlm_p3", "vlm_p3_ckpt")])
+def test_checkpointing_saves_what_the_model_says(memory_runs, plain, ckpt):
+    stages = list(zip(memory_runs(plain), memory_runs(ckpt)))
+    scale = max(m0["dynamic"] for (_, _, m0), _ in stages)
+    for (s, p0, m0), (_, p1, m1) in stages:  # bytes saved per stage, as predicted (within 10% of the fullest)
+        saved_pred, saved_meas = _dynamic(p0) - _dynamic(p1), m0["dynamic"] - m1["dynamic"]
+        assert abs(saved_pred - saved_meas) < 0.1 * scale, (s, saved_pred, saved_meas)
+    # the stage with the most activations keeps well under two thirds of them
+    (_, _, m0), (_, _, m1) = max(stages, key=lambda st: st[0][2]["dynamic"])
+    assert m1["dynamic"] < 0.67 * m0["dynamic"], (m0, m1)
