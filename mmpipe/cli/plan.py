@@ -16,11 +16,13 @@ def cmd_plan_world(args) -> int:
     from mmpipe.config.schema import load_config
     cfg = load_config(args.config, args.overrides)
     log = lambda m: print(f"[plan] {m}", flush=True)  # noqa: E731
-    res = plan_layouts(cfg, args.world, args.memory_gb, use_cache=not args.no_cache, log=log)
+    res = plan_layouts(cfg, args.world, args.memory_gb, use_cache=not args.no_cache, log=log,
+                       meta=True if args.meta else None)
+    what = ("sized on the meta device, predicted peak memory per rank (step times not predicted)" if res["meta"] else
+            f"{res['threads']} thread(s) per rank, {res['comm'].backend}; predicted per optimizer step")
     print(f"{args.world} ranks, batch {cfg.train.batch_size}, micro-batch {res['micro_batch_size']}, "
-          f"{res['threads']} thread(s) per rank, {res['comm'].backend}, memory budget "
-          f"{res['memory_budget'] / 2**30:.2f} GB per rank; predicted per optimizer step:")
-    print(format_table(res["rows"], res["chosen"], cfg.train.batch_size))
+          f"{cfg.train.precision}, memory budget {res['memory_budget'] / 2**30:.2f} GB per rank; {what}:")
+    print(format_table(res["rows"], res["chosen"], cfg.train.batch_size, timed=not res["meta"]))
     print(f"\nchosen: {res['chosen'].name} ({res['why']})")
     out = args.out or os.path.join(cfg.train.output_dir, "plan")
     os.makedirs(out, exist_ok=True)
@@ -106,6 +108,8 @@ def add_parser(sub) -> None:
                    "0-3, every pipeline P dividing N, P x DP) and mark the fastest that fits")
     p.add_argument("--memory-gb", type=float, help="with --world: per-rank memory budget (default: "
                    "parallel.memory_budget_gb, else the device's memory; CPU: RAM / N)")
+    p.add_argument("--meta", action="store_true", help="with --world: size the model on the meta device (memory "
+                   "only; the default above 100M parameters)")
     p.add_argument("--threads", type=int, help="threads per rank (default: cores / ranks, as training sets)")
     p.add_argument("--target-bubble", type=float, default=0.15, help="bubble the micro-batch recommendation aims under")
     p.add_argument("--run", help="a finished run's output dir: print predicted beside measured")

@@ -2,7 +2,8 @@
 
 A ``TorchDispatchMode`` sees every tensor an operation creates; each new storage is counted (once,
 however many views share it) under the current category until Python frees it (a weak reference's
-callback). Tensors made before the mode (weights, optimizer state) are registered with ``add``.
+callback). Tensors made before the mode (weights, optimizer state) are registered with ``add``. Meta tensors
+count their size too: a model built on the meta device is measured without being allocated.
 This is what an accelerator's allocator statistics (``max_memory_allocated``) give, without an
 accelerator: the CPU has no allocator counter. torch's ``MemTracker`` (``torch.distributed._tools``)
 does the same with per-module statistics whose module hooks keep a pipeline stage's received
@@ -33,7 +34,7 @@ class LiveBytes(TorchDispatchMode):
         self._hooks = []
 
     def add(self, t, category: str | None = None) -> None:
-        if not torch.is_tensor(t) or t.device.type == "meta":
+        if not torch.is_tensor(t):
             return
         st = t.untyped_storage()
         key = st._cdata

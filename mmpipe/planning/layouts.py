@@ -40,7 +40,7 @@ from mmpipe.config.groups import frozen_layout, resolve_groups
 from mmpipe.errors import ConfigError
 from mmpipe.parallel.topology import threads_per_rank
 from mmpipe.planning.collectives import CommModel, comm_group_sizes, get_comm_model
-from mmpipe.planning.measure import get_profile, resolve_for_plan
+from mmpipe.planning.measure import META_PARAMS, get_profile, meta_profile, parameter_count, resolve_for_plan
 from mmpipe.planning.memory import (
     device_memory_bytes,
     schedule_of,
@@ -295,17 +295,22 @@ def choose(rows: list, tie: float = TIE) -> tuple:
     return best, why
 
 
-def format_table(rows: list, chosen: Optional[LayoutPrediction], batch_size: int) -> str:
-    lines = ["| layout | step ms | samples/s | bubble | peak MB/rank | compute ms | comm+wait ms | clipping | fits |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (not r.fits, r.step_time if r.step_time == r.step_time else 1e9)):
+def format_table(rows: list, chosen: Optional[LayoutPrediction], batch_size: int, timed: bool = True) -> str:
+    """One line per layout; ``timed`` False (a meta-device plan): memory only, by peak."""
+    unit, scale = ("GB", 2**30) if max((r.peak for r in rows), default=0) > 2**32 else ("MB", 2**20)
+    lines = [f"| layout | step ms | samples/s | bubble | peak {unit}/rank | per stage {unit} | clipping | fits |",
+             "|---|---|---|---|---|---|---|---|"]
+    order = (lambda r: (not r.fits, r.step_time if r.step_time == r.step_time else 1e9)) if timed else \
+        (lambda r: (not r.fits, r.peak or 1e30))
+    for r in sorted(rows, key=order):
         mark = " **chosen**" if chosen is not None and r.name == chosen.name else ""
         if r.micro_batches == 0:
-            lines.append(f"| {r.name} | - | - | - | - | - | - | {r.clipping} | no: {r.why} |")
+            lines.append(f"| {r.name} | - | - | - | - | - | {r.clipping} | no: {r.why} |")
             continue
         fits = "yes" if r.fits else f"no: {r.why}"
-        lines.append(f"| {r.name}{mark} | {1e3 * r.step_time:.1f} | {r.samples_per_s:.1f} | {r.bubble:.0%} | "
-                     f"{r.peak / 2**20:.1f} | {1e3 * r.compute:.1f} | {1e3 * r.comm:.1f} | {r.clipping} | {fits} |")
+        times = (f"{1e3 * r.step_time:.1f} | {r.samples_per_s:.1f} | {r.bubble:.0%}" if timed else "- | - | -")
+        stages = " / ".join(f"{m / scale:.1f}" for m in r.memory)
+        lines.append(f"| {r.name}{mark} | {times} | {r.peak / scale:.1f} | {stages} | {r.clipping} | {fits} |")
     return "\n".join(lines)
 
 
@@ -337,10 +342,13 @@ def cores() -> int:
 
 def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: bool = True, log=print,
                  comm: Optional[CommModel] = None, refresh: bool = False,
-                 refresh_comm: Optional[bool] = None, profile: Optional[dict] = None) -> dict:
+                 refresh_comm: Optional[bool] = None, profile: Optional[dict] = None,
+                 meta: Optional[bool] = None) -> dict:
     """Profile (at the threads a rank of ``world`` gets; or take ``profile``), measure collectives
     (or take ``comm``), predict every layout; ``refresh`` / ``refresh_comm`` (default: ``refresh``):
-    profile / time the collectives again, replacing the cached entries."""
+    profile / time the collectives again, replacing the cached entries. ``meta`` (default: above
+    ``META_PARAMS`` parameters): size the model on the meta device (``meta_profile``): memory
+    only, no step times, the simplest layout that fits chosen."""
     from deepspeed.accelerator import get_accelerator
 
     mbs = cfg.parallel.micro_batch_size
@@ -351,22 +359,33 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
     groups = resolve_groups(rcfg.optim, type(family))
     _, frozen, forward_only = frozen_layout(family, groups)
     threads = threads_per_rank(world)
-    prof = profile or get_profile(rcfg, family, mbs, forward_only, frozen, threads=threads, use_cache=use_cache,
-                                  log=log, refresh=refresh)
+    if meta is None and profile is None:
+        n = parameter_count(family)
+        meta = n > META_PARAMS
+        if meta:
+            log(f"{n / 1e9:.2f}B parameters: sizing the model on the meta device (memory only: step times are not "
+                f"predicted for a model this machine cannot time)")
+    if meta:
+        prof, comm = meta_profile(rcfg, family, mbs, forward_only, frozen), CommModel()
+    prof = prof if meta else profile or get_profile(rcfg, family, mbs, forward_only, frozen, threads=threads,
+                                                    use_cache=use_cache, log=log, refresh=refresh)
     comm = comm or get_comm_model(comm_group_sizes(world), use_cache=use_cache, log=log,
                                   refresh=refresh if refresh_comm is None else refresh_comm)
     if comm.measured:  # the stage-to-stage model from the same measurement as the collectives
         prof = {**prof, "comm": {**prof["comm"], "latency_s": comm.p2p[0], "s_per_byte": comm.p2p[1]}}
     gb = memory_gb if memory_gb is not None else cfg.parallel.memory_budget_gb
     budget = int(gb * 2**30) if gb else device_memory_bytes(world)
-    on_cpu = get_accelerator().device_name() == "cpu"
+    on_cpu = get_accelerator().device_name() == "cpu" and not meta
     grouped_clip = any(g.max_grad_norm is not None for g in groups)
     rows = predict_layouts(prof, comm, world, cfg.train.batch_size, mbs, cfg.train.precision, family.layer_names(),
                            family.segments(), memory_budget=budget, cores=cores() if on_cpu else None,
                            grouped_clip=grouped_clip, fetch_units=fetch_units(family),
                            checkpointing=checkpointing_choices(cfg.parallel.activation_checkpointing))
     best, why = choose(rows)
-    return {"world": world, "batch_size": cfg.train.batch_size, "micro_batch_size": mbs, "threads": threads,
+    if meta:
+        why = (f"the simplest layout that fits: {best.name}, peak {best.peak / 2**30:.1f} GB per rank (fewest stages, "
+               "lowest ZeRO stage, no checkpointing; step times not predicted: sized on the meta device)")
+    return {"meta": bool(meta), "world": world, "batch_size": cfg.train.batch_size, "micro_batch_size": mbs, "threads": threads,
             "precision": cfg.train.precision,
             "memory_budget": budget, "rows": rows, "chosen": best, "why": why, "comm": comm, "profile": prof}
 

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable, Optional
 
@@ -32,10 +33,16 @@ def precision_dtype(precision: str) -> torch.dtype:
 
 def iter_layers(family, forward_only: frozenset = frozenset(), frozen_params: frozenset = frozenset(),
                 device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32):
-    """The model's pipeline layers, built one at a time (seeded per part: the pipeline's weights),
-    in training mode, with frozen parameters marked."""
+    """The model's pipeline layers, built one at a time (seeded per part: the pipeline's weights;
+    on the meta device: shapes only, nothing allocated), in training mode, with frozen parameters
+    marked."""
+    meta = device is not None and torch.device(device).type == "meta"
     for name in family.layer_names():
-        layer = PipeLayer(family, name, name in forward_only).to(device=device, dtype=dtype)
+        if meta:
+            with torch.device("meta"):
+                layer = PipeLayer(family, name, name in forward_only).to(dtype=dtype)
+        else:
+            layer = PipeLayer(family, name, name in forward_only).to(device=device, dtype=dtype)
         for k, p in layer.named_parameters():
             if plain_state_key(name, k) in frozen_params:
                 p.requires_grad_(False)
@@ -123,6 +130,61 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
     prof = {"key": key, "layers": [c.to_dict() for c in costs], "comm": comm, "passes": len(runs)}
     if use_cache:
         _write_json(path, prof)
+    return _with_schedule(prof, family, cfg)
+
+
+META_PARAMS = 100_000_000  # above this, ``mmpipe plan`` sizes the model on the meta device
+
+
+def parameter_count(family) -> int:
+    """The model's parameters, counted on the meta device."""
+    n = 0
+    for name in family.layer_names():
+        with torch.device("meta"):
+            n += sum(p.numel() for p in family.build_unseeded(name).parameters())
+    return n
+
+
+@contextlib.contextmanager
+def fused_attention_on_meta():
+    """``scaled_dot_product_attention`` on meta tensors as a fused kernel runs it: on the meta
+    device sdpa has no kernel choice and decomposes into matmul + softmax, which would save the
+    T x T attention weights for backward; a fused (flash) kernel saves the inputs, the output and
+    the log-sum-exp, as it does on a GPU and on this CPU (whose profile the meta one matches)."""
+    import torch.nn.functional as F
+    original = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if not q.is_meta:
+            return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                            enable_gqa=enable_gqa)
+        if k.shape[-3] != q.shape[-3]:  # grouped-query attention: as many key/value heads as queries
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def meta_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = frozenset(),
+                 frozen: frozenset = frozenset()) -> dict:
+    """Bytes-only layer profile of the model built on the meta device: every layer's parameters,
+    saved activations, inputs, outputs and backward working set from shapes (a forward and backward
+    on meta tensors: no weight is allocated, no arithmetic runs), in seconds for a model this
+    machine cannot hold. No times: ``timed`` is False, and what reads it says so."""
+    device = torch.device("meta")
+    batch, loss_fn = synthetic_batch(family, micro_batch_size, cfg.data.max_length, device, with_loss=True)
+    with fused_attention_on_meta():
+        costs = profile_layers(iter_layers(family, forward_only, frozen, device, precision_dtype(cfg.train.precision)),
+                               batch, timed=False, n_layers=len(family.layer_names()), loss_fn=loss_fn)
+    key = {"family": family.name, "micro_batch_size": micro_batch_size, "max_length": cfg.data.max_length,
+           "precision": cfg.train.precision, "device": "meta", "threads": 1, "forward_only": sorted(forward_only)}
+    prof = {"key": key, "layers": [c.to_dict() for c in costs], "timed": False,
+            "comm": {"latency_s": 0.0, "s_per_byte": 0.0, "samples": {}, "measured": False}}
     return _with_schedule(prof, family, cfg)
 
 
@@ -214,7 +276,9 @@ def resolve_for_plan(cfg):
     if tok_dir and (what != "data.cache tokenizer" or os.path.isdir(tok_dir)):
         tok = fam.prepare_tokenizer(load_tokenizer(tok_dir, what))
     else:  # the WordPiece tokenizer mmpipe would train, by its size
-        size = getattr(getattr(cfg.model, "text", cfg.model), "vocab_size", None) or cfg.data.tokenizer_vocab_size
+        text = getattr(cfg.model, "text", None) or getattr(cfg.model, "llm", None) or cfg.model
+        size = getattr(text, "vocab_size", None)  # the model's table holds the special tokens too
+        size = size - len(fam.special_tokens) if size else cfg.data.tokenizer_vocab_size
         tok = StandInTokenizer(size, fam.special_tokens)
     model = fam.resolve(cfg.model, tok, cfg.data)
     cfg = replace(cfg, model=model)

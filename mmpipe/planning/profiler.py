@@ -85,7 +85,7 @@ class _SavedBytes:
     def pack(self, t):
         try:
             st = t.untyped_storage()
-            ptr = st.data_ptr()
+            ptr = st._cdata  # the storage itself (a data pointer is 0 for every meta tensor)
             if ptr not in self.exclude and ptr not in self.seen:
                 self.seen.add(ptr)
                 self.total += st.nbytes()
@@ -163,14 +163,14 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
     x = inputs
     flags = None  # which float inputs want a gradient (all, unless the previous layer was forward-only)
     for i, layer in enumerate(layers):
-        ptrs = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        ptrs = {p.untyped_storage()._cdata for p in layer.parameters()}
         fwd, bwd = [], []
         act = out_b = in_b = 0
         y = None
         for r in range(rounds):
             y = None  # free the previous round's graph first
             x_in = _detach(x, flags)
-            in_ptrs = {t.untyped_storage().data_ptr() for t in ([x_in] if torch.is_tensor(x_in) else x_in)}
+            in_ptrs = {t.untyped_storage()._cdata for t in ([x_in] if torch.is_tensor(x_in) else x_in)}
             evict()
             t0 = time.perf_counter()
             run = _WithLoss(layer, loss_fn if i == (n_layers or 0) - 1 else None)

@@ -49,7 +49,7 @@ class TokenEmbed(nn.Module):
             return h
         where = (input_ids == self.image_token_id).unsqueeze(-1)
         feats = image_features.reshape(-1, h.shape[-1]).to(h.dtype)
-        if int(where.sum()) != feats.shape[0]:
+        if not where.is_meta and int(where.sum()) != feats.shape[0]:  # (meta: shapes only, for planning)
             raise ValueError(f"{int(where.sum())} image tokens but {feats.shape[0]} image features")
         return h.masked_scatter(where, feats)
 
