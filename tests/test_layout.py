@@ -276,7 +276,9 @@ def test_plan_world_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
     with open(os.path.join(out, "layouts.json")) as fh:
         doc = json.load(fh)
     assert f"| {doc['chosen']['name']} **chosen** |" in text and f"chosen: {doc['chosen']['name']}" in text
-    assert len(doc["layouts"]) == 6 and doc["comm"]["measured"]  # DP2 ZeRO-0..3, PP2 modality and auto
+    # DP2 ZeRO-0..3, PP2 modality and auto; each with and without activation checkpointing
+    assert len(doc["layouts"]) == 12 and doc["comm"]["measured"]
+    assert sum(r["checkpointing"] for r in doc["layouts"]) == 6 and not doc["chosen"]["checkpointing"]
     # ZeRO-3's per-module cost per pass and per step, measured by DeepSpeed runs
     partitioned, persistent, partitioned_step, persistent_step = doc["comm"]["zero3"]["2"]
     assert 0 <= partitioned < 0.1 and 0 < persistent < 0.1
@@ -284,8 +286,9 @@ def test_plan_world_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
     assert 0.5 < doc["comm"]["stretch"]["2"] < 4  # 2 ranks computing at once vs one alone
     per_tensor, per_byte, step_per_byte = doc["comm"]["zero2"]["2"]  # ZeRO-2 beyond ZeRO-0, measured
     assert 0 <= per_tensor < 0.01 and 0 <= per_byte < 1e-6 and 0 <= step_per_byte < 1e-6
-    with Image.open(os.path.join(out, "layouts.png")) as im:
-        assert im.format == "PNG"
+    for png in ("layouts.png", "memory.png"):
+        with Image.open(os.path.join(out, png)) as im:
+            assert im.format == "PNG"
     assert main(["plan", "--config", TINY, "--world", "2", "--memory-gb", "1e-6", "--out", out]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "parallel.layout=auto: no layout fits: DP2 ZeRO-0: needs" in err[0], err

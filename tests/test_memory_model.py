@@ -66,3 +66,45 @@ def test_checkpointing_saves_what_the_model_says(memory_runs, plain, ckpt):
     # the stage with the most activations keeps well under two thirds of them
     (_, _, m0), (_, _, m1) = max(stages, key=lambda st: st[0][2]["dynamic"])
     assert m1["dynamic"] < 0.67 * m0["dynamic"], (m0, m1)
+
+
+# ---- sizing without running: the meta device, the chooser -------------------------------------------------
+@pytest.mark.parametrize("config", ["tiny.yaml", "tiny_vlm.yaml"])
+def test_a_model_sized_on_the_meta_device_has_the_bytes_of_the_real_one(config):
+    """Every byte count of the layer profile (saved activations, inputs, outputs, working set,
+    parameters) from shapes alone equals the one measured on real tensors."""
+    from helpers import ROOT
+
+    from mmpipe.planning.measure import get_profile, meta_profile, resolve_for_plan
+    from mmpipe.planning.place import layer_costs
+    cfg, family = resolve_for_plan(mmpipe.load_config(f"{ROOT}/configs/{config}"))
+    prof = meta_profile(cfg, family, 4)
+    meta = layer_costs(prof)
+    real = layer_costs(get_profile(cfg, family, 4, measure_comm=False, repeats=1, passes=1, use_cache=False))
+    fields = ("act_bytes", "in_bytes", "out_bytes", "workspace", "params", "trainable")
+    assert [[getattr(c, f) for f in fields] for c in meta] == [[getattr(c, f) for f in fields] for c in real]
+    assert prof["timed"] is False and any(c.act_bytes > 5 * c.in_bytes for c in meta)
+
+
+def test_the_chooser_weighs_checkpointing_and_never_picks_what_does_not_fit():
+    from test_layout import NAMES, SEGS, _layer, _prof
+
+    from mmpipe.planning.collectives import CommModel
+    from mmpipe.planning.layouts import choose, predict_layouts
+    layers = [{**_layer(n, 2.0, 4.0, 1000, act=400_000), "in_bytes": 4000} for n in NAMES]
+    kw = dict(world=2, batch_size=16, micro_batch_size=4, precision="fp32", names=NAMES, segments=SEGS,
+              fetch_units=10, checkpointing=(False, True))
+    rows = predict_layouts(_prof(layers), CommModel(), **kw)
+    plain = {r.name: r for r in rows if not r.checkpointing}
+    ckpt = {r.name.replace(" +ckpt", ""): r for r in rows if r.checkpointing}
+    assert set(plain) == set(ckpt)
+    for name, r in plain.items():  # a recomputed forward per layer, far fewer bytes
+        if r.micro_batches:
+            assert ckpt[name].step_time > r.step_time and ckpt[name].peak < 0.5 * r.peak, name
+    roomy = choose(predict_layouts(_prof(layers), CommModel(), memory_budget=10**9, **kw))[0]
+    assert not roomy.checkpointing  # no need: the faster run
+    tight = max(r.peak for r in rows if r.checkpointing)
+    best, why = choose(predict_layouts(_prof(layers), CommModel(), memory_budget=tight, **kw))
+    assert best.checkpointing and best.peak <= tight and "not fitting" in why
+    with pytest.raises(mmpipe.ConfigError, match="no layout fits"):
+        choose(predict_layouts(_prof(layers), CommModel(), memory_budget=1000, **kw))

@@ -6,6 +6,7 @@ and ratios against a baseline measured in the same run.
     mmpipe bench data      # images/s: naive loading vs mmpipe's direct path vs its preprocessed cache
     mmpipe bench balance   # samples/s of every stage placement vs the single-process baseline
     mmpipe bench strategies  # every layout at 1, 2, 4 ranks: measured beside the layout cost model
+    mmpipe bench memory      # predicted vs measured memory per stage (P = 2, 3; checkpointing on and off)
     mmpipe bench negatives   # CLIP's global-batch negatives vs per-micro-batch: step time measured and predicted
     mmpipe bench peers --family clip  # the same CLIP job by open_clip_train and by mmpipe: samples/s, recall
 """
@@ -17,6 +18,7 @@ from mmpipe.bench.balance import bench_balance
 from mmpipe.bench.common import ROOT
 from mmpipe.bench.data import bench_data
 from mmpipe.bench.groups import bench_groups
+from mmpipe.bench.memory import add_arguments as add_memory
 from mmpipe.bench.negatives import add_arguments as add_negatives
 from mmpipe.bench.peers import add_arguments as add_peers
 from mmpipe.bench.strategies import bench_strategies
@@ -61,6 +63,8 @@ def add_parser(sub) -> None:
     bb.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; steps pooled, median kept")
     bb.add_argument("--no-append", action="store_true")
     bb.set_defaults(func=bench_balance)
+    add_memory(bs.add_parser("memory", help="every stage's predicted peak memory beside the live count of a real run "
+                             "(CLIP and VLM, P = 2 and 3, with and without activation checkpointing)"))
     add_negatives(bs.add_parser("negatives", help="CLIP's global-batch negatives vs per-micro-batch: measured and "
                                 "predicted step time (P = 2, vision trained and frozen)"))
     add_peers(bs.add_parser("peers", help="the same job by a peer (open_clip_train) and by mmpipe's chosen layout: "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from mmpipe.planning.charts import write_plan_png, write_png
+from mmpipe.planning.charts import write_memory_png, write_plan_png, write_png
 from mmpipe.planning.layouts import format_table, layouts_json, plan_layouts
 from mmpipe.planning.measure import _profile_for, format_plan, plan_all
 
@@ -28,9 +28,13 @@ def cmd_plan_world(args) -> int:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "layouts.json"), "w") as fh:
         json.dump(layouts_json(res), fh, indent=1)
-    write_png(os.path.join(out, "layouts.png"), res["rows"], res["chosen"],
-              title=f"{args.world} ranks: predicted step per layout (green: chosen)")
-    print(f"wrote {out}/layouts.json and {out}/layouts.png (train with --set parallel.layout=auto to use it)")
+    if not res["meta"]:
+        write_png(os.path.join(out, "layouts.png"), res["rows"], res["chosen"],
+                  title=f"{args.world} ranks: predicted step per layout (green: chosen)")
+    write_memory_png(os.path.join(out, "memory.png"), res["rows"], res["chosen"], res["memory_budget"],
+                     title=f"{args.world} ranks: predicted peak memory per layout")
+    pngs = "memory.png" if res["meta"] else "layouts.png and memory.png"
+    print(f"wrote {out}/layouts.json, {pngs} (train with --set parallel.layout=auto to use it)")
     return 0
 
 

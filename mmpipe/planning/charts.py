@@ -7,6 +7,29 @@ from typing import Optional
 from mmpipe.planning.layouts import LayoutPrediction
 
 
+def write_memory_png(path: str, rows: list, chosen: Optional[LayoutPrediction], budget: int, title: str = "") -> None:
+    """Predicted peak memory per layout (bar: the fullest rank; dots: every stage), the budget as a
+    dashed line; the chosen layout green, those that do not fit red."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = sorted((r for r in rows if r.micro_batches), key=lambda r: r.peak)
+    fig, ax = plt.subplots(figsize=(2 + 0.5 * len(rows), 4.5))
+    colour = ["C2" if chosen is not None and r.name == chosen.name else ("C0" if r.fits else "C3") for r in rows]
+    ax.bar(range(len(rows)), [r.peak / 2**30 for r in rows], 0.7, color=colour)
+    for i, r in enumerate(rows):
+        ax.plot([i] * len(r.memory), [m / 2**30 for m in r.memory], "k.", markersize=4)
+    ax.axhline(budget / 2**30, color="k", linestyle="--", linewidth=1, label=f"budget {budget / 2**30:.1f} GB")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([r.name for r in rows], rotation=40, ha="right", fontsize=7)
+    ax.set_ylabel("GB per rank (bar: fullest stage, dots: each stage)")
+    ax.set_title(title or "predicted peak memory per layout (green: chosen, red: does not fit)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_png(path: str, rows: list, chosen: Optional[LayoutPrediction] = None,
               measured: Optional[dict] = None, title: str = "") -> None:
     """Predicted step time (and measured, if given) per layout; layouts that do not fit hatched."""

@@ -380,7 +380,7 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
     rows = predict_layouts(prof, comm, world, cfg.train.batch_size, mbs, cfg.train.precision, family.layer_names(),
                            family.segments(), memory_budget=budget, cores=cores() if on_cpu else None,
                            grouped_clip=grouped_clip, fetch_units=fetch_units(family),
-                           checkpointing=checkpointing_choices(cfg.parallel.activation_checkpointing))
+                           checkpointing=checkpointing_choices(cfg))
     best, why = choose(rows)
     if meta:
         why = (f"the simplest layout that fits: {best.name}, peak {best.peak / 2**30:.1f} GB per rank (fewest stages, "
@@ -390,9 +390,14 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
             "memory_budget": budget, "rows": rows, "chosen": best, "why": why, "comm": comm, "profile": prof}
 
 
-def checkpointing_choices(setting: str) -> tuple:
-    """``parallel.activation_checkpointing`` as the choices the layout chooser weighs."""
-    return {"none": (False,), "all": (True,)}.get(setting, (False, True))
+def checkpointing_choices(cfg) -> tuple:
+    """What the layout chooser weighs: activation checkpointing off and on, unless the config sets
+    ``parallel.activation_checkpointing`` to none or all itself."""
+    key = "parallel.activation_checkpointing"
+    setting = cfg.parallel.activation_checkpointing
+    if setting == "auto" or key not in cfg.explicit:
+        return (False, True)
+    return (setting == "all",)
 
 
 def layouts_json(result: dict) -> dict:

@@ -16,7 +16,7 @@ from typing import Optional
 
 from mmpipe.errors import ConfigError
 from mmpipe.parallel.plan import Plan, parts_from_lists
-from mmpipe.planning.memory import bytes_per_param, in_flight
+from mmpipe.planning.memory import bytes_per_param, in_flight, schedule_of, stage_memory
 from mmpipe.planning.partition import min_max_partition, modality_partition
 from mmpipe.planning.profiler import LayerCost
 from mmpipe.planning.simulate import simulate
@@ -64,24 +64,32 @@ def place(names: list, segments: list, num_stages: int, placement: str, micro_ba
 
 def _measured_parts(prof: dict, segments: list, num_stages: int, placement: str, micro_batches: int,
                     memory_cap: Optional[int], precision: str, zero_stage: int, data_parallel: int) -> tuple:
-    """(parts, {placement: predicted SimResult}) from measured costs (forward + backward per layer;
-    a frozen forward-only layer costs its forward alone)."""
+    """(parts, {placement: predicted SimResult}) from measured costs (forward + backward per layer,
+    and the recomputed forward under checkpointing; a frozen forward-only layer costs its forward
+    alone)."""
     costs = layer_costs(prof)
-    work = [c.fwd_ms + c.bwd_ms for c in costs]
+    recomputed = recomputed_ms(prof, costs)
+    per_t, per_f = bytes_per_param(precision, zero_stage, data_parallel)
+    # worst case in flight (stage 0) for every stage: conservative, keeps the DP additive; checkpointed
+    # (recomputed_ms > 0), a layer keeps its input per micro-batch in flight
+    k = in_flight(0, num_stages, micro_batches)
+    kept = [c.in_bytes if r and c.in_bytes is not None else c.act_bytes for c, r in zip(costs, recomputed)]
+    mem = [c.static_bytes(per_t, per_f) + k * a for c, a in zip(costs, kept)]
+    # a model sized on the meta device has no times: its stages are balanced by memory
+    work = mem if prof.get("timed") is False else [c.fwd_ms + c.bwd_ms + r for c, r in zip(costs, recomputed)]
     candidates = {}
     if placement in ("modality", "auto"):
         candidates["modality"] = modality_partition(work, segments, num_stages)
     if placement in ("balanced", "auto"):
-        mem = None
-        if memory_cap is not None:
-            per_t, per_f = bytes_per_param(precision, zero_stage, data_parallel)
-            # worst case in flight (stage 0) for every stage: conservative, keeps the DP additive
-            k = in_flight(0, num_stages, micro_batches)
-            mem = [c.static_bytes(per_t, per_f) + k * c.act_bytes for c in costs]
-        candidates["balanced"] = min_max_partition(work, num_stages, memory=mem, memory_cap=memory_cap)
+        candidates["balanced"] = min_max_partition(work, num_stages, memory=mem if memory_cap is not None else None,
+                                                   memory_cap=memory_cap)
     predictions = {name: predict(prof, parts, micro_batches) for name, parts in candidates.items()}
     if placement == "auto":
-        best = min(candidates, key=lambda n: predictions[n].step_time)
+        if prof.get("timed") is False:  # no times: the placement with the lower peak
+            best = min(candidates, key=lambda n: max(stage_memory(costs, candidates[n], micro_batches, precision,
+                                                                  zero_stage, data_parallel, schedule_of(prof))))
+        else:
+            best = min(candidates, key=lambda n: predictions[n].step_time)
         return candidates[best], predictions
     return candidates[placement], predictions
 
