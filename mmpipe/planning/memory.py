@@ -65,12 +65,15 @@ class MemoryBreakdown:
     activations: float = 0.0  # saved for backward, times the micro-batches in flight
     buffers: float = 0.0  # stage-boundary transfers and the outputs kept for backward
     workspace: float = 0.0  # one layer's transient bytes in its forward/backward (profiled)
+    step_workspace: float = 0.0  # the optimizer step's temporaries (AdamW: one fp32 tensor per parameter)
     features: float = 0.0  # a step loss's feature cache, a frozen prefix's memo, the step's batches
 
     @property
     def total(self) -> int:
-        return int(self.weights + self.grads + self.optimizer + self.activations + self.buffers + self.workspace
-                   + self.features)
+        """The larger of two moments: the last forward before the first backward (activations of every
+        micro-batch in flight) and the optimizer step (gradients complete, activations freed)."""
+        training = self.activations + self.buffers + self.workspace
+        return int(self.weights + self.grads + self.optimizer + self.features + max(training, self.step_workspace))
 
     def to_dict(self) -> dict:
         return {**{k: int(v) for k, v in asdict(self).items()}, "total": self.total}
@@ -150,7 +153,10 @@ def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str
         if s > 0:
             buffers += _in_bytes(costs, a)
         workspace = max(c.workspace for c in costs[a:b])
-        out.append(MemoryBreakdown(w, g, o, activation_bytes(costs, a, b, k, schedule), buffers, workspace,
+        # torch's multi-tensor AdamW makes one fp32 temporary per (sharded) parameter in its step
+        trainable = sum(c.trainable for c in costs[a:b])
+        step = 4 * trainable / (data_parallel if zero_stage >= 1 else 1)
+        out.append(MemoryBreakdown(w, g, o, activation_bytes(costs, a, b, k, schedule), buffers, workspace, step,
                                    _features(costs, s, P, micro_batches, data_parallel, schedule)))
     return out
 
