@@ -7,7 +7,7 @@ import pytest
 
 from mmpipe.planning.collectives import CommModel
 from mmpipe.planning.layouts import choose, predict_layouts
-from mmpipe.planning.memory import dp_memory
+from mmpipe.planning.memory import dp_memory, stage_breakdown
 from mmpipe.planning.place import layer_costs
 
 
@@ -106,17 +106,28 @@ def test_zero2_charges_its_measured_hooks_and_bucket_copies():
     assert zero2_fit(probe, 1e-9) == pytest.approx((a, b, c))
 
 
+def _states(costs, precision, zero, n):
+    """Weights + gradients + optimizer state of one data-parallel rank (the memory model's)."""
+    m = stage_breakdown(costs, [0, len(costs)], 1, precision, zero, n)[0]
+    return int(m.weights + m.grads + m.optimizer)
+
+
 def test_zero3_memory_is_a_shard_of_everything_plus_the_gathered_layer():
     layers = [_layer("a", 1, 1, 1000, act=100, out=40), _layer("b", 1, 1, 3000, act=300, out=40)]
     costs = layer_costs(_prof(layers))
     n = 4
-    want = (4000 * (4 + 4 + 8)) / n + (3000 * 4 + 3000 * 4) + (100 + 300) + 40
-    assert dp_memory(costs, "fp32", 3, n) == int(want)
-    assert dp_memory(costs, "fp32", 0, n) == int(4000 * 16 + 400 + 40)
-    assert dp_memory(costs, "fp32", 1, n) == int(4000 * (8 + 8 / n) + 440)
-    assert dp_memory(costs, "fp32", 2, n) == int(4000 * (4 + 12 / n) + 440)
+    assert _states(costs, "fp32", 3, n) == int((4000 * (4 + 4 + 8)) / n + (3000 * 4 + 3000 * 4))
+    assert _states(costs, "fp32", 0, n) == 4000 * 16
+    assert _states(costs, "fp32", 1, n) == int(4000 * (8 + 8 / n))
+    assert _states(costs, "fp32", 2, n) == int(4000 * (4 + 12 / n))
     # bf16: 2-byte weights and gradients, fp32 master + Adam moments + fp32 accumulator
-    assert dp_memory(costs, "bf16", 0, n) == int(4000 * (2 + 2 + 16) + 440)
+    assert _states(costs, "bf16", 0, n) == 4000 * (2 + 2 + 16)
+    # the peak: the larger of the training moment (activations 400, the kept output 40) and the
+    # optimizer step (AdamW's fp32 temporary per parameter of the shard)
+    assert dp_memory(costs, "fp32", 0, n) == 4000 * 16 + max(440, 4 * 4000)
+    assert dp_memory(costs, "fp32", 3, n) == _states(costs, "fp32", 3, n) + max(440, 4 * 4000 // n)
+    big = layer_costs(_prof([_layer("a", 1, 1, 1000, act=10**6, out=40)]))
+    assert dp_memory(big, "fp32", 0, 1) == 1000 * 16 + 10**6 + 40
 
 
 def test_model_states_agree_with_deepspeeds_estimators():
@@ -130,9 +141,9 @@ def test_model_states_agree_with_deepspeeds_estimators():
     total = 4_000_000
     for n in (1, 2, 8):
         _, z2 = estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=n, cpu_offload=False)
-        assert dp_memory(costs, "bf16", 2, n) == z2
+        assert _states(costs, "bf16", 2, n) == z2
         _, z3, _ = estimate_zero3_model_states_mem_needs(total, 3_000_000, num_gpus_per_node=n, cpu_offload=False)
-        assert dp_memory(costs, "bf16", 3, n) == pytest.approx(z3 + 2 * total / n, abs=1)
+        assert _states(costs, "bf16", 3, n) == pytest.approx(z3 + 2 * total / n, abs=1)
 
 
 def test_the_chooser_prefers_data_parallel_when_it_fits_and_communication_is_cheap():

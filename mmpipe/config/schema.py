@@ -81,12 +81,12 @@ class ParallelConfig(Section):
     memory_budget_gb: Optional[float] = _f(None, "per-device memory budget for micro_batch_size=auto; unset = the "
                                            "device's total memory", gt=0)
     zero_stage: int = _f(0, "ZeRO stage (0 or 1 with a pipeline; up to 3 with P = 1)", ge=0, le=3)
-    activation_checkpointing: str = _f("none", "none; all: every trained layer keeps only its input and "
+    activation_checkpointing: str = _f("auto", "none; all: every trained layer keeps only its input and "
                                        "recomputes its forward in backward (less activation memory, about one more "
                                        "forward; dropout replayed); forward-only frozen layers are never recomputed "
-                                       "(open_clip --grad-checkpointing, ms-swift gradient_checkpointing); auto (with "
-                                       "layout: auto): the layout chooser decides per layout, by predicted memory and "
-                                       "step time")
+                                       "(open_clip --grad-checkpointing, ms-swift gradient_checkpointing); auto: with "
+                                       "layout: auto the layout chooser decides per layout, by predicted memory and "
+                                       "step time; with a manual layout, none")
 
 
 @dataclass
@@ -163,8 +163,8 @@ class LogConfig(Section):
                             "metrics.jsonl")
     trace: Optional[list] = _f(None, "[first, last] steps to record as OUTPUT/trace.json (Perfetto/Chrome) and "
                                "OUTPUT/timeline.png, e.g. [5, 6]")
-    memory: bool = _f(False, "count every tensor each rank holds during the steps, by category (torch's MemTracker; "
-                      "slow: for checking the memory model) and write the peak to OUTPUT/memory/rank*.json")
+    memory: bool = _f(False, "count every tensor each rank holds during the steps, by category (a dispatch mode counting "
+                      "tensor storages; slow: for checking the memory model) and write the peak to OUTPUT/memory/rank*.json")
 
 
 @dataclass

@@ -61,21 +61,22 @@ class LiveBytes(TorchDispatchMode):
 
     def __enter__(self):
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-        previous = []
+        out = super().__enter__()
+        self._outside = self.category  # restored on exit, even if a step raised between its hooks
 
         def pre(*_):
-            previous.append(self.category)
             self.category = "optimizer"
 
         def post(*_):
-            self.category = previous.pop() if previous else "dynamic"
+            self.category = self._outside
         self._hooks = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
-        return super().__enter__()
+        return out
 
     def __exit__(self, *exc):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.category = getattr(self, "_outside", self.category)
         return super().__exit__(*exc)
 
     def reset_peak(self) -> None:

@@ -214,7 +214,7 @@ def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple) -> LayoutPredic
     row.compute = M * fb + (opt / n if z >= 1 else opt)
     row.comm = cm * ctx.over + fixed  # collectives between oversubscribed ranks wait for the cores too
     row.step_time = row.compute + row.comm
-    row.samples_per_s = ctx.batch / row.step_time
+    row.samples_per_s = ctx.batch / row.step_time if row.step_time > 0 else 0.0
     _memory(row, ctx, [0, len(costs)], M, z, n)
     return row
 
@@ -259,7 +259,7 @@ def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: l
     row.compute = M * max(a + b + a1 for a, b, a1 in zip(t["F"], t["B"], t.get("F1", [0.0] * P)))
     row.comm = dp_comm + sim.step_time - max(sim.busy)  # waiting, transfers and the reduction
     row.bubble = sim.bubble
-    row.samples_per_s = ctx.batch / row.step_time
+    row.samples_per_s = ctx.batch / row.step_time if row.step_time > 0 else 0.0
     _memory(row, ctx, parts, M, z, D)
     return row
 
@@ -283,7 +283,7 @@ def choose(rows: list, tie: float = TIE) -> tuple:
     if not ok:
         raise ConfigError("parallel.layout=auto: no layout fits: " + "; ".join(f"{r.name}: {r.why}" for r in rows)
                           + " (raise parallel.memory_budget_gb, use more ranks, or freeze/shrink the model)")
-    near = [r for r in ok if r.step_time <= ok[0].step_time * (1 + tie)]
+    near = ok if tie == float("inf") else [r for r in ok if r.step_time <= ok[0].step_time * (1 + tie)]
     best = min(near, key=lambda r: (r.pipeline_stages, r.zero_stage, r.checkpointing, r.step_time))
     others = [r for r in ok if r is not best]
     runner_up = f", next {others[0].name} {1e3 * others[0].step_time:.1f} ms" if others else ""
@@ -343,12 +343,13 @@ def cores() -> int:
 def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: bool = True, log=print,
                  comm: Optional[CommModel] = None, refresh: bool = False,
                  refresh_comm: Optional[bool] = None, profile: Optional[dict] = None,
-                 meta: Optional[bool] = None) -> dict:
+                 meta: Optional[bool] = False) -> dict:
     """Profile (at the threads a rank of ``world`` gets; or take ``profile``), measure collectives
     (or take ``comm``), predict every layout; ``refresh`` / ``refresh_comm`` (default: ``refresh``):
-    profile / time the collectives again, replacing the cached entries. ``meta`` (default: above
-    ``META_PARAMS`` parameters): size the model on the meta device (``meta_profile``): memory
-    only, no step times, the simplest layout that fits chosen."""
+    profile / time the collectives again, replacing the cached entries. ``meta``: size the model on
+    the meta device (``meta_profile``): memory only, no step times, the simplest layout that fits
+    chosen; None: when it has more than ``META_PARAMS`` parameters (``mmpipe plan``; a training run
+    profiles the real layers on its own device)."""
     from deepspeed.accelerator import get_accelerator
 
     mbs = cfg.parallel.micro_batch_size
@@ -381,23 +382,20 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
                            family.segments(), memory_budget=budget, cores=cores() if on_cpu else None,
                            grouped_clip=grouped_clip, fetch_units=fetch_units(family),
                            checkpointing=checkpointing_choices(cfg))
-    best, why = choose(rows)
+    best, why = choose(rows, tie=float("inf") if meta else TIE)
     if meta:
         why = (f"the simplest layout that fits: {best.name}, peak {best.peak / 2**30:.1f} GB per rank (fewest stages, "
-               "lowest ZeRO stage, no checkpointing; step times not predicted: sized on the meta device)")
+               "then the lowest ZeRO stage, then without checkpointing; step times not predicted: sized on the meta "
+               "device)")
     return {"meta": bool(meta), "world": world, "batch_size": cfg.train.batch_size, "micro_batch_size": mbs, "threads": threads,
             "precision": cfg.train.precision,
             "memory_budget": budget, "rows": rows, "chosen": best, "why": why, "comm": comm, "profile": prof}
 
 
 def checkpointing_choices(cfg) -> tuple:
-    """What the layout chooser weighs: activation checkpointing off and on, unless the config sets
-    ``parallel.activation_checkpointing`` to none or all itself."""
-    key = "parallel.activation_checkpointing"
-    setting = cfg.parallel.activation_checkpointing
-    if setting == "auto" or key not in cfg.explicit:
-        return (False, True)
-    return (setting == "all",)
+    """What the layout chooser weighs: activation checkpointing off and on (``auto``, the default), or
+    what ``parallel.activation_checkpointing`` fixes."""
+    return {"none": (False,), "all": (True,)}.get(cfg.parallel.activation_checkpointing, (False, True))
 
 
 def layouts_json(result: dict) -> dict:

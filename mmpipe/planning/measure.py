@@ -183,6 +183,8 @@ def meta_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = f
                                batch, timed=False, n_layers=len(family.layer_names()), loss_fn=loss_fn)
     key = {"family": family.name, "micro_batch_size": micro_batch_size, "max_length": cfg.data.max_length,
            "precision": cfg.train.precision, "device": "meta", "threads": 1, "forward_only": sorted(forward_only)}
+    for c in costs:  # meta operations take no real time: no times at all, rather than noise
+        c.fwd_ms = c.bwd_ms = c.opt_ms = 0.0
     prof = {"key": key, "layers": [c.to_dict() for c in costs], "timed": False,
             "comm": {"latency_s": 0.0, "s_per_byte": 0.0, "samples": {}, "measured": False}}
     return _with_schedule(prof, family, cfg)

@@ -18,8 +18,11 @@ def state_bytes(precision: str) -> tuple[int, int, int]:
 
 def bytes_per_param(precision: str, zero_stage: int, data_parallel: int) -> tuple[float, float]:
     """(bytes per trainable parameter, bytes per frozen parameter) held by one pipeline rank: weights,
-    gradients and optimizer state, the optimizer part divided over data-parallel ranks from ZeRO-1 on."""
+    gradients and optimizer state, the optimizer part divided over data-parallel ranks from ZeRO-1 on
+    (bf16: DeepSpeed's ``BF16_Optimizer``, see ``_states``)."""
     w, g, o = state_bytes(precision)
+    if precision == "bf16":
+        return w + g + 12 / data_parallel + (4 if zero_stage >= 1 else 2), w
     return w + g + o / (data_parallel if zero_stage >= 1 else 1), w
 
 
@@ -96,20 +99,26 @@ def activation_bytes(costs: list, a: int, b: int, k: int, sch: Schedule) -> floa
     return k * held + recompute
 
 
-def _states(costs: list, a: int, b: int, precision: str, zero: int, dp: int, ties: tuple = ()) -> tuple:
+def _states(costs: list, a: int, b: int, precision: str, zero: int, dp: int, ties: tuple = (),
+            pipelined: bool = False) -> tuple:
     """(weights, gradients, optimizer state) bytes of layers ``a..b-1`` on one rank; a parameter tied
-    between two of them (``Schedule.ties``) counted once."""
+    between two of them (``Schedule.ties``) counted once. A bf16 pipeline runs DeepSpeed's
+    ``BF16_Optimizer``: the fp32 master and Adam's moments (12 bytes) split over the data-parallel
+    ranks at any ZeRO stage, the gradient accumulator whole (fp32 under ZeRO-1, bf16 under ZeRO-0)
+    - measured: 14 bytes per parameter at ZeRO-0, 10 at ZeRO-1 over 2 ranks."""
     w, g, o = state_bytes(precision)
     trainable = sum(c.trainable for c in costs[a:b])
     frozen = sum(c.params - c.trainable for c in costs[a:b])
     names = {c.name: c for c in costs[a:b]}
     for first, second, n in ties:
         if first in names and second in names:
-            if names[second].trainable:
+            if names[second].trainable >= n:  # the tied weight trains (at least that much of the layer does)
                 trainable -= n
             else:
                 frozen -= n
     n = dp if zero >= 1 else 1
+    if pipelined and precision == "bf16":
+        return trainable * w + frozen * w, trainable * g, trainable * (12 / dp + (4 if zero >= 1 else 2))
     if zero <= 1:
         return trainable * w + frozen * w, trainable * g, trainable * o / n
     if zero == 2:
@@ -146,7 +155,7 @@ def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str
     for s in range(P):
         a, b = parts[s], parts[s + 1]
         k = in_flight(s, P, micro_batches) if P > 1 else 1
-        w, g, o = _states(costs, a, b, precision, zero_stage, data_parallel, schedule.ties)
+        w, g, o = _states(costs, a, b, precision, zero_stage, data_parallel, schedule.ties, pipelined=P > 1)
         # the outputs of each micro-batch in flight are kept for its backward (the last stage's for the
         # loss), and a non-last stage receives their gradient into one more buffer of that size
         buffers = (k + (s < P - 1)) * costs[b - 1].out_bytes
@@ -155,7 +164,7 @@ def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str
         workspace = max(c.workspace for c in costs[a:b])
         # torch's multi-tensor AdamW makes one fp32 temporary per (sharded) parameter in its step
         trainable = sum(c.trainable for c in costs[a:b])
-        step = 4 * trainable / (data_parallel if zero_stage >= 1 else 1)
+        step = 4 * trainable / (data_parallel if zero_stage >= 1 or (P > 1 and precision == "bf16") else 1)
         out.append(MemoryBreakdown(w, g, o, activation_bytes(costs, a, b, k, schedule), buffers, workspace, step,
                                    _features(costs, s, P, micro_batches, data_parallel, schedule)))
     return out

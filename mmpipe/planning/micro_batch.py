@@ -9,8 +9,8 @@ from mmpipe.config.schema import RunConfig, replace
 from mmpipe.data.loader import decode_sample
 from mmpipe.data.shards import iter_tar
 from mmpipe.errors import ConfigError, DataError
-from mmpipe.planning.measure import iter_layers, precision_dtype
-from mmpipe.planning.memory import Schedule, pick_micro_batch, stage_memory
+from mmpipe.planning.measure import _with_schedule, iter_layers, precision_dtype
+from mmpipe.planning.memory import pick_micro_batch, schedule_of, stage_memory
 from mmpipe.planning.profiler import profile_layers
 
 
@@ -50,7 +50,11 @@ def auto_micro_batch(cfg, family, source, tok, image_size: int, pipeline_stages:
         layers = iter_layers(family, forward_only, frozen_params, device, dtype)  # one layer alive at a time
         costs = profile_layers(layers, probe_batch(cfg, family, source, tok, m, image_size, device), timed=False)
         micro_batches = per_rank // m
-        schedule = Schedule(cfg.parallel.activation_checkpointing == "all", frozenset(forward_only))
+        # what the run does beyond forward and backward (checkpointing, ties, the step's batches, a
+        # step loss's feature cache), as the layout model reads it from a profile
+        schedule = schedule_of(_with_schedule({"key": {"micro_batch_size": m, "forward_only": sorted(forward_only),
+                                                        "precision": cfg.train.precision},
+                                               "layers": [c.to_dict() for c in costs]}, family, cfg))
         return max(stage_memory(costs, parts, micro_batches, cfg.train.precision, cfg.parallel.zero_stage,
                                 data_parallel, schedule))
 

@@ -73,7 +73,10 @@ def _measured_parts(prof: dict, segments: list, num_stages: int, placement: str,
     # worst case in flight (stage 0) for every stage: conservative, keeps the DP additive; checkpointed
     # (recomputed_ms > 0), a layer keeps its input per micro-batch in flight
     k = in_flight(0, num_stages, micro_batches)
-    kept = [c.in_bytes if r and c.in_bytes is not None else c.act_bytes for c, r in zip(costs, recomputed)]
+    ckpt = bool(prof.get("checkpointing"))
+    forward_only = set(prof.get("key", {}).get("forward_only", []))
+    kept = [c.in_bytes if ckpt and c.name not in forward_only and c.in_bytes is not None else c.act_bytes
+            for c in costs]
     mem = [c.static_bytes(per_t, per_f) + k * a for c, a in zip(costs, kept)]
     # a model sized on the meta device has no times: its stages are balanced by memory
     work = mem if prof.get("timed") is False else [c.fwd_ms + c.bwd_ms + r for c, r in zip(costs, recomputed)]

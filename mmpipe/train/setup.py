@@ -91,9 +91,6 @@ def resolve_run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = N
     """Validate, join the process group, then resolve the run (see the module docstring)."""
     requested = cfg
     auto_layout = cfg.parallel.layout == "auto"
-    if cfg.parallel.activation_checkpointing == "auto" and not auto_layout:
-        raise ConfigError(f"{cfg.source or 'config'}: parallel.activation_checkpointing=auto is decided by the layout "
-                          "chooser: set parallel.layout=auto, or give none or all")
     if auto_layout:  # everything but the layout is checked first, with a stand-in (data parallel)
         cfg = replace(requested, parallel__pipeline_stages=1, parallel__zero_stage=0)
     cfg, family_cls, groups, where, data = validate(cfg, resume, stop_at, overwrite)
@@ -197,12 +194,13 @@ def choose_layout(requested: RunConfig, family_cls, groups: list, rank: int, wor
     placement = c["placement"].split(":")[0] if c["placement"] else requested.parallel.placement
     cfg = replace(requested, parallel__pipeline_stages=c["pipeline_stages"], parallel__zero_stage=c["zero_stage"],
                   parallel__placement=placement,
-                  parallel__activation_checkpointing="all" if c.get("checkpointing") else "none")
+                  parallel__activation_checkpointing="all" if c.get(
+                      "checkpointing", requested.parallel.activation_checkpointing == "all") else "none")
     if rank == 0:
         _warn(f"parallel.layout=auto -> {c['name']}: pipeline_stages={c['pipeline_stages']} data_parallel="
               f"{c['data_parallel']} zero_stage={c['zero_stage']}" + (f" placement={placement}"
                                                                       if c["pipeline_stages"] > 1 else "")
-              + (" activation_checkpointing=all" if c.get("checkpointing") else "") + f" ({choice['why']})")
+              + (" activation_checkpointing=all" if cfg.parallel.activation_checkpointing == "all" else "") + f" ({choice['why']})")
     try:  # the rest of the config was validated with the stand-in: only the layout's part again
         where = locate(cfg, family_cls, groups)
     except MmpipeError as e:
