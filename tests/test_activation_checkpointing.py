@@ -109,6 +109,15 @@ def test_a_pipeline_with_dropout_trains_exactly_as_without_it(runs):
     _same_run(ckpt, plain)
 
 
+def test_a_pipeline_times_data_parallel_trains_exactly_as_without_it(runs):
+    """P = 2 x DP = 2 (CLIP, global negatives): the data-parallel all-reduce of recomputed gradients."""
+    flags = ["--stop-at", "4"]
+    plain = runs.get("p2dp2", 4, ["parallel.pipeline_stages=2"], flags=flags)[0]  # test_parity's P2 x DP2 run
+    ckpt = runs.get("ac_all_p2dp2", 4, ["parallel.pipeline_stages=2", "parallel.activation_checkpointing=all"],
+                    flags=flags)[0]
+    _same_run(ckpt, plain)
+
+
 def test_a_vlm_pipeline_trains_exactly_as_without_it(family_runs_of):
     runs = family_runs_of("vlm")
     flags = ["--stop-at", "4"]
