@@ -57,6 +57,15 @@ def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> st
     for s in range(P):
         lines.append(f"| stage {s} idle | {sim.idle_frac[s]:.0%} | {meas['idle_frac'][s]:.0%} | "
                      f"{100 * (sim.idle_frac[s] - meas['idle_frac'][s]):+.0f} pts |")
+    if os.path.isdir(os.path.join(run_dir, "memory")):  # a run with log.memory: its peaks per stage
+        from mmpipe.planning.measure import run_memory
+        from mmpipe.train.memory_meter import read_memory
+        recs = read_memory(run_dir)
+        pred = run_memory(cfg, run_dir, len(recs), use_cache=use_cache)
+        for r in recs:
+            p, m = pred[r["stage"]].total, r["peak"]["total"]
+            lines.append(f"| rank {r['rank']} (stage {r['stage']}) peak MB | {p / 2**20:.1f} | {m / 2**20:.1f} | "
+                         f"{100 * (p / m - 1):+.1f}% |")
     return "\n".join(lines)
 
 
