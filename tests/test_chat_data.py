@@ -219,3 +219,37 @@ def test_the_tokenizers_own_chat_template_is_used(tmp_path):
     # generation prompt: the conversation so far, then the assistant header
     prompt = ChatEncoder(t, image_id, N, 128).prompt_ids(CONV[:1])
     assert t.decode(prompt[-3:]).replace(" ", "").endswith("<|im_start|>assistant")
+
+
+# ---- ShareGPT / ms-swift spellings (issue 29, items 10, 11, 13) -----------------------------------------
+def _swift(tmp_path, rows) -> list:
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return read_swift_jsonl(str(tmp_path / "d.jsonl"))
+
+
+def test_sharegpt_roles_are_mapped_and_unknown_ones_refused(tmp_path):
+    turn = "<image>\nwhat colour?"
+    rows = [{"messages": [{"role": "user", "content": turn}, {"role": r, "content": "red"}], "images": ["a.jpg"]}
+            for r in ("assistant", "chatgpt", "bot", "gpt", "Assistant")]
+    rows.append({"messages": [{"role": "human", "content": turn}, {"role": "narrator", "content": "red"}],
+                 "images": ["a.jpg"]})
+    got = _swift(tmp_path, rows)
+    for s in got[:5]:  # learned as the assistant's turn
+        assert s.error is None and [r for r, _ in s.messages] == ["user", "assistant"], s
+    assert got[5].error == ("unknown role 'narrator' (known: human, user, gpt, bot, chatgpt, assistant, system)")
+    llava = [{"image": "a.jpg", "conversations": [{"from": "human", "value": turn}, {"from": "chatgpt", "value": "red"}]},
+             {"image": "a.jpg", "conversations": [{"from": "human", "value": turn}, {"from": "oracle", "value": "x"}]}]
+    (tmp_path / "l.json").write_text(json.dumps(llava))
+    a, b = read_llava_json(str(tmp_path / "l.json"))
+    assert a.error is None and a.messages[1][0] == "assistant" and "unknown role 'oracle'" in b.error
+
+
+def test_swift_images_as_one_path_or_as_path_dicts(tmp_path):
+    msgs = [{"role": "user", "content": "<image>\nwhat colour?"}, {"role": "assistant", "content": "red"}]
+    two = [{"role": "user", "content": "<image><image>\nsame?"}, {"role": "assistant", "content": "yes"}]
+    got = _swift(tmp_path, [{"messages": msgs, "images": "pics/a.jpg"},
+                            {"messages": two, "images": [{"path": "a.jpg"}, {"path": "/abs/b.jpg", "bytes": None}]},
+                            {"messages": msgs, "images": [{"bytes": "xyz"}]}])
+    assert got[0].error is None and got[0].images == (str(tmp_path / "pics" / "a.jpg"),)
+    assert got[1].error is None and got[1].images == (str(tmp_path / "a.jpg"), "/abs/b.jpg")
+    assert "bytes without a path" in got[2].error

@@ -342,3 +342,26 @@ def test_optim_freeze_names_groups_as_the_shortcuts_do():
     assert generic == shortcut and [g.name for g in generic if g.frozen] == ["vision"]
     with pytest.raises(ConfigError, match="optim.freeze: 'visoin' is not a group"):
         resolve_groups(load_config(None, ["optim.freeze=[visoin]"]).optim, ClipFamily)
+
+
+def test_embedding_tables_take_no_weight_decay_by_type():
+    """A decoder's token table is ``embed_tokens``, not "embedding" (issue 29, item 8): exempt by
+    type, and its tied LM head with it; the projections and MLPs still decay."""
+    from helpers import TINY_VLM
+
+    import mmpipe
+    from mmpipe.config.groups import param_groups, resolve_groups
+    from mmpipe.config.registry import build_family
+    from mmpipe.parallel.strategies import strategy_for
+    from mmpipe.parallel.topology import Topology
+    from mmpipe.train.engine import mark_embeddings
+    cfg = mmpipe.load_config(TINY_VLM, ["model.llm.vocab_size=200", "model.image_token_id=199"])
+    family = build_family(cfg.model, 0)
+    model = family.plain_model()
+    mark_embeddings(model, strategy_for(Topology(1, 1, 2, 2)), family)  # its named_parameters: plain names
+    groups = resolve_groups(cfg.optim, type(family))
+    decayed = {id(p) for g in param_groups(model.named_parameters(), groups) if g["weight_decay"] > 0
+               for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert id(named["llm.embed.embed_tokens.weight"]) not in decayed
+    assert all(id(p) in decayed for n, p in named.items() if n.endswith("mlp.down_proj.weight"))

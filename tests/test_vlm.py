@@ -175,3 +175,23 @@ def test_vision_and_llm_from_their_own_directories(tmp_path):
         logits = ours.eval_outputs(None, ids, mask)
         torch.testing.assert_close(logits[..., :100], lm(input_ids=ids, attention_mask=mask).logits, atol=1e-5,
                                    rtol=0)
+
+
+@pytest.mark.parametrize("sets,match", [
+    (["model.vision.hidden_size=30"], "model.vision.hidden_size=30 is not divisible by model.vision.num_attention_heads=4"),
+    (["model.vision.patch_size=64"], "model.vision.patch_size=64 is larger than model.vision.image_size=32"),
+    (["model.llm.num_key_value_heads=3"], "model.llm.num_key_value_heads=3 does not divide model.llm.num_attention_heads=4"),
+    (["model.llm.hidden_size=36"], "head size 9 .* is odd"),
+    (["optim.freeze_vit=true", "optim.freeze_aligner=true", "optim.freeze_llm=true"], "every parameter group is frozen"),
+], ids=["vision_heads", "patch", "kv_heads", "rotary", "all_frozen"])
+def test_vlm_shape_mistakes_are_one_line_errors(sets, match):
+    """Issue 29, item 15: each was a traceback from transformers' layers (one at step 1)."""
+    from helpers import TINY_VLM
+
+    from mmpipe.config.groups import resolve_groups
+    from mmpipe.config.registry import build_family
+    from mmpipe.errors import ConfigError
+    with pytest.raises(ConfigError, match=match):  # at load (the file named), or at the groups for freezing
+        cfg = mmpipe.load_config(TINY_VLM, ["model.llm.vocab_size=200", "model.image_token_id=199"] + sets)
+        family = build_family(cfg.model, 0)
+        resolve_groups(cfg.optim, type(family))

@@ -75,6 +75,9 @@ def resolve_groups(optim_cfg, family) -> list[Group]:
     for flag, name in family.freeze_shortcuts.items():
         if getattr(optim_cfg, flag) and name not in optim_cfg.groups:
             raise ConfigError(f"optim.{flag} is set but there is no optim.groups.{name}")
+    if out and all(g.frozen for g in out):
+        raise ConfigError(f"optim: every parameter group is frozen ({', '.join(g.name for g in out)}): nothing would "
+                          "train; unfreeze one (optim.freeze / the freeze_* flags)")
     return out
 
 
@@ -96,10 +99,25 @@ def assign_groups(names, groups: list[Group]) -> dict:
 
 def wants_decay(name: str, param: torch.Tensor) -> bool:
     """Decay matrices and conv kernels (a ViT's patch_embedding is a conv kernel); not biases,
-    norms, embedding tables (token/position/class embeddings), logit_scale."""
+    norms, embedding tables (every ``nn.Embedding``'s weight, marked by ``mark_embedding_tables``
+    whatever its name - a decoder's ``embed_tokens`` and the head tied to it - and parameters named
+    like token/position/class embeddings), logit_scale."""
+    if getattr(param, "_mmpipe_embedding", False):
+        return False
     if param.ndim >= 3:  # conv kernels
         return True
     return param.ndim == 2 and "embedding" not in name.lower()
+
+
+def mark_embedding_tables(module: torch.nn.Module) -> int:
+    """Mark every ``nn.Embedding`` weight of ``module`` as an embedding table (no weight decay, by type
+    not by name); returns how many."""
+    n = 0
+    for m in module.modules():
+        if isinstance(m, torch.nn.Embedding):
+            m.weight._mmpipe_embedding = True
+            n += 1
+    return n
 
 
 def apply_freeze(named_params, groups: list[Group]) -> None:

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import torch
 
-from mmpipe.config.groups import apply_freeze, lr_lambda, param_groups
+from mmpipe.config.groups import apply_freeze, lr_lambda, mark_embedding_tables, param_groups
 from mmpipe.parallel.ds_compat import fix_fp16_backward_scaling
 from mmpipe.parallel.layers import set_activation_checkpointing
 from mmpipe.parallel.strategies import strategy_for
@@ -32,6 +32,23 @@ class Engine:
     stage_ranks: list  # ranks per stage (per-stage means of the step gather)
 
 
+def mark_embeddings(model, strategy, family) -> None:
+    """Embedding tables take no weight decay, by type (``mark_embedding_tables``); a parameter tied to
+    one (a VLM's LM head) is marked with it, also where the tie crosses stages and this stage holds
+    only the head's copy: both copies must step alike."""
+    mark_embedding_tables(model)
+    named = dict(strategy.named_parameters(model))
+    for a, b in family.tied_weights():
+        layer = max((n for n in family.layer_names() if a.startswith(n + ".")), key=len)
+        with torch.device("meta"):
+            part = family.build_unseeded(layer)
+        owner = part.get_submodule(a[len(layer) + 1:].rsplit(".", 1)[0])
+        if isinstance(owner, torch.nn.Embedding):
+            for n in (a, b):
+                if n in named:
+                    named[n]._mmpipe_embedding = True
+
+
 def build_engine(run) -> Engine:
     import deepspeed
 
@@ -42,6 +59,7 @@ def build_engine(run) -> Engine:
     if cfg.parallel.activation_checkpointing == "all":
         set_activation_checkpointing(model)
     apply_freeze(strategy.named_parameters(model), run.groups)
+    mark_embeddings(model, strategy, family)
     torch_groups = param_groups(strategy.named_parameters(model), run.groups)
     if not torch_groups:  # every layer of this stage is frozen: it still runs, forward only
         torch_groups = [{"name": "none", "params": []}]

@@ -84,6 +84,37 @@ PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }
                   "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
+def _check_shapes(cfg) -> None:
+    """The shape mistakes transformers' configs and layers would stop at (a traceback, or one at the
+    first step), in one line each; unset sizes are transformers' defaults, a pretrained directory's
+    own sizes are its own."""
+    if cfg.pretrained:
+        return
+    from transformers import CLIPVisionConfig, LlamaConfig, Qwen2Config
+    dv = CLIPVisionConfig()
+    v = {f: getattr(cfg.vision, f) or getattr(dv, f) for f in ("hidden_size", "num_attention_heads", "image_size",
+                                                                 "patch_size")}
+    if not cfg.vision.pretrained:
+        if v["hidden_size"] % v["num_attention_heads"]:
+            raise ConfigError(f"model.vision.hidden_size={v['hidden_size']} is not divisible by "
+                              f"model.vision.num_attention_heads={v['num_attention_heads']}")
+        if v["patch_size"] > v["image_size"]:
+            raise ConfigError(f"model.vision.patch_size={v['patch_size']} is larger than model.vision.image_size="
+                              f"{v['image_size']}: no patch fits the image")
+    if cfg.llm.pretrained:
+        return
+    dt = (Qwen2Config if cfg.llm.arch == "qwen2" else LlamaConfig)()
+    hidden, heads = cfg.llm.hidden_size or dt.hidden_size, cfg.llm.num_attention_heads or dt.num_attention_heads
+    kv = cfg.llm.num_key_value_heads or heads
+    if heads % kv:
+        raise ConfigError(f"model.llm.num_key_value_heads={kv} does not divide model.llm.num_attention_heads={heads}")
+    if hidden % heads:
+        raise ConfigError(f"model.llm.hidden_size={hidden} is not divisible by model.llm.num_attention_heads={heads}")
+    if (hidden // heads) % 2:
+        raise ConfigError(f"model.llm: head size {hidden // heads} (hidden_size / num_attention_heads) is odd; the "
+                          "rotary embedding rotates pairs of dimensions: make it even")
+
+
 @register_family
 class VlmFamily(ImageTextFamily):
     name = "vlm"
@@ -164,6 +195,10 @@ class VlmFamily(ImageTextFamily):
                                  ("default", "full"))):
             if v not in choices:
                 raise ConfigError(f"{where}: {key}={v!r} is not one of {', '.join(choices)}")
+        try:
+            _check_shapes(model_cfg)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
 
     @classmethod
     def image_size(cls, model_cfg) -> int:
@@ -171,6 +206,7 @@ class VlmFamily(ImageTextFamily):
 
     def __init__(self, model_cfg, seed: int = 0):
         super().__init__(model_cfg, seed)
+        _check_shapes(model_cfg)
         self.vision_cfg, self.text_cfg, self.image_token_id = _hf_configs(model_cfg)
         self.vision_cfg._attn_implementation = self.text_cfg._attn_implementation = "sdpa"
         L, k = self.vision_cfg.num_hidden_layers, model_cfg.vision_feature_layer

@@ -31,7 +31,35 @@ from mmpipe.errors import DataError
 IMAGE = "<image>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 SPECIAL_TOKENS = (IMAGE,) + ROLE_TOKENS
-_LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+# ShareGPT / LLaVA / ms-swift role spellings -> the three roles a chat template knows (ms-swift maps
+# human/user, gpt/bot/chatgpt/assistant and system the same way); any other role is refused
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "bot": "assistant", "chatgpt": "assistant",
+         "assistant": "assistant", "system": "system"}
+
+
+def _roles(raw: list) -> tuple:
+    """(roles, error): each turn's role mapped by ``ROLES``; an unknown one is the sample's error."""
+    out = []
+    for r in raw:
+        role = ROLES.get(str(r).strip().lower())
+        if role is None:
+            return (), f"unknown role {str(r)!r} (known: {', '.join(ROLES)})"
+        out.append(role)
+    return tuple(out), None
+
+
+def _image_paths(value, folder: str) -> tuple:
+    """(paths, error) from ms-swift's ``images``: one path, a list of paths, or of ``{"path": ...}``
+    (the ``datasets`` Image form); relative paths against ``folder``."""
+    items = [value] if isinstance(value, (str, dict)) else list(value or [])
+    paths = []
+    for it in items:
+        p = it.get("path") if isinstance(it, dict) else it
+        if not isinstance(p, str) or not p:
+            what = "bytes without a path" if isinstance(it, dict) and it.get("bytes") else repr(it)[:60]
+            return (), f"image entry {what} is not a path (give a file path, or {{\"path\": ...}})"
+        paths.append(p if os.path.isabs(p) else os.path.join(folder, p))
+    return tuple(paths), None
 
 
 @dataclass(frozen=True)
@@ -77,10 +105,10 @@ def read_llava_json(path: str, image_folder: Optional[str] = None) -> list:
         if not isinstance(conv, list) or not all(isinstance(t, dict) and "value" in t for t in conv):
             out.append(ChatSample((), (), where, "no conversations list of {from, value}"))
             continue
-        msgs = tuple((_LLAVA_ROLES.get(str(t.get("from")), "user"), str(t["value"])) for t in conv)
-        image = row.get("image")
-        images = tuple(os.path.join(folder, p) for p in ([image] if isinstance(image, str) else image or []))
-        out.append(ChatSample(msgs, images, where, _check(msgs, images)))
+        roles, error = _roles([t.get("from", "user") for t in conv])
+        msgs = tuple(zip(roles, (str(t["value"]) for t in conv)))
+        images, bad = _image_paths(row.get("image"), folder)
+        out.append(ChatSample(msgs, images, where, error or bad or _check(msgs, images)))
     return out
 
 
@@ -102,9 +130,10 @@ def read_swift_jsonl(path: str) -> list:
             if not isinstance(msgs, list) or not all(isinstance(m, dict) and "content" in m for m in msgs):
                 out.append(ChatSample((), (), where, "no messages list of {role, content}"))
                 continue
-            msgs = tuple((str(m.get("role", "user")), str(m["content"])) for m in msgs)
-            images = tuple(p if os.path.isabs(p) else os.path.join(folder, p) for p in row.get("images") or [])
-            out.append(ChatSample(msgs, images, where, _check(msgs, images)))
+            roles, error = _roles([m.get("role", "user") for m in msgs])
+            msgs = tuple(zip(roles, (str(m["content"]) for m in msgs)))
+            images, bad = _image_paths(row.get("images"), folder)
+            out.append(ChatSample(msgs, images, where, error or bad or _check(msgs, images)))
     return out
 
 
