@@ -253,3 +253,27 @@ def test_swift_images_as_one_path_or_as_path_dicts(tmp_path):
     assert got[0].error is None and got[0].images == (str(tmp_path / "pics" / "a.jpg"),)
     assert got[1].error is None and got[1].images == (str(tmp_path / "a.jpg"), "/abs/b.jpg")
     assert "bytes without a path" in got[2].error
+
+
+def test_data_check_reads_chat_data_as_training_does(tiny_chat_data, tmp_path, capsys):
+    """Issue 29, item 5: `mmpipe data check` on an ms-swift JSONL and a LLaVA JSON goes through the
+    VLM's reader, encoder and image decode: the three bad lines of the fixture, each named; the same
+    conversations as LLaVA JSON: none."""
+    from helpers import TINY_VLM
+
+    from mmpipe.cli.main import main
+    assert main(["data", "check", "--config", TINY_VLM, "--manifest", tiny_chat_data["train"]]) == 0
+    text = capsys.readouterr().out
+    assert "3 unusable" in text and "does_not_exist.jpg" in text and "corrupt.jpg" in text
+    assert "1 <image> marker(s) but 0 image(s)" in text
+    good = [json.loads(line) for line in open(tiny_chat_data["train"]) if "does_not_exist" not in line
+            and "corrupt" not in line and '"images": []' not in line]
+    role = {"user": "human", "assistant": "gpt", "system": "system"}
+    llava = [{"id": str(i), **({"image": r["images"][0]} if r.get("images") else {}),
+              "conversations": [{"from": role[m["role"]], "value": m["content"]} for m in r["messages"]]}
+             for i, r in enumerate(good)]
+    path = tmp_path / "llava.json"
+    path.write_text(json.dumps(llava))
+    assert main(["data", "check", "--config", TINY_VLM, "--manifest", str(path),
+                 "--set", f"data.image_folder={tiny_chat_data['dir']}"]) == 0
+    assert f"{len(llava)} usable, 0 unusable" in capsys.readouterr().out

@@ -7,6 +7,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 import torch
 from helpers import train_losses
 from test_parity import assert_weights_close, reference
@@ -114,3 +115,38 @@ def test_generate_from_a_pipelined_checkpoint_matches_the_plain_model(family_run
     assert got == want and len(got) == 6
     assert main(["generate", "--run", ref, "--image", sample.images[0], "--prompt", question]) == 0
     assert capsys.readouterr().out.strip() == g.answer(question, sample.images[0])
+
+
+def test_generate_and_eval_read_chat_data_as_training_does(family_runs_of, tiny_chat_data, tmp_path):
+    """Issue 29: markers that do not match --image are one line (item 16); --eval passes a system
+    turn as context and scores the first user turn (item 3), reads LLaVA image names against the
+    run's data.image_folder, and skips an image that is missing, naming it, without stopping (item 4)."""
+    import shutil
+
+    import yaml
+
+    from mmpipe.cli.generate import Generator, exact_match
+    from mmpipe.errors import ConfigError
+    from mmpipe.families.vlm.chat_data import read_chat
+    ref = reference(family_runs_of("vlm"))
+    g = Generator(ref)
+    image = next(s for s in read_chat(tiny_chat_data["val"]) if s.images).images[0]
+    with pytest.raises(ConfigError, match="2 <image> markers but one --image"):
+        g.prompt("<image> <image> what colour?", image)
+    with pytest.raises(ConfigError, match="marker.* but no --image"):
+        g.prompt("<image>\nwhat colour?", None)
+    run = str(tmp_path / "run")  # the run, trained on a LLaVA layout: images named relative to data.image_folder
+    shutil.copytree(ref, run)
+    with open(os.path.join(run, "config.yaml")) as fh:
+        cfg = yaml.safe_load(fh)
+    cfg["data"]["image_folder"] = os.path.dirname(image)
+    with open(os.path.join(run, "config.yaml"), "w") as fh:
+        yaml.safe_dump(cfg, fh)
+    conv = [{"from": "system", "value": "answer in one word"}, {"from": "human", "value": "<image>\nwhat colour is it?"},
+            {"from": "gpt", "value": "red"}]
+    rows = [{"id": "a", "image": os.path.basename(image), "conversations": conv},
+            {"id": "b", "image": "missing.jpg", "conversations": conv}]
+    (tmp_path / "eval.json").write_text(json.dumps(rows))
+    r = exact_match(run, str(tmp_path / "eval.json"), progress=False)
+    assert r["n"] == 1 and r["examples"][0]["question"] == "what colour is it?" and r["examples"][0]["want"] == "red"
+    assert len(r["skipped"]) == 1 and "(id b)" in r["skipped"][0] and "missing.jpg" in r["skipped"][0]

@@ -43,5 +43,8 @@ def cmd_data_check(args) -> int:
     if not manifest or is_shard_spec(manifest):
         raise ConfigError("mmpipe data check: give --manifest (a .jsonl/.csv/.tsv manifest), or a --config with one "
                           "as data.train")
+    rc = family_of(cfg).check_data(manifest, cfg, args.json, args.workers)  # a family's own format (chat data)
+    if rc is not None:
+        return rc
     size = cfg.data.decode_size or family_of(cfg).image_size(cfg.model)
     return run_check(manifest, size, cfg.data.max_bad_fraction, args.json, args.workers)

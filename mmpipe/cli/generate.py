@@ -27,6 +27,7 @@ class Generator:
         cfg = mmpipe.load_config(cfg_path)
         if cfg.model.type != "vlm":
             raise ConfigError(f"--run {run_dir}: model.type={cfg.model.type}; mmpipe generate answers with a VLM run")
+        self.cfg = cfg
         self.family = build_family(cfg.model, cfg.train.seed)
         self.tok = run_tokenizer(cfg, family_of(cfg), run_dir)
         self.encoder = self.family.encoder(self.tok, cfg.data.max_length)
@@ -36,26 +37,32 @@ class Generator:
         end = self.tok.convert_tokens_to_ids("<|end|>") if "<|end|>" in self.tok.get_vocab() else None
         self.stop = [t for t in (end, self.tok.eos_token_id) if t is not None]
 
-    def pixels(self, image_path: str) -> torch.Tensor:
+    def pixels(self, image_path: str, what: str = "--image") -> torch.Tensor:
         from mmpipe.data.loader import decode_sample
         from mmpipe.families.towers.common import normalize_pixels
         pixels, why = decode_sample(image_path, "<image>", self.size)
         if pixels is None:
-            raise ConfigError(f"--image {image_path}: {why}")
+            raise ConfigError(f"{what} {image_path}: {why}")
         return normalize_pixels(pixels.unsqueeze(0), self.mean, self.std, torch.float32)
 
-    def prompt(self, prompt: str, image: Optional[str] = None, history: tuple = ()) -> tuple:
+    def prompt(self, prompt: str, image: Optional[str] = None, history: tuple = (), what: str = "--image") -> tuple:
         """(input ids (1, T), pixel values (1, 3, S, S) or None) of a user turn and the assistant header."""
         from mmpipe.families.vlm.chat_data import IMAGE
+        n = prompt.count(IMAGE)
+        if image is None and n:
+            raise ConfigError(f"--prompt has {n} {IMAGE} marker(s) but no --image: give --image PATH, or drop the marker")
+        if image is not None and n > 1:
+            raise ConfigError(f"--prompt has {n} {IMAGE} markers but one --image: give one marker (or none: the image "
+                              "goes first)")
         text = prompt if image is None or IMAGE in prompt else f"{IMAGE}\n{prompt}"
         ids = torch.tensor([self.encoder.prompt_ids(tuple(history) + (("user", text),))], device=self.device)
-        return ids, (self.pixels(image).to(self.device) if image else None)
+        return ids, (self.pixels(image, what).to(self.device) if image else None)
 
     @torch.no_grad()
     def generate_ids(self, prompt: str, image: Optional[str] = None, max_new_tokens: int = 24, stop: bool = True,
-                     history: tuple = ()) -> list:
+                     history: tuple = (), what: str = "--image") -> list:
         """The greedy continuation's token ids (KV cache); ``stop``: end at the end-of-turn token."""
-        ids, pix = self.prompt(prompt, image, history)
+        ids, pix = self.prompt(prompt, image, history, what)
         extra = {"pixel_values": pix} if pix is not None else {}
         out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra,
                                   max_new_tokens=max_new_tokens, min_new_tokens=0 if stop else max_new_tokens,
@@ -63,8 +70,10 @@ class Generator:
                                   pad_token_id=self.tok.pad_token_id)
         return out[0, ids.shape[1]:].tolist()
 
-    def answer(self, prompt: str, image: Optional[str] = None, max_new_tokens: int = 24, history: tuple = ()) -> str:
-        new = [t for t in self.generate_ids(prompt, image, max_new_tokens, history=history) if t not in self.stop]
+    def answer(self, prompt: str, image: Optional[str] = None, max_new_tokens: int = 24, history: tuple = (),
+               what: str = "--image") -> str:
+        new = [t for t in self.generate_ids(prompt, image, max_new_tokens, history=history, what=what)
+               if t not in self.stop]
         return self.tok.decode(new, skip_special_tokens=True).strip()
 
 
@@ -79,18 +88,25 @@ def exact_match(run_dir: str, chat_file: str, limit: Optional[int] = None, step:
 
     from mmpipe.families.vlm.chat_data import IMAGE, read_chat
     gen = Generator(run_dir, step)
-    items = [s for s in read_chat(chat_file, key="--eval") if s.error is None][:limit]
+    # LLaVA JSON names images relative to the run's data.image_folder, as training read them
+    items = [s for s in read_chat(chat_file, gen.cfg.data.image_folder, key="--eval") if s.error is None][:limit]
     it = items
     if progress:
         from tqdm import tqdm
         it = tqdm(items, desc="answering", unit="q")
-    rows = []
+    rows, skipped = [], []
     norm = lambda s: " ".join(s.lower().split())  # noqa: E731
     for s in it:
-        (_, question), (_, want) = s.messages[0], s.messages[1]
-        got = gen.answer(question.replace(IMAGE, "").strip(), s.images[0] if s.images else None)
-        rows.append({"question": question.replace(IMAGE, "").strip(), "image": s.images[0] if s.images else None,
-                     "want": norm(want), "got": norm(got)})
+        # the first user turn against the first assistant turn after it; a system turn before it is context
+        u = next(i for i, (r, _) in enumerate(s.messages) if r == "user")
+        want = next(t for r, t in s.messages[u:] if r == "assistant")
+        question, image = s.messages[u][1].replace(IMAGE, "").strip(), s.images[0] if s.images else None
+        try:
+            got = gen.answer(question, image, history=s.messages[:u], what=f"{s.where}: image")
+        except ConfigError as e:  # an image that does not decode: that question is skipped, and said
+            skipped.append(str(e))
+            continue
+        rows.append({"question": question, "image": image, "want": norm(want), "got": norm(got)})
     n = max(1, len(rows))
     acc = sum(r["want"] == r["got"] for r in rows) / n
     constant = Counter(r["want"] for r in rows).most_common(1)[0] if rows else ("", 0)
@@ -102,7 +118,7 @@ def exact_match(run_dir: str, chat_file: str, limit: Optional[int] = None, step:
     out = {"n": len(rows), "exact_match": acc, "constant_answer": constant[0], "constant_baseline": constant[1] / n,
            "question_prior_baseline": prior,
            "exact_match_image_questions": sum(r["want"] == r["got"] for r in image_rows) / max(1, len(image_rows)),
-           "examples": rows[:8]}
+           "examples": rows[:8], "skipped": skipped}
     with open(os.path.join(run_dir, "exact_match.json"), "w") as fh:
         json.dump(out, fh, indent=1)
     return out
@@ -118,6 +134,10 @@ def cmd_generate(args) -> int:
               f"answer per question without the image {r['question_prior_baseline']:.3f}")
         for e in r["examples"][:3]:
             print(f"  Q: {e['question']}  A: {e['got']!r}  (want {e['want']!r})")
+        for why in r["skipped"][:5]:
+            print(f"  skipped: {why}")
+        if len(r["skipped"]) > 5:
+            print(f"  ... {len(r['skipped'])} questions skipped in all (RUN/exact_match.json lists them)")
         return 0
     if not args.prompt:
         raise ConfigError("mmpipe generate: give --prompt (and --image), or --eval CHAT_FILE")

@@ -104,6 +104,12 @@ class Family:
     def check_source(cls, kind: str) -> None:
         """Refuse a data source kind (manifest, cache, shards) the family cannot read (one line)."""
 
+    @classmethod
+    def check_data(cls, path: str, cfg, as_json: bool = False, workers: int = 1):
+        """``mmpipe data check`` for a family reading its own data format: an exit code, or None for
+        the image-caption manifest check (``mmpipe.data.check``)."""
+        return None
+
     def __init__(self, model_cfg, seed: int = 0):
         self.cfg = model_cfg
         self.seed = seed

@@ -147,6 +147,11 @@ class VlmFamily(ImageTextFamily):
         return add_chat_tokens(tokenizer)
 
     @classmethod
+    def check_data(cls, path, cfg, as_json=False, workers=1):
+        from mmpipe.families.vlm.chat_check import run_chat_check
+        return run_chat_check(path, cfg, as_json)
+
+    @classmethod
     def check_source(cls, kind):
         if kind != "manifest":
             raise ConfigError(f"model.type=vlm reads chat data (data.train: LLaVA .json or ms-swift .jsonl), not "
