@@ -277,3 +277,20 @@ def test_data_check_reads_chat_data_as_training_does(tiny_chat_data, tmp_path, c
     assert main(["data", "check", "--config", TINY_VLM, "--manifest", str(path),
                  "--set", f"data.image_folder={tiny_chat_data['dir']}"]) == 0
     assert f"{len(llava)} usable, 0 unusable" in capsys.readouterr().out
+
+
+def test_truncation_never_cuts_through_touching_images(tok, tmp_path):
+    """Issue 29, item 12: two images with no token between them (<image><image>) are two images:
+    the cut falls before the second, not through it."""
+    image_id = tok.convert_tokens_to_ids(IMAGE)
+    two = [("user", "<image><image>\nare they the same?"), ("assistant", "red")]
+    (tmp_path / "t.jsonl").write_text(json.dumps({"messages": [{"role": r, "content": t} for r, t in two],
+                                                  "images": ["a.jpg", "b.jpg"]}) + "\n")
+    sample = read_chat(str(tmp_path / "t.jsonl"))[0]
+    full = ChatEncoder(tok, image_id, N, 1000).encode(sample)
+    second = [i for i, t in enumerate(full.input_ids) if t == image_id][N]
+    assert full.input_ids[second - 1] == image_id  # touching
+    cut = ChatEncoder(tok, image_id, N, second + 3).encode(sample)
+    # whole images only: as many image tokens as images kept (the loader's check before the model)
+    assert cut.input_ids.count(image_id) == N * len(cut.images)
+    assert cut.dropped or len(cut.images) == 1

@@ -214,8 +214,10 @@ class ChatEncoder:
             return enc
         cut = self.max_length
         keep_images = len(enc.images)
-        starts = [i for i, t in enumerate(enc.input_ids) if t == self.image_id and
-                  (i == 0 or enc.input_ids[i - 1] != self.image_id)]
+        # each image is n_image image tokens, in order: the k-th image starts at the (k * n_image)-th one,
+        # whether or not images touch (<image><image>, or a newline the tokenizer drops between them)
+        positions = [i for i, t in enumerate(enc.input_ids) if t == self.image_id]
+        starts = positions[::self.n_image]
         for k, s in enumerate(starts):
             if s + self.n_image > cut:  # this image would be cut through: end the sample before it
                 cut, keep_images = s, k
