@@ -212,3 +212,25 @@ def test_build_model_takes_a_run_directory_or_says_what_it_expects(runs, tmp_pat
     assert all(torch.equal(got[k], want[k]) for k in want)
     with pytest.raises(mmpipe.ConfigError, match=r"not a run config \(.yaml\), a run directory"):
         mmpipe.build_model(str(tmp_path))
+
+
+def test_a_tied_vlm_trained_at_p1_exports_in_mmpipe_format_whole(family_runs_of, tiny_chat_data, tmp_path, capsys):
+    """Issue 29, item 14: at P = 1 the tied head and embedding are one tensor, which safetensors
+    refuses to save twice; the export used to die leaving a directory with only its config. Now the
+    export is whole (written beside, renamed when complete), loads back with the same weights, and
+    a directory that is not an export is refused in one line, untouched."""
+    from mmpipe.cli.main import main
+    from mmpipe.train.export import export
+    run = family_runs_of("vlm").get("p1", 1, ["parallel.pipeline_stages=1"], "python", flags=["--stop-at", "4"])[0]
+    out, kind, _ = export(run, str(tmp_path / "own"), fmt="mmpipe")
+    assert kind == "mmpipe" and sorted(os.listdir(tmp_path)) == ["own"]  # no partial directory left
+    model = mmpipe.build_model(out)
+    want = mmpipe.load_weights(run)
+    got = model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert got["llm.head.lm_head.weight"].data_ptr() == got["llm.embed.embed_tokens.weight"].data_ptr()
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("mine")
+    assert main(["export", "--run", run, "--out", str(keep), "--format", "mmpipe"]) == 2
+    assert "is not an export" in capsys.readouterr().err and os.listdir(keep) == ["notes.txt"]

@@ -55,7 +55,23 @@ def export(run_dir: str, out: str, step: Optional[int] = None, dtype: str = "fp3
     state = load_weights(run_dir, step)  # one line when there is no checkpoint
     family = build_family(cfg.model, cfg.train.seed)
     tok = run_tokenizer(cfg, family_of(cfg), run_dir)
-    os.makedirs(out, exist_ok=True)
+    if os.path.isdir(out) and os.listdir(out) and not (is_export(out) or os.path.isfile(os.path.join(out, "config.json"))):
+        raise ConfigError(f"--out {out}: exists and is not an export (no config.json / {MARKER}); give a new directory")
+    final, out = out, f"{out.rstrip(os.sep)}.partial-{os.getpid()}"  # written beside, renamed when complete
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    try:
+        what, why = _write(cfg, family, state, tok, out, fmt, dtype)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)  # nothing half-written is left behind
+        raise
+    if os.path.isdir(final):
+        shutil.rmtree(final)
+    os.replace(out, final)
+    return final, what, why
+
+
+def _write(cfg, family, state: dict, tok, out: str, fmt: str, dtype: str) -> tuple:
     if fmt != "mmpipe":
         try:
             model, processor = family.hf_export(state, tok)
@@ -68,13 +84,13 @@ def export(run_dir: str, out: str, step: Optional[int] = None, dtype: str = "fp3
                 model = model.to(torch.bfloat16)
             model.save_pretrained(out, safe_serialization=True)
             processor.save_pretrained(out)
-            return out, type(model).__name__, "transformers"
+            return type(model).__name__, "transformers"
     else:
         why = "--format mmpipe"
     if dtype == "bf16":
         state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
     _save_own(cfg, family, state, tok, out)
-    return out, "mmpipe", why
+    return "mmpipe", why
 
 
 def _save_own(cfg, family, state: dict, tok, out: str) -> None:
@@ -100,8 +116,12 @@ def _save_own(cfg, family, state: dict, tok, out: str) -> None:
     with open(os.path.join(out, "config.yaml"), "w") as fh:
         fh.write("# mmpipe export: mmpipe.build_model(<this directory>) returns the trained model\n")
         yaml.safe_dump({"model": model_section, "data": {"max_length": cfg.data.max_length}}, fh, sort_keys=False)
-    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, "model.safetensors"),
-              metadata={"format": "pt"})
+    seen, flat = set(), {}
+    for k, v in state.items():  # a tied weight (a VLM's head and embedding) is saved once per name:
+        key = v.untyped_storage().data_ptr()  # safetensors refuses tensors that share a storage
+        flat[k] = v.clone().contiguous() if key in seen else v.contiguous()
+        seen.add(key)
+    save_file(flat, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     tok.save_pretrained(out)
     proc = family.preprocessor()
     if proc is not None:
