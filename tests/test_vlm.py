@@ -195,3 +195,35 @@ def test_vlm_shape_mistakes_are_one_line_errors(sets, match):
         cfg = mmpipe.load_config(TINY_VLM, ["model.llm.vocab_size=200", "model.image_token_id=199"] + sets)
         family = build_family(cfg.model, 0)
         resolve_groups(cfg.optim, type(family))
+
+
+def test_a_llava_directory_brings_its_feature_layer_and_strategy(tmp_path):
+    """Issue 29, item 7: the directory's vision_feature_layer / select strategy are the model loaded
+    (they were silently mmpipe's defaults); a configured value that disagrees is refused in one line.
+    The loaded model gives transformers' own loss."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from mmpipe.errors import ConfigError
+    torch.manual_seed(0)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=32, patch_size=8)
+    text = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=100, max_position_embeddings=64)
+    ref = LlavaForConditionalGeneration(LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN, vision_feature_layer=-1,
+        vision_feature_select_strategy="full")).eval()
+    d = str(tmp_path / "llava")
+    ref.save_pretrained(d)
+    ours = mmpipe.build_model(mmpipe.load_config(None, ["model.type=vlm", f"model.pretrained={d}"])).eval()
+    assert (ours.family.cfg.vision_feature_layer, ours.family.cfg.vision_feature_select_strategy) == (-1, "full")
+    assert len([n for n in ours.family.layer_names() if n.startswith("vision.blocks")]) == 3  # the last block used
+    pix, ids, mask, labels = _batch()
+    ids[:, 2:2 + N_PATCHES + 1] = IMAGE_TOKEN  # "full": the class token's feature too
+    labels[:, :20] = -100
+    with torch.no_grad():
+        want = ref(input_ids=ids, pixel_values=pix, attention_mask=mask, labels=labels).loss
+        got = ours(pix, ids, mask, labels)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    with pytest.raises(ConfigError, match="vision_feature_layer=-3 but model.pretrained .* was trained with -1"):
+        mmpipe.build_model(mmpipe.load_config(None, ["model.type=vlm", f"model.pretrained={d}",
+                                                     "model.vision_feature_layer=-3"]))

@@ -27,6 +27,23 @@ _VISION_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "in
                   "patch_size")
 _LLM_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                "vocab_size", "max_position_embeddings", "tie_word_embeddings")
+def _feature_choice_from(out, top) -> None:
+    """A LLaVA directory's ``vision_feature_layer`` / ``vision_feature_select_strategy`` are the model's:
+    taken from it; a configured value other than mmpipe's default that disagrees is refused."""
+    from mmpipe.families.vlm.config import VlmConfig
+    for key in ("vision_feature_layer", "vision_feature_select_strategy"):
+        theirs, mine = getattr(top, key, None), getattr(out, key)
+        if isinstance(theirs, (list, tuple)):
+            raise ConfigError(f"model.pretrained: {out.pretrained} reads several vision layers ({key}={theirs}); mmpipe's "
+                              "VLM reads one")
+        if theirs is None or theirs == mine:
+            continue
+        if mine != getattr(VlmConfig, key):
+            raise ConfigError(f"model.{key}={mine!r} but model.pretrained ({out.pretrained}) was trained with {theirs!r}: "
+                              f"unset model.{key} to use the directory's")
+        setattr(out, key, theirs)
+
+
 def _llava_config(cfg):
     top = hf.load_hf_config(cfg.pretrained, "model.pretrained")
     if not hasattr(top, "text_config") or not hasattr(top, "vision_config"):
@@ -179,6 +196,8 @@ class VlmFamily(ImageTextFamily):
         elif out.image_token_id != image_id:
             raise ConfigError(f"model.image_token_id={out.image_token_id} but the tokenizer's {IMAGE} is {image_id}: "
                               "unset model.image_token_id, or use the tokenizer the model was trained with")
+        if model_cfg.pretrained:
+            _feature_choice_from(out, _llava_config(model_cfg))
         key, weights = cls.tokenizer_weights(model_cfg)
         if weights:
             c = hf.load_hf_config(weights, key)
@@ -210,6 +229,10 @@ class VlmFamily(ImageTextFamily):
         return _vision_config(model_cfg).image_size
 
     def __init__(self, model_cfg, seed: int = 0):
+        if model_cfg.pretrained:  # the directory's feature layer and strategy (resolve records them too)
+            from mmpipe.config.fields import thawed_copy
+            model_cfg = thawed_copy(model_cfg)
+            _feature_choice_from(model_cfg, _llava_config(model_cfg))
         super().__init__(model_cfg, seed)
         _check_shapes(model_cfg)
         self.vision_cfg, self.text_cfg, self.image_token_id = _hf_configs(model_cfg)
