@@ -294,3 +294,20 @@ def test_truncation_never_cuts_through_touching_images(tok, tmp_path):
     # whole images only: as many image tokens as images kept (the loader's check before the model)
     assert cut.input_ids.count(image_id) == N * len(cut.images)
     assert cut.dropped or len(cut.images) == 1
+
+
+def test_generation_stops_where_a_chatml_turn_ends(tok):
+    """Issue 29, item 2: with a ChatML template the end of an assistant turn is <|im_end|>, not the
+    tokenizer's EOS (<|endoftext|>); generation stops at what rendering an assistant message adds
+    after its content, as the labels learned it."""
+    import copy
+    t = copy.deepcopy(tok)
+    t.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]},
+                         replace_extra_special_tokens=False)
+    t.eos_token = "<|endoftext|>"
+    t.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\\n{{ m['content'] }}<|im_end|>\\n{% endfor %}"
+                       "{% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}")
+    enc = ChatEncoder(t, t.convert_tokens_to_ids(IMAGE), N, 100)
+    assert enc.end_of_turn_ids() == [t.convert_tokens_to_ids("<|im_end|>"), t.convert_tokens_to_ids("<|endoftext|>")]
+    plain = ChatEncoder(tok, tok.convert_tokens_to_ids(IMAGE), N, 100)  # no template: mmpipe's <|end|>
+    assert plain.end_of_turn_ids()[0] == tok.convert_tokens_to_ids("<|end|>")

@@ -234,3 +234,34 @@ def test_a_tied_vlm_trained_at_p1_exports_in_mmpipe_format_whole(family_runs_of,
     (keep / "notes.txt").write_text("mine")
     assert main(["export", "--run", run, "--out", str(keep), "--format", "mmpipe"]) == 2
     assert "is not an export" in capsys.readouterr().err and os.listdir(keep) == ["notes.txt"]
+
+
+def test_the_exported_vlm_answers_through_transformers_as_mmpipe_generate_does(family_runs_of, tiny_chat_data,
+                                                                               tmp_path):
+    """Issue 29, items 1 and 9: transformers' standard message form renders as training did (list
+    content, no Python list in the prompt), the processor adds no [CLS]/[SEP], and `generate` with
+    the exported defaults stops where training's turns end - the same tokens as `mmpipe generate`."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from mmpipe.cli.generate import Generator
+    from mmpipe.families.vlm.chat_data import IMAGE, read_chat
+    from mmpipe.train.export import export
+    ref = reference(family_runs_of("vlm"))
+    out, _, _ = export(ref, str(tmp_path / "llava_hf"))
+    hf, proc = LlavaForConditionalGeneration.from_pretrained(out).eval(), AutoProcessor.from_pretrained(out)
+    sample = next(s for s in read_chat(tiny_chat_data["val"]) if s.images)
+    question = sample.messages[0][1].replace(IMAGE, "").strip()
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    text = proc.apply_chat_template(messages, add_generation_prompt=True)
+    assert text == f"<|user|>\n<image>\n{question}<|end|>\n<|assistant|>\n"
+    enc = proc(text=text, images=Image.open(sample.images[0]).convert("RGB"), return_tensors="pt")
+    g = Generator(ref)
+    ids, _ = g.prompt(question, sample.images[0])
+    assert enc["input_ids"].tolist() == ids.tolist()  # nothing added around the prompt
+    end = g.tok.convert_tokens_to_ids("<|end|>")
+    assert end in ([hf.generation_config.eos_token_id] if isinstance(hf.generation_config.eos_token_id, int)
+                   else hf.generation_config.eos_token_id)
+    with torch.no_grad():
+        got = hf.generate(**enc, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
+    want = g.generate_ids(question, sample.images[0], max_new_tokens=12)
+    assert got[:len(want)] == want and (len(want) == 12 or want[-1] in g.stop)

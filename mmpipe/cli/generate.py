@@ -34,8 +34,7 @@ class Generator:
         self.model = self.family.hf.hf_model(mmpipe.load_weights(run_dir, step)).to(device)
         self.device, self.mean, self.std = device, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
         self.size = self.family.vision_cfg.image_size
-        end = self.tok.convert_tokens_to_ids("<|end|>") if "<|end|>" in self.tok.get_vocab() else None
-        self.stop = [t for t in (end, self.tok.eos_token_id) if t is not None]
+        self.stop = self.encoder.end_of_turn_ids()  # the end of the assistant's turn, as training learned it
 
     def pixels(self, image_path: str, what: str = "--image") -> torch.Tensor:
         from mmpipe.data.loader import decode_sample

@@ -97,8 +97,26 @@ def _hf_configs(cfg):
 
 
 # mmpipe's plain chat template as a jinja chat_template (exported with the tokenizer)
-PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+# (content as a string, or transformers' list form: an image item renders as "<image>\n", as training
+# data writes it, a text item as its text)
+PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n"
+                  "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+                  "{% if c['type'] == 'image' %}<image>\n{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+                  "{% endfor %}{% endif %}<|end|>\n{% endfor %}"
                   "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def _no_added_special_tokens(tokenizer) -> None:
+    """Make the exported tokenizer add nothing by default ([CLS]/[SEP] of mmpipe's WordPiece, a BOS):
+    the run tokenized every piece with ``add_special_tokens=False``, and a processor call through
+    transformers must give the same ids."""
+    from tokenizers.processors import TemplateProcessing
+    for attr in ("add_bos_token", "add_eos_token"):
+        if getattr(tokenizer, attr, False):
+            setattr(tokenizer, attr, False)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        backend.post_processor = TemplateProcessing(single="$A", pair="$A $B", special_tokens=[])
 
 
 def _check_shapes(cfg) -> None:
@@ -336,14 +354,20 @@ class VlmFamily(ImageTextFamily):
         from transformers import LlavaProcessor
 
         from mmpipe.families.vlm.chat_data import IMAGE
+        stop = self.encoder(tokenizer, 1).end_of_turn_ids()  # before the template is set: as training rendered
         if not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = PLAIN_TEMPLATE
+        _no_added_special_tokens(tokenizer)  # training tokenized with add_special_tokens=False
         proc = LlavaProcessor(self.preprocessor(), tokenizer,
                               patch_size=self.vision_cfg.patch_size,
                               vision_feature_select_strategy=self.cfg.vision_feature_select_strategy,
                               chat_template=tokenizer.chat_template, image_token=IMAGE,
                               num_additional_image_tokens=1)
-        return self.hf.hf_model(state), proc
+        model = self.hf.hf_model(state)
+        # transformers' generate stops where training's turns ended (not at the config class's default EOS)
+        model.generation_config.eos_token_id = stop if len(stop) > 1 else stop[0]
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        return model, proc
 
     def preprocessor(self):
         from mmpipe.families.towers.hf import image_processor

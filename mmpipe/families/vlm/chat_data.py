@@ -194,6 +194,20 @@ class ChatEncoder:
         tail = self._render(messages)[len(done):]
         return out + ([(tail, False)] if tail else [])
 
+    def end_of_turn_ids(self) -> list:
+        """The token(s) that end an assistant turn, as the labels learned them: the first token of what
+        rendering an assistant message adds after its content (mmpipe's template: ``<|end|>``;
+        ChatML: ``<|im_end|>``), and the tokenizer's EOS. Generation stops at any of them."""
+        marker = "\u2063"  # a content no template alters
+        if getattr(self.tok, "chat_template", None):
+            full = self._render((("user", "q"), ("assistant", marker)))
+            after = full[full.rindex(marker) + len(marker):]
+        else:
+            after = "<|end|>"
+        ids = self.tok(after, add_special_tokens=False)["input_ids"][:1] if after.strip() else []
+        eos = self.tok.eos_token_id
+        return ids + ([eos] if eos is not None and eos not in ids else [])
+
     def prompt_ids(self, messages) -> list:
         """Token ids of ``messages`` followed by the assistant's turn header (generation)."""
         if getattr(self.tok, "chat_template", None):
