@@ -233,7 +233,9 @@ def test_a_tied_vlm_trained_at_p1_exports_in_mmpipe_format_whole(family_runs_of,
     keep.mkdir()
     (keep / "notes.txt").write_text("mine")
     assert main(["export", "--run", run, "--out", str(keep), "--format", "mmpipe"]) == 2
-    assert "is not an export" in capsys.readouterr().err and os.listdir(keep) == ["notes.txt"]
+    assert "is not an earlier mmpipe export" in capsys.readouterr().err and os.listdir(keep) == ["notes.txt"]
+    out2, _, _ = export(run, out, fmt="mmpipe")  # an earlier export is replaced whole
+    assert out2 == out and sorted(os.listdir(tmp_path)) == ["mine", "own"]
 
 
 def test_the_exported_vlm_answers_through_transformers_as_mmpipe_generate_does(family_runs_of, tiny_chat_data,

@@ -97,8 +97,11 @@ def exact_match(run_dir: str, chat_file: str, limit: Optional[int] = None, step:
     norm = lambda s: " ".join(s.lower().split())  # noqa: E731
     for s in it:
         # the first user turn against the first assistant turn after it; a system turn before it is context
-        u = next(i for i, (r, _) in enumerate(s.messages) if r == "user")
-        want = next(t for r, t in s.messages[u:] if r == "assistant")
+        u = next((i for i, (r, _) in enumerate(s.messages) if r == "user"), None)
+        want = next((t for r, t in s.messages[u:] if r == "assistant"), None) if u is not None else None
+        if want is None:
+            skipped.append(f"{s.where}: no user turn followed by an assistant turn to score")
+            continue
         question, image = s.messages[u][1].replace(IMAGE, "").strip(), s.images[0] if s.images else None
         try:
             got = gen.answer(question, image, history=s.messages[:u], what=f"{s.where}: image")

@@ -35,7 +35,15 @@ def layout_record(topo, cfg, layer_names: Optional[list], parts: Optional[list])
     (with ZeRO, optimizer state is partitioned over it) and ZeRO stage."""
     return {"pipeline_stages": topo.pipeline_stages, "data_parallel": topo.data_parallel,
             "zero_stage": cfg.parallel.zero_stage, "placement": cfg.parallel.placement,
-            "stages": stage_lists(layer_names, parts) if layer_names is not None else None}
+            "stages": stage_lists(layer_names, parts) if layer_names is not None else None,
+            "decay_split": 2 if cfg.model.type == "vlm" else 1}
+
+
+# "decay_split": how parameters split into decayed / undecayed optimizer groups, which DeepSpeed's
+# per-stage files hold as they were. 2: embedding tables by type (``mark_embedding_tables``), which
+# moved the VLM's decoder token table (named ``embed_tokens``) out of the decayed group; other families'
+# groups did not change (1). A checkpoint written under another split resumes through the layout-free
+# path, which maps optimizer state by parameter name.
 
 
 def run_record(cfg, layout: dict, plan: Optional[dict] = None) -> dict:
@@ -88,11 +96,16 @@ def _describe(layout: dict) -> str:
 def same_layout(saved: dict, current: dict) -> bool:
     """Whether DeepSpeed's own per-stage files fit this run (else the layout-free path)."""
     keys = ["pipeline_stages", "zero_stage", "stages"] + (["data_parallel"] if saved["zero_stage"] > 0 else [])
-    return all(saved.get(k) == current.get(k) for k in keys)
+    return (saved.get("decay_split", 1) == current.get("decay_split", 1)
+            and all(saved.get(k) == current.get(k) for k in keys))
 
 
 def check_layout(saved: dict, current: dict, where: str) -> None:
     """A checkpoint without layout-free optimizer state resumes on its own layout only."""
+    if saved.get("decay_split", 1) != current.get("decay_split", 1):
+        raise MmpipeError(f"--resume: {where} was saved before the VLM's token embedding left the weight-decayed "
+                          "optimizer group, and without layout-free optimizer state: resume it with the mmpipe version "
+                          "that wrote it, or start from its weights (model.pretrained of an export)")
     if not same_layout(saved, current):
         raise MmpipeError(f"--resume: {where} was saved with {_describe(saved)} (placement {saved['placement']}); "
                           f"this run has {_describe(current)}: resume with the checkpoint's layout "

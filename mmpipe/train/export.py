@@ -55,20 +55,33 @@ def export(run_dir: str, out: str, step: Optional[int] = None, dtype: str = "fp3
     state = load_weights(run_dir, step)  # one line when there is no checkpoint
     family = build_family(cfg.model, cfg.train.seed)
     tok = run_tokenizer(cfg, family_of(cfg), run_dir)
-    if os.path.isdir(out) and os.listdir(out) and not (is_export(out) or os.path.isfile(os.path.join(out, "config.json"))):
-        raise ConfigError(f"--out {out}: exists and is not an export (no config.json / {MARKER}); give a new directory")
-    final, out = out, f"{out.rstrip(os.sep)}.partial-{os.getpid()}"  # written beside, renamed when complete
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
+    final = out.rstrip(os.sep) or out
+    if os.path.lexists(final) and not (os.path.isdir(final) and not os.path.islink(final)
+                                       and (not os.listdir(final) or _written_by_export(final))):
+        raise ConfigError(f"--out {out}: exists and is not an earlier mmpipe export (no {MARKER} / {HF_MARKER}); give "
+                          "a new directory (nothing was written)")
+    part, old = f"{final}.partial-{os.getpid()}", f"{final}.old-{os.getpid()}"
+    shutil.rmtree(part, ignore_errors=True)
+    os.makedirs(part)
     try:
-        what, why = _write(cfg, family, state, tok, out, fmt, dtype)
+        what, why = _write(cfg, family, state, tok, part, fmt, dtype)
+        if os.path.isdir(final):  # an earlier export: swapped out whole, removed once the new one is in place
+            os.replace(final, old)
+        os.replace(part, final)
     except BaseException:
-        shutil.rmtree(out, ignore_errors=True)  # nothing half-written is left behind
+        if os.path.isdir(old) and not os.path.exists(final):
+            os.replace(old, final)  # the earlier export back as it was
+        shutil.rmtree(part, ignore_errors=True)  # nothing half-written is left behind
         raise
-    if os.path.isdir(final):
-        shutil.rmtree(final)
-    os.replace(out, final)
+    shutil.rmtree(old, ignore_errors=True)
     return final, what, why
+
+
+HF_MARKER = "mmpipe_hf_export.json"  # what an mmpipe export in transformers' format writes beside it
+
+
+def _written_by_export(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MARKER)) or os.path.isfile(os.path.join(path, HF_MARKER))
 
 
 def _write(cfg, family, state: dict, tok, out: str, fmt: str, dtype: str) -> tuple:
@@ -84,6 +97,8 @@ def _write(cfg, family, state: dict, tok, out: str, fmt: str, dtype: str) -> tup
                 model = model.to(torch.bfloat16)
             model.save_pretrained(out, safe_serialization=True)
             processor.save_pretrained(out)
+            with open(os.path.join(out, HF_MARKER), "w") as fh:  # so a later export may replace this directory
+                json.dump({"format": "transformers", "class": type(model).__name__, "mmpipe_version": __version__}, fh)
             return type(model).__name__, "transformers"
     else:
         why = "--format mmpipe"

@@ -27,21 +27,26 @@ _VISION_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "in
                   "patch_size")
 _LLM_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                "vocab_size", "max_position_embeddings", "tie_word_embeddings")
-def _feature_choice_from(out, top) -> None:
-    """A LLaVA directory's ``vision_feature_layer`` / ``vision_feature_select_strategy`` are the model's:
-    taken from it; a configured value other than mmpipe's default that disagrees is refused."""
-    from mmpipe.families.vlm.config import VlmConfig
-    for key in ("vision_feature_layer", "vision_feature_select_strategy"):
+FEATURE_DEFAULTS = {"vision_feature_layer": -2, "vision_feature_select_strategy": "default"}
+
+
+def _feature_choice(model_cfg):
+    """A copy with ``vision_feature_layer`` / ``vision_feature_select_strategy`` decided: unset, a
+    LLaVA directory's own (``model.pretrained``), else LLaVA's -2 / default; set, it must agree with
+    the directory's (one line if not)."""
+    from mmpipe.config.fields import thawed_copy
+    out = thawed_copy(model_cfg)
+    top = _llava_config(out) if out.pretrained else None
+    for key, default in FEATURE_DEFAULTS.items():
         theirs, mine = getattr(top, key, None), getattr(out, key)
         if isinstance(theirs, (list, tuple)):
             raise ConfigError(f"model.pretrained: {out.pretrained} reads several vision layers ({key}={theirs}); mmpipe's "
                               "VLM reads one")
-        if theirs is None or theirs == mine:
-            continue
-        if mine != getattr(VlmConfig, key):
+        if mine is not None and theirs is not None and mine != theirs:
             raise ConfigError(f"model.{key}={mine!r} but model.pretrained ({out.pretrained}) was trained with {theirs!r}: "
                               f"unset model.{key} to use the directory's")
-        setattr(out, key, theirs)
+        setattr(out, key, mine if mine is not None else theirs if theirs is not None else default)
+    return out
 
 
 def _llava_config(cfg):
@@ -214,8 +219,7 @@ class VlmFamily(ImageTextFamily):
         elif out.image_token_id != image_id:
             raise ConfigError(f"model.image_token_id={out.image_token_id} but the tokenizer's {IMAGE} is {image_id}: "
                               "unset model.image_token_id, or use the tokenizer the model was trained with")
-        if model_cfg.pretrained:
-            _feature_choice_from(out, _llava_config(model_cfg))
+        out = _feature_choice(out)
         key, weights = cls.tokenizer_weights(model_cfg)
         if weights:
             c = hf.load_hf_config(weights, key)
@@ -234,9 +238,9 @@ class VlmFamily(ImageTextFamily):
     def validate(cls, model_cfg, where: str) -> None:
         for key, v, choices in (("model.llm.arch", model_cfg.llm.arch, ("llama", "qwen2")),
                                 ("model.vision_feature_select_strategy", model_cfg.vision_feature_select_strategy,
-                                 ("default", "full"))):
+                                 ("default", "full", None))):
             if v not in choices:
-                raise ConfigError(f"{where}: {key}={v!r} is not one of {', '.join(choices)}")
+                raise ConfigError(f"{where}: {key}={v!r} is not one of {', '.join(c for c in choices if c)}")
         try:
             _check_shapes(model_cfg)
         except ConfigError as e:
@@ -247,10 +251,7 @@ class VlmFamily(ImageTextFamily):
         return _vision_config(model_cfg).image_size
 
     def __init__(self, model_cfg, seed: int = 0):
-        if model_cfg.pretrained:  # the directory's feature layer and strategy (resolve records them too)
-            from mmpipe.config.fields import thawed_copy
-            model_cfg = thawed_copy(model_cfg)
-            _feature_choice_from(model_cfg, _llava_config(model_cfg))
+        model_cfg = _feature_choice(model_cfg)  # unset: the directory's, else -2 / default (resolve records it)
         super().__init__(model_cfg, seed)
         _check_shapes(model_cfg)
         self.vision_cfg, self.text_cfg, self.image_token_id = _hf_configs(model_cfg)
@@ -365,7 +366,8 @@ class VlmFamily(ImageTextFamily):
                               num_additional_image_tokens=1)
         model = self.hf.hf_model(state)
         # transformers' generate stops where training's turns ended (not at the config class's default EOS)
-        model.generation_config.eos_token_id = stop if len(stop) > 1 else stop[0]
+        if stop:
+            model.generation_config.eos_token_id = stop if len(stop) > 1 else stop[0]
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         return model, proc
 

@@ -5,7 +5,6 @@ image decoded), each sample reported for itself."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 
@@ -16,10 +15,11 @@ def _tokenizer(cfg, family_cls, samples: list):
     """The tokenizer a run would use: the configured or pretrained one, else the WordPiece mmpipe
     would train on this data (trained here in a temporary directory, as a run does at its start)."""
     tok_dir, what = tokenizer_choice(cfg.data, *family_cls.tokenizer_weights(cfg.model), run_dir=None)
-    if tok_dir and os.path.isdir(tok_dir):
+    if tok_dir:  # the configured or pretrained one; load_tokenizer refuses a missing one as a run would
         return family_cls.prepare_tokenizer(load_tokenizer(tok_dir, what))
-    texts = family_cls.record_texts([s for s in samples if s.error is None])
-    return family_cls.prepare_tokenizer(train_tokenizer(texts, cfg.data.tokenizer_vocab_size, tempfile.mkdtemp()))
+    with tempfile.TemporaryDirectory() as d:  # trained on every sample's text, as the run does
+        return family_cls.prepare_tokenizer(train_tokenizer(family_cls.record_texts(samples),
+                                                            cfg.data.tokenizer_vocab_size, d))
 
 
 def run_chat_check(path: str, cfg, as_json: bool = False, out=None, err=None) -> int:

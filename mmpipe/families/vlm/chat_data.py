@@ -51,7 +51,7 @@ def _roles(raw: list) -> tuple:
 def _image_paths(value, folder: str) -> tuple:
     """(paths, error) from ms-swift's ``images``: one path, a list of paths, or of ``{"path": ...}``
     (the ``datasets`` Image form); relative paths against ``folder``."""
-    items = [value] if isinstance(value, (str, dict)) else list(value or [])
+    items = [value] if isinstance(value, dict) or (isinstance(value, str) and value) else list(value or [])
     paths = []
     for it in items:
         p = it.get("path") if isinstance(it, dict) else it

@@ -39,9 +39,11 @@ class VlmConfig(Section):
     type: str = option("vlm", "LLaVA-style VLM: vision tower -> projector -> causal LM (transformers' "
                        "LlavaForConditionalGeneration arithmetic)")
     pretrained: Optional[str] = option(None, "local LlavaForConditionalGeneration save_pretrained directory")
-    vision_feature_layer: int = option(-2, "vision hidden state fed to the projector (-2: output of the "
-                                       "second-to-last block, no post-layernorm)")
-    vision_feature_select_strategy: str = option("default", "default (drop CLS) or full")
+    vision_feature_layer: Optional[int] = option(None, "vision hidden state fed to the projector (-2: output of "
+                                                 "the second-to-last block, no post-layernorm); unset = "
+                                                 "model.pretrained's, else -2")
+    vision_feature_select_strategy: Optional[str] = option(None, "default (drop CLS) or full; unset = "
+                                                           "model.pretrained's, else default")
     image_token_id: Optional[int] = option(None, "id of the image placeholder token (required without "
                                            "model.pretrained, which names its own)")
     vision: VlmVisionConfig = field(default_factory=VlmVisionConfig, metadata={"help": "vision tower"})
