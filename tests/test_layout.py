@@ -178,7 +178,7 @@ def test_the_chooser_takes_a_pipeline_when_memory_forces_it():
     big = 10_000_000  # parameters per layer: the whole model's state does not fit one rank, a half does
     layers = [_layer(n, 3.0, 6.0, big) for n in NAMES]
     cheap = CommModel(ops={op: {2: (1e-5, 1e-12)} for op in ("allreduce", "allgather", "reduce_scatter")})
-    half = 2 * big * 16  # one stage: weights + gradients + Adam state of two layers
+    half = 2 * big * (16 + 4)  # one stage: weights + gradients + Adam state of two layers, + its step's temporaries
     rows = predict_layouts(_prof(layers), cheap, world=2, batch_size=16, micro_batch_size=2, precision="fp32",
                            names=NAMES, segments=SEGS, memory_budget=int(half * 1.1))
     best, why = choose(rows)

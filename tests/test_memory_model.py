@@ -16,11 +16,12 @@ from mmpipe.train.memory_meter import read_memory
 # activations large enough to matter next to the weights (65 image tokens, micro-batch 8)
 CLIP = ["model.vision.patch_size=4", "parallel.micro_batch_size=8", "train.batch_size=32"]
 VLM = ["parallel.micro_batch_size=4", "train.batch_size=16"]
-COMMON = ["log.memory=true", "data.padding=max_length"]
+# (placed by parameter counts: these runs measure memory, so they skip the start-up profile)
+COMMON = ["log.memory=true", "data.padding=max_length", "parallel.profile=false"]
 CASES = {  # name: (family, stages, checkpointing); vlm_p2 in bf16 (DeepSpeed's BF16_Optimizer: 14 bytes of
-    # optimizer state and accumulator per parameter, not 16)
+    # optimizer state and accumulator per parameter, not 16). `mmpipe bench memory` runs the whole matrix.
     "clip_p2": ("clip", 2, False), "clip_p2_ckpt": ("clip", 2, True), "clip_p3_ckpt": ("clip", 3, True),
-    "vlm_p2": ("vlm", 2, False), "vlm_p3": ("vlm", 3, False), "vlm_p3_ckpt": ("vlm", 3, True),
+    "vlm_p2": ("vlm", 2, False), "vlm_p3_ckpt": ("vlm", 3, True),
 }
 BF16 = {"vlm_p2"}
 
@@ -60,7 +61,7 @@ def test_every_stage_peak_is_predicted_within_10_percent(memory_runs, name):
         assert abs(pred["optimizer"] / meas["optimizer"] - 1) < 0.02, (name, stage, pred, meas)
 
 
-@pytest.mark.parametrize("plain,ckpt", [("clip_p2", "clip_p2_ckpt"), ("vlm_p3", "vlm_p3_ckpt")])
+@pytest.mark.parametrize("plain,ckpt", [("clip_p2", "clip_p2_ckpt")])
 def test_checkpointing_saves_what_the_model_says(memory_runs, plain, ckpt):
     stages = list(zip(memory_runs(plain), memory_runs(ckpt)))
     scale = max(m0["dynamic"] for (_, _, m0), _ in stages)

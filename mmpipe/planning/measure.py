@@ -120,8 +120,8 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
         batch, loss_fn = synthetic_batch(family, micro_batch_size, cfg.data.max_length, device, with_loss=True)
         runs = [profile_layers(iter_layers(family, forward_only, frozen, device,  # one layer alive at a time
                                            precision_dtype(cfg.train.precision)), batch, repeats=repeats,
-                               n_layers=len(family.layer_names()), loss_fn=loss_fn)
-                for _ in range(passes or (3 if device.type == "cpu" else 1))]
+                               n_layers=len(family.layer_names()), loss_fn=loss_fn, workspace=i == 0)
+                for i in range(passes or (3 if device.type == "cpu" else 1))]
         costs = median_costs(runs)
     finally:
         torch.set_num_threads(old)
@@ -258,8 +258,9 @@ def run_memory(cfg, run_dir: str, world: int, use_cache: bool = True, log=None) 
         from dataclasses import replace as dc_replace
         cfg = replace(cfg, data=dc_replace(cfg.data, tokenizer=os.path.join(run_dir, "tokenizer")))
     P = len(parts) - 1
-    family, prof = _profile_for(cfg, P, world // P, log=log or (lambda m: None), use_cache=use_cache,
-                                measure_comm=False)
+    # bytes only: one untimed-quality pass is exact, and it is not cached (a plan must not time with it)
+    family, prof = _profile_for(cfg, P, world // P, log=log or (lambda m: None), use_cache=False,
+                                measure_comm=False, passes=1, repeats=1)
     return stage_breakdown(layer_costs(prof), parts, M, cfg.train.precision, cfg.parallel.zero_stage, world // P,
                            schedule_of(prof))
 

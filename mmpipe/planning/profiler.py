@@ -144,7 +144,7 @@ class CacheEvictor:
 
 def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
                    timed: bool = True, cold: bool = True, n_layers: Optional[int] = None,
-                   loss_fn: Optional[Callable] = None) -> list[LayerCost]:
+                   loss_fn: Optional[Callable] = None, workspace: bool = True) -> list[LayerCost]:
     """Costs of ``layers`` (PipeLayers on their device and dtype; a list, or an iterator that builds
     them one at a time) for one micro-batch ``inputs``.
 
@@ -154,7 +154,9 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
     model larger than one device can still be profiled layer by layer. ``cold``: each pass is
     timed after evicting the caches (``CacheEvictor``). ``loss_fn``: the loss the last stage computes
     on the last layer's outputs (a family with label fields), run as part of the last of the
-    ``n_layers`` layers: its saved tensors and working set are the last stage's too."""
+    ``n_layers`` layers: its saved tensors and working set are the last stage's too. ``workspace``:
+    count each layer's working set (a further forward and backward; bytes do not change between
+    passes, so a repeated profile counts them once)."""
     device = inputs[0].device
     evict = CacheEvictor(device) if (cold and timed) else (lambda: None)
     rounds = (warmup + repeats) if timed else 1
@@ -201,7 +203,7 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
             params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
             opt_ms=optimizer_ms(layer, repeats if timed else 0, evict),
             out_tensors=len(sent), grad_tensors=len(back), grad_bytes=_nbytes(back), in_bytes=in_b,
-            workspace=backward_workspace(run, _detach(x, flags), layer)))
+            workspace=backward_workspace(run, _detach(x, flags), layer) if workspace else 0))
         ys = [y] if torch.is_tensor(y) else list(y)
         flags = [wants_grad(t) for t in ys]
         x = ys[0].detach() if torch.is_tensor(y) else tuple(t.detach() for t in ys)
