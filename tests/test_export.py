@@ -267,3 +267,102 @@ def test_the_exported_vlm_answers_through_transformers_as_mmpipe_generate_does(f
         got = hf.generate(**enc, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
     want = g.generate_ids(question, sample.images[0], max_new_tokens=12)
     assert got[:len(want)] == want and (len(want) == 12 or want[-1] in g.stop)
+
+
+def test_the_exported_processor_gives_training_pixels_on_a_photo(tmp_path):
+    """Issue 29, item 6: on a 640x480 JPEG (and an odd portrait PNG) the exported image processor,
+    given the image as a user opens it, gives exactly the pixels a VLM run trains on: a full decode,
+    the shortest edge resized with antialiased bilinear, then the centre crop."""
+    import random
+
+    from transformers import AutoImageProcessor
+
+    from mmpipe.data.synth import make_vlm_sample
+    from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, normalize_pixels
+    from mmpipe.families.towers.hf import image_processor
+    from mmpipe.families.vlm.chat_data import ChatDataset, ChatEncoder, ChatSample
+    im, _ = make_vlm_sample(random.Random(4), 480, width=640)
+    im.save(tmp_path / "photo.jpg", quality=90)
+    rng = torch.Generator().manual_seed(0)
+    Image.fromarray(torch.randint(0, 256, (501, 333, 3), generator=rng, dtype=torch.uint8).numpy()).save(
+        tmp_path / "portrait.png")
+    image_processor(32, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD).save_pretrained(tmp_path / "proc")
+    proc = AutoImageProcessor.from_pretrained(tmp_path / "proc")
+
+    class Enc(ChatEncoder):  # only images matter here
+        def __init__(self):
+            pass
+
+        def encode(self, s):
+            from types import SimpleNamespace
+            return SimpleNamespace(dropped=None, images=list(s.images), input_ids=[], labels=[], truncated=False)
+    for name, size in (("photo.jpg", 32), ("portrait.png", 32)):
+        path = str(tmp_path / name)
+        ds = ChatDataset([ChatSample((("user", "<image>\nq"), ("assistant", "a")), (path,))], Enc(), size)
+        ours = normalize_pixels(ds[0]["images"][0][None], OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, torch.float32)
+        theirs = proc(Image.open(path), return_tensors="pt")["pixel_values"]
+        torch.testing.assert_close(theirs, ours, atol=1e-6, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def roundtrip_data(tmp_path_factory):
+    """Colour questions: training images 160x120, held-out ones 640x480 JPEGs (as a phone's photo,
+    4:3; the shapes inside the centre square the processor keeps)."""
+    from mmpipe.data.synth import synth_vlm
+    d = tmp_path_factory.mktemp("roundtrip")
+    q = ("what colour are the shapes?",)
+    train = synth_vlm(str(d / "train"), 300, val_fraction=0.01, size=120, width=160, seed=5, text_only=0.0,
+                      progress=False, questions=q)["train"]
+    val = synth_vlm(str(d / "val"), 12, val_fraction=1.0, size=480, width=640, seed=6, text_only=0.0,
+                    progress=False, questions=q)["val"]
+    return {"dir": str(d), "train": train, "val": val}
+
+
+CHATML_TOKENIZER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "chatml_tokenizer")
+
+
+@pytest.mark.parametrize("arch,tokenizer", [("llama", None), ("qwen2", CHATML_TOKENIZER)], ids=["llama", "qwen2-chatml"])
+def test_round_trip_as_a_user_does_it(roundtrip_data, tmp_path, arch, tokenizer):
+    """Issue 29's acceptance: train a tiny VLM until `mmpipe generate` answers held-out questions
+    right, export it, load it with LlavaForConditionalGeneration + AutoProcessor, build the prompt
+    with apply_chat_template on transformers' message form, feed the 640x480 JPEG through the
+    processor, call generate with its defaults: the same answer, stopped at the end of the turn.
+    Llama-arch with mmpipe's own tokenizer and template (<|end|>), and qwen2-arch with a Qwen2-style
+    ChatML tokenizer (<|im_end|> ends a turn, EOS is <|endoftext|>, a default system turn)."""
+    from helpers import TINY_VLM, launch
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from mmpipe.cli.generate import Generator
+    from mmpipe.families.vlm.chat_data import IMAGE, read_chat
+    from mmpipe.train.export import export
+    run = str(tmp_path / "run")
+    sets = [f"data.train={roundtrip_data['train']}", f"data.val={roundtrip_data['val']}", f"train.output_dir={run}",
+            f"model.llm.arch={arch}", "train.steps=400", "optim.lr=2e-3", "train.keep_checkpoints=1"]
+    if tokenizer:
+        sets += [f"data.tokenizer={tokenizer}", "data.max_length=64"]
+    launch(1, ["--config", TINY_VLM] + [a for s in sets for a in ("--set", s)], launcher="python")
+    g = Generator(run)
+    held_out = [(s.messages[0][1].replace(IMAGE, "").strip(), s.messages[1][1], s.images[0])
+                for s in read_chat(roundtrip_data["val"])]
+    ours = [g.answer(q, image) for q, _, image in held_out]
+    assert sum(a == want for a, (_, want, _) in zip(ours, held_out)) >= 1, ours  # it learned something
+
+    out, _, _ = export(run, str(tmp_path / "hf"))
+    hf, proc = LlavaForConditionalGeneration.from_pretrained(out).eval(), AutoProcessor.from_pretrained(out)
+    eos = hf.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    end = g.tok.convert_tokens_to_ids("<|im_end|>" if tokenizer else "<|end|>")
+    assert eos[0] == end
+    for (question, _, image), answer in zip(held_out, ours):
+        photo = Image.open(image)
+        assert photo.format == "JPEG" and photo.size == (640, 480)
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        text = proc.apply_chat_template(messages, add_generation_prompt=True)
+        enc = proc(text=text, images=photo, return_tensors="pt")
+        ids, pixels = g.prompt(question, image)
+        assert enc["input_ids"].tolist() == ids.tolist()
+        torch.testing.assert_close(enc["pixel_values"], pixels, atol=1e-6, rtol=0)  # item 6 on a photo
+        with torch.no_grad():
+            new = hf.generate(**enc)[0, ids.shape[1]:].tolist()
+        assert new[-1] in eos, (question, proc.decode(new))  # stopped at the end of the turn
+        assert proc.decode(new, skip_special_tokens=True).strip() == answer

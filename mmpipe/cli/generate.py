@@ -37,11 +37,12 @@ class Generator:
         self.stop = self.encoder.end_of_turn_ids()  # the end of the assistant's turn, as training learned it
 
     def pixels(self, image_path: str, what: str = "--image") -> torch.Tensor:
-        from mmpipe.data.loader import decode_sample
+        from mmpipe.data.loader import decode_sample, finish_pixels
         from mmpipe.families.towers.common import normalize_pixels
-        pixels, why = decode_sample(image_path, "<image>", self.size)
+        pixels, why = decode_sample(image_path, "<image>", self.cfg.data.decode_size or self.size, draft=False)
         if pixels is None:
             raise ConfigError(f"{what} {image_path}: {why}")
+        pixels = finish_pixels(pixels, self.size, None, 0, 0)  # as training's ChatDataset
         return normalize_pixels(pixels.unsqueeze(0), self.mean, self.std, torch.float32)
 
     def prompt(self, prompt: str, image: Optional[str] = None, history: tuple = (), what: str = "--image") -> tuple:

@@ -1,8 +1,10 @@
 """Image-caption batches for every layout.
 
 - Images are decoded (JPEGs with libjpeg-turbo's DCT scaling via simplejpeg, at reduced size when
-  the source allows; other formats with Pillow), centre-cropped and resized to the tower's input
-  size and shipped as **uint8** (3,H,W): the first pipeline stage normalises on the device.
+  the source allows and the caller accepts it; other formats with Pillow), resized so the shortest
+  edge is the tower's input size, centre-cropped (the order and filter of transformers' image
+  processor with ``resample=BILINEAR``, which an export writes) and shipped as **uint8** (3,H,W):
+  the first pipeline stage normalises on the device.
 - ``MicroBatchSampler`` cuts each global batch into micro-batches *the same way in every layout*
   (P, DP, accumulation): data-parallel rank r takes micro-batches r*A .. r*A+A-1 of each global
   batch. Because the contrastive loss is per micro-batch, this is what makes losses identical
@@ -123,10 +125,10 @@ def _to_rgb(im: Image.Image) -> np.ndarray:
     return np.array(im.convert("RGB"))
 
 
-def _decode_rgb(data: bytes, size: int, info: Optional[dict] = None) -> np.ndarray:
-    """RGB uint8 (H, W, 3), upright (EXIF orientation applied). A JPEG at least twice the target is
-    decoded straight to a reduced size (libjpeg's DCT scaling, never below ``size``): most of the
-    decode work is skipped. An image of more than ``MAX_PIXELS`` raises ``TooLarge`` before it is
+def _decode_rgb(data: bytes, size: int, info: Optional[dict] = None, draft: bool = True) -> np.ndarray:
+    """RGB uint8 (H, W, 3), upright (EXIF orientation applied). With ``draft``, a JPEG at least
+    twice the target is decoded straight to a reduced size (libjpeg's DCT scaling, never below
+    ``size``): most of the decode work is skipped, but the pixels are not those of a full decode. An image of more than ``MAX_PIXELS`` raises ``TooLarge`` before it is
     decoded. ``info``, if given, receives the image's upright ``width``, ``height`` and file ``mode``."""
     if simplejpeg is not None and data[:2] == b"\xff\xd8":
         try:
@@ -136,7 +138,7 @@ def _decode_rgb(data: bytes, size: int, info: Optional[dict] = None) -> np.ndarr
         if h is not None:
             _check_pixels(w, h)
             orientation = jpeg_orientation(data)
-            m = size if min(h, w) >= 2 * size else 0
+            m = size if draft and min(h, w) >= 2 * size else 0
             try:
                 arr = simplejpeg.decode_jpeg(data, "RGB", min_height=m, min_width=m)
             except ValueError:
@@ -160,7 +162,7 @@ def _decode_rgb(data: bytes, size: int, info: Optional[dict] = None) -> np.ndarr
         w, h = im.size
         _check_pixels(w, h)
         mode = im.mode
-        if im.format == "JPEG" and min(w, h) >= 2 * size:
+        if draft and im.format == "JPEG" and min(w, h) >= 2 * size:
             im.draft("RGB", (size, size))
         im.load()
         orientation = im.getexif().get(0x0112, 1)
@@ -171,39 +173,44 @@ def _decode_rgb(data: bytes, size: int, info: Optional[dict] = None) -> np.ndarr
         return _to_rgb(im)
 
 
-def load_image(path, size: int, info: Optional[dict] = None) -> torch.Tensor:
-    """Decode -> RGB (upright, transparency on white) -> centre square -> ``size`` x ``size`` uint8
-    (3, size, size).
+def load_image(path, size: int, info: Optional[dict] = None, draft: bool = True) -> torch.Tensor:
+    """Decode -> RGB (upright, transparency on white) -> shortest edge ``size`` -> centre ``size`` x
+    ``size`` crop, uint8 (3, size, size).
 
     ``path`` is a file name or a binary file object. The resize is torchvision's antialiased
-    bilinear resize on the uint8 tensor (the filter of ``transforms.Resize``; its uint8 kernel is
-    about twice as fast as Pillow's here). ``info``: see ``_decode_rgb``."""
+    bilinear resize on the uint8 tensor, then ``center_crop``: exactly what transformers' image
+    processor (``CLIPImageProcessor(resample=BILINEAR)``, torchvision backend) computes from a full
+    decode, so with ``draft=False`` an exported model sees training's pixels. ``draft``: a large
+    JPEG may be decoded at reduced size (faster, a few grey levels off). ``info``: see ``_decode_rgb``."""
     if hasattr(path, "read"):
         data = path.read()
     else:
         with open(path, "rb") as fh:
             data = fh.read()
-    arr = _decode_rgb(data, size, info)
-    h, w = arr.shape[:2]
-    s = min(h, w)
-    top, left = (h - s) // 2, (w - s) // 2
-    x = torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1)[:, top:top + s, left:left + s]
-    if s != size:
+    arr = _decode_rgb(data, size, info, draft)
+    x = torch.from_numpy(np.ascontiguousarray(arr)).permute(2, 0, 1)
+    h, w = x.shape[1:]
+    if min(h, w) != size:
         from torchvision.transforms.v2 import functional as F
-        return F.resize(x, [size, size], antialias=True).contiguous()
+        x = F.resize(x, [size], antialias=True)  # shortest edge = size, the other int(size * long / short)
+        h, w = x.shape[1:]
+    if h != size or w != size:
+        top, left = int(round((h - size) / 2.0)), int(round((w - size) / 2.0))  # torchvision's center_crop
+        x = x[:, top:top + size, left:left + size]
     return x.contiguous()
 
 
-def decode_sample(path, text: str, size: int, info: Optional[dict] = None
+def decode_sample(path, text: str, size: int, info: Optional[dict] = None, draft: bool = True
                   ) -> tuple[Optional[torch.Tensor], Optional[str]]:
     """(uint8 image, None), or (None, why the sample is unusable). ``path`` may be a file-like object.
-    Nothing a file holds raises: a corrupt image of any kind is a bad sample."""
+    Nothing a file holds raises: a corrupt image of any kind is a bad sample. ``draft``: see
+    ``load_image``."""
     if not isinstance(text, str):  # e.g. a shard's JSON caption that is a number
         return None, f"caption is {json_type(text)}, expected text"
     if not text.strip():
         return None, "empty caption"
     try:
-        return load_image(path, size, info), None
+        return load_image(path, size, info, draft), None
     except FileNotFoundError:
         return None, "missing file"
     except TooLarge as e:

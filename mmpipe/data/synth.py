@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from typing import Optional
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -52,10 +53,11 @@ def _draw_shape(d, shape: str, cx: float, cy: float, r: float, fill) -> None:
         d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
 
 
-def _background(rng: random.Random, size: int) -> Image.Image:
+def _background(rng: random.Random, size: int, width: Optional[int] = None) -> Image.Image:
+    width = width or size
     base = np.array([rng.randint(40, 110) for _ in range(3)], dtype=np.float32)
-    grad = np.linspace(-25, 25, size, dtype=np.float32)[None, :, None]
-    noise = np.random.default_rng(rng.randint(0, 2 ** 31)).normal(0, 12, (size, size, 3)).astype(np.float32)
+    grad = np.linspace(-25, 25, width, dtype=np.float32)[None, :, None]
+    noise = np.random.default_rng(rng.randint(0, 2 ** 31)).normal(0, 12, (size, width, 3)).astype(np.float32)
     return Image.fromarray(np.clip(base[None, None, :] + grad + noise, 0, 255).astype(np.uint8), "RGB")
 
 
@@ -68,18 +70,19 @@ TEXT_QA = [(f"what number comes after {a}?", b) for a, b in zip(("one", "two", "
                                                             ("snow", "white"), ("a banana", "yellow"))]
 
 
-def make_vlm_sample(rng: random.Random, size: int) -> tuple[Image.Image, list]:
+def make_vlm_sample(rng: random.Random, size: int, width: Optional[int] = None) -> tuple[Image.Image, list]:
     """An image of 1-3 shapes of one colour and kind, and its (question, answer) turns: colour,
-    shape, count, and position when there is one shape."""
+    shape, count, and position when there is one shape. ``width`` (default ``size``): a wider
+    photo-like frame, the shapes placed in its centre square (what a centre crop keeps)."""
     color, shape = rng.choice(list(COLORS)), rng.choice(SHAPES)
     k = rng.randint(1, 3)
     cells = rng.sample(CELLS, k)
-    im = _background(rng, size)
+    im = _background(rng, size, width)
     d = ImageDraw.Draw(im)
-    r = 0.12 * size
+    r, x0 = 0.12 * size, ((width or size) - size) / 2
     for row, col in cells:
         fill = tuple(int(np.clip(c + rng.randint(-20, 20), 0, 255)) for c in COLORS[color])
-        _draw_shape(d, shape, COLS[col] * size, ROWS[row] * size, r, fill)
+        _draw_shape(d, shape, x0 + COLS[col] * size, ROWS[row] * size, r, fill)
     qa = [("what colour are the shapes?", color), ("what kind of shape is shown?", shape),
           ("how many shapes are there?", NUMBERS[k - 1])]
     if k == 1:
@@ -88,10 +91,11 @@ def make_vlm_sample(rng: random.Random, size: int) -> tuple[Image.Image, list]:
 
 
 def synth_vlm(out: str, n: int, val_fraction: float = 0.1, size: int = 64, seed: int = 0, text_only: float = 0.15,
-              progress: bool = True) -> dict:
+              progress: bool = True, width: Optional[int] = None, questions: Optional[tuple] = None) -> dict:
     """ms-swift JSONL chat (``train.jsonl``, ``val.jsonl``) over ``images/``: each image sample asks
     one or two questions (the first turn carries ``<image>``); a ``text_only`` fraction are text
-    questions without an image. Answers are short and exact (for exact-match evaluation)."""
+    questions without an image. Answers are short and exact (for exact-match evaluation).
+    ``width``: wider frames (see ``make_vlm_sample``); ``questions``: ask only these."""
     os.makedirs(os.path.join(out, "images"), exist_ok=True)
     rng = random.Random(seed)
     rows = []
@@ -104,10 +108,11 @@ def synth_vlm(out: str, n: int, val_fraction: float = 0.1, size: int = 64, seed:
             q, a = rng.choice(TEXT_QA)
             rows.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
             continue
-        im, qa = make_vlm_sample(rng, size)
+        im, qa = make_vlm_sample(rng, size, width)
+        qa = [x for x in qa if x[0] in questions] if questions else qa
         rel = f"images/{i:06d}.jpg"
         im.save(os.path.join(out, rel), quality=90)
-        turns = rng.sample(qa, rng.randint(1, 2))
+        turns = rng.sample(qa, min(len(qa), rng.randint(1, 2)))
         msgs = []
         for j, (q, a) in enumerate(turns):
             msgs += [{"role": "user", "content": ("<image>\n" if j == 0 else "") + q}, {"role": "assistant", "content": a}]

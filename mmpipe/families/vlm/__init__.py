@@ -101,6 +101,8 @@ def _hf_configs(cfg):
     return vision, text, cfg.image_token_id
 
 
+GENERATE_MAX_NEW_TOKENS = 32  # mmpipe generate's --max-new-tokens default, and the exported generation config's
+
 # mmpipe's plain chat template as a jinja chat_template (exported with the tokenizer)
 # (content as a string, or transformers' list form: an image item renders as "<image>\n", as training
 # data writes it, a text item as its text)
@@ -369,6 +371,8 @@ class VlmFamily(ImageTextFamily):
         if stop:
             model.generation_config.eos_token_id = stop if len(stop) > 1 else stop[0]
         model.generation_config.pad_token_id = tokenizer.pad_token_id
+        # generate()'s own default (max_length=20, prompt included) cuts a LLaVA prompt's answer to nothing
+        model.generation_config.max_new_tokens = GENERATE_MAX_NEW_TOKENS
         return model, proc
 
     def preprocessor(self):

@@ -291,8 +291,8 @@ class ChatDataset:
             return None, (s.where, f"dropped: {enc.dropped}")
         images = []
         for path in enc.images:
-            pixels, why = decode_sample(path, IMAGE, self.decode_size)
-            if pixels is None:
+            pixels, why = decode_sample(path, IMAGE, self.decode_size, draft=False)  # a full decode: an
+            if pixels is None:  # exported processor, given the user's PIL image, then sees these pixels
                 return None, (path, why)
             images.append(finish_pixels(pixels, self.image_size, self.augment, j, epoch))
         return {"input_ids": enc.input_ids, "labels": enc.labels, "images": images, "truncated": enc.truncated}, None
