@@ -30,8 +30,12 @@ def resolve_groups(optim_cfg, family) -> list[Group]:
     """The configured groups with ``optim.freeze`` and the family's freeze spellings (``optim.freeze_vit``...)
     applied."""
     shortcuts: dict = {}
+    lora = getattr(optim_cfg, "train_type", "full") == "lora"
     for flag, group in family.freeze_shortcuts.items():
-        shortcuts[group] = shortcuts.get(group, False) or getattr(optim_cfg, flag)
+        v = getattr(optim_cfg, flag)
+        if v is None:  # ms-swift's freeze_vit / freeze_aligner unset: frozen (no adapters) under LoRA only
+            v = lora
+        shortcuts[group] = shortcuts.get(group, False) or v
     for group in optim_cfg.freeze or ():
         if group not in optim_cfg.groups:
             raise ConfigError(f"optim.freeze: {group!r} is not a group (groups: {', '.join(optim_cfg.groups)}); "
@@ -120,12 +124,22 @@ def mark_embedding_tables(module: torch.nn.Module) -> int:
     return n
 
 
-def apply_freeze(named_params, groups: list[Group]) -> None:
-    by_name = {g.name: g for g in groups}
+def _adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name  # (mmpipe.families.lora.is_adapter; config sits below families)
+
+
+def frozen_names(names, groups: list[Group], lora: bool = False) -> set:
+    """Parameters that get no gradient: those of frozen groups, and under LoRA every base weight."""
+    assignment = assign_groups(list(names), groups)
+    frozen_groups = {g.name for g in groups if g.frozen}
+    return {n for n, g in assignment.items() if g in frozen_groups or (lora and not _adapter(n))}
+
+
+def apply_freeze(named_params, groups: list[Group], lora: bool = False) -> None:
     named_params = list(named_params)
-    assignment = assign_groups([n for n, _ in named_params], groups)
+    frozen = frozen_names([n for n, _ in named_params], groups, lora)
     for n, p in named_params:
-        if by_name[assignment[n]].frozen:
+        if n in frozen:
             p.requires_grad_(False)
 
 
@@ -157,24 +171,23 @@ def param_groups(named_params, groups: list[Group]) -> list[dict]:
     return out
 
 
-def forward_only_parts(part_params: dict, upstream: dict, groups: list[Group]) -> set:
+def forward_only_parts(part_params: dict, upstream: dict, groups: list[Group], lora: bool = False) -> set:
     """Layers that can run without autograd: all their parameters are frozen and so is every layer
     upstream of them (``Family.upstream``: nothing before them needs a gradient through them).
     ``part_params``: ordered {layer name: [parameter names]}."""
-    assignment = assign_groups([n for names in part_params.values() for n in names], groups)
-    frozen = {g.name for g in groups if g.frozen}
-    trainable = {part for part, names in part_params.items() if any(assignment[n] not in frozen for n in names)}
+    frozen = frozen_names([n for names in part_params.values() for n in names], groups, lora)
+    trainable = {part for part, names in part_params.items() if any(n not in frozen for n in names)}
     return {part for part in part_params if part not in trainable and not (upstream[part] & trainable)}
 
 
 def frozen_layout(family, groups: list[Group]) -> tuple[dict, frozenset, frozenset]:
     """For the whole model, checked on the meta device (every parameter must land in exactly one
-    group): ({layer: [its plain parameter names]}, frozen parameter names, forward-only layers)."""
+    group): ({layer: [its plain parameter names]}, frozen parameter names, forward-only layers).
+    Under LoRA (``family.lora``) the names include the adapters, and every base weight is frozen."""
     part_params = {part: list(params) for part, params in family.meta_params().items()}
-    assignment = assign_groups([n for names in part_params.values() for n in names], groups)
-    frozen_groups = {g.name for g in groups if g.frozen}
-    frozen = frozenset(n for n, g in assignment.items() if g in frozen_groups)
-    return part_params, frozen, frozenset(forward_only_parts(part_params, family.upstream(), groups))
+    lora = getattr(family, "lora", None) is not None
+    frozen = frozenset(frozen_names([n for names in part_params.values() for n in names], groups, lora))
+    return part_params, frozen, frozenset(forward_only_parts(part_params, family.upstream(), groups, lora))
 
 
 # --------------------------------------------------------------------------------------------

@@ -61,4 +61,7 @@ def build_family(config, seed=None):
     model_cfg = getattr(config, "model", config)
     if seed is None:
         seed = config.train.seed if hasattr(config, "train") else 0
-    return get_family(model_cfg.type)(model_cfg, seed)
+    family = get_family(model_cfg.type)(model_cfg, seed)
+    if hasattr(config, "optim"):  # a run config: its train_type decides whether layers carry LoRA adapters
+        family.use_lora(config.optim)
+    return family

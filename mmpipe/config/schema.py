@@ -122,11 +122,20 @@ class OptimConfig(Section):
     freeze_vision: bool = _f(False, "shortcut: freeze the vision group (open_clip --lock-image, ms-swift freeze_vit)")
     freeze_projector: bool = _f(False, "shortcut: freeze the projector group (ms-swift freeze_aligner)")
     freeze_text: bool = _f(False, "shortcut: freeze the text group (open_clip --lock-text, ms-swift freeze_llm)")
-    freeze_vit: bool = _f(False, "ms-swift's name (VLM): freeze the vision group")
-    freeze_aligner: bool = _f(False, "ms-swift's name (VLM): freeze the projector group")
+    freeze_vit: Optional[bool] = _f(None, "ms-swift's name (VLM): freeze the vision group; unset = false for full "
+                                    "training, true with train_type=lora (ms-swift's default: no adapters in the ViT)")
+    freeze_aligner: Optional[bool] = _f(None, "ms-swift's name (VLM): freeze the projector group; unset = false for "
+                                        "full training, true with train_type=lora")
     freeze_llm: bool = _f(False, "ms-swift's name (VLM): freeze the llm group")
     vit_lr: Optional[float] = _f(None, "ms-swift's name (VLM): the vision group's lr (optim.groups.vision.lr)", ge=0)
     aligner_lr: Optional[float] = _f(None, "ms-swift's name (VLM): the projector group's lr (optim.groups.projector.lr)", ge=0)
+    train_type: str = _f("full", "full (every weight of the groups not frozen) or lora (peft LoRA adapters on the "
+                         "target modules of the groups not frozen; every base weight frozen); ms-swift's --train_type")
+    lora_rank: int = _f(8, "LoRA rank r (ms-swift --lora_rank)", ge=1)
+    lora_alpha: int = _f(32, "LoRA alpha: the update is scaled by alpha / r (ms-swift --lora_alpha)", ge=1)
+    lora_dropout: float = _f(0.05, "dropout on the LoRA branch's input (ms-swift --lora_dropout)", ge=0, le=1)
+    target_modules: list = _f(["all-linear"], "module names (suffixes) that get adapters; all-linear = every "
+                              "nn.Linear of a trained layer except the output head (ms-swift --target_modules)")
 
 
 FREEZE_FLAGS = ("freeze_vision", "freeze_projector", "freeze_text", "freeze_vit", "freeze_aligner", "freeze_llm")
@@ -346,6 +355,7 @@ def load_config(path: Optional[str] = None, overrides=()) -> RunConfig:
 _CHOICES = {
     "train.precision": ("fp32", "bf16", "fp16"),
     "optim.schedule": ("cosine", "constant"),
+    "optim.train_type": ("full", "lora"),
     "parallel.activation_checkpointing": ("none", "all", "auto"),
 }
 

@@ -114,6 +114,14 @@ class Family:
         self.cfg = model_cfg
         self.seed = seed
         self.skip_pretrained = False  # set when all weights come from elsewhere (an mmpipe export)
+        self.lora = None  # a LoraSpec (optim.train_type: lora): adapters on the trained layers (use_lora)
+
+    def use_lora(self, optim_cfg) -> None:
+        """Build the trained layers with LoRA adapters (``optim.train_type: lora``; no-op for full)."""
+        from mmpipe.config.groups import resolve_groups
+        from mmpipe.families.lora import spec_from
+        self.lora = None
+        self.lora = spec_from(optim_cfg, self, resolve_groups(optim_cfg, type(self)))
 
     # ---- structure ----------------------------------------------------------------------------
     def layers(self) -> list:
@@ -132,7 +140,13 @@ class Family:
             module = self.build_unseeded(name)
         if not getattr(self, "skip_pretrained", False):
             self.load_pretrained(module, name)
+        self._add_adapters(module, name)
         return module
+
+    def _add_adapters(self, module: nn.Module, name: str) -> None:
+        if self.lora is not None and name in self.lora.layers:
+            from mmpipe.families.lora import inject
+            inject(module, self.lora, part_seed(self.seed, f"lora:{name}"))
 
     def layer_names(self) -> list:
         return [layer.name for layer in self.layers()]
@@ -174,6 +188,7 @@ class Family:
         for name in self.layer_names():
             with torch.device("meta"):
                 m = self.build_unseeded(name)
+                self._add_adapters(m, name)
             out[name] = {f"{name}.{k}": p.numel() for k, p in m.named_parameters()}
         return out
 

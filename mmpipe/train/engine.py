@@ -58,7 +58,7 @@ def build_engine(run) -> Engine:
     model = strategy.build_module(dynamic_shape=cfg.data.padding == "batch" or family.dynamic_shapes)
     if cfg.parallel.activation_checkpointing == "all":
         set_activation_checkpointing(model)
-    apply_freeze(strategy.named_parameters(model), run.groups)
+    apply_freeze(strategy.named_parameters(model), run.groups, lora=family.lora is not None)
     mark_embeddings(model, strategy, family)
     torch_groups = param_groups(strategy.named_parameters(model), run.groups)
     if not torch_groups:  # every layer of this stage is frozen: it still runs, forward only

@@ -214,7 +214,11 @@ def build_family(cfg: RunConfig, family_cls, groups: list, rank: int, source) ->
     tok = agree(rank, lambda: prepare_tokenizer(cfg, family_cls, rank, source))
     model = agree(rank, lambda: family_cls.resolve(cfg.model, tok, cfg.data))
     cfg = replace(cfg, model=model)
-    family = agree(rank, lambda: family_cls(cfg.model, cfg.train.seed))
+    def make():
+        family = family_cls(cfg.model, cfg.train.seed)
+        family.use_lora(cfg.optim)
+        return family
+    family = agree(rank, make)
     return cfg, tok, family, frozen_layout(family, groups)
 
 

@@ -1,0 +1,124 @@
+"""LoRA adapters on a family's layers, with peft (``optim.train_type: lora``).
+
+Each layer that holds a trained group's parameters gets peft's ``LoraLayer`` on its target modules
+(``optim.target_modules``; ``all-linear`` = every ``nn.Linear`` but an output head), injected after
+its base weights are built and loaded, under a seed derived from (seed, layer name): the adapters'
+initial values are the same in one process and on any pipeline stage, as the base weights are.
+Every base weight is frozen (no gradient, no optimizer state); the adapters train in their layer's
+group. Plain parameter names then read ``...q_proj.base_layer.weight`` (the frozen weight) and
+``...q_proj.lora_A.default.weight`` / ``lora_B`` (peft's names); ``merged`` folds the adapters back
+into plain weights (export, generation), ``adapter_state`` keeps only them."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from mmpipe.errors import ConfigError
+
+ADAPTER = "default"  # peft's adapter name
+_ADAPTER_RE = re.compile(r"\.lora_(A|B)\.")
+HEAD_NAMES = ("lm_head",)  # never adapted by all-linear (peft and ms-swift leave the output layer alone)
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    alpha: int
+    dropout: float
+    target_modules: tuple
+    layers: frozenset  # the layers that get adapters (those holding a trained group's parameters)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def is_adapter(name: str) -> bool:
+    return bool(_ADAPTER_RE.search(name))
+
+
+def base_name(name: str) -> str:
+    """A plain weight's name without peft's wrapper (``q_proj.base_layer.weight`` -> ``q_proj.weight``)."""
+    return name.replace(".base_layer.", ".")
+
+
+def targets(module: nn.Module, target_modules) -> list:
+    """The names (within ``module``) of the submodules that get adapters."""
+    names = []
+    for n, sub in module.named_modules():
+        if not n or not isinstance(sub, nn.Linear):
+            continue
+        leaf = n.rsplit(".", 1)[-1]
+        for t in target_modules:
+            if (t == "all-linear" and leaf not in HEAD_NAMES) or n == t or n.endswith("." + t):
+                names.append(n)
+                break
+    return names
+
+
+def inject(module: nn.Module, spec: LoraSpec, seed_context) -> int:
+    """Add adapters to ``module``'s targets in place (initialised under ``seed_context``), freeze
+    its base weights; returns how many modules got adapters."""
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError:
+        raise ConfigError("optim.train_type=lora needs peft: pip install peft") from None
+    names = targets(module, spec.target_modules)
+    if names:
+        cfg = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=names,
+                         bias="none")
+        with seed_context:
+            inject_adapter_in_model(cfg, module, adapter_name=ADAPTER)
+    for n, p in module.named_parameters():
+        p.requires_grad_(is_adapter(n))
+    return len(names)
+
+
+def merged(state: dict, spec: Optional[LoraSpec]) -> dict:
+    """Plain weights with every adapter folded in: W + (B @ A) * alpha / r, under the base names."""
+    if spec is None and not any(is_adapter(k) for k in state):
+        return state
+    if spec is None:
+        raise ValueError("LoRA weights without a LoRA spec")
+    out = {}
+    for k, v in state.items():
+        if is_adapter(k):
+            continue
+        if ".base_layer." in k and k.endswith(".weight"):
+            stem = k[:-len(".base_layer.weight")]
+            a, b = state.get(f"{stem}.lora_A.{ADAPTER}.weight"), state.get(f"{stem}.lora_B.{ADAPTER}.weight")
+            if a is not None and b is not None:
+                v = (v.float() + (b.float() @ a.float()) * spec.scaling).to(v.dtype)
+        out[base_name(k)] = v
+    return out
+
+
+def adapter_state(state: dict) -> dict:
+    return {k: v for k, v in state.items() if is_adapter(k)}
+
+
+def spec_from(optim_cfg, family, groups) -> Optional[LoraSpec]:
+    """The run's LoRA spec (``optim.train_type: lora``), or None: adapters go on the layers that hold
+    a parameter of a group that is not frozen."""
+    if getattr(optim_cfg, "train_type", "full") != "lora":
+        return None
+    from mmpipe.config.groups import assign_groups
+    part_params = family.meta_params()
+    assignment = assign_groups([n for names in part_params.values() for n in names], groups)
+    trained = {g.name for g in groups if not g.frozen}
+    layers = frozenset(part for part, names in part_params.items() if any(assignment[n] in trained for n in names))
+    tm = optim_cfg.target_modules
+    tm = (tm,) if isinstance(tm, str) else tuple(tm)
+    if not tm:
+        raise ConfigError("optim.target_modules is empty: give module names, or all-linear")
+    spec = LoraSpec(optim_cfg.lora_rank, optim_cfg.lora_alpha, float(optim_cfg.lora_dropout), tm, layers)
+    with torch.device("meta"):
+        hit = sum(len(targets(family.build_unseeded(name), tm)) for name in sorted(layers))
+    if not hit:
+        raise ConfigError(f"optim.target_modules={list(tm)} matches no linear layer of the trained layers "
+                          f"({', '.join(sorted(layers)[:4])}...): name modules such as q_proj, or use all-linear")
+    return spec
