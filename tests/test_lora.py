@@ -137,3 +137,55 @@ def test_lora_matches_a_plain_peft_loop_in_every_layout(lora_runs, lora_data, ke
     moments = {k.split("::")[0]: v for k, v in held.items() if k.endswith("::exp_avg")}
     assert moments.keys() == got.keys()
     assert sum(v.numel() for v in moments.values()) == sum(v.numel() for v in got.values())
+
+
+def test_lora_exports_load_with_peft_and_merged(lora_runs, lora_data, tmp_path, capsys):
+    """`mmpipe export` of a LoRA run trained at P2 x DP2: a peft adapter directory that
+    PeftModel.from_pretrained(LlavaForConditionalGeneration.from_pretrained(OUT/base), OUT) loads,
+    and with --merge full weights: both give the mmpipe model's logits; `mmpipe generate` answers
+    from the run as the merged export does."""
+    from peft import PeftModel
+    from transformers import LlavaForConditionalGeneration
+
+    from mmpipe.cli.generate import Generator
+    from mmpipe.cli.main import main
+    from mmpipe.data.tokenizer import load_tokenizer
+    from mmpipe.families.vlm.chat_data import read_chat
+    run = _run(lora_runs, "p2dp2")
+    adapter, merged_dir = str(tmp_path / "adapter"), str(tmp_path / "merged")
+    assert main(["export", "--run", run, "--out", adapter]) == 0
+    assert "peft adapter directory" in capsys.readouterr().out
+    assert main(["export", "--run", run, "--out", merged_dir, "--merge"]) == 0
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter))
+    peft_model = PeftModel.from_pretrained(LlavaForConditionalGeneration.from_pretrained(os.path.join(adapter, "base")),
+                                           adapter).eval()
+    full = LlavaForConditionalGeneration.from_pretrained(merged_dir).eval()
+    ours = mmpipe.build_model(mmpipe.load_config(os.path.join(run, "config.yaml"))).eval()
+    ours.load_state_dict(mmpipe.load_weights(run))
+    fam = ours.family
+    tok = load_tokenizer(os.path.join(run, "tokenizer"))
+    samples = [s for s in read_chat(lora_data["val"]) if s.images][:2]
+    ds = fam.dataset(samples, tok, ours_cfg_data(run), fam.vision_cfg.image_size)
+    b = fam.collate(tok, ours_cfg_data(run))([ds[0], ds[1]])
+    from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, normalize_pixels
+    pix = normalize_pixels(b["pixel_values"], OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, torch.float32)
+    with torch.no_grad():
+        want = ours.eval_outputs(b["pixel_values"], b["input_ids"], b["attention_mask"])
+        for m in (peft_model, full):
+            got = m(input_ids=b["input_ids"], pixel_values=pix, attention_mask=b["attention_mask"]).logits
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # the adapters are not zero: the comparison would notice them missing
+    base_logits = LlavaForConditionalGeneration.from_pretrained(os.path.join(adapter, "base")).eval()(
+        input_ids=b["input_ids"], pixel_values=pix, attention_mask=b["attention_mask"]).logits
+    assert (base_logits - want).abs().max() > 1e-4
+    g = Generator(run)
+    question = samples[0].messages[0][1].replace("<image>", "").strip()
+    ids, px = g.prompt(question, samples[0].images[0])
+    with torch.no_grad():
+        hf_new = full.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=px, max_new_tokens=6,
+                               do_sample=False)[0, ids.shape[1]:].tolist()
+    assert g.generate_ids(question, samples[0].images[0], max_new_tokens=6) == hf_new
+
+
+def ours_cfg_data(run):
+    return mmpipe.load_config(os.path.join(run, "config.yaml")).data

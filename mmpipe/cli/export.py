@@ -4,8 +4,10 @@ from __future__ import annotations
 
 def cmd_export(args) -> int:
     from mmpipe.train.export import export
-    out, kind, why = export(args.run, args.out, args.step, args.dtype, args.format)
-    if kind == "mmpipe":
+    out, kind, why = export(args.run, args.out, args.step, args.dtype, args.format, args.merge)
+    if kind == "PeftModel":
+        print(f"wrote {out} as a peft adapter directory ({why}; load with PeftModel.from_pretrained(base, {out!r}))")
+    elif kind == "mmpipe":
         print(f"wrote {out} in mmpipe's format (load with mmpipe.build_model({out!r})): {why}")
     else:
         print(f"wrote {out} as transformers' {kind} ({why}; load with {kind}.from_pretrained)")

@@ -28,10 +28,11 @@ class Generator:
         if cfg.model.type != "vlm":
             raise ConfigError(f"--run {run_dir}: model.type={cfg.model.type}; mmpipe generate answers with a VLM run")
         self.cfg = cfg
-        self.family = build_family(cfg.model, cfg.train.seed)
+        self.family = build_family(cfg, cfg.train.seed)  # (a LoRA run's: its adapters are folded in below)
         self.tok = run_tokenizer(cfg, family_of(cfg), run_dir)
         self.encoder = self.family.encoder(self.tok, cfg.data.max_length)
-        self.model = self.family.hf.hf_model(mmpipe.load_weights(run_dir, step)).to(device)
+        from mmpipe.families.lora import merged
+        self.model = self.family.hf.hf_model(merged(mmpipe.load_weights(run_dir, step), self.family.lora)).to(device)
         self.device, self.mean, self.std = device, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
         self.size = self.family.vision_cfg.image_size
         self.stop = self.encoder.end_of_turn_ids()  # the end of the assistant's turn, as training learned it

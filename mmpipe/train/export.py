@@ -28,6 +28,8 @@ from mmpipe.config.registry import build_family
 from mmpipe.config.schema import family_of, load_config
 from mmpipe.data.tokenizer import load_tokenizer, tokenizer_choice
 from mmpipe.errors import ConfigError, NoHFFormat
+from mmpipe.families.lora import adapter_state as lora_adapters
+from mmpipe.families.lora import base_name, merged
 from mmpipe.train.checkpoint import load_weights
 
 MARKER = "mmpipe_export.json"
@@ -42,8 +44,12 @@ def run_tokenizer(cfg, family_cls, run_dir: str):
     return family_cls.prepare_tokenizer(tok)
 
 
-def export(run_dir: str, out: str, step: Optional[int] = None, dtype: str = "fp32", fmt: str = "auto") -> tuple:
-    """Write the export; returns (out, what was written: a transformers class or "mmpipe", why)."""
+def export(run_dir: str, out: str, step: Optional[int] = None, dtype: str = "fp32", fmt: str = "auto",
+           merge: bool = False) -> tuple:
+    """Write the export; returns (out, what was written: a transformers class or "mmpipe", why).
+    A LoRA run (``optim.train_type: lora``) writes a peft adapter directory whose base model is
+    ``OUT/base`` (or the run's ``model.pretrained`` when the base weights are exactly its own);
+    ``merge``: the adapters folded into full weights instead, written as any run's."""
     cfg_path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(cfg_path):
         raise ConfigError(f"--run {run_dir}: no config.yaml (not an mmpipe run directory)")
@@ -54,6 +60,17 @@ def export(run_dir: str, out: str, step: Optional[int] = None, dtype: str = "fp3
     cfg = load_config(cfg_path)
     state = load_weights(run_dir, step)  # one line when there is no checkpoint
     family = build_family(cfg.model, cfg.train.seed)
+    spec = build_family(cfg, cfg.train.seed).lora if cfg.optim.train_type == "lora" else None
+    if merge and spec is None:
+        raise ConfigError(f"--merge: {run_dir} trained full weights (optim.train_type=full); there are no adapters "
+                          "to merge: leave --merge out")
+    if spec is not None and not merge and fmt == "mmpipe":
+        raise ConfigError("--format mmpipe of a LoRA run: add --merge (mmpipe's format holds full weights), or "
+                          "leave --format out for a peft adapter directory")
+    adapters = lora_adapters(state) if spec is not None and not merge else None
+    # full weights: the adapters folded in (--merge), or for an adapter directory its base model alone
+    state = merged(state, spec) if adapters is None else {base_name(k): v for k, v in state.items()
+                                                          if k not in adapters}
     tok = run_tokenizer(cfg, family_of(cfg), run_dir)
     final = out.rstrip(os.sep) or out
     if os.path.lexists(final) and not (os.path.isdir(final) and not os.path.islink(final)
@@ -64,7 +81,10 @@ def export(run_dir: str, out: str, step: Optional[int] = None, dtype: str = "fp3
     shutil.rmtree(part, ignore_errors=True)
     os.makedirs(part)
     try:
-        what, why = _write(cfg, family, state, tok, part, fmt, dtype)
+        if adapters is not None:
+            what, why = _write_adapter(cfg, family, spec, state, adapters, tok, part, dtype, final)
+        else:
+            what, why = _write(cfg, family, state, tok, part, fmt, dtype)
         if os.path.isdir(final):  # an earlier export: swapped out whole, removed once the new one is in place
             os.replace(final, old)
         os.replace(part, final)
@@ -106,6 +126,48 @@ def _write(cfg, family, state: dict, tok, out: str, fmt: str, dtype: str) -> tup
         state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
     _save_own(cfg, family, state, tok, out)
     return "mmpipe", why
+
+
+def _write_adapter(cfg, family, spec, base: dict, adapters: dict, tok, out: str, dtype: str, final: str) -> tuple:
+    """A peft adapter directory (``adapter_config.json``, ``adapter_model.safetensors``, the
+    tokenizer and processor) written by peft itself, for ``PeftModel.from_pretrained(base, OUT)``;
+    the base model in ``OUT/base`` unless it is exactly ``model.pretrained``."""
+    from peft import LoraConfig, get_peft_model
+    try:
+        model, processor = family.hf_export(base, tok)
+    except NoHFFormat as e:
+        raise ConfigError(f"a LoRA run of model.type={cfg.model.type} has no transformers base class ({e}); "
+                          "export with --merge --format mmpipe") from None
+    own = _pretrained_is_base(cfg, family)
+    base_dir = cfg.model.pretrained if own else os.path.join(final, "base")
+    if not own:
+        (model.to(torch.bfloat16) if dtype == "bf16" else model).save_pretrained(os.path.join(out, "base"))
+        processor.save_pretrained(os.path.join(out, "base"))
+        with open(os.path.join(out, "base", HF_MARKER), "w") as fh:
+            json.dump({"format": "transformers", "class": type(model).__name__, "mmpipe_version": __version__}, fh)
+    hf_names = {k: family.hf.adapter_name(k) for k in adapters}
+    modules = sorted({n.split(".lora_")[0] for n in hf_names.values()})
+    peft_model = get_peft_model(model, LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                                                  target_modules=modules, bias="none"))
+    params = dict(peft_model.base_model.model.named_parameters())
+    with torch.no_grad():
+        for k, v in adapters.items():
+            params[hf_names[k]].copy_(v)
+    peft_model.peft_config["default"].base_model_name_or_path = os.path.abspath(base_dir)
+    if dtype == "bf16":
+        peft_model = peft_model.to(torch.bfloat16)
+    peft_model.save_pretrained(out)
+    processor.save_pretrained(out)
+    with open(os.path.join(out, HF_MARKER), "w") as fh:
+        json.dump({"format": "peft", "class": "PeftModel", "base": os.path.abspath(base_dir),
+                   "mmpipe_version": __version__}, fh)
+    return "PeftModel", f"LoRA adapters on {type(model).__name__} from {os.path.abspath(base_dir)}"
+
+
+def _pretrained_is_base(cfg, family) -> bool:
+    """The run's base weights are exactly ``model.pretrained``'s (``Family.pretrained_is_base``: e.g.
+    no token rows were added to its embedding)."""
+    return bool(cfg.model.pretrained) and family.pretrained_is_base()
 
 
 def _save_own(cfg, family, state: dict, tok, out: str) -> None:

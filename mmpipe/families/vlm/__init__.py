@@ -375,6 +375,10 @@ class VlmFamily(ImageTextFamily):
         model.generation_config.max_new_tokens = GENERATE_MAX_NEW_TOKENS
         return model, proc
 
+    def pretrained_is_base(self) -> bool:
+        """A whole LLaVA directory whose vocabulary the run did not grow (no new token rows)."""
+        return bool(self.cfg.pretrained) and _llava_config(self.cfg).text_config.vocab_size == self.text_cfg.vocab_size
+
     def preprocessor(self):
         from mmpipe.families.towers.hf import image_processor
         return image_processor(self.vision_cfg.image_size, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)

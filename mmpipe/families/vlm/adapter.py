@@ -50,6 +50,12 @@ class VlmHF:
         never runs, and the unused post-layernorm are not in it: ``unused_hf_keys``)."""
         return {_translate(k, RULES): v for k, v in state.items()}
 
+    def adapter_name(self, plain: str) -> str:
+        """A plain LoRA parameter name -> its name inside ``LlavaForConditionalGeneration`` as peft
+        wraps it (``...q_proj.lora_A.default.weight``)."""
+        stem, rest = plain.split(".lora_", 1)
+        return _translate(stem + ".weight", RULES)[:-len(".weight")] + ".lora_" + rest
+
     def unused_hf_keys(self, hf_keys) -> list:
         k = self.family.vision_blocks
         return [n for n in hf_keys if n.startswith("model.vision_tower.post_layernorm.") or
