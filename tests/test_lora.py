@@ -15,7 +15,8 @@ import mmpipe
 
 LORA_SETS = ["optim.train_type=lora", "optim.lora_dropout=0", "optim.lora_rank=4", "optim.lora_alpha=8",
              "optim.groups.llm.max_grad_norm=0.5", "optim.schedule=constant"]
-STEPS = 4
+STEPS = 4  # each layout stops here (--stop-at; train.steps is 6)
+REF_STEPS = 6  # the reference runs on: a resume continues to 6
 LAYOUTS = {"p1": (1, "python", ["parallel.pipeline_stages=1"]),
            "p2": (2, "deepspeed", ["parallel.pipeline_stages=2"]),
            "p3": (3, "deepspeed", ["parallel.pipeline_stages=3"]),
@@ -85,7 +86,7 @@ def peft_reference(run_dir: str, data: dict):
     perm = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.train.seed * 100003)).tolist()
     micro = [perm[i:i + mb] for i in range(0, len(perm) - mb + 1, mb)]
     losses = []
-    for step in range(STEPS):
+    for step in range(REF_STEPS):
         batches = [collate([ds[i] for i in m]) for m in micro[acc * step:acc * step + acc]]
         n = sum(label_tokens(b["labels"]) for b in batches)
         total = 0.0
@@ -99,11 +100,19 @@ def peft_reference(run_dir: str, data: dict):
         torch.nn.utils.clip_grad_norm_(trainable, 0.5)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if step + 1 == STEPS:
+            at_stop = {k: params[hf_name(family, k)].detach().clone() for k in init}
     final = {k: params[hf_name(family, k)].detach().clone() for k in init}
-    return losses, final, init
+    return losses, at_stop, init, final
 
 
 _REF: dict = {}
+
+
+def _reference(lora_runs, lora_data):
+    if "ref" not in _REF:
+        _REF["ref"] = peft_reference(_run(lora_runs, "p1"), lora_data)
+    return _REF["ref"]
 
 
 @pytest.mark.parametrize("key", list(LAYOUTS))
@@ -111,11 +120,9 @@ def test_lora_matches_a_plain_peft_loop_in_every_layout(lora_runs, lora_data, ke
     from mmpipe.families.lora import adapter_state
     if key not in IN_CI and not os.environ.get("MMPIPE_ALL_LAYOUTS"):
         pytest.skip("P = 2 alone: by hand with MMPIPE_ALL_LAYOUTS=1 (P2 x DP2 runs the same stages in CI)")
-    if "ref" not in _REF:
-        _REF["ref"] = peft_reference(_run(lora_runs, "p1"), lora_data)
-    ref_losses, ref_final, init = _REF["ref"]
+    ref_losses, ref_final, init, _ = _reference(lora_runs, lora_data)
     out = _run(lora_runs, key)
-    np.testing.assert_allclose(train_losses(out), ref_losses, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(train_losses(out), ref_losses[:STEPS], rtol=1e-5, atol=1e-6)
     w = mmpipe.load_weights(out, STEPS)
     got = adapter_state(w)
     assert got.keys() == ref_final.keys() and len(got) == 42  # q k v o gate up down x 3 blocks x (A, B)
@@ -189,3 +196,24 @@ def test_lora_exports_load_with_peft_and_merged(lora_runs, lora_data, tmp_path, 
 
 def ours_cfg_data(run):
     return mmpipe.load_config(os.path.join(run, "config.yaml")).data
+
+
+def test_lora_resumes_exactly_on_another_layout(lora_runs, lora_data, tmp_path):
+    """The P = 1 run's step-4 checkpoint (adapters, their optimizer state) resumed at P = 2 to step 6
+    gives the peft loop's losses at steps 5-6 and its adapters at step 6."""
+    import shutil
+
+    from helpers import launch
+
+    from mmpipe.families.lora import adapter_state
+    ref_losses, _, _, ref_final = _reference(lora_runs, lora_data)
+    out = str(tmp_path / "resumed")
+    shutil.copytree(_run(lora_runs, "p1"), out)
+    args = lora_runs.base(out)
+    for s in LORA_SETS + ["parallel.pipeline_stages=2"]:
+        args += ["--set", s]
+    launch(2, args + ["--resume"])
+    np.testing.assert_allclose(train_losses(out), ref_losses, rtol=1e-5, atol=1e-6)
+    got = adapter_state(mmpipe.load_weights(out, REF_STEPS))
+    for k in got:
+        torch.testing.assert_close(got[k], ref_final[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")

@@ -285,7 +285,9 @@ def resolve_for_plan(cfg):
         tok = StandInTokenizer(size, fam.special_tokens)
     model = fam.resolve(cfg.model, tok, cfg.data)
     cfg = replace(cfg, model=model)
-    return cfg, fam(cfg.model, cfg.train.seed)
+    family = fam(cfg.model, cfg.train.seed)
+    family.use_lora(cfg.optim)  # a LoRA run's layers carry adapters; its base weights are frozen
+    return cfg, family
 
 
 def _profile_for(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = None, log=print,
