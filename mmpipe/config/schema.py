@@ -56,6 +56,9 @@ class DataConfig(Section):
     padding: str = _f("batch", "batch: pad captions to the micro-batch's longest (rounded up to data.pad_multiple); "
                       "max_length: always pad to data.max_length")
     pad_multiple: int = _f(4, "with padding=batch, round the padded length up to this multiple (fewer distinct shapes)", ge=1)
+    packing: bool = _f(False, "model.type=vlm: pack several chat samples into each sequence of up to data.max_length "
+                       "(never splitting one; attention stays within a sample, positions restart per sample); a "
+                       "micro-batch then holds packs, and train.batch_size counts packs (ms-swift --packing)")
     group_by_length: bool = _f(False, "sort captions by token length within windows of data.group_window micro-batches "
                                "(less padding; batches then share caption lengths, which changes the negatives)")
     group_window: int = _f(64, "micro-batches per length-grouping window (or, for shards, samples per window / micro-batch)", ge=1)
@@ -412,6 +415,9 @@ def validate(cfg: RunConfig) -> None:
     check_ranges(cfg, "", where)  # every other number, the model section's included
     fam = family_of(cfg)
     fam.validate(cfg.model, where)
+    if cfg.data.packing and not getattr(fam, "packs", False):
+        raise ConfigError(f"{where}: data.packing=true: model.type={cfg.model.type} trains on image-caption pairs, "
+                          "which are not packed (packing is for chat data, model.type=vlm); unset data.packing")
     low = fam.min_micro_batch
     if mbs != "auto" and mbs < low:
         raise ConfigError(f"{where}: parallel.micro_batch_size={mbs}: model.type={cfg.model.type} needs at least {low} "

@@ -28,10 +28,15 @@ class DataStats:
         self.reset()
 
     def reset(self) -> None:
-        self.reports, self.wait, self.drawn = [], 0.0, 0
+        self.reports, self.wait, self.drawn, self.tokens, self.real_tokens, self.samples = [], 0.0, 0, 0, 0, 0
 
     def add(self, batch) -> None:
         self.drawn += len(batch["keys"]) + len(batch["bad"])
+        self.samples += len(batch["keys"])
+        mask = batch.get("attention_mask")
+        if torch.is_tensor(mask):  # padding fraction (a packed row's mask holds segment ids: > 0 is a token)
+            self.tokens += mask.numel()
+            self.real_tokens += int((mask > 0).sum())
         if self.sample_log is not None:  # one JSON object per micro-batch
             self.sample_log.write(json.dumps({"rank": self.rank, "step": self.step, "stage": self.stage,
                                               "keys": [str(k) for k in batch["keys"]]}) + "\n")

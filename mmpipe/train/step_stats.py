@@ -62,7 +62,7 @@ def lr_record(per_group: list, groups, base_lr: float, ds_scheduler: bool = Fals
 
 
 
-FIXED = ("new_reports", "loader_wait", "drawn", "stop", "timed_save")
+FIXED = ("new_reports", "loader_wait", "drawn", "stop", "timed_save", "tokens", "real_tokens", "samples")
 
 
 @dataclass
@@ -75,6 +75,9 @@ class StepStats:
     drawn: torch.Tensor
     stop: torch.Tensor
     timed_save: torch.Tensor
+    tokens: torch.Tensor  # token positions the rank's micro-batches held (padding included)
+    real_tokens: torch.Tensor  # ... of which real tokens (the padding fraction is the rest)
+    samples: torch.Tensor  # usable samples trained on (packed rows hold several)
     lrs: torch.Tensor  # world x groups (NaN where a group is not on that rank)
     timings: torch.Tensor  # world x stage-clock fields
 
@@ -111,7 +114,8 @@ def gather_step(run, eng, ledger, data_stats, lrs: list, stop_requested: bool, t
         timings[FIELDS.index("comm")] += w
     reports = ledger.unknown(data_stats.reports)
     fixed = {"new_reports": len(reports), "loader_wait": data_stats.wait, "drawn": data_stats.drawn,
-             "stop": 1.0 + run.rank if stop_requested else 0.0, "timed_save": timed_save}
+             "stop": 1.0 + run.rank if stop_requested else 0.0, "timed_save": timed_save,
+             "tokens": data_stats.tokens, "real_tokens": data_stats.real_tokens, "samples": data_stats.samples}
     stats = StepStats.gather(fixed, lrs, timings, run.world, eng.engine.device)
     if stats.new_reports.sum() > 0:  # new bad files somewhere: merge every rank's, in rank order
         per_rank = [None] * run.world

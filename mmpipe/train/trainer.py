@@ -137,8 +137,12 @@ class Trainer:
         lr = lr_record(stats.lr_now(), eng.trainable, run.cfg.optim.lr, ds_scheduler="scheduler" in run.where.ds_cfg)
         clip = eng.clipper.record()
         self.skipped_total += int(clip.get("skipped", False))
+        packed = getattr(run.cfg.data, "packing", False)  # a step holds packs: count the samples in them
+        samples = float(stats.samples.sum()) if packed else topo.batch_size
+        tokens = float(stats.tokens.sum())
+        pad = {"pad_fraction": 1.0 - float(stats.real_tokens.sum()) / tokens} if tokens and run.family.token_mean else {}
         return {"step": step, "loss": loss, **lr, "skipped_steps": self.skipped_total,
-                "samples_per_sec": topo.batch_size / dt, **clip, "step_time": dt,
+                "samples_per_sec": samples / dt, **pad, **clip, "step_time": dt,
                 "loader_wait": wait, "loader_wait_frac": wait / dt, "bad_samples": self.ledger.count,
                 "samples_seen": self.ledger.drawn, **stage_fields}
 

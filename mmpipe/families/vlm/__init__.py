@@ -171,6 +171,7 @@ class VlmFamily(ImageTextFamily):
     special_tokens = SPECIAL_TOKENS  # the plain template's (a tokenizer with a chat template adds only <image>)
     dynamic_shapes = True  # images per micro-batch vary (0 for text-only micro-batches)
     token_mean = True
+    packs = True  # data.packing: several chat samples per sequence (chat_data.PackedChatDataset)
 
     # ---- data ----------------------------------------------------------------------------------
     @classmethod
@@ -427,8 +428,9 @@ class VlmFamily(ImageTextFamily):
         return ChatEncoder(tokenizer, self.image_token_id, self.n_image_tokens(), max_length)
 
     def dataset(self, records, tokenizer, data_cfg, image_size, augment=None, decode_size=None):
-        from mmpipe.families.vlm.chat_data import ChatDataset
-        return ChatDataset(records, self.encoder(tokenizer, data_cfg.max_length), image_size, decode_size, augment)
+        from mmpipe.families.vlm.chat_data import ChatDataset, PackedChatDataset
+        chat = ChatDataset(records, self.encoder(tokenizer, data_cfg.max_length), image_size, decode_size, augment)
+        return PackedChatDataset(chat, data_cfg.max_length) if getattr(data_cfg, "packing", False) else chat
 
     def collate(self, tokenizer, data_cfg):
         from mmpipe.families.vlm.chat_data import ChatCollate

@@ -309,6 +309,75 @@ class ChatDataset:
         raise DataError(f"no usable sample in the chat data (first failure: {bad[0][0]}: {bad[0][1]})")
 
 
+def plan_packs(lengths: list, max_length: int, window: int = 1000) -> list:
+    """Sample indices -> packs (lists of indices) of total length <= ``max_length``: within each window
+    of ``window`` samples (in data order), first-fit decreasing; a sample is never split, an empty
+    one (unusable: length 0) is left out, and a pack keeps its samples in data order."""
+    packs = []
+    for lo in range(0, len(lengths), window):
+        bins, room = [], []
+        for i in sorted(range(lo, min(lo + window, len(lengths))), key=lambda i: (-lengths[i], i)):
+            n = lengths[i]
+            if n <= 0:
+                continue
+            for b in range(len(bins)):
+                if room[b] >= n:
+                    bins[b].append(i)
+                    room[b] -= n
+                    break
+            else:
+                bins.append([i])
+                room.append(max_length - n)
+        packs.extend(sorted(b) for b in sorted(bins, key=min))
+    return packs
+
+
+class PackedChatDataset:
+    """``data.packing``: each item is a pack of chat samples (``plan_packs`` over their encoded
+    lengths) concatenated into one sequence, each sample's first label hidden (nothing predicts
+    across samples) and ``segments`` numbering the samples (the collate writes them into the
+    attention mask: the model attends within a sample and restarts positions at each). A sample that
+    fails to load (e.g. its image no longer decodes) is dropped from its pack and reported; a pack
+    with none left is replaced by the next, as an unusable sample is."""
+
+    def __init__(self, chat: ChatDataset, max_length: int):
+        self.chat = chat
+        self.sample_lengths = chat.lengths
+        self.packs = plan_packs(self.sample_lengths, max_length)
+        if not self.packs:
+            raise DataError("no usable sample in the chat data to pack")
+
+    def __len__(self):
+        return len(self.packs)
+
+    @property
+    def lengths(self) -> list:
+        return [sum(self.sample_lengths[i] for i in p) for p in self.packs]
+
+    def __getitem__(self, item) -> dict:
+        idx, epoch = _item_key(item)
+        bad = []
+        for step in range(len(self)):
+            j = (idx + step) % len(self)
+            ids, labels, segments, images, keys, truncated = [], [], [], [], [], 0
+            for i in self.packs[j]:
+                fields, why = self.chat._load(i, epoch)
+                if fields is None:
+                    bad.append(why)
+                    continue
+                k = len(fields["input_ids"])
+                ids += fields["input_ids"]
+                labels += [-100] + list(fields["labels"][1:])  # position k-1 of the last sample predicts none of this one
+                segments += [len(keys) + 1] * k
+                images += fields["images"]
+                keys.append(self.chat.samples[i].where)
+                truncated += bool(fields["truncated"])
+            if keys:
+                return {"input_ids": ids, "labels": labels, "segments": segments, "images": images,
+                        "truncated": truncated, "index": j, "keys": keys, "bad": bad}
+        raise DataError(f"no usable sample in the chat data (first failure: {bad[0][0]}: {bad[0][1]})")
+
+
 class ChatCollate:
     """Samples -> the VLM's batch: ``pixel_values`` every image of the micro-batch in order (uint8;
     a (0, 3, S, S) tensor when it has none: pipeline stages exchange tensors only), ``input_ids``
@@ -329,11 +398,12 @@ class ChatCollate:
             k = len(it["input_ids"])
             ids[i, :k] = torch.as_tensor(it["input_ids"])
             labels[i, :k] = torch.as_tensor(it["labels"])
-            mask[i, :k] = 1
+            mask[i, :k] = torch.as_tensor(it["segments"]) if "segments" in it else 1  # packed: segment ids
         images = [im for it in items for im in it["images"]]
         pixels = (torch.stack(images) if images else
                   torch.zeros((0, 3, self.image_size, self.image_size), dtype=torch.uint8))
         return {"pixel_values": pixels, "input_ids": ids, "attention_mask": mask,
                 "labels": labels, "index": torch.tensor([it["index"] for it in items]),
-                "keys": [it["key"] for it in items], "bad": [b for it in items for b in it["bad"]],
-                "truncated": sum(bool(it["truncated"]) for it in items)}
+                "keys": [k for it in items for k in (it["keys"] if "keys" in it else [it["key"]])],
+                "bad": [b for it in items for b in it["bad"]],
+                "truncated": sum(int(it["truncated"]) for it in items)}

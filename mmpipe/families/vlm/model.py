@@ -73,13 +73,67 @@ def decoder_block_cls(arch: str):
             self.rotary = Rotary(config=config)  # inv_freq is a non-persistent buffer: not in checkpoints
 
         def forward(self, hidden_states, attention_mask):
-            pos = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
+            pos, mask = attention_inputs(attention_mask, hidden_states.dtype)
             cos_sin = self.rotary(hidden_states, pos)
-            mask = causal_padding_mask(attention_mask, hidden_states.dtype)
             out = super().forward(hidden_states, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
             return out[0] if isinstance(out, tuple) else out
 
     return DecoderBlock
+
+
+def mask_kind(attention_mask: torch.Tensor) -> str:
+    """``causal``: every row is its tokens then padding (right padding, or none) - causal attention
+    alone gives every real token exactly what a padding mask would; ``packed``: segment ids (1, 2,
+    ... per sample of a packed row, 0 = padding); ``dense``: anything else (left padding). Decided
+    once per mask tensor (one host read), remembered on it."""
+    kind = getattr(attention_mask, "_mmpipe_kind", None)
+    if kind is None:
+        m = attention_mask
+        if m.is_meta:
+            kind = "causal"
+        elif bool((m > 1).any()):
+            kind = "packed"
+        else:
+            kind = "dense" if bool((m[:, 1:] > m[:, :-1]).any()) else "causal"
+        try:
+            attention_mask._mmpipe_kind = kind
+        except AttributeError:  # pragma: no cover - a tensor type without attributes
+            pass
+    return kind
+
+
+def segment_positions(segments: torch.Tensor) -> torch.Tensor:
+    """Position ids restarting at 0 at each sample of a packed row (segment ids, 0 = padding)."""
+    T = segments.shape[1]
+    idx = torch.arange(T, device=segments.device).expand_as(segments)
+    start = torch.ones_like(segments, dtype=torch.bool)
+    start[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return idx - torch.where(start, idx, torch.zeros_like(idx)).cummax(1).values
+
+
+def packed_mask(segments: torch.Tensor) -> torch.Tensor:
+    """(B,1,T,T) boolean: causal within a sample, nothing across samples (block-diagonal); a
+    padding position sees itself only (no empty row: sdpa would return NaN there)."""
+    T = segments.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril_()
+    same = segments[:, :, None] == segments[:, None, :]
+    allowed = same & causal[None] & (segments[:, None, :] > 0)
+    allowed |= torch.eye(T, dtype=torch.bool, device=segments.device)[None] & (segments[:, :, None] == 0)
+    return allowed[:, None]
+
+
+def attention_inputs(attention_mask: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """(position ids, the mask handed to transformers' attention): no mask at all for rows of
+    tokens then padding (sdpa's causal kernel: no (B,1,T,T) tensor, the fused paths stay open),
+    a block-diagonal one for packed rows (positions restart per sample), the additive
+    causal+padding mask otherwise."""
+    kind = mask_kind(attention_mask)
+    if kind == "packed":
+        return segment_positions(attention_mask), packed_mask(attention_mask)
+    pos = torch.arange(attention_mask.shape[1], device=attention_mask.device).unsqueeze(0)
+    if kind == "causal":
+        return pos, None
+    return pos, causal_padding_mask(attention_mask, dtype)
 
 
 class LmHead(nn.Module):
