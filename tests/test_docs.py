@@ -18,6 +18,8 @@ LONG_RUN = ("trains the demo config for minutes; the same launch line runs on th
             "tests/test_parity.py and tests/test_launch.py")
 RULES = [  # (command regex, RUN or the reason it is not run here)
     (r"^mmpipe data synth ", RUN),
+    (r"^python launch/train\.py --config configs/tiny_vlm\.yaml .*optim\.train_type=lora", RUN),
+    (r"^mmpipe export --run runs/tiny_vlm ", RUN),
     (r"^mmpipe data check ", RUN),
     (r"^mmpipe data prepare ", RUN),
     (r"^pip install ", "installs the package; .ci/run does it on a fresh machine"),

@@ -9,6 +9,7 @@ and ratios against a baseline measured in the same run.
     mmpipe bench memory      # predicted vs measured memory per stage (P = 2, 3; checkpointing on and off)
     mmpipe bench negatives   # CLIP's global-batch negatives vs per-micro-batch: step time measured and predicted
     mmpipe bench peers --family clip  # the same CLIP job by open_clip_train and by mmpipe: samples/s, recall
+    mmpipe bench packing     # VLM samples/s with sequence packing vs padding per micro-batch (length-skewed chat)
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from mmpipe.bench.data import bench_data
 from mmpipe.bench.groups import bench_groups
 from mmpipe.bench.memory import add_arguments as add_memory
 from mmpipe.bench.negatives import add_arguments as add_negatives
+from mmpipe.bench.packing import add_arguments as add_packing
 from mmpipe.bench.peers import add_arguments as add_peers
 from mmpipe.bench.strategies import bench_strategies
 
@@ -67,5 +69,7 @@ def add_parser(sub) -> None:
                              "(CLIP and VLM, P = 2 and 3, with and without activation checkpointing)"))
     add_negatives(bs.add_parser("negatives", help="CLIP's global-batch negatives vs per-micro-batch: measured and "
                                 "predicted step time (P = 2, vision trained and frozen)"))
+    add_packing(bs.add_parser("packing", help="VLM samples/s with data.packing vs padding per micro-batch, on a "
+                              "length-skewed chat set (P = 2)"))
     add_peers(bs.add_parser("peers", help="the same job by a peer (open_clip_train) and by mmpipe's chosen layout: "
                             "samples/s and retrieval recall"))

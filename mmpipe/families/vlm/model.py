@@ -115,10 +115,10 @@ def packed_mask(segments: torch.Tensor) -> torch.Tensor:
     """(B,1,T,T) boolean: causal within a sample, nothing across samples (block-diagonal); a
     padding position sees itself only (no empty row: sdpa would return NaN there)."""
     T = segments.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril_()
-    same = segments[:, :, None] == segments[:, None, :]
-    allowed = same & causal[None] & (segments[:, None, :] > 0)
-    allowed |= torch.eye(T, dtype=torch.bool, device=segments.device)[None] & (segments[:, :, None] == 0)
+    allowed = segments[:, :, None] == segments[:, None, :]  # the one (B,T,T) tensor; the rest in place
+    allowed &= torch.ones(T, T, dtype=torch.bool, device=segments.device).tril_()
+    allowed &= (segments > 0)[:, None, :]
+    allowed.diagonal(dim1=1, dim2=2).logical_or_(segments == 0)
     return allowed[:, None]
 
 
