@@ -61,19 +61,21 @@ def profile_key(cfg, family, micro_batch_size: int, threads: int, device: str, f
 
     import deepspeed
     return {"model": cfg.to_dict()["model"], "family": family.name,
-            "micro_batch_size": micro_batch_size, "max_length": cfg.data.max_length, "precision": cfg.train.precision,
+            "micro_batch_size": micro_batch_size, "max_length": cfg.data.max_length, "packing": cfg.data.packing,
+            "precision": cfg.train.precision,
             "device": device, "threads": threads, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "forward_only": sorted(forward_only),
-            "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 11,
+            "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 12,
             # a CPU profile is timed as a rank computes, with or without mmpipe's malloc settings
             "cpu_malloc": device != "cpu" or os.environ.get("MMPIPE_CPU_MALLOC", "").lower() != "default"}
 
 
-def synthetic_batch(family, m: int, max_length: int, device, with_loss: bool = False):
+def synthetic_batch(family, m: int, max_length: int, device, with_loss: bool = False, packed: bool = False):
     """A micro-batch of the configured shape (timing does not depend on the pixels or words); with
     ``with_loss``, also the loss the last stage computes on the last layer's outputs (None when the
-    last layer computes it)."""
-    b = family.example_batch(m, max_length, device)
+    last layer computes it). ``packed`` (``data.packing``): rows of several samples, as a packed run
+    feeds them (its attention takes the block-diagonal mask)."""
+    b = family.example_batch(m, max_length, device, **({"packed": True} if packed else {}))
     inputs = tuple(b[f] for f in family.inputs)
     if not with_loss:
         return inputs
@@ -117,7 +119,8 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        batch, loss_fn = synthetic_batch(family, micro_batch_size, cfg.data.max_length, device, with_loss=True)
+        batch, loss_fn = synthetic_batch(family, micro_batch_size, cfg.data.max_length, device, with_loss=True,
+                                         packed=cfg.data.packing)
         runs = [profile_layers(iter_layers(family, forward_only, frozen, device,  # one layer alive at a time
                                            precision_dtype(cfg.train.precision)), batch, repeats=repeats,
                                n_layers=len(family.layer_names()), loss_fn=loss_fn, workspace=i == 0)
@@ -154,12 +157,33 @@ def fused_attention_on_meta():
     import torch.nn.functional as F
     original = F.scaled_dot_product_attention
 
+    class NativeGQA(torch.autograd.Function):
+        """sdpa with ``enable_gqa`` (transformers passes it when there is no mask): the fused kernel
+        keeps the key/value heads as they are, so what backward saves is q, k, v unrepeated, the
+        output and the log-sum-exp (shapes only: this runs on meta tensors)."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale):
+            rep = q.shape[-3] // k.shape[-3]
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3), dropout_p, is_causal,
+                attn_mask=attn_mask, scale=scale)[:2]
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            q, k, v, _, _ = ctx.saved_tensors
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None, None, None
+
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if not q.is_meta:
             return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                             enable_gqa=enable_gqa)
-        if k.shape[-3] != q.shape[-3]:  # grouped-query attention: as many key/value heads as queries
-            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        if k.shape[-3] != q.shape[-3]:
+            if enable_gqa:
+                return NativeGQA.apply(q, k, v, attn_mask, dropout_p, is_causal, scale)
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)  # as many key/value heads as queries
             v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
@@ -177,7 +201,8 @@ def meta_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = f
     on meta tensors: no weight is allocated, no arithmetic runs), in seconds for a model this
     machine cannot hold. No times: ``timed`` is False, and what reads it says so."""
     device = torch.device("meta")
-    batch, loss_fn = synthetic_batch(family, micro_batch_size, cfg.data.max_length, device, with_loss=True)
+    batch, loss_fn = synthetic_batch(family, micro_batch_size, cfg.data.max_length, device, with_loss=True,
+                                     packed=cfg.data.packing)
     with fused_attention_on_meta():
         costs = profile_layers(iter_layers(family, forward_only, frozen, device, precision_dtype(cfg.train.precision)),
                                batch, timed=False, n_layers=len(family.layer_names()), loss_fn=loss_fn)

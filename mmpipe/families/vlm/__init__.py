@@ -438,12 +438,17 @@ class VlmFamily(ImageTextFamily):
         return ChatCollate(pad, self.vision_cfg.image_size, data_cfg.pad_multiple,
                            data_cfg.max_length if data_cfg.padding == "max_length" else None)
 
-    def example_batch(self, micro_batch_size: int, max_length: int, device) -> dict:
+    def example_batch(self, micro_batch_size: int, max_length: int, device, packed: bool = False) -> dict:
+        """Rows of ``max_length`` tokens, one image each; ``packed``: each row two samples (segment
+        ids in the mask, as a packed run's rows: the block-diagonal attention is what is timed)."""
         g = torch.Generator().manual_seed(0)
         s, n_img = self.vision_cfg.image_size, self.n_image_tokens()
         ids = torch.randint(0, self.text_cfg.vocab_size, (micro_batch_size, max(max_length, n_img + 1)), generator=g)
         ids[ids == self.image_token_id] = 0
         ids[:, :n_img] = self.image_token_id
         pix = torch.randint(0, 256, (micro_batch_size, 3, s, s), dtype=torch.uint8, generator=g)
+        mask = torch.ones_like(ids)
+        if packed:
+            mask[:, ids.shape[1] // 2:] = 2
         return {"pixel_values": pix.to(device), "input_ids": ids.to(device),
-                "attention_mask": torch.ones_like(ids).to(device), "labels": ids.to(device)}
+                "attention_mask": mask.to(device), "labels": ids.to(device)}
