@@ -212,13 +212,31 @@ def bench_peers(args) -> int:
     return 0
 
 
+def bench_peers_any(args) -> int:
+    if args.family == "vlm":
+        from mmpipe.bench.peers_vlm import bench_peers_vlm
+        args.config = args.config or os.path.join(ROOT, "configs", "bench_vlm.yaml")
+        args.n = args.n or 400
+        args.steps = args.steps or 12
+        args.warmup = 3 if args.warmup is None else args.warmup
+        return bench_peers_vlm(args)
+    args.config = args.config or os.path.join(ROOT, "configs", "demo.yaml")
+    args.n, args.steps = args.n or 4200, args.steps or 400
+    args.warmup = 10 if args.warmup is None else args.warmup
+    return bench_peers(args)
+
+
 def add_arguments(p) -> None:
-    p.add_argument("--family", choices=["clip"], default="clip",
-                   help="clip: against open_clip_train (the VLM comparison is issue 28's)")
-    p.add_argument("--config", default=os.path.join(ROOT, "configs", "demo.yaml"))
-    p.add_argument("--n", type=int, default=4200, help="synthetic pairs")
+    p.add_argument("--family", choices=["clip", "vlm"], default="clip",
+                   help="clip: against open_clip_train; vlm: against transformers' Trainer + DeepSpeed ZeRO-2, "
+                        "full weights and LoRA")
+    p.add_argument("--config", default=None, help="default: configs/demo.yaml (clip), configs/bench_vlm.yaml (vlm)")
+    p.add_argument("--n", type=int, default=None, help="synthetic pairs (clip: 4200) or chat samples (vlm: 400)")
+    p.add_argument("--micro-batch", type=int, default=4, help="vlm: micro-batch of both systems")
+    p.add_argument("--lora-rank", type=int, default=8, help="vlm: LoRA r")
+    p.add_argument("--lora-alpha", type=int, default=32, help="vlm: LoRA alpha")
     p.add_argument("--val-fraction", type=float, default=0.0477, help="held out for recall")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--warmup", type=int, default=10, help="steps left out of the samples/s median")
+    p.add_argument("--steps", type=int, default=None, help="clip: 400, vlm: 12")
+    p.add_argument("--warmup", type=int, default=None, help="steps left out of the samples/s median (clip 10, vlm 3)")
     p.add_argument("--no-append", action="store_true")
-    p.set_defaults(func=bench_peers)
+    p.set_defaults(func=bench_peers_any)
