@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from mmpipe.data.loader import SubstitutingDataset, decode_sample
+from mmpipe.data.processes import pool_context
 from mmpipe.data.manifest import read_manifest
 from mmpipe.data.tokenizer import load_tokenizer, train_tokenizer
 from mmpipe.errors import ConfigError
@@ -108,7 +109,6 @@ def prepare(manifest: str, out: str, size: int, max_length: int, tokenizer: Opti
             vocab_size: int = 2000, workers: int = 2, chunk: int = 32, max_items: Optional[int] = None,
             progress: bool = True) -> dict:
     """Build (or continue building) the cache. Returns counts: done now, ok, bad, remaining."""
-    from multiprocessing import get_context
 
     from tqdm import tqdm
 
@@ -131,7 +131,7 @@ def prepare(manifest: str, out: str, size: int, max_length: int, tokenizer: Opti
     done_now = 0
     bar = tqdm(total=n, initial=n - int((status == TODO).sum()), unit="img", desc=f"prepare {out}",
                disable=not progress, mininterval=1.0)
-    ctx = get_context("fork" if hasattr(os, "fork") else "spawn")
+    ctx = pool_context("mmpipe.data.cache")  # (not a plain fork: see mmpipe.data.processes)
     with open(os.path.join(out, "bad.jsonl"), "a") as bad_fh, \
             ctx.Pool(max(1, workers), _init_worker, (os.path.join(out, "images.u8"), n, size)) as pool:
         for idx in bad_rows:  # named "FILE line N", as the decoding path names them

@@ -10,7 +10,6 @@ full resolution), ``mode`` (as stored in the file: RGB, L, P, RGBA, I;16, CMYK, 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Iterator
 
@@ -52,8 +51,8 @@ def check_rows(samples: list, size: int, workers: int = 1) -> Iterator[dict]:
         for s in samples:
             yield check_sample(s, size)
         return
-    from multiprocessing import get_context
-    ctx = get_context("fork" if hasattr(os, "fork") else "spawn")
+    from mmpipe.data.processes import pool_context
+    ctx = pool_context("mmpipe.data.check")  # (not a plain fork: see mmpipe.data.processes)
     with ctx.Pool(workers, _init, (size,)) as pool:
         for recs in pool.imap(_chunk, [samples[k:k + chunk] for k in range(0, len(samples), chunk)]):
             yield from recs
