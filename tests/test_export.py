@@ -337,7 +337,8 @@ def test_round_trip_as_a_user_does_it(roundtrip_data, tmp_path, arch, tokenizer)
     from mmpipe.train.export import export
     run = str(tmp_path / "run")
     sets = [f"data.train={roundtrip_data['train']}", f"data.val={roundtrip_data['val']}", f"train.output_dir={run}",
-            f"model.llm.arch={arch}", "train.steps=400", "optim.lr=2e-3", "train.keep_checkpoints=1"]
+            f"model.llm.arch={arch}", "train.steps=400", "optim.lr=2e-3", "parallel.micro_batch_size=8",
+            "train.keep_checkpoints=1"]
     if tokenizer:
         sets += [f"data.tokenizer={tokenizer}", "data.max_length=64"]
     launch(1, ["--config", TINY_VLM] + [a for s in sets for a in ("--set", s)], launcher="python")
