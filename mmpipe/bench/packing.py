@@ -1,5 +1,5 @@
-"""``mmpipe bench packing``: samples/s of a VLM run on a length-skewed chat set (most samples one
-image and a short answer, some long text conversations) with ``data.packing`` against the same
+"""``mmpipe bench packing``: samples/s of a VLM run on a length-skewed chat set (half short text
+questions, image questions with a short answer, some long text conversations) with ``data.packing`` against the same
 samples padded per micro-batch, at P = 2 on 2 ranks; every sample's label tokens are learned in
 both, so samples/s compares equal work. Also the padding fraction each run reports."""
 from __future__ import annotations
@@ -18,18 +18,23 @@ from mmpipe.train.metrics import read_metrics
 
 
 def skewed_chat(out: str, n: int, long_fraction: float, seed: int = 0) -> str:
-    """ms-swift JSONL: image questions with one short answer, and a ``long_fraction`` of text-only
-    conversations of 8-14 turns (several times longer)."""
+    """ms-swift JSONL with the spread of lengths real chat data has: half short text questions (one
+    turn, ~12 tokens), image questions with a short answer (the image's tokens + ~12), and a
+    ``long_fraction`` of text conversations of 12-20 turns (~150-250 tokens)."""
     info = synth_vlm(out, n, val_fraction=0.0, size=64, seed=seed, text_only=0.0, progress=False)
     rng = random.Random(seed)
     rows = [json.loads(line) for line in open(info["train"])]
     for i in range(len(rows)):
-        if rng.random() < long_fraction:
+        r = rng.random()
+        if r < long_fraction:
             msgs = []
-            for _ in range(rng.randint(8, 14)):
+            for _ in range(rng.randint(12, 20)):
                 q, a = rng.choice(TEXT_QA)
                 msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
             rows[i] = {"messages": msgs}
+        elif r < long_fraction + 0.5:
+            q, a = rng.choice(TEXT_QA)
+            rows[i] = {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
         else:
             rows[i]["messages"] = rows[i]["messages"][:2]
     with open(info["train"], "w") as fh:
@@ -104,8 +109,8 @@ def bench_packing(args) -> int:
     table = "\n".join(lines)
     print(table)
     notes = (f"{os.path.basename(args.config)} (max_length {args.max_length}) at P = 2 (balanced placement), 2 ranks, "
-             f"{args.n} samples: {100 * (1 - args.long_fraction):.0f}% one image + one short answer, "
-             f"{100 * args.long_fraction:.0f}% text conversations of 8-14 turns. Padded: global batch {args.batch} "
+             f"{args.n} samples: 50% one short text question, {100 * (0.5 - args.long_fraction):.0f}% one image + one "
+             f"short answer, {100 * args.long_fraction:.0f}% text conversations of 12-20 turns. Padded: global batch {args.batch} "
              f"samples in micro-batches of {args.micro_batch}, each padded to its longest. Packed: global batch "
              f"{args.packed_batch} packs in micro-batches of {args.packed_micro_batch} (the same micro-batch count), packs of up to {args.max_length} tokens (first-fit decreasing; attention within a "
              f"sample). samples/s counts real samples, so both learn the same label tokens per sample; "
