@@ -218,3 +218,27 @@ def test_lora_resumes_exactly_on_another_layout(lora_runs, lora_data, tmp_path):
     got = adapter_state(mmpipe.load_weights(out, REF_STEPS))
     for k in got:
         torch.testing.assert_close(got[k], ref_final[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def test_lora_targets_follow_ms_swift_flags():
+    """all-linear on the decoder by default (ViT and projector frozen, as ms-swift's freeze_vit /
+    freeze_aligner default under LoRA); freeze_vit=false / freeze_aligner=false add theirs; named
+    target modules select by suffix; a name matching nothing is one line."""
+    from mmpipe.config.registry import build_family
+    from mmpipe.errors import ConfigError
+    base = ["model.llm.vocab_size=100", "model.image_token_id=99", "optim.train_type=lora"]
+
+    def adapters(*sets):
+        fam = build_family(mmpipe.load_config(TINY_VLM, base + list(sets)))
+        return sorted({n.split(".lora_")[0] for names in fam.meta_params().values() for n in names if ".lora_A." in n})
+    default = adapters()
+    assert default and all(n.startswith("llm.blocks.") for n in default)
+    assert {n.rsplit(".", 1)[1] for n in default} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                       "down_proj"}  # never the LM head
+    with_vit = adapters("optim.freeze_vit=false", "optim.freeze_aligner=false")
+    assert any(n.startswith("vision.blocks.") for n in with_vit) and "projector.linear_1" in with_vit
+    assert adapters("optim.target_modules=[q_proj,v_proj]") == [n for n in default if n.endswith(("q_proj", "v_proj"))]
+    with pytest.raises(ConfigError, match="matches no linear layer"):
+        adapters("optim.target_modules=[nothing_here]")
+    # full training is untouched: no adapter anywhere
+    assert not build_family(mmpipe.load_config(TINY_VLM, base[:2])).lora
