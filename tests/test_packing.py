@@ -93,3 +93,21 @@ def test_decoder_attention_without_a_dense_mask_is_exact(chat, arch):
             ref = ref[0] if isinstance(ref, tuple) else ref
             keep = mk.bool()
             torch.testing.assert_close(fast[keep], ref[keep], atol=1e-6, rtol=0)
+
+
+def test_unusable_samples_are_reported_when_packing(chat, tmp_path):
+    """A sample that cannot be packed (its image is missing, or nothing of it fits) is reported in the
+    bad list of a pack once per epoch, as an unpacked run reports it; the rest train."""
+    from mmpipe.families.vlm.chat_data import ChatSample, PackedChatDataset
+    samples, tok, cfg = chat
+    fam = mmpipe.build_model(cfg).family
+    broken = ChatSample((("user", "<image>\nwhat colour?"), ("assistant", "red")), (str(tmp_path / "gone.jpg"),),
+                        where="broken.jsonl line 1")
+    unfit = ChatSample((("user", "<image>\n" + "what colour " * 60), ("assistant", "red")), (samples[0].images[0]
+                       if samples[0].images else str(tmp_path / "x.jpg"),), where="long.jsonl line 1")
+    ds = fam.dataset([broken] + list(samples) + [unfit], tok, cfg.data, 32)
+    packed = PackedChatDataset(ds, cfg.data.max_length)
+    bad = [b for j in range(len(packed)) for b in packed[j]["bad"]]
+    where = " ".join(f"{a} {b}" for a, b in bad)
+    assert "gone.jpg" in where and "long.jsonl line 1" in where, bad
+    assert sum(len(packed[j]["keys"]) for j in range(len(packed))) == len(samples)

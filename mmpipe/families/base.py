@@ -201,11 +201,6 @@ class Family:
         and ``mmpipe export`` writes mmpipe's own format instead."""
         raise NoHFFormat(f"model.type={self.name} has no transformers format")
 
-    def pretrained_is_base(self) -> bool:
-        """A LoRA export may name ``model.pretrained`` as its base model: the frozen weights are
-        exactly that directory's (False: the export writes its base model itself)."""
-        return False
-
     def preprocessor(self):
         """The image processor matching this family's preprocessing (saved with an export), or None."""
         return None

@@ -53,10 +53,10 @@ def targets(module: nn.Module, target_modules) -> list:
         if not n or not isinstance(sub, nn.Linear):
             continue
         leaf = n.rsplit(".", 1)[-1]
-        for t in target_modules:
-            if (t == "all-linear" and leaf not in HEAD_NAMES) or n == t or n.endswith("." + t):
-                names.append(n)
-                break
+        if leaf in HEAD_NAMES:  # the output head (tied to the embedding in small decoders) is never adapted
+            continue
+        if any(t == "all-linear" or n == t or n.endswith("." + t) for t in target_modules):
+            names.append(n)
     return names
 
 
@@ -115,6 +115,9 @@ def spec_from(optim_cfg, family, groups) -> Optional[LoraSpec]:
     tm = (tm,) if isinstance(tm, str) else tuple(tm)
     if not tm:
         raise ConfigError("optim.target_modules is empty: give module names, or all-linear")
+    if any(t.rsplit(".", 1)[-1] in HEAD_NAMES for t in tm):
+        raise ConfigError(f"optim.target_modules={list(tm)}: the output head ({', '.join(HEAD_NAMES)}) takes no "
+                          "adapter in mmpipe (it may be tied to the embedding); leave it out")
     spec = LoraSpec(optim_cfg.lora_rank, optim_cfg.lora_alpha, float(optim_cfg.lora_dropout), tm, layers)
     with torch.device("meta"):
         hit = sum(len(targets(family.build_unseeded(name), tm)) for name in sorted(layers))

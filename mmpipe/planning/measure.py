@@ -62,6 +62,7 @@ def profile_key(cfg, family, micro_batch_size: int, threads: int, device: str, f
     import deepspeed
     return {"model": cfg.to_dict()["model"], "family": family.name,
             "micro_batch_size": micro_batch_size, "max_length": cfg.data.max_length, "packing": cfg.data.packing,
+            "lora": repr(getattr(family, "lora", None)),
             "precision": cfg.train.precision,
             "device": device, "threads": threads, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "forward_only": sorted(forward_only),

@@ -48,7 +48,7 @@ def export(run_dir: str, out: str, step: Optional[int] = None, dtype: str = "fp3
            merge: bool = False) -> tuple:
     """Write the export; returns (out, what was written: a transformers class or "mmpipe", why).
     A LoRA run (``optim.train_type: lora``) writes a peft adapter directory whose base model is
-    ``OUT/base`` (or the run's ``model.pretrained`` when the base weights are exactly its own);
+    ``OUT/base`` (the base weights as trained on, with the run's generation config);
     ``merge``: the adapters folded into full weights instead, written as any run's."""
     cfg_path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(cfg_path):
@@ -131,20 +131,22 @@ def _write(cfg, family, state: dict, tok, out: str, fmt: str, dtype: str) -> tup
 def _write_adapter(cfg, family, spec, base: dict, adapters: dict, tok, out: str, dtype: str, final: str) -> tuple:
     """A peft adapter directory (``adapter_config.json``, ``adapter_model.safetensors``, the
     tokenizer and processor) written by peft itself, for ``PeftModel.from_pretrained(base, OUT)``;
-    the base model in ``OUT/base`` unless it is exactly ``model.pretrained``."""
+    the base model in ``OUT/base``."""
     from peft import LoraConfig, get_peft_model
     try:
         model, processor = family.hf_export(base, tok)
     except NoHFFormat as e:
         raise ConfigError(f"a LoRA run of model.type={cfg.model.type} has no transformers base class ({e}); "
                           "export with --merge --format mmpipe") from None
-    own = _pretrained_is_base(cfg, family)
-    base_dir = cfg.model.pretrained if own else os.path.join(final, "base")
-    if not own:
-        (model.to(torch.bfloat16) if dtype == "bf16" else model).save_pretrained(os.path.join(out, "base"))
-        processor.save_pretrained(os.path.join(out, "base"))
-        with open(os.path.join(out, "base", HF_MARKER), "w") as fh:
-            json.dump({"format": "transformers", "class": type(model).__name__, "mmpipe_version": __version__}, fh)
+    if not hasattr(family.hf, "adapter_name"):
+        raise ConfigError(f"a LoRA run of model.type={cfg.model.type}: mmpipe writes peft adapter directories for the "
+                          "VLM only; export with --merge (full weights)")
+    # the base as the run trained on it (its generation config stops at the end of a turn), written beside
+    base_dir = os.path.join(final, "base")
+    (model.to(torch.bfloat16) if dtype == "bf16" else model).save_pretrained(os.path.join(out, "base"))
+    processor.save_pretrained(os.path.join(out, "base"))
+    with open(os.path.join(out, "base", HF_MARKER), "w") as fh:
+        json.dump({"format": "transformers", "class": type(model).__name__, "mmpipe_version": __version__}, fh)
     hf_names = {k: family.hf.adapter_name(k) for k in adapters}
     modules = sorted({n.split(".lora_")[0] for n in hf_names.values()})
     peft_model = get_peft_model(model, LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
@@ -162,12 +164,6 @@ def _write_adapter(cfg, family, spec, base: dict, adapters: dict, tok, out: str,
         json.dump({"format": "peft", "class": "PeftModel", "base": os.path.abspath(base_dir),
                    "mmpipe_version": __version__}, fh)
     return "PeftModel", f"LoRA adapters on {type(model).__name__} from {os.path.abspath(base_dir)}"
-
-
-def _pretrained_is_base(cfg, family) -> bool:
-    """The run's base weights are exactly ``model.pretrained``'s (``Family.pretrained_is_base``: e.g.
-    no token rows were added to its embedding)."""
-    return bool(cfg.model.pretrained) and family.pretrained_is_base()
 
 
 def _save_own(cfg, family, state: dict, tok, out: str) -> None:

@@ -376,10 +376,6 @@ class VlmFamily(ImageTextFamily):
         model.generation_config.max_new_tokens = GENERATE_MAX_NEW_TOKENS
         return model, proc
 
-    def pretrained_is_base(self) -> bool:
-        """A whole LLaVA directory whose vocabulary the run did not grow (no new token rows)."""
-        return bool(self.cfg.pretrained) and _llava_config(self.cfg).text_config.vocab_size == self.text_cfg.vocab_size
-
     def preprocessor(self):
         from mmpipe.families.towers.hf import image_processor
         return image_processor(self.vision_cfg.image_size, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
@@ -450,5 +446,7 @@ class VlmFamily(ImageTextFamily):
         mask = torch.ones_like(ids)
         if packed:
             mask[:, ids.shape[1] // 2:] = 2
+        mask = mask.to(device)
+        m.mark_mask(mask, "packed" if packed else "causal")  # (on the meta device too)
         return {"pixel_values": pix.to(device), "input_ids": ids.to(device),
-                "attention_mask": mask.to(device), "labels": ids.to(device)}
+                "attention_mask": mask, "labels": ids.to(device)}

@@ -279,8 +279,13 @@ class ChatDataset:
 
     @property
     def lengths(self) -> list:
-        """Encoded token counts (length grouping); an unusable sample counts as 0."""
-        return [len(self.encoder.encode(s).input_ids) if s.error is None else 0 for s in self.samples]
+        """Encoded token counts (length grouping, packing); an unusable sample counts as 0."""
+        def n(s):
+            if s.error is not None:
+                return 0
+            enc = self.encoder.encode(s)
+            return 0 if enc.dropped else len(enc.input_ids)
+        return [n(s) for s in self.samples]
 
     def _load(self, j: int, epoch: int = 0):
         s = self.samples[j]
@@ -341,11 +346,20 @@ class PackedChatDataset:
     with none left is replaced by the next, as an unusable sample is."""
 
     def __init__(self, chat: ChatDataset, max_length: int):
+        import bisect
         self.chat = chat
         self.sample_lengths = chat.lengths
         self.packs = plan_packs(self.sample_lengths, max_length)
         if not self.packs:
             raise DataError("no usable sample in the chat data to pack")
+        # an unusable sample (left out of every pack) is reported with the pack that follows it in data
+        # order, once per epoch, as an unpacked run reports it when it draws it
+        firsts = [p[0] for p in self.packs]
+        self.unusable: dict = {}
+        for i, n in enumerate(self.sample_lengths):
+            if n <= 0:
+                j = min(bisect.bisect_right(firsts, i), len(self.packs) - 1)
+                self.unusable.setdefault(j, []).append(i)
 
     def __len__(self):
         return len(self.packs)
@@ -359,6 +373,9 @@ class PackedChatDataset:
         bad = []
         for step in range(len(self)):
             j = (idx + step) % len(self)
+            for i in self.unusable.get(j, ()):
+                fields, why = self.chat._load(i, epoch)
+                bad.append(why if fields is None else (self.chat.samples[i].where, "not packed (no tokens)"))
             ids, labels, segments, images, keys, truncated = [], [], [], [], [], 0
             for i in self.packs[j]:
                 fields, why = self.chat._load(i, epoch)

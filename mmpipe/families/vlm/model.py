@@ -86,20 +86,26 @@ def mask_kind(attention_mask: torch.Tensor) -> str:
     alone gives every real token exactly what a padding mask would; ``packed``: segment ids (1, 2,
     ... per sample of a packed row, 0 = padding); ``dense``: anything else (left padding). Decided
     once per mask tensor (one host read), remembered on it."""
-    kind = getattr(attention_mask, "_mmpipe_kind", None)
-    if kind is None:
-        m = attention_mask
-        if m.is_meta:
-            kind = "causal"
-        elif bool((m > 1).any()):
-            kind = "packed"
-        else:
-            kind = "dense" if bool((m[:, 1:] > m[:, :-1]).any()) else "causal"
-        try:
-            attention_mask._mmpipe_kind = kind
-        except AttributeError:  # pragma: no cover - a tensor type without attributes
-            pass
+    cached = getattr(attention_mask, "_mmpipe_kind", None)
+    if cached is not None and cached[0] == attention_mask._version:  # (an in-place change decides again)
+        return cached[1]
+    m = attention_mask
+    if m.is_meta:  # shapes only: the batch that made it says (example_batch), else causal
+        kind = "causal"
+    elif bool((m > 1).any()):
+        kind = "packed"
+    else:
+        kind = "dense" if bool((m[:, 1:] > m[:, :-1]).any()) else "causal"
+    mark_mask(attention_mask, kind)
     return kind
+
+
+def mark_mask(attention_mask: torch.Tensor, kind: str) -> None:
+    """Record ``kind`` on the mask (``mask_kind``); a meta mask has no values to read it from."""
+    try:
+        attention_mask._mmpipe_kind = (attention_mask._version, kind)
+    except AttributeError:  # pragma: no cover - a tensor type without attributes
+        pass
 
 
 def segment_positions(segments: torch.Tensor) -> torch.Tensor:
