@@ -199,25 +199,31 @@ def ours_cfg_data(run):
     return mmpipe.load_config(os.path.join(run, "config.yaml")).data
 
 
-def test_lora_resumes_exactly_on_another_layout(lora_runs, lora_data, tmp_path):
-    """The P = 1 run's step-4 checkpoint (adapters, their optimizer state) resumed at P = 2 to step 6
-    gives the peft loop's losses at steps 5-6 and its adapters at step 6."""
+def test_lora_with_dropout_is_the_same_run_in_every_layout_and_resumes_exactly(lora_runs, lora_data, tmp_path):
+    """With ms-swift's LoRA dropout (p > 0) every micro-batch draws its dropout masks from (seed, step,
+    layer, its index in the step): P = 1 and P2 x DP2 give the same losses and adapters, and the P = 1
+    checkpoint at step 4 resumed at P = 2 continues as the straight P2 x DP2 run does to step 6."""
     import shutil
 
     from helpers import launch
 
     from mmpipe.families.lora import adapter_state
-    ref_losses, _, _, ref_final = _reference(lora_runs, lora_data)
+    drop = [s for s in LORA_SETS if not s.startswith("optim.lora_dropout")] + ["optim.lora_dropout=0.1"]
+    p1 = lora_runs.get("p1_drop", 1, drop + ["parallel.pipeline_stages=1"], "python", flags=["--stop-at", "4"])[0]
+    straight = lora_runs.get("p2dp2_drop", 4, drop + ["parallel.pipeline_stages=2"])[0]  # to step 6
+    ref_losses, _, _, _ = _reference(lora_runs, lora_data)
+    assert abs(train_losses(p1)[1] - ref_losses[1]) > 1e-6  # dropout is on: the run is not the dropout-free one
+    np.testing.assert_allclose(train_losses(p1), train_losses(straight)[:4], rtol=1e-5, atol=1e-6)
     out = str(tmp_path / "resumed")
-    shutil.copytree(_run(lora_runs, "p1"), out)
+    shutil.copytree(p1, out)
     args = lora_runs.base(out)
-    for s in LORA_SETS + ["parallel.pipeline_stages=2"]:
+    for s in drop + ["parallel.pipeline_stages=2"]:
         args += ["--set", s]
     launch(2, args + ["--resume"])
-    np.testing.assert_allclose(train_losses(out), ref_losses, rtol=1e-5, atol=1e-6)
-    got = adapter_state(mmpipe.load_weights(out, REF_STEPS))
-    for k in got:
-        torch.testing.assert_close(got[k], ref_final[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+    np.testing.assert_allclose(train_losses(out), train_losses(straight), rtol=1e-5, atol=1e-6)
+    got, want = adapter_state(mmpipe.load_weights(out, REF_STEPS)), adapter_state(mmpipe.load_weights(straight, REF_STEPS))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
 
 
 def test_lora_targets_follow_ms_swift_flags():

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--format", default="auto", help="auto (transformers where a class computes the same outputs, "
                    "else mmpipe's), hf, or mmpipe (safetensors + config.yaml, for mmpipe.build_model)")
     e.add_argument("--merge", action="store_true", help="LoRA runs: fold the adapters into full weights (default: a "
-                   "peft adapter directory, its base model in OUT/base or the run's model.pretrained)")
+                   "peft adapter directory, its base model in OUT/base)")
     e.set_defaults(func=cmd_export)
     d = sub.add_parser("data", help="data tools").add_subparsers(dest="data_cmd", required=True)
     s = d.add_parser("synth", help="write a learnable synthetic image-caption (or, --kind vlm, chat) data set")

@@ -144,8 +144,10 @@ def replayed_rng(seed: int, step: int, name: str, micro_batch: int):
 class Replay:
     """Per-layer counters of forwards within one pass; ``start(step)`` begins a pass."""
 
-    def __init__(self, seed: int):
-        self.seed, self.step, self.calls = seed, 0, {}
+    def __init__(self, seed: int, offset: int = 0):
+        """``offset``: the step's index of this rank's first micro-batch (data-parallel rank x
+        accumulation), so a micro-batch draws the same numbers whichever rank runs it."""
+        self.seed, self.step, self.calls, self.offset = seed, 0, {}, offset
 
     def start(self, step: int) -> None:
         self.step, self.calls = step, {}
@@ -153,4 +155,4 @@ class Replay:
     def rng(self, name: str):
         k = self.calls.get(name, 0)
         self.calls[name] = k + 1
-        return replayed_rng(self.seed, self.step, name, k)
+        return replayed_rng(self.seed, self.step, name, k + self.offset)

@@ -84,6 +84,9 @@ class PlainRunner:
         self.engine, self.topo = engine, topo
         module, A, D = engine.module, topo.accumulation_steps, topo.data_parallel
         self.cache = None  # a step loss over more than one micro-batch: the feature cache
+        if not module.family.step_loss and is_stochastic(module):  # dropout (e.g. LoRA's): each micro-batch's
+            # numbers from (seed, step, layer, its index in the step), the same in every layout
+            module.replay = Replay(module.family.seed, offset=(dist.get_rank() if D > 1 else 0) * A)
         if module.family.step_loss and A * D > 1:
             loss_module = module.get_submodule(module.family.layer_names()[-1])
             self.cache = StepLossCache(module.family, loss_module, A, D, dist.get_rank() if D > 1 else 0)
@@ -138,6 +141,8 @@ class PlainRunner:
     def train_step(self, data_iter, step: int = 0, trace: bool = False) -> float:
         if self.cache is not None:
             return self._step_loss_step(data_iter, step)
+        if self.engine.module.replay is not None:
+            self.engine.module.replay.start(step)
         losses = []
         for _ in range(self.topo.accumulation_steps):
             inputs, labels = next(data_iter)
@@ -175,6 +180,10 @@ class PipelineRunner:
             self.clock = StageClock(engine)
         self.cache = self.replay = self.memo = None
         family = engine.module.family
+        if not family.step_loss and is_stochastic(engine.module):  # dropout: as PlainRunner's
+            self.replay = Replay(family.seed, offset=engine.grid.get_data_parallel_rank() * topo.accumulation_steps)
+            for layer in (m for m in engine.module.modules() if isinstance(m, PipeLayer)):
+                layer.replay = self.replay
         if family.step_loss:  # every layer hands out features; the last stage's loss is the surrogate
             layers = [m for m in engine.module.modules() if isinstance(m, PipeLayer)]
             for layer in layers:
@@ -201,6 +210,8 @@ class PipelineRunner:
         if self.engine.module.family.step_loss:
             loss = self._step_loss_step(data_iter, step)
         else:
+            if self.replay is not None:
+                self.replay.start(step)
             loss = float(self.engine.train_batch(data_iter))
         if self.clock is not None:
             self.timings = self.clock.end_step()
