@@ -28,6 +28,7 @@ from mmpipe.parallel.plan import stage_lists
 
 LAYERS_FILE = "mmpipe_layers.json"
 RECORD_FILE = "mmpipe_checkpoint.json"  # self-describing: family, model config, layout, step, data, versions
+FROZEN_EXCLUDED = "frozen_excluded"  # the record's flag: the checkpoint holds no frozen weight (a LoRA base)
 
 
 def layout_record(topo, cfg, layer_names: Optional[list], parts: Optional[list]) -> dict:
@@ -172,14 +173,19 @@ def remove_partial(root: str) -> list:
 
 def save(engine, root: str, step: int, client_state: dict, layer_names: Optional[list] = None,
          parts: Optional[list] = None, keep: int = 0, record: Optional[dict] = None,
-         plain_optimizer: Optional[tuple] = None) -> str:
+         plain_optimizer: Optional[tuple] = None, exclude_frozen: bool = False) -> str:
     """DeepSpeed's checkpoint of ``engine`` at ``step`` plus this rank's RNG, the layer table and
     (rank 0) the run ``record`` with the step and the client state's data position. Atomic: after
     every rank has written all its files, rank 0 marks the directory complete, then moves
     ``latest`` to it (a rename); a run killed before that leaves ``latest`` on the previous
-    complete checkpoint."""
+    complete checkpoint. ``exclude_frozen`` (a LoRA run's frozen base): the weights that never
+    change are left out - a resume and ``load_weights`` take them from the run's config, as the run
+    built them (``FROZEN_EXCLUDED`` in the record)."""
     tag = tag_for(step)
-    engine.save_checkpoint(root, tag=tag, client_state=dict(client_state, step=step), save_latest=False)
+    engine.save_checkpoint(root, tag=tag, client_state=dict(client_state, step=step), save_latest=False,
+                           exclude_frozen_parameters=exclude_frozen)
+    if record is not None:
+        record = {**record, FROZEN_EXCLUDED: bool(exclude_frozen)}
     rank = dist.get_rank() if dist.is_initialized() else 0
     d = os.path.join(root, tag)
     torch.save(_rng_state(), os.path.join(d, f"rng_rank{rank}.pt"))
@@ -304,7 +310,10 @@ def load_elsewhere(engine, inner, named_params, tag_dir: str, step: int, aliases
     ensure_zero_optimizer_state(engine.optimizer, inner, adam_step)
     masters = unfused_masters(engine.optimizer) if kind == "unfused" else {}
     weights = load_model_weights(os.path.dirname(tag_dir), os.path.basename(tag_dir))
+    frozen_excluded = (read_record(tag_dir) or {}).get(FROZEN_EXCLUDED, False)
     for name, p in named_params:
+        if name not in weights and frozen_excluded and not p.requires_grad:
+            continue  # a frozen base weight, left out of the checkpoint: the model's own, as built
         if name not in weights:
             raise MmpipeError(f"--resume: {tag_dir} holds no weight for {name}: it is another model's checkpoint")
         fp32 = state.get(f"{name}::fp32", weights[name].float()).to(p.device)
@@ -409,8 +418,10 @@ def load(engine, root: str, layout: Optional[dict] = None, inner=None, named_par
         client = record_client(record)
         _readable(tag_dir, lambda: load_elsewhere(engine, inner, named_params, tag_dir, client["step"], aliases))
         return client
+    strict = not (record or {}).get(FROZEN_EXCLUDED, False)  # else the frozen base is the model's own, as built
     path, client = _readable(tag_dir, lambda: engine.load_checkpoint(root, load_lr_scheduler_states=True,
-                                                                      load_optimizer_states=True))
+                                                                      load_optimizer_states=True,
+                                                                      load_module_strict=strict))
     if path is None:
         raise MmpipeError(f"--resume: DeepSpeed could not load the checkpoint in {root}")
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -476,8 +487,25 @@ def load_weights(path: str, step: Optional[int] = None) -> dict:
         raise MmpipeError(f"{tag_dir} is incomplete (no {COMPLETE_FILE} marker: the run stopped while saving it); "
                           "read an earlier step (--step) or the latest checkpoint")
     check_complete(tag_dir, prefix="")
-    return _readable(tag_dir, lambda: load_model_weights(root, tag), prefix="",
-                     fix="read an earlier checkpoint (--step)")
+    weights = _readable(tag_dir, lambda: load_model_weights(root, tag), prefix="",
+                        fix="read an earlier checkpoint (--step)")
+    if (read_record(tag_dir) or {}).get(FROZEN_EXCLUDED, False):
+        weights = {**frozen_base(root), **weights}
+    return weights
+
+
+def frozen_base(root: str) -> dict:
+    """The weights a LoRA checkpoint leaves out: the frozen base, rebuilt from the run's config as the
+    run built it (pretrained directories, or the seeded init)."""
+    from mmpipe.config.registry import build_family
+    from mmpipe.config.schema import load_config
+    cfg_path = os.path.join(os.path.dirname(os.path.normpath(root)), "config.yaml")
+    if not os.path.isfile(cfg_path):
+        raise MmpipeError(f"{root}: the checkpoint holds the adapters only (a LoRA run) and the run's config.yaml, "
+                          f"which rebuilds its frozen base, is not beside it ({cfg_path})")
+    from mmpipe.families.lora import is_adapter
+    model = build_family(load_config(cfg_path)).plain_model()
+    return {k: v for k, v in model.state_dict().items() if not is_adapter(k)}
 
 
 def load_model_weights(root: str, tag: Optional[str] = None) -> dict:

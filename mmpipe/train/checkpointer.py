@@ -62,5 +62,8 @@ class Checkpointer:
                                                      "skipped_steps": skipped, "batch_size": run.topo.batch_size,
                                                      "data_position": position},
                         eng.layer_names, eng.parts, keep=run.cfg.train.keep_checkpoints, record=eng.record,
-                        plain_optimizer=(eng.inner, eng.named_params, run.where.stage, run.where.dp_rank))
+                        plain_optimizer=(eng.inner, eng.named_params, run.where.stage, run.where.dp_rank),
+                        # a LoRA run's frozen base never changes: its checkpoints hold the adapters (and the
+                        # optimizer state, the schedule, the data position); ZeRO-3 partitions keep everything
+                        exclude_frozen=run.family.lora is not None and run.cfg.parallel.zero_stage < 3)
         self.last_save_time, self.timed_due = time.time(), False
