@@ -22,6 +22,7 @@ setup(
         "simplejpeg>=1.7",
         "matplotlib",
         "tensorboard",
+        "peft>=0.13",  # optim.train_type: lora (ms-swift's LoRA)
     ],
     # open_clip: the loss and format parity tests; with what open_clip_train imports, mmpipe bench peers --family clip
     extras_require={"test": ["pytest>=8", "open-clip-torch>=2.20"], "peers": ["open-clip-torch>=2.20", "pandas", "webdataset", "braceexpand"]},

@@ -60,13 +60,20 @@ def targets(module: nn.Module, target_modules) -> list:
     return names
 
 
+def require_peft() -> None:
+    """peft importable, or one line (checked before a run writes anything)."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ConfigError("optim.train_type=lora needs peft, which mmpipe's install requires: "
+                          "pip install -e . (or pip install peft)") from None
+
+
 def inject(module: nn.Module, spec: LoraSpec, seed_context) -> int:
     """Add adapters to ``module``'s targets in place (initialised under ``seed_context``), freeze
     its base weights; returns how many modules got adapters."""
-    try:
-        from peft import LoraConfig, inject_adapter_in_model
-    except ImportError:
-        raise ConfigError("optim.train_type=lora needs peft: pip install peft") from None
+    require_peft()
+    from peft import LoraConfig, inject_adapter_in_model
     names = targets(module, spec.target_modules)
     if names:
         cfg = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=names,

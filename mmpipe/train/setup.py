@@ -27,6 +27,7 @@ from mmpipe.data.tokenizer import (
     train_tokenizer,
 )
 from mmpipe.errors import ConfigError, MmpipeError
+from mmpipe.families.lora import require_peft
 from mmpipe.parallel import roster
 from mmpipe.parallel.plan import (
     Plan,
@@ -127,6 +128,8 @@ def validate(cfg: RunConfig, resume: bool, stop_at: Optional[int], overwrite: bo
             raise ConfigError(f"--stop-at {stop_at}: give a step >= 1 (the run stops after that step with a "
                               "checkpoint)")
         check_run_dir(cfg.train.output_dir, resume, overwrite)
+        if cfg.optim.train_type == "lora":  # optional imports before anything is written to train.output_dir
+            require_peft()
         family_cls = family_of(cfg)
         if family_cls.training_unsupported:
             raise ConfigError(f"model.type={cfg.model.type}: {family_cls.training_unsupported}")
