@@ -161,7 +161,11 @@ def test_a_launchers_omp_default_does_not_cut_a_cpu_ranks_threads():
     from mmpipe.parallel.topology import cpu_threads
     assert cpu_threads(2, 16, env={}, parent_env=set())[0] == 8
     # torchrun / accelerate launch export OMP_NUM_THREADS=1 for their ranks: not in the launcher's own env
-    threads, why = cpu_threads(2, 16, env={"OMP_NUM_THREADS": "1"}, parent_env={"PATH"})
-    assert threads == 8 and "came from the launcher" in why
+    for marker in ("TORCHELASTIC_RUN_ID", "ACCELERATE_USE_CPU"):
+        threads, why = cpu_threads(2, 16, env={"OMP_NUM_THREADS": "1", marker: "x"}, parent_env={"PATH"})
+        assert threads == 8 and "came from the launcher" in why
+    # under plain python (or the deepspeed launcher) the value is the user's, even when exported in an
+    # interactive shell after it started (so absent from the parent's start-up environment)
+    assert cpu_threads(1, 16, env={"OMP_NUM_THREADS": "1"}, parent_env={"PATH"}) == (1, "OMP_NUM_THREADS=1")
     # the user's own setting (the launcher was started with it) is honoured
     assert cpu_threads(2, 16, env={"OMP_NUM_THREADS": "3"}, parent_env={"OMP_NUM_THREADS"}) == (3, "OMP_NUM_THREADS=3")

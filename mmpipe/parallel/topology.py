@@ -99,17 +99,28 @@ def _parent_environment() -> Optional[set]:
         return None
 
 
+def launched_by_a_thread_setting_launcher(env) -> bool:
+    """torchrun (and accelerate launch, which starts ranks through it or sets ``ACCELERATE_*``) export
+    OMP_NUM_THREADS=1 to their ranks when the user did not; the deepspeed launcher sets it only when
+    asked (``--bind_cores_to_rank``), and plain ``python`` never."""
+    return "TORCHELASTIC_RUN_ID" in env or any(k.startswith("ACCELERATE_") for k in env)
+
+
 def cpu_threads(local_ranks: int, cpu_count: int, env=None, parent_env: Optional[set] = "read") -> tuple:
     """(threads this CPU rank computes with, why). An ``OMP_NUM_THREADS`` the user set is honoured;
     one its launcher set (``torchrun`` and ``accelerate launch`` export 1 for several processes: it is
     in this rank's environment but not in the launcher's own) is a default, not a choice, and would
-    cut throughput: the rank takes its share of the cores instead, as under ``deepspeed``."""
+    cut throughput: the rank takes its share of the cores instead, as under ``deepspeed``. Only
+    second-guessed under such a launcher: a value exported in an interactive shell is not in the
+    shell's start-up environment either, and under plain ``python`` it is always the user's."""
     env = os.environ if env is None else env
     share = max(1, cpu_count // max(1, local_ranks))
     value = env.get("OMP_NUM_THREADS")
     if value is None:
         return share, f"{cpu_count} cores / {local_ranks} local ranks"
-    parent = _parent_environment() if parent_env == "read" else parent_env
+    parent = None
+    if launched_by_a_thread_setting_launcher(env):  # under plain python the parent is the user's shell
+        parent = _parent_environment() if parent_env == "read" else parent_env
     if parent is not None and "OMP_NUM_THREADS" not in parent:
         return share, (f"{cpu_count} cores / {local_ranks} local ranks; OMP_NUM_THREADS={value} came from the "
                        "launcher, not the user (export it to choose)")
