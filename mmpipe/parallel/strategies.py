@@ -90,8 +90,8 @@ class PlainRunner:
         if module.family.step_loss and A * D > 1:
             loss_module = module.get_submodule(module.family.layer_names()[-1])
             self.cache = StepLossCache(module.family, loss_module, A, D, dist.get_rank() if D > 1 else 0)
-            if is_stochastic(module):
-                module.replay = Replay(module.family.seed)
+            if is_stochastic(module):  # offset by rank as above: rank r's micro-batches draw their own masks
+                module.replay = Replay(module.family.seed, offset=(dist.get_rank() if D > 1 else 0) * A)
             prefix = frozen_prefix(module.family.layer_names(), module.forward_only)
             if prefix and A > 1 and engine.zero_optimization_stage() < 3:  # ZeRO-3 traces the modules' order
                 module.memo = FirstPassMemo(prefix)
@@ -189,7 +189,8 @@ class PipelineRunner:
             for layer in layers:
                 layer.features = True
             if is_stochastic(engine.module):
-                self.replay = Replay(family.seed)
+                self.replay = Replay(family.seed,
+                                     offset=engine.grid.get_data_parallel_rank() * topo.accumulation_steps)
                 for layer in layers:
                     layer.replay = self.replay
             prefix = frozen_prefix([m.name for m in layers], {m.name for m in layers if m.forward_only})
