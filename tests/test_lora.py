@@ -251,3 +251,33 @@ def test_lora_targets_follow_ms_swift_flags():
         adapters("optim.target_modules=[nothing_here]")
     # full training is untouched: no adapter anywhere
     assert not build_family(mmpipe.load_config(TINY_VLM, base[:2])).lora
+
+
+def test_clip_lora_adapts_the_projections_as_peft_all_linear_does():
+    """CLIP's projection layers *are* Linears: all-linear adapts them (as peft's all-linear on transformers'
+    CLIPModel does: the same set of adapted modules), the temperature stays frozen (as there), and a step's
+    gradient reaches the adapters of both projections."""
+    from peft import LoraConfig, get_peft_model
+
+    from mmpipe.config.registry import build_family
+    from mmpipe.families.lora import merged
+    sets = ["model.text.vocab_size=100", "optim.train_type=lora", "optim.lora_rank=4"]
+    fam = build_family(mmpipe.load_config(os.path.join(os.path.dirname(TINY_VLM), "tiny.yaml"), sets))
+    model = fam.plain_model()
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    ours = {n.split(".lora_A.")[0] for n in trained if ".lora_A." in n}
+    assert {"visual_projection", "text_projection"} <= ours
+    assert "loss.logit_scale" not in trained and not any(".base_layer." in n for n in trained)
+    hf = fam.hf.hf_model(merged({k: v.detach() for k, v in model.state_dict().items()}, fam.lora))
+    peft_model = get_peft_model(hf, LoraConfig(r=4, lora_alpha=32, target_modules="all-linear"))
+    theirs = {n for n, m in peft_model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+    assert len(ours) == len(theirs) and {"visual_projection", "text_projection"} <= {n.rsplit(".", 1)[-1]
+                                                                                      for n in theirs}
+    b = fam.example_batch(4, 16, "cpu")
+    batch = [b[k] for k in fam.inputs + fam.labels]
+    for n, p in model.named_parameters():  # lora_B starts at zero: give it values so lora_A gets a gradient
+        if ".lora_B." in n:
+            torch.nn.init.normal_(p.data, std=0.1)
+    model(*batch).backward()
+    for proj in ("visual_projection", "text_projection"):
+        assert model.get_submodule(proj).lora_A["default"].weight.grad.abs().sum() > 0

@@ -140,13 +140,13 @@ class Family:
             module = self.build_unseeded(name)
         if not getattr(self, "skip_pretrained", False):
             self.load_pretrained(module, name)
-        self._add_adapters(module, name)
-        return module
+        return self._add_adapters(module, name)
 
-    def _add_adapters(self, module: nn.Module, name: str) -> None:
+    def _add_adapters(self, module: nn.Module, name: str) -> nn.Module:
         if self.lora is not None and name in self.lora.layers:
             from mmpipe.families.lora import inject
-            inject(module, self.lora, part_seed(self.seed, f"lora:{name}"))
+            return inject(module, self.lora, part_seed(self.seed, f"lora:{name}"), name)
+        return module
 
     def layer_names(self) -> list:
         return [layer.name for layer in self.layers()]
@@ -187,8 +187,7 @@ class Family:
         out = {}
         for name in self.layer_names():
             with torch.device("meta"):
-                m = self.build_unseeded(name)
-                self._add_adapters(m, name)
+                m = self._add_adapters(self.build_unseeded(name), name)
             out[name] = {f"{name}.{k}": p.numel() for k, p in m.named_parameters()}
         return out
 

@@ -1,11 +1,12 @@
 """LoRA adapters on a family's layers, with peft (``optim.train_type: lora``).
 
 Each layer that holds a trained group's parameters gets peft's ``LoraLayer`` on its target modules
-(``optim.target_modules``; ``all-linear`` = every ``nn.Linear`` but an output head), injected after
+(``optim.target_modules``; ``all-linear`` = every ``nn.Linear`` but an output head, a layer that is
+itself a Linear included: CLIP's projections, as peft's all-linear on a ``CLIPModel``), injected after
 its base weights are built and loaded, under a seed derived from (seed, layer name): the adapters'
 initial values are the same in one process and on any pipeline stage, as the base weights are.
 Every base weight is frozen (no gradient, no optimizer state); the adapters train in their layer's
-group. Plain parameter names then read ``...q_proj.base_layer.weight`` (the frozen weight) and
+group. CLIP's temperature (``logit_scale``) stays frozen, as under peft's all-linear on a ``CLIPModel``. Plain parameter names then read ``...q_proj.base_layer.weight`` (the frozen weight) and
 ``...q_proj.lora_A.default.weight`` / ``lora_B`` (peft's names); ``merged`` folds the adapters back
 into plain weights (export, generation), ``adapter_state`` keeps only them."""
 from __future__ import annotations
@@ -46,16 +47,19 @@ def base_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def targets(module: nn.Module, target_modules) -> list:
-    """The names (within ``module``) of the submodules that get adapters."""
+def targets(module: nn.Module, target_modules, root: str = "") -> list:
+    """The names (within ``module``) of the submodules that get adapters; ``""`` for a module that is
+    itself a target Linear (CLIP's projections: the layer *is* the Linear, as peft's all-linear adapts
+    ``visual_projection`` on a ``CLIPModel``); ``root``: the layer's own name, matched for ``""``."""
     names = []
     for n, sub in module.named_modules():
-        if not n or not isinstance(sub, nn.Linear):
+        if not isinstance(sub, nn.Linear):
             continue
-        leaf = n.rsplit(".", 1)[-1]
-        if leaf in HEAD_NAMES:  # the output head (tied to the embedding in small decoders) is never adapted
+        full = f"{root}.{n}" if root and n else (n or root)
+        leaf = full.rsplit(".", 1)[-1]
+        if not full or leaf in HEAD_NAMES:  # the output head (tied to the embedding in small decoders) is never adapted
             continue
-        if any(t == "all-linear" or n == t or n.endswith("." + t) for t in target_modules):
+        if any(t == "all-linear" or full == t or full.endswith("." + t) for t in target_modules):
             names.append(n)
     return names
 
@@ -69,20 +73,23 @@ def require_peft() -> None:
                           "pip install -e . (or pip install peft)") from None
 
 
-def inject(module: nn.Module, spec: LoraSpec, seed_context) -> int:
-    """Add adapters to ``module``'s targets in place (initialised under ``seed_context``), freeze
-    its base weights; returns how many modules got adapters."""
+def inject(module: nn.Module, spec: LoraSpec, seed_context, root: str = "") -> nn.Module:
+    """Add adapters to ``module``'s targets (initialised under ``seed_context``), freeze its base
+    weights; returns the module, wrapped by peft's ``LoraLayer`` when it is itself a target Linear."""
     require_peft()
     from peft import LoraConfig, inject_adapter_in_model
-    names = targets(module, spec.target_modules)
+    names = targets(module, spec.target_modules, root)
     if names:
-        cfg = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=names,
-                         bias="none")
+        holder = nn.Module()
+        holder.add_module("layer", module)  # peft replaces modules inside a parent, the layer's root too
+        cfg = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, bias="none",
+                         target_modules=[f"layer.{n}" if n else "layer" for n in names])
         with seed_context:
-            inject_adapter_in_model(cfg, module, adapter_name=ADAPTER)
+            inject_adapter_in_model(cfg, holder, adapter_name=ADAPTER)
+        module = holder.layer
     for n, p in module.named_parameters():
-        p.requires_grad_(is_adapter(n))
-    return len(names)
+        p.requires_grad_(is_adapter("." + n))
+    return module
 
 
 def merged(state: dict, spec: Optional[LoraSpec]) -> dict:
@@ -127,7 +134,7 @@ def spec_from(optim_cfg, family, groups) -> Optional[LoraSpec]:
                           "adapter in mmpipe (it may be tied to the embedding); leave it out")
     spec = LoraSpec(optim_cfg.lora_rank, optim_cfg.lora_alpha, float(optim_cfg.lora_dropout), tm, layers)
     with torch.device("meta"):
-        hit = sum(len(targets(family.build_unseeded(name), tm)) for name in sorted(layers))
+        hit = sum(len(targets(family.build_unseeded(name), tm, name)) for name in sorted(layers))
     if not hit:
         raise ConfigError(f"optim.target_modules={list(tm)} matches no linear layer of the trained layers "
                           f"({', '.join(sorted(layers)[:4])}...): name modules such as q_proj, or use all-linear")
