@@ -97,6 +97,26 @@ def test_marker_count_mismatch_and_bad_lines_name_the_place(tmp_path):
     assert row.error == "0 <image> marker(s) but 1 image(s)" and row.where == f"{llava} entry 0 (id q7)"
 
 
+def test_swift_rows_without_image_tags_get_them_as_ms_swift_adds_them(tok, tmp_path):
+    """ms-swift's Template._add_default_tags: the missing <image> tags go at the start of the first
+    message after the system turn; the sample then encodes as the same row written with the tags."""
+    p = tmp_path / "notag.jsonl"
+    sys_turn = {"role": "system", "content": "be brief"}
+    q, a = {"role": "user", "content": "what colour is the circle?"}, {"role": "assistant", "content": "red"}
+    p.write_text("\n".join(json.dumps(r) for r in [
+        {"messages": [sys_turn, q, a], "images": ["a.jpg", "b.jpg"]},
+        {"messages": [sys_turn, {**q, "content": "<image><image>what colour is the circle?"}, a],
+         "images": ["a.jpg", "b.jpg"]},
+        {"messages": [{**q, "content": "<image> and <image>"}, a], "images": ["a.jpg"]},
+    ]) + "\n")
+    rows = read_chat(str(p))
+    assert rows[0].error is None and rows[0].messages == rows[1].messages
+    assert rows[0].messages[1] == ("user", "<image><image>what colour is the circle?")
+    enc = ChatEncoder(tok, tok.convert_tokens_to_ids(IMAGE), N, 128)
+    assert enc.encode(rows[0]).input_ids == enc.encode(rows[1]).input_ids
+    assert rows[2].error == "2 <image> marker(s) but 1 image(s)"  # more tags than images stays an error
+
+
 def test_chat_batches_hold_every_image_in_order_and_skip_bad_samples(tok, tmp_path):
     """Real JPEGs: a batch of a two-image sample, a text-only one and one whose image is missing
     (replaced by the next usable sample and reported); images stacked in order, labels padded -100."""

@@ -111,3 +111,14 @@ def test_unusable_samples_are_reported_when_packing(chat, tmp_path):
     where = " ".join(f"{a} {b}" for a, b in bad)
     assert "gone.jpg" in where and "long.jsonl line 1" in where, bad
     assert sum(len(packed[j]["keys"]) for j in range(len(packed))) == len(samples)
+
+
+def test_packing_with_no_sample_that_fits_names_the_first_ones_reason(chat):
+    from mmpipe.errors import DataError
+    from mmpipe.families.vlm.chat_data import PackedChatDataset
+    samples, tok, cfg = chat
+    fam = mmpipe.build_model(cfg).family
+    image_first = [s for s in samples if s.images and s.messages[0][1].startswith("<image>")]
+    ds = fam.dataset(image_first, tok, mmpipe.load_config(TINY_VLM, ["data.max_length=8"]).data, 32)
+    with pytest.raises(DataError, match=rf"to pack \(the first, {image_first[0].where}: .*data.max_length=8"):
+        PackedChatDataset(ds, 8)

@@ -133,8 +133,20 @@ def read_swift_jsonl(path: str) -> list:
             roles, error = _roles([m.get("role", "user") for m in msgs])
             msgs = tuple(zip(roles, (str(m["content"]) for m in msgs)))
             images, bad = _image_paths(row.get("images"), folder)
+            msgs = _add_default_tags(msgs, len(images))
             out.append(ChatSample(msgs, images, where, error or bad or _check(msgs, images)))
     return out
+
+
+def _add_default_tags(messages: tuple, n_images: int) -> tuple:
+    """As ms-swift's ``Template._add_default_tags``: images with fewer ``<image>`` tags than images get
+    the missing tags at the start of the first message after the system turn."""
+    missing = n_images - sum(t.count(IMAGE) for _, t in messages)
+    first = next((i for i, (r, _) in enumerate(messages) if r != "system"), None)
+    if missing <= 0 or first is None:
+        return messages
+    role, text = messages[first]
+    return messages[:first] + ((role, IMAGE * missing + text),) + messages[first + 1:]
 
 
 def read_chat(path: str, image_folder: Optional[str] = None, key: str = "data.train") -> list:
@@ -287,6 +299,14 @@ class ChatDataset:
             return 0 if enc.dropped else len(enc.input_ids)
         return [n(s) for s in self.samples]
 
+    def first_unusable(self) -> tuple:
+        """(where, why) of the first sample that cannot be used as it stands (no image decoded)."""
+        for s in self.samples:
+            why = s.error if s.error is not None else self.encoder.encode(s).dropped
+            if why is not None:
+                return s.where, why
+        return "", "none found"
+
     def _load(self, j: int, epoch: int = 0):
         s = self.samples[j]
         if s.error is not None:
@@ -351,7 +371,8 @@ class PackedChatDataset:
         self.sample_lengths = chat.lengths
         self.packs = plan_packs(self.sample_lengths, max_length)
         if not self.packs:
-            raise DataError("no usable sample in the chat data to pack")
+            where, why = chat.first_unusable()
+            raise DataError(f"no usable sample in the chat data to pack (the first, {where}: {why})")
         # an unusable sample (left out of every pack) is reported with the pack that follows it in data
         # order, once per epoch, as an unpacked run reports it when it draws it
         firsts = [p[0] for p in self.packs]
