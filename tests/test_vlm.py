@@ -115,6 +115,13 @@ def test_projector_only_training_keeps_the_frozen_llm_on_the_gradient_path(llava
     (["model.pretrained=/nonexistent"], "model.pretrained: directory not found: /nonexistent"),
     (["model.llm.arch=mistral"], "model.llm.arch='mistral' is not one of llama, qwen2"),
     (["optim.vit_lr=1e-4", "optim.groups.vision.lr=2e-4"], "optim.vit_lr=0.0001 contradicts optim.groups.vision.lr"),
+    # ms-swift's --train_type defaults to lora, mmpipe's to full: LoRA keys alone would train every weight
+    (["optim.lora_rank=16", "optim.target_modules=[q_proj]"],
+     "optim.lora_rank, optim.target_modules set but optim.train_type is full"),
+    (["optim.vit_lr=1e-4", "optim.freeze_vit=true"], "optim.vit_lr=0.0001 is set but the vision group trains nothing"),
+    (["optim.train_type=lora", "optim.aligner_lr=1e-4"], "the projector group trains nothing (LoRA's default"),
+    (["optim.train_type=lora", "optim.lora_dropout=1.0"], "optim.lora_dropout=1.0 is out of range: it accepts 0 <= "
+                                                          "value < 1"),
 ])
 def test_vlm_config_mistakes_are_one_line(tmp_path, capsys, sets, expect):
     from mmpipe.cli.main import main
@@ -127,6 +134,14 @@ def test_vlm_config_mistakes_are_one_line(tmp_path, capsys, sets, expect):
     rc = main(args)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1 and expect in err[0], err
+
+
+def test_lora_keys_under_a_chosen_full_train_type_are_said(tmp_path, capsys):
+    from mmpipe.train.setup import check_lora_keys
+    check_lora_keys(mmpipe.load_config(TINY_VLM, ["optim.train_type=full", "optim.lora_rank=16"]))
+    assert "optim.train_type=full trains every weight; optim.lora_rank are not used" in capsys.readouterr().out
+    check_lora_keys(mmpipe.load_config(TINY_VLM, ["optim.train_type=full"]))
+    assert capsys.readouterr().out == ""
 
 
 def test_ms_swift_flags_set_groups():

@@ -7,28 +7,30 @@ import dataclasses
 from dataclasses import field
 
 
-def option(default, help: str, ge=None, gt=None, le=None, **kw):
+def option(default, help: str, ge=None, gt=None, le=None, lt=None, **kw):
     """A config field: its default, the one-line help ``mmpipe config --reference`` prints, and for
-    a number the range it must lie in (``ge`` >=, ``gt`` >, ``le`` <=; checked at load, one line)."""
+    a number the range it must lie in (``ge`` >=, ``gt`` >, ``le`` <=, ``lt`` <; checked at load, one line)."""
     meta = {"help": help}
-    if (ge, gt, le) != (None, None, None):
-        meta["range"] = (ge, gt, le)
+    if (ge, gt, le, lt) != (None, None, None, None):
+        meta["range"] = (ge, gt, le, lt)
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
 
 
 def range_text(rng) -> str:
-    ge, gt, le = rng
+    ge, gt, le, lt = tuple(rng) + (None,) * (4 - len(rng))
     low = f">= {ge}" if ge is not None else (f"> {gt}" if gt is not None else "")
-    if low and le is not None:
-        return f"{ge if ge is not None else gt} {'<=' if ge is not None else '<'} value <= {le}"
-    return low or f"<= {le}"
+    high = f"<= {le}" if le is not None else (f"< {lt}" if lt is not None else "")
+    if low and high:
+        return f"{ge if ge is not None else gt} {'<=' if ge is not None else '<'} value {high}"
+    return low or high
 
 
 def in_range(value, rng) -> bool:
-    ge, gt, le = rng
-    return ((ge is None or value >= ge) and (gt is None or value > gt) and (le is None or value <= le))
+    ge, gt, le, lt = tuple(rng) + (None,) * (4 - len(rng))
+    return ((ge is None or value >= ge) and (gt is None or value > gt) and (le is None or value <= le)
+            and (lt is None or value < lt))
 
 
 class Section:

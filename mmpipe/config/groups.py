@@ -63,6 +63,12 @@ def resolve_groups(optim_cfg, family) -> list[Group]:
         lrs[group] = v
     out = []
     for name, g in optim_cfg.groups.items():
+        frozen = bool(g.freeze or shortcuts.get(name, False))
+        flag = next((f for f in LR_FLAGS if lrs.get(name) is not None and family.lr_shortcuts.get(f) == name), None)
+        if frozen and flag:  # an lr for a group that gets no gradient would be ignored
+            why = "LoRA's default for it (optim.freeze_vit / freeze_aligner unset)" if lora else "it is frozen"
+            raise ConfigError(f"optim.{flag}={lrs[name]} is set but the {name} group trains nothing ({why}): set its "
+                              "freeze flag to false to train it, or drop the lr")
         for p in g.patterns:
             try:
                 re.compile(p)
@@ -75,7 +81,7 @@ def resolve_groups(optim_cfg, family) -> list[Group]:
         lr = lrs.get(name, optim_cfg.lr if g.lr is None else g.lr)
         out.append(Group(name, tuple(g.patterns), lr,
                          optim_cfg.weight_decay if g.weight_decay is None else g.weight_decay,
-                         g.max_grad_norm, bool(g.freeze or shortcuts.get(name, False))))
+                         g.max_grad_norm, frozen))
     for flag, name in family.freeze_shortcuts.items():
         if getattr(optim_cfg, flag) and name not in optim_cfg.groups:
             raise ConfigError(f"optim.{flag} is set but there is no optim.groups.{name}")

@@ -136,7 +136,7 @@ class OptimConfig(Section):
                          "target modules of the groups not frozen; every base weight frozen); ms-swift's --train_type")
     lora_rank: int = _f(8, "LoRA rank r (ms-swift --lora_rank)", ge=1)
     lora_alpha: int = _f(32, "LoRA alpha: the update is scaled by alpha / r (ms-swift --lora_alpha)", ge=1)
-    lora_dropout: float = _f(0.05, "dropout on the LoRA branch's input (ms-swift --lora_dropout)", ge=0, le=1)
+    lora_dropout: float = _f(0.05, "dropout on the LoRA branch's input (ms-swift --lora_dropout)", ge=0, lt=1)
     target_modules: list = _f(["all-linear"], "module names (suffixes) that get adapters; all-linear = every "
                               "nn.Linear of a trained layer except the output head (ms-swift --target_modules)")
 

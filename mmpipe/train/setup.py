@@ -111,6 +111,22 @@ def resolve_run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = N
                        _device_name(), resume, layout_doc)
 
 
+LORA_KEYS = ("optim.lora_rank", "optim.lora_alpha", "optim.lora_dropout", "optim.target_modules")
+
+
+def check_lora_keys(cfg: RunConfig) -> None:
+    """LoRA settings without ``optim.train_type: lora`` would train every weight: refused when the
+    train type was left at its default (ms-swift's default is lora, mmpipe's full), said when chosen."""
+    given = [k for k in LORA_KEYS if k in cfg.explicit]
+    if cfg.optim.train_type != "full" or not given:
+        return
+    if "optim.train_type" not in cfg.explicit:
+        raise ConfigError(f"{', '.join(given)} set but optim.train_type is full (mmpipe's default; ms-swift's is lora), "
+                          "which trains every weight: set optim.train_type=lora, or drop the LoRA keys")
+    if int(os.environ.get("RANK", "0")) == 0:
+        _warn(f"optim.train_type=full trains every weight; {', '.join(given)} are not used")
+
+
 def _device_name() -> str:
     from deepspeed.accelerator import get_accelerator
     return get_accelerator().device_name()
@@ -130,6 +146,7 @@ def validate(cfg: RunConfig, resume: bool, stop_at: Optional[int], overwrite: bo
         check_run_dir(cfg.train.output_dir, resume, overwrite)
         if cfg.optim.train_type == "lora":  # optional imports before anything is written to train.output_dir
             require_peft()
+        check_lora_keys(cfg)
         family_cls = family_of(cfg)
         if family_cls.training_unsupported:
             raise ConfigError(f"model.type={cfg.model.type}: {family_cls.training_unsupported}")
