@@ -122,3 +122,18 @@ def test_fp16_backward_scaling_patch_applies_while_deepspeed_misses_it():
             assert fix_fp16_backward_scaling() and DeepSpeedEngine.backward is patched  # once
     finally:
         DeepSpeedEngine.backward = original
+
+
+def test_the_unfused_optimizer_takes_no_step_before_training():
+    """bf16 at P = 1 without ZeRO: DeepSpeed's FP16_UnfusedOptimizer constructor steps torch's AdamW once on
+    zero gradients; ``no_initial_unfused_step`` leaves that step out while DeepSpeed builds it. Behaviour:
+    test_lora.py's bf16 LoRA at P = 1 equals P = 2 (BF16_Optimizer, no such step)."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    from mmpipe.parallel.ds_compat import no_initial_unfused_step
+    assert "self.initialize_optimizer_states()" in _src(FP16_UnfusedOptimizer.__init__)
+    assert "self.optimizer.step()" in _src(FP16_UnfusedOptimizer.initialize_optimizer_states)
+    original = FP16_UnfusedOptimizer.initialize_optimizer_states
+    with no_initial_unfused_step():
+        assert FP16_UnfusedOptimizer.initialize_optimizer_states(object()) is None
+    assert FP16_UnfusedOptimizer.initialize_optimizer_states is original

@@ -281,3 +281,15 @@ def test_clip_lora_adapts_the_projections_as_peft_all_linear_does():
     model(*batch).backward()
     for proj in ("visual_projection", "text_projection"):
         assert model.get_submodule(proj).lora_A["default"].weight.grad.abs().sum() > 0
+
+
+def test_bf16_lora_trains_alike_at_p1_and_on_two_stages_with_the_default_placement(lora_runs):
+    """bf16 at P = 1 (DeepSpeed's unfused optimizer wrapper, whose constructor used to step AdamW once on
+    zero gradients) trains as on two stages (BF16_Optimizer); the default placement puts the frozen ViT
+    and projector on stage 0 and gives that stage the decoder's first adapted layer, which bf16 needs."""
+    sets = [s for s in LORA_SETS if not s.startswith("optim.lora_rank")] + ["optim.lora_rank=8", "train.precision=bf16"]
+    p1 = lora_runs.get("bf16_p1", 1, sets + ["parallel.pipeline_stages=1"], "python", flags=["--stop-at", "4"])[0]
+    p2, proc = lora_runs.get("bf16_p2", 2, sets + ["parallel.pipeline_stages=2"], flags=["--stop-at", "4"])
+    assert "stage boundaries moved" in proc.stdout + proc.stderr
+    a, b = train_losses(p1)[:4], train_losses(p2)[:4]
+    np.testing.assert_allclose(a, b, rtol=0, atol=2e-3)

@@ -15,6 +15,7 @@ names the run test that exercises the patch's behaviour.
 | ``fix_fp16_backward_scaling`` | ``DeepSpeedEngine.backward``, ``FP16_UnfusedOptimizer.loss_scale_config`` | fp16 at ZeRO-0 trained with gradients divided by the loss scale (0.19.8) |
 | ``dynamic_loss_scale`` | ``loss_scale_config.cur_scale``, ``loss_scaler.cur_scale`` | fp16 loss-scale calibration is not a bad step |
 | ``set_zero3_partition`` | ``param.ds_tensor``, ``ds_process_group`` | a ZeRO-3 weight restored by name |
+| ``no_initial_unfused_step`` | ``FP16_UnfusedOptimizer.initialize_optimizer_states`` | bf16/fp16 at P = 1 without ZeRO began Adam one step late (0.19.8) |
 | ``unfused_masters`` | ``FP16_UnfusedOptimizer.fp16_groups``, ``fp32_groups`` | layout-free optimizer state of fp16/bf16 at P = 1 without ZeRO |
 """
 from __future__ import annotations
@@ -222,6 +223,23 @@ def fix_fp16_backward_scaling() -> bool:
     backward._mmpipe_fp16_scaling = True
     DeepSpeedEngine.backward = backward
     return True
+
+
+@contextlib.contextmanager
+def no_initial_unfused_step():
+    """While DeepSpeed builds its optimizer: ``FP16_UnfusedOptimizer`` (bf16 / fp16 at ZeRO-0 without a
+    pipeline; mmpipe's torch AdamW gets the unfused one) calls ``initialize_optimizer_states()`` in its
+    constructor, one ``optimizer.step()`` on zero gradients, so torch's AdamW counts a step before
+    training starts (every bias correction one step off: the first update 0.74x the intended one at
+    betas 0.9/0.98) and applies weight decay once. Torch's optimizers create their state on the first
+    real step (and a resume restores it), so the constructor's step is left out."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    original = FP16_UnfusedOptimizer.initialize_optimizer_states
+    FP16_UnfusedOptimizer.initialize_optimizer_states = lambda self: None
+    try:
+        yield
+    finally:
+        FP16_UnfusedOptimizer.initialize_optimizer_states = original
 
 
 def dynamic_loss_scale(ds_optimizer):

@@ -78,6 +78,19 @@ def segment_runs(segments: Sequence[str]) -> list[tuple[int, int]]:
 
 
 def modality_partition(costs: Sequence[float], segments: Sequence[str], num_stages: int) -> list[int]:
+    """Stages never mix segments (see ``_segment_partition``), and a segment of one layer (a VLM's
+    projector) is fused to the layer before it, never a stage of its own: vision + projector | llm,
+    as LLaVA's recipes split it."""
+    runs = segment_runs(segments)
+    single = {a for a, b in runs if b - a == 1 and a > 0}
+    starts = [i for i in range(len(costs)) if i not in single]  # each unit's first layer
+    ends = starts[1:] + [len(costs)]
+    unit_costs = [sum(costs[a:b]) for a, b in zip(starts, ends)]
+    parts = _segment_partition(unit_costs, [segments[a] for a in starts], num_stages)
+    return [starts[u] if u < len(starts) else len(costs) for u in parts]
+
+
+def _segment_partition(costs: Sequence[float], segments: Sequence[str], num_stages: int) -> list[int]:
     """Stages never mix segments (e.g. vision | text, or vision | projector | llm): the K contiguous
     segments share the P stages, each getting at least one, with the counts chosen (exactly, by
     dynamic programming) to minimise the slowest stage; each segment is split exactly. With fewer
@@ -120,3 +133,18 @@ def modality_partition(costs: Sequence[float], segments: Sequence[str], num_stag
     return parts + [n]
 
 
+
+
+def every_stage_trains(parts: Sequence[int], trains: Sequence[bool]) -> list[int]:
+    """``parts`` with each stage that holds no trained layer extended over the next stage's layers up
+    to its first trained one (DeepSpeed's bf16 and ZeRO optimizers cannot hold a stage without a
+    trainable parameter: under LoRA the frozen vision tower alone on stage 0); unchanged where that
+    would empty the next stage of trained layers."""
+    parts = list(parts)
+    for s in range(len(parts) - 2):
+        if any(trains[parts[s]:parts[s + 1]]):
+            continue
+        j = next((i for i in range(parts[s + 1], parts[s + 2]) if trains[i]), None)
+        if j is not None and any(trains[j + 1:parts[s + 2]]):
+            parts[s + 1] = j + 1
+    return parts

@@ -38,6 +38,7 @@ from mmpipe.parallel.topology import Topology
 from mmpipe.planning.layouts import layouts_json, plan_layouts
 from mmpipe.planning.measure import get_profile
 from mmpipe.planning.micro_batch import auto_micro_batch, check_auto_micro_batch
+from mmpipe.planning.partition import every_stage_trains
 from mmpipe.train import checkpoint
 from mmpipe.train.faults import _everywhere, _rank0_decides, _warn, agree
 from mmpipe.train.run_dir import check_run_dir, prepare_run_dir
@@ -272,7 +273,8 @@ def check_frozen_stages(cfg: RunConfig, plan: Plan, part_params: dict, frozen_na
             raise _everywhere(ConfigError,
                 f"pipeline stage {s_} ({names[0]} .. {names[-1]}) holds only frozen parameters, which "
                 f"DeepSpeed's ZeRO-{cfg.parallel.zero_stage}/{cfg.train.precision} optimizer cannot hold; "
-                "use zero_stage 0 with fp32, or a parallel.plan that gives every stage a trainable layer")
+                "use zero_stage 0 with fp32, parallel.placement=auto, or a parallel.plan that gives every stage a "
+                "trainable layer")
 
 
 def prepare_tokenizer(cfg: RunConfig, family, rank: int, source=None):
@@ -324,9 +326,20 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
     costs = ([sum(v.values()) for v in params.values()] if p.placement == "parameters" else
              [1 + sum(n for name, n in v.items() if name not in frozen) for v in params.values()])
     cap = int(p.memory_budget_gb * 2**30) if p.memory_budget_gb else None
-    return place(names, segments, P, p.placement, M, prof=prof, param_costs=costs, plan_file=p.plan,
+    plan = place(names, segments, P, p.placement, M, prof=prof, param_costs=costs, plan_file=p.plan,
                  micro_batch_size=mbs, memory_cap=cap, precision=cfg.train.precision, zero_stage=p.zero_stage,
                  data_parallel=topo.data_parallel)
+    if P > 1 and not p.plan and p.placement in ("modality", "balanced", "auto") and \
+            (p.zero_stage > 0 or cfg.train.precision != "fp32"):  # optimizers that need a trainable stage
+        trains = [any(n not in frozen for n in v) for v in params.values()]
+        parts = every_stage_trains(plan.parts, trains)
+        if parts != plan.parts:
+            moved = names[plan.parts[1]:parts[1]] if parts[1] != plan.parts[1] else []
+            print(f"[mmpipe] parallel.placement={p.placement}: a stage held only frozen layers, which DeepSpeed's "
+                  f"{cfg.train.precision}/ZeRO-{p.zero_stage} optimizer cannot hold; stage boundaries moved to "
+                  f"{parts}" + (f" ({', '.join(moved)} onto stage 0)" if moved else ""), flush=True)
+            plan.parts = parts
+    return plan
 
 
 def probe_micro_batch(cfg, family, source, tok, topo, forward_only, frozen) -> int:
