@@ -6,9 +6,8 @@ import re
 import shlex
 import shutil
 import sys
-import tempfile
 
-from mmpipe.bench.common import ROOT, append_benchmarks, launch, pooled
+from mmpipe.bench.common import ROOT, append_benchmarks, launch, pooled, with_scratch
 from mmpipe.config.schema import family_of, load_config
 from mmpipe.data.cache import prepare
 from mmpipe.data.synth import synth, synth_vlm
@@ -115,11 +114,11 @@ def vision_share(plan: dict) -> float:
     return sum(x for n, x in zip(plan["names"], t) if n.startswith("vision.")) / sum(t)
 
 
-def bench_balance(args) -> int:
+@with_scratch("balance")
+def bench_balance(args, tmp: str) -> int:
     """Samples/s of every placement on an image-heavy and a text-heavy dual encoder (P = 2, 1 thread
     per rank), against the single-process baseline (1 thread, same model and batch), with the
     simulator's prediction beside each measurement."""
-    tmp = tempfile.mkdtemp(prefix="mmpipe-bench-balance-")
     os.environ["OMP_NUM_THREADS"] = "1"  # every rank (and the baseline) computes on one thread
     print(f"[bench] synthetic data and caches in {tmp} ...", flush=True)
     art = os.path.join(os.getcwd(), "benchmarks")

@@ -1,14 +1,17 @@
-"""What every bench shares: the machine line, launching a training run, pooling its measured steps,
-and appending a result to BENCHMARKS.md."""
+"""What every bench shares: the machine line, its temporary directory (removed when it ends),
+launching a training run, pooling its measured steps, and appending a result to BENCHMARKS.md."""
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import os
 import re
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 
 from mmpipe.train.metrics import read_metrics
 
@@ -19,6 +22,29 @@ def machine() -> str:
     return (f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads in this process "
             f"(1 per rank when 2 ranks share 2 cores), torch {torch.__version__}, deepspeed {deepspeed.__version__}, "
             f"python {sys.version.split()[0]}")
+
+
+@contextlib.contextmanager
+def scratch_dir(name: str):
+    """A bench's temporary directory (``mmpipe-bench-NAME-*``: synthetic data, caches, runs), removed
+    when the bench ends, on an error or Ctrl-C too."""
+    tmp = tempfile.mkdtemp(prefix=f"mmpipe-bench-{name}-")
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def with_scratch(name: str):
+    """``@with_scratch("data")`` on ``bench_data(args, tmp)``: called as ``bench_data(args)``, with
+    ``tmp`` a ``scratch_dir(name)``."""
+    def wrap(bench):
+        @functools.wraps(bench)
+        def run(args) -> int:
+            with scratch_dir(name) as tmp:
+                return bench(args, tmp)
+        return run
+    return wrap
 
 
 def launch(nprocs: int, config: str, sets: list, out: str) -> str:

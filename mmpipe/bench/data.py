@@ -5,9 +5,8 @@ import json
 import os
 import shlex
 import sys
-import tempfile
 
-from mmpipe.bench.common import append_benchmarks
+from mmpipe.bench.common import append_benchmarks, with_scratch
 from mmpipe.data import loader
 from mmpipe.data.cache import CachedDataset, prepare
 from mmpipe.data.loader import Collate, ImageTextDataset
@@ -67,7 +66,8 @@ def _images_per_sec(loader, n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def bench_data(args) -> int:
+@with_scratch("data")
+def bench_data(args, tmp: str) -> int:
     """(a) naive per-sample path vs (b) mmpipe's direct path vs (c) its preprocessed cache, images/s
     through a DataLoader, in one run."""
     import time
@@ -76,7 +76,6 @@ def bench_data(args) -> int:
     from torch.utils.data import DataLoader
 
     torch.set_num_threads(1)
-    tmp = tempfile.mkdtemp(prefix="mmpipe-bench-data-")
     print(f"[bench] writing {args.n} JPEGs of {args.width}x{args.height} ...", flush=True)
     paths = make_photos(os.path.join(tmp, "img"), args.n, args.width, args.height)
     words = ["a", "photo", "of", "red", "blue", "gradient", "sky", "over", "the", "hills", "with", "soft", "light"]

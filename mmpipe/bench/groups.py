@@ -1,18 +1,17 @@
 """``mmpipe bench groups``: grouped clipping's cost against DeepSpeed's global clipping."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
 import statistics
 import sys
-import tempfile
 
-from mmpipe.bench.common import _steps, append_benchmarks, launch
+from mmpipe.bench.common import _steps, append_benchmarks, launch, with_scratch
 
 
-def bench_groups(args) -> int:
+@with_scratch("groups")
+def bench_groups(args, tmp: str) -> int:
     """Baseline (no clip limits: the per-group norms are still taken every step, since a non-finite
     one skips the step) vs grouped clipping (4 groups + global) vs frozen vision."""
     config = args.config
@@ -20,7 +19,6 @@ def bench_groups(args) -> int:
     base = [f"train.steps={steps}", "train.eval_every=0", "data.val=null", f"train.save_every={steps * 10}"]
     variants = GROUP_VARIANTS
     rows = []
-    tmp = tempfile.mkdtemp(prefix="mmpipe-bench-")
     for name, sets in variants:
         out = os.path.join(tmp, re.sub(r"\W+", "_", name))
         print(f"[bench] {name} ...", flush=True)
@@ -52,8 +50,6 @@ def bench_groups(args) -> int:
              "run-to-run noise of this shared machine (about +-5%).")
     if not args.no_append:
         append_benchmarks("Grouped clipping and frozen towers", cmd, table, notes)
-    json.dump([{"variant": n, "step_time": s, "clip_time": c, "clip_wait": w, "memory": m} for n, s, c, w, m in rows],
-              open(os.path.join(tmp, "bench.json"), "w"), indent=2)
     return 0
 
 

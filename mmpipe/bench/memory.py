@@ -6,9 +6,8 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-import tempfile
 
-from mmpipe.bench.common import ROOT, append_benchmarks, launch
+from mmpipe.bench.common import ROOT, append_benchmarks, launch, with_scratch
 from mmpipe.config.schema import family_of, load_config
 from mmpipe.data.synth import synth, synth_vlm
 from mmpipe.planning.measure import run_memory
@@ -26,8 +25,8 @@ def _data(tmp: str, family: str, cfg, n: int) -> list:
     return [f"data.train={info['train']}", "data.val=null"]
 
 
-def bench_memory(args) -> int:
-    tmp = tempfile.mkdtemp(prefix="mmpipe-bench-memory-")
+@with_scratch("memory")
+def bench_memory(args, tmp: str) -> int:
     rows = []
     for family in args.models:
         config = os.path.join(ROOT, "configs", MODELS[family])

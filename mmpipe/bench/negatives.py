@@ -8,9 +8,8 @@ import json
 import os
 import shlex
 import sys
-import tempfile
 
-from mmpipe.bench.common import ROOT, append_benchmarks, launch, pooled
+from mmpipe.bench.common import ROOT, append_benchmarks, launch, pooled, with_scratch
 from mmpipe.config.schema import family_of, load_config
 from mmpipe.data.cache import prepare
 from mmpipe.data.synth import synth
@@ -22,8 +21,8 @@ VARIANTS = [("micro_batch", ["model.negatives=micro_batch"]), ("global", ["model
             ("global, frozen vision", ["model.negatives=global", "optim.freeze_vision=true"])]
 
 
-def bench_negatives(args) -> int:
-    tmp = tempfile.mkdtemp(prefix="mmpipe-bench-negatives-")
+@with_scratch("negatives")
+def bench_negatives(args, tmp: str) -> int:
     cfg = load_config(args.config)
     size = family_of(cfg).image_size(cfg.model)
     info = synth(os.path.join(tmp, "data"), args.n, val_fraction=0.0, size=size, seed=0, progress=False)

@@ -10,9 +10,8 @@ import random
 import shlex
 import statistics
 import sys
-import tempfile
 
-from mmpipe.bench.common import ROOT, append_benchmarks, launch
+from mmpipe.bench.common import ROOT, append_benchmarks, launch, with_scratch
 from mmpipe.data.synth import TEXT_QA, synth_vlm
 from mmpipe.train.metrics import read_metrics
 
@@ -77,8 +76,8 @@ def attention_memory(seq: int = 2048, width: int = 256, heads: int = 4, batch: i
     return out
 
 
-def bench_packing(args) -> int:
-    tmp = tempfile.mkdtemp(prefix="mmpipe-bench-packing-")
+@with_scratch("packing")
+def bench_packing(args, tmp: str) -> int:
     train = skewed_chat(os.path.join(tmp, "data"), args.n, args.long_fraction)
     common = [f"data.train={train}", "data.val=null", f"data.max_length={args.max_length}",
               "model.llm.max_position_embeddings=512", f"train.steps={args.steps}", "parallel.pipeline_stages=2",

@@ -15,11 +15,10 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 
 import torch
 
-from mmpipe.bench.common import ROOT, append_benchmarks, launch
+from mmpipe.bench.common import ROOT, append_benchmarks, launch, with_scratch
 from mmpipe.config.schema import family_of, load_config, replace
 from mmpipe.data.loader import load_image
 from mmpipe.data.manifest import read_manifest
@@ -163,8 +162,8 @@ def open_clip_step_times(log_dir: str, batch: int) -> list:
         return [batch / float(m.group(2)) for m in _STEP_LINE.finditer(fh.read())]
 
 
-def bench_peers(args) -> int:
-    tmp = tempfile.mkdtemp(prefix="mmpipe-bench-peers-")
+@with_scratch("peers")
+def bench_peers(args, tmp: str) -> int:
     job = Job(args, tmp)
     batch = job.cfg.train.batch_size
     _log(f"open_clip_train: 2 ranks (torchrun, gloo), {args.steps} steps of {batch} ...")

@@ -14,9 +14,8 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 
-from mmpipe.bench.common import ROOT, append_benchmarks, launch
+from mmpipe.bench.common import ROOT, append_benchmarks, launch, with_scratch
 from mmpipe.bench.trainer_worker import encode
 from mmpipe.config.schema import family_of, load_config, replace
 from mmpipe.data.synth import synth_vlm
@@ -103,9 +102,9 @@ def run_trainer(cfg, train: str, llava: str, order: list, args, tmp: str, lora: 
         return json.load(fh)
 
 
-def bench_peers_vlm(args) -> int:
+@with_scratch("peers-vlm")
+def bench_peers_vlm(args, tmp: str) -> int:
     from mmpipe.data.loader import MicroBatchSampler
-    tmp = tempfile.mkdtemp(prefix="mmpipe-bench-peers-vlm-")
     _log(f"synthetic chat data ({args.n} samples), a tokenizer, the initial weights as a LLaVA directory ...")
     cfg, train, llava = make_llava_dir(args, tmp)
     batch = cfg.train.batch_size

@@ -5,9 +5,8 @@ import os
 import re
 import shlex
 import sys
-import tempfile
 
-from mmpipe.bench.common import _MEM_LINE, ROOT, append_benchmarks, launch, pooled
+from mmpipe.bench.common import _MEM_LINE, ROOT, append_benchmarks, launch, pooled, with_scratch
 from mmpipe.config.schema import load_config
 from mmpipe.data.cache import prepare
 from mmpipe.data.synth import synth
@@ -67,10 +66,10 @@ def _strategies_table(world: int, res: dict, rows: list, measured: dict, mem: di
     return lines + ["", verdict]
 
 
-def bench_strategies(args) -> int:
+@with_scratch("strategies")
+def bench_strategies(args, tmp: str) -> int:
     """The same model, data and global batch on 1, 2 and 4 ranks in every layout: measured step,
     samples/s, stage idle and memory beside the cost model's predictions (``mmpipe.planning.layouts``)."""
-    tmp = tempfile.mkdtemp(prefix="mmpipe-bench-strategies-")
     art = os.path.join(os.getcwd(), "benchmarks")
     os.makedirs(art, exist_ok=True)
     print(f"[bench] synthetic data and cache in {tmp} ...", flush=True)

@@ -21,6 +21,12 @@ def cmd_data_prepare(args) -> int:
     from mmpipe.data.cache import prepare
     cfg = load_config(args.config, args.overrides)  # defaults for whatever the flags leave open
     from mmpipe.config.schema import family_of
+    try:
+        family_of(cfg).check_source("cache")  # a family reading its own format (the VLM's chat file) has none
+    except ConfigError:
+        raise ConfigError(f"mmpipe data prepare: model.type={cfg.model.type} trains from its chat file (data.train) "
+                          "as it is and has no cache: train without one (mmpipe data check --config ... reads the "
+                          "chat file as training will)") from None
     manifest = args.manifest or cfg.data.train
     if not manifest:
         raise ConfigError("mmpipe data prepare: give --manifest (or a --config with data.train)")

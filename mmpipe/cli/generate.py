@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from mmpipe.errors import ConfigError
+from mmpipe.families.vlm.chat_data import IMAGE
 
 
 class Generator:
@@ -46,23 +47,37 @@ class Generator:
         pixels = finish_pixels(pixels, self.size, None, 0, 0)  # as training's ChatDataset
         return normalize_pixels(pixels.unsqueeze(0), self.mean, self.std, torch.float32)
 
-    def prompt(self, prompt: str, image: Optional[str] = None, history: tuple = (), what: str = "--image") -> tuple:
-        """(input ids (1, T), pixel values (1, 3, S, S) or None) of a user turn and the assistant header."""
-        from mmpipe.families.vlm.chat_data import IMAGE
+    def prompt(self, prompt: str, image=None, history: tuple = (), what: str = "--image") -> tuple:
+        """(input ids (1, T), pixel values (N, 3, S, S) or None) of ``history``, a user turn and the
+        assistant header, tokenized as training's chat encoder does. ``image``: one path (``--image``:
+        a prompt without a marker gets it first), or a list of paths, one per ``<image>`` marker of
+        ``history`` and ``prompt`` in order (a chat sample's, the turn as written)."""
+        paths = [] if image is None else [image] if isinstance(image, str) else list(image)
         n = prompt.count(IMAGE)
-        if image is None and n:
-            raise ConfigError(f"--prompt has {n} {IMAGE} marker(s) but no --image: give --image PATH, or drop the marker")
-        if image is not None and n > 1:
-            raise ConfigError(f"--prompt has {n} {IMAGE} markers but one --image: give one marker (or none: the image "
-                              "goes first)")
-        text = prompt if image is None or IMAGE in prompt else f"{IMAGE}\n{prompt}"
-        ids = torch.tensor([self.encoder.prompt_ids(tuple(history) + (("user", text),))], device=self.device)
-        return ids, (self.pixels(image, what).to(self.device) if image else None)
+        before = sum(t.count(IMAGE) for _, t in history)
+        if isinstance(image, str) or image is None:  # the command line's one --image
+            if image is None and n:
+                raise ConfigError(f"--prompt has {n} {IMAGE} marker(s) but no --image: give --image PATH, or drop "
+                                  "the marker")
+            if image is not None and n > 1:
+                raise ConfigError(f"--prompt has {n} {IMAGE} markers but one --image: give one marker (or none: the "
+                                  "image goes first)")
+            if image is not None and n + before == 0:
+                prompt, n = f"{IMAGE}\n{prompt}", 1
+        if n + before != len(paths):
+            raise ConfigError(f"{what}: {n + before} {IMAGE} marker(s) but {len(paths)} image(s) (one image per "
+                              "marker, in order)")
+        ids = torch.tensor([self.encoder.prompt_ids(tuple(history) + (("user", prompt),))], device=self.device)
+        pix = torch.cat([self.pixels(p, what) for p in paths]).to(self.device) if paths else None
+        return ids, pix
 
     @torch.no_grad()
-    def generate_ids(self, prompt: str, image: Optional[str] = None, max_new_tokens: int = 24, stop: bool = True,
+    def generate_ids(self, prompt: str, image=None, max_new_tokens: int = 32, stop: bool = True,
                      history: tuple = (), what: str = "--image") -> list:
-        """The greedy continuation's token ids (KV cache); ``stop``: end at the end-of-turn token."""
+        """The greedy continuation's token ids (KV cache); ``stop``: end at the end-of-turn token;
+        ``image``: as ``prompt`` takes it."""
+        if max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens {max_new_tokens}: give 1 or more (the most tokens an answer gets)")
         ids, pix = self.prompt(prompt, image, history, what)
         extra = {"pixel_values": pix} if pix is not None else {}
         out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra,
@@ -71,23 +86,46 @@ class Generator:
                                   pad_token_id=self.tok.pad_token_id)
         return out[0, ids.shape[1]:].tolist()
 
-    def answer(self, prompt: str, image: Optional[str] = None, max_new_tokens: int = 24, history: tuple = (),
+    def answer(self, prompt: str, image=None, max_new_tokens: int = 32, history: tuple = (),
                what: str = "--image") -> str:
         new = [t for t in self.generate_ids(prompt, image, max_new_tokens, history=history, what=what)
                if t not in self.stop]
         return self.tok.decode(new, skip_special_tokens=True).strip()
 
 
+def first_question(s) -> object:
+    """(history, the first user turn's text as written, the images of history and turn, the answer
+    wanted) of a chat sample, or why it has none to score. The images of a sample are consumed by
+    its ``<image>`` markers in message order; a system turn before the question is context."""
+    u = next((i for i, (r, _) in enumerate(s.messages) if r == "user"), None)
+    want = next((t for r, t in s.messages[u:] if r == "assistant"), None) if u is not None else None
+    if want is None:
+        return f"{s.where}: no user turn followed by an assistant turn to score"
+    upto = sum(t.count(IMAGE) for _, t in s.messages[:u + 1])
+    return tuple(s.messages[:u]), s.messages[u][1], tuple(s.images[:upto]), want
+
+
+def _scored(text: str, images: tuple, want: str, got: str) -> dict:
+    norm = lambda x: " ".join(x.lower().split())  # noqa: E731
+    return {"question": " ".join(text.replace(IMAGE, " ").split()), "images": list(images),
+            "image": images[0] if images else None, "want": norm(want), "got": norm(got)}
+
+
 def exact_match(run_dir: str, chat_file: str, limit: Optional[int] = None, step: Optional[int] = None,
-                progress: bool = True) -> dict:
-    """Greedy answers to the first question of each held-out conversation, scored by exact match
-    (case and surrounding spaces ignored), against two baselines: the best constant answer over
-    the set, and the best constant answer per question (what a model that ignores the image can
-    reach at most). Written to ``RUN/exact_match.json``."""
+                progress: bool = True, max_new_tokens: int = 32) -> dict:
+    """Greedy answers (at most ``max_new_tokens`` each) to the first question of each held-out
+    conversation, asked as written (its text and ``<image>`` markers where they stand, with the
+    images its markers name), scored by exact match (case and surrounding spaces ignored), against
+    two baselines: the best constant answer over the set, and the best constant answer per question
+    (what a model that ignores the image can reach at most). Written to ``RUN/exact_match.json``."""
     import json
     from collections import Counter, defaultdict
 
-    from mmpipe.families.vlm.chat_data import IMAGE, read_chat
+    from mmpipe.families.vlm.chat_data import read_chat
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit {limit}: give 1 or more (the most questions to score), or leave it out for all")
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens}: give 1 or more (the most tokens an answer gets)")
     gen = Generator(run_dir, step)
     # LLaVA JSON names images relative to the run's data.image_folder, as training read them
     items = [s for s in read_chat(chat_file, gen.cfg.data.image_folder, key="--eval") if s.error is None][:limit]
@@ -96,21 +134,18 @@ def exact_match(run_dir: str, chat_file: str, limit: Optional[int] = None, step:
         from tqdm import tqdm
         it = tqdm(items, desc="answering", unit="q")
     rows, skipped = [], []
-    norm = lambda s: " ".join(s.lower().split())  # noqa: E731
     for s in it:
-        # the first user turn against the first assistant turn after it; a system turn before it is context
-        u = next((i for i, (r, _) in enumerate(s.messages) if r == "user"), None)
-        want = next((t for r, t in s.messages[u:] if r == "assistant"), None) if u is not None else None
-        if want is None:
-            skipped.append(f"{s.where}: no user turn followed by an assistant turn to score")
+        asked = first_question(s)
+        if isinstance(asked, str):
+            skipped.append(asked)
             continue
-        question, image = s.messages[u][1].replace(IMAGE, "").strip(), s.images[0] if s.images else None
+        history, text, images, want = asked
         try:
-            got = gen.answer(question, image, history=s.messages[:u], what=f"{s.where}: image")
+            got = gen.answer(text, images, max_new_tokens, history=history, what=f"{s.where}: image")
         except ConfigError as e:  # an image that does not decode: that question is skipped, and said
             skipped.append(str(e))
             continue
-        rows.append({"question": question, "image": image, "want": norm(want), "got": norm(got)})
+        rows.append(_scored(text, images[sum(t.count(IMAGE) for _, t in history):], want, got))
     n = max(1, len(rows))
     acc = sum(r["want"] == r["got"] for r in rows) / n
     constant = Counter(r["want"] for r in rows).most_common(1)[0] if rows else ("", 0)
@@ -118,7 +153,7 @@ def exact_match(run_dir: str, chat_file: str, limit: Optional[int] = None, step:
     for r in rows:
         by_q[r["question"]][r["want"]] += 1
     prior = sum(c.most_common(1)[0][1] for c in by_q.values()) / n
-    image_rows = [r for r in rows if r["image"]]
+    image_rows = [r for r in rows if r["images"]]
     out = {"n": len(rows), "exact_match": acc, "constant_answer": constant[0], "constant_baseline": constant[1] / n,
            "question_prior_baseline": prior,
            "exact_match_image_questions": sum(r["want"] == r["got"] for r in image_rows) / max(1, len(image_rows)),
@@ -129,9 +164,13 @@ def exact_match(run_dir: str, chat_file: str, limit: Optional[int] = None, step:
 
 
 def cmd_generate(args) -> int:
-    from mmpipe.cli.generate import Generator, exact_match
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: give 1 or more (the most tokens an answer gets)")
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit {args.limit}: give 1 or more (the most questions --eval scores), or leave it out "
+                          "for all")
     if args.eval:
-        r = exact_match(args.run, args.eval, args.limit, args.step)
+        r = exact_match(args.run, args.eval, args.limit, args.step, max_new_tokens=args.max_new_tokens)
         print(f"exact match {r['exact_match']:.3f} on {r['n']} held-out questions (image questions "
               f"{r['exact_match_image_questions']:.3f}); best constant answer '{r['constant_answer']}' "
               f"{r['constant_baseline']:.3f} ({r['exact_match'] / max(r['constant_baseline'], 1e-9):.1f}x); best "

@@ -28,9 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", help="the user's question")
     g.add_argument("--eval", metavar="CHAT_FILE", help="instead: exact-match accuracy on the first question of each "
                    "conversation in a chat file (vs constant-answer baselines); written to RUN/exact_match.json")
-    g.add_argument("--limit", type=int, default=None, help="with --eval: at most this many questions")
+    g.add_argument("--limit", type=int, default=None, help="with --eval: at most this many questions (1 or more)")
     g.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--max-new-tokens", type=int, default=32, help="at most this many tokens per answer, with --eval "
+                   "too (1 or more)")
     g.set_defaults(func=cmd_generate)
     e = sub.add_parser("export", help="a run's checkpoint (any layout) as a transformers directory (or mmpipe's "
                        "own format where transformers has no matching class)")

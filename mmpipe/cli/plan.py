@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from mmpipe.errors import ConfigError
 from mmpipe.planning.charts import write_memory_png, write_plan_png, write_png
 from mmpipe.planning.layouts import format_table, layouts_json, plan_layouts
 from mmpipe.planning.measure import _profile_for, format_plan, plan_all
@@ -12,17 +13,25 @@ from mmpipe.planning.measure import _profile_for, format_plan, plan_all
 
 def cmd_plan_world(args) -> int:
     """``mmpipe plan --world N [--memory-gb M]``: every layout of N ranks predicted, the fastest that
-    fits marked; layouts.json and layouts.png."""
+    fits marked; layouts.json and layouts.png. When none fits: the table, then one line."""
     from mmpipe.config.schema import load_config
     cfg = load_config(args.config, args.overrides)
     log = lambda m: print(f"[plan] {m}", flush=True)  # noqa: E731
     res = plan_layouts(cfg, args.world, args.memory_gb, use_cache=not args.no_cache, log=log,
-                       meta=True if args.meta else None)
+                       meta=True if args.meta else None, unfit_ok=True)
     what = ("sized on the meta device, predicted peak memory per rank (step times not predicted)" if res["meta"] else
             f"{res['threads']} thread(s) per rank, {res['comm'].backend}; predicted per optimizer step")
+    budget = res["memory_budget"] / 2**30
     print(f"{args.world} ranks, batch {cfg.train.batch_size}, micro-batch {res['micro_batch_size']}, "
-          f"{cfg.train.precision}, memory budget {res['memory_budget'] / 2**30:.2f} GB per rank; {what}:")
+          f"{cfg.train.precision}, memory budget {budget:.2f} GB per rank; {what}:")
     print(format_table(res["rows"], res["chosen"], cfg.train.batch_size, timed=not res["meta"]))
+    if res["chosen"] is None:
+        source = (f"--memory-gb {args.memory_gb:g}" if args.memory_gb is not None else
+                  f"parallel.memory_budget_gb={cfg.parallel.memory_budget_gb:g}" if cfg.parallel.memory_budget_gb
+                  else "the device's memory")
+        raise ConfigError(f"mmpipe plan: no layout of {args.world} ranks fits the {budget:.2f} GB per rank of "
+                          f"{source} (the table above gives each one's peak): raise it, give more ranks (--world), "
+                          "or freeze/shrink the model")
     print(f"\nchosen: {res['chosen'].name} ({res['why']})")
     out = args.out or os.path.join(cfg.train.output_dir, "plan")
     os.makedirs(out, exist_ok=True)
@@ -38,6 +47,9 @@ def cmd_plan_world(args) -> int:
     return 0
 
 
+TIMING_SKIP = 3  # steps left out of the measured step times (start-up, allocation)
+
+
 def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> str:
     """Predicted (from the profile, for the run's own parts) beside measured (its metrics)."""
     import json
@@ -45,18 +57,23 @@ def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> st
         run_plan = json.load(fh)
     parts, M = run_plan["parts"], run_plan.get("micro_batches")
     P = len(parts) - 1
-    _, prof = _profile_for(cfg, P, log=log, use_cache=use_cache)
     from mmpipe.planning.place import predict
-    from mmpipe.train.metrics import measured_from_run
-    sim = predict(prof, parts, M)
-    meas = measured_from_run(run_dir)
+    from mmpipe.train.metrics import measured_from_run, read_metrics
     lines = [f"{run_dir}: {P} stages, {M} micro-batches per step, parts {parts}",
-             "| | predicted | measured | error |", "|---|---|---|---|",
-             f"| step ms | {1e3 * sim.step_time:.1f} | {1e3 * meas['step_time']:.1f} | "
-             f"{100 * (sim.step_time / meas['step_time'] - 1):+.0f}% |"]
-    for s in range(P):
-        lines.append(f"| stage {s} idle | {sim.idle_frac[s]:.0%} | {meas['idle_frac'][s]:.0%} | "
-                     f"{100 * (sim.idle_frac[s] - meas['idle_frac'][s]):+.0f} pts |")
+             "| | predicted | measured | error |", "|---|---|---|---|"]
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    steps = len(read_metrics(metrics)) if os.path.isfile(metrics) else 0
+    if steps > TIMING_SKIP:  # the first steps (start-up, allocation) are not timed
+        _, prof = _profile_for(cfg, P, log=log, use_cache=use_cache)
+        sim, meas = predict(prof, parts, M), measured_from_run(run_dir, TIMING_SKIP)
+        lines.append(f"| step ms | {1e3 * sim.step_time:.1f} | {1e3 * meas['step_time']:.1f} | "
+                     f"{100 * (sim.step_time / meas['step_time'] - 1):+.0f}% |")
+        for s in range(P):
+            lines.append(f"| stage {s} idle | {sim.idle_frac[s]:.0%} | {meas['idle_frac'][s]:.0%} | "
+                         f"{100 * (sim.idle_frac[s] - meas['idle_frac'][s]):+.0f} pts |")
+    else:
+        note = (f"(no timing rows: the run has {steps} step(s); step times are compared after the first "
+                f"{TIMING_SKIP}, so a run of more than {TIMING_SKIP} steps is needed)")
     if os.path.isdir(os.path.join(run_dir, "memory")):  # a run with log.memory: its peaks per stage
         from mmpipe.planning.measure import run_memory
         from mmpipe.train.memory_meter import read_memory
@@ -66,7 +83,7 @@ def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> st
             p, m = pred[r["stage"]].total, r["peak"]["total"]
             lines.append(f"| rank {r['rank']} (stage {r['stage']}) peak MB | {p / 2**20:.1f} | {m / 2**20:.1f} | "
                          f"{100 * (p / m - 1):+.1f}% |")
-    return "\n".join(lines)
+    return "\n".join(lines + ([note] if steps <= TIMING_SKIP else []))
 
 
 def cmd_plan(args) -> int:
@@ -75,7 +92,6 @@ def cmd_plan(args) -> int:
     if args.run:  # the run's own resolved config: its model, micro-batch, precision
         saved = os.path.join(args.run, "config.yaml")
         if not os.path.isfile(saved) or not os.path.isfile(os.path.join(args.run, "plan.json")):
-            from mmpipe.errors import ConfigError
             raise ConfigError(f"mmpipe plan --run {args.run}: no config.yaml/plan.json there (a pipelined run's output_dir)")
         cfg = load_config(args.config or saved, args.overrides)
         print(compare_with_run(cfg, args.run, use_cache=not args.no_cache, log=log))
@@ -83,7 +99,6 @@ def cmd_plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
     stages = args.stages or cfg.parallel.pipeline_stages
     if stages < 2:
-        from mmpipe.errors import ConfigError
         raise ConfigError("mmpipe plan: parallel.pipeline_stages is 1; give --stages P (P >= 2) to plan a pipeline")
     plan = plan_all(cfg, stages, args.dp, args.threads, use_cache=not args.no_cache, log=log)
     chosen = cfg.parallel.placement if cfg.parallel.placement in plan["placements"] else "auto"
@@ -135,6 +150,11 @@ def add_parser(sub) -> None:
 def cmd_plan_any(args) -> int:
     """``mmpipe plan``: one pipeline's placements (``mmpipe.planning.measure``), or with --world every layout
     of N ranks (``mmpipe.planning.layouts``)."""
+    if args.world is not None and args.world < 1:
+        raise ConfigError(f"mmpipe plan --world {args.world}: give the number of ranks, 1 or more")
+    if args.memory_gb is not None and args.memory_gb <= 0:
+        raise ConfigError(f"mmpipe plan --memory-gb {args.memory_gb:g}: give the memory per rank in GB, more than 0 "
+                          "(or leave it out: parallel.memory_budget_gb, else the device's memory)")
     if args.world and not args.run:
         return cmd_plan_world(args)
     return cmd_plan(args)

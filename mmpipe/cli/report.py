@@ -1,7 +1,7 @@
 """``mmpipe report --run DIR``: PNG charts of a run's ``metrics.jsonl`` over steps, in DIR/report/:
-``loss.png`` (training loss, and the eval metrics when there are any), ``throughput.png``
-(samples/s and step time), ``stages.png`` (per-stage busy / data / idle share of each step) and
-``grad_norms.png`` (per-group gradient norms, and the clip limits' effect)."""
+``loss.png`` (training loss and eval losses on one axis; eval ratios such as accuracy or recall on a
+second), ``throughput.png`` (samples/s and step time), ``stages.png`` (per-stage busy / data / idle
+share of each step) and ``grad_norms.png`` (per-group gradient norms, and the clip limits' effect)."""
 from __future__ import annotations
 
 import os
@@ -39,22 +39,7 @@ def write_report(run_dir: str, out: str = None) -> list:
         plt.close(fig)
         written.append(p)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r.get("loss") for r in recs], label="train loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    skipped = [r["step"] for r in recs if r.get("skipped")]
-    for s in skipped:
-        ax.axvline(s, color="r", alpha=0.3)
-    if evals:
-        ax2 = ax.twinx()
-        for key in [k for k in evals[0] if k not in ("kind", "step", "n") and isinstance(evals[0][k], float)][:4]:
-            ax2.plot([e["step"] for e in evals], [e.get(key) for e in evals], "o--", label=f"eval {key}")
-        ax2.set_ylabel("eval")
-        ax2.legend(loc="upper right", fontsize=7)
-    ax.legend(loc="upper left", fontsize=7)
-    ax.set_title("loss" + (f" (red: {len(skipped)} skipped steps)" if skipped else ""))
-    save(fig, "loss.png")
+    save(_loss_chart(plt, recs, evals), "loss.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, [r.get("samples_per_sec") for r in recs], label="samples/s")
@@ -81,6 +66,33 @@ def write_report(run_dir: str, out: str = None) -> list:
     ax.set_title("per-group gradient norms")
     save(fig, "grad_norms.png")
     return written
+
+
+def _loss_chart(plt, recs: list, evals: list):
+    """The training loss, with the eval losses beside it on the loss axis (a VLM's ``val_loss``) and
+    the eval ratios (accuracy, recall) on a second axis."""
+    steps = [r["step"] for r in recs]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r.get("loss") for r in recs], label="train loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    skipped = [r["step"] for r in recs if r.get("skipped")]
+    for s in skipped:
+        ax.axvline(s, color="r", alpha=0.3)
+    keys = [k for k in (evals[0] if evals else {}) if k not in ("kind", "step", "n") and isinstance(evals[0][k], float)]
+    at = [e["step"] for e in evals]
+    for key in [k for k in keys if "loss" in k]:
+        ax.plot(at, [e.get(key) for e in evals], "o--", label=f"eval {key}")
+    ratios = [k for k in keys if "loss" not in k][:4]
+    if ratios:
+        ax2 = ax.twinx()
+        for i, key in enumerate(ratios):
+            ax2.plot(at, [e.get(key) for e in evals], "s:", color=f"C{i + 2}", label=f"eval {key}")
+        ax2.set_ylabel("eval (ratio)")
+        ax2.legend(loc="upper right", fontsize=7)
+    ax.legend(loc="upper left", fontsize=7)
+    ax.set_title("loss" + (f" (red: {len(skipped)} skipped steps)" if skipped else ""))
+    return fig
 
 
 def _pipeline_stages(run_dir: str) -> int:

@@ -343,13 +343,14 @@ def cores() -> int:
 def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: bool = True, log=print,
                  comm: Optional[CommModel] = None, refresh: bool = False,
                  refresh_comm: Optional[bool] = None, profile: Optional[dict] = None,
-                 meta: Optional[bool] = False) -> dict:
+                 meta: Optional[bool] = False, unfit_ok: bool = False) -> dict:
     """Profile (at the threads a rank of ``world`` gets; or take ``profile``), measure collectives
     (or take ``comm``), predict every layout; ``refresh`` / ``refresh_comm`` (default: ``refresh``):
     profile / time the collectives again, replacing the cached entries. ``meta``: size the model on
     the meta device (``meta_profile``): memory only, no step times, the simplest layout that fits
     chosen; None: when it has more than ``META_PARAMS`` parameters (``mmpipe plan``; a training run
-    profiles the real layers on its own device)."""
+    profiles the real layers on its own device). ``unfit_ok``: when no layout fits, "chosen" is None
+    rather than an error."""
     from deepspeed.accelerator import get_accelerator
 
     mbs = cfg.parallel.micro_batch_size
@@ -382,8 +383,11 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
                            family.segments(), memory_budget=budget, cores=cores() if on_cpu else None,
                            grouped_clip=grouped_clip, fetch_units=fetch_units(family),
                            checkpointing=checkpointing_choices(cfg))
-    best, why = choose(rows, tie=float("inf") if meta else TIE)
-    if meta:
+    if unfit_ok and not any(r.fits for r in rows):  # (mmpipe plan: the table all the same; chosen None)
+        best, why = None, "no layout fits"
+    else:
+        best, why = choose(rows, tie=float("inf") if meta else TIE)
+    if meta and best is not None:
         why = (f"the simplest layout that fits: {best.name}, peak {best.peak / 2**30:.1f} GB per rank (fewest stages, "
                "then the lowest ZeRO stage, then without checkpointing; step times not predicted: sized on the meta "
                "device)")
