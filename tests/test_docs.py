@@ -20,6 +20,7 @@ RULES = [  # (command regex, RUN or the reason it is not run here)
     (r"^mmpipe data synth ", RUN),
     (r"^python launch/train\.py --config configs/tiny_vlm\.yaml .*optim\.train_type=lora", RUN),
     (r"^mmpipe export --run runs/tiny_vlm ", RUN),
+    (r"^mmpipe export --run runs/demo ", "needs make demo's run; test_docs_python_snippet trains and exports one"),
     (r"^mmpipe data check ", RUN),
     (r"^mmpipe data prepare ", RUN),
     (r"^pip install ", "installs the package; .ci/run does it on a fresh machine"),
@@ -90,3 +91,31 @@ def test_docs_command(where, cmd, workdir):
         pytest.skip(what or "no rule")
     proc = subprocess.run(_argv(cmd), cwd=workdir, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{where}: {cmd}\n{(proc.stdout + proc.stderr)[-2000:]}"
+
+
+def python_snippets() -> list:
+    """(file, code) of every fenced python block of the README and docs/."""
+    out = []
+    for path in ["README.md", "ARCHITECTURE.md"] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
+        f = os.path.relpath(os.path.join(ROOT, path), ROOT)
+        out += [(f, m.group(1)) for m in re.finditer(r"```python\n(.*?)```", open(os.path.join(ROOT, f)).read(), re.S)]
+    return out
+
+
+@pytest.mark.parametrize("where,code", python_snippets(), ids=lambda v: v if v.endswith(".md") else None)
+def test_docs_python_snippet(where, code, tmp_path):
+    """Each Python snippet runs as written, in a directory holding what it names: ``runs/demo`` (the demo
+    config trained two steps at P = 1) and its ``mmpipe export --format mmpipe`` in ``exported/``."""
+    for name in ("configs", "launch", "ds_configs"):
+        os.symlink(os.path.join(ROOT, name), tmp_path / name)
+    steps = []
+    if "runs/demo" in code:
+        steps += [["mmpipe", "data", "synth", "--out", "data/synth", "--n", "120", "--size", "32"],
+                  ["python", "launch/train.py", "--config", "configs/demo.yaml", "--set", "parallel.pipeline_stages=1",
+                   "--set", "train.steps=2", "--set", "train.eval_every=0", "--set", "log.progress=false"]]
+    if "exported/" in code:
+        steps.append(["mmpipe", "export", "--run", "runs/demo", "--out", "exported/", "--format", "mmpipe"])
+    for argv in steps + [["python", "-c", code]]:
+        argv = [sys.executable, "-m", "mmpipe.cli.main"] + argv[1:] if argv[0] == "mmpipe" else [sys.executable] + argv[1:]
+        proc = subprocess.run(argv, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{where}: {' '.join(argv[:6])}\n{(proc.stdout + proc.stderr)[-2000:]}"
