@@ -231,3 +231,21 @@ def test_accelerate_launch_honours_mixed_precision_and_zero_stage(tiny_data, tmp
     assert saved["train"]["precision"] == "bf16" and saved["parallel"]["zero_stage"] == 1
     assert "Accelerate" in proc.stdout + proc.stderr  # the adoption is logged
     assert len(train_losses(out)) == 1 and np.isfinite(train_losses(out)).all()
+
+
+def test_a_taken_rendezvous_port_is_one_line_naming_master_port(tiny_data, tmp_path):
+    """The deepspeed launcher's default port already bound (another run): one line naming --master_port,
+    not torch's DistNetworkError traceback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        env = _env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port)})
+        env["RANK"], env["WORLD_SIZE"] = "0", "1"  # (_env drops them for launchers; this rank is launched)
+        proc = subprocess.run([sys.executable, TRAIN_PY, "--config", TINY, "--set", f"data.train={tiny_data['train']}",
+                               "--set", f"train.output_dir={tmp_path / 'run'}", "--set", "parallel.pipeline_stages=1"],
+                              env=env, capture_output=True, text=True, timeout=300)
+    err = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("[")]
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr[-2000:]
+    assert f"port {port} (MASTER_PORT) is already in use" in err[0] and "--master_port" in err[0]

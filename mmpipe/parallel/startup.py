@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from mmpipe.errors import ConfigError
 from mmpipe.parallel.cpu_process import keep_freed_memory
 from mmpipe.parallel.ds_compat import skip_cpu_shm_allreduce
 from mmpipe.parallel.topology import cpu_threads
@@ -43,7 +44,15 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> tuple[int, int]
         if get_accelerator().device_name() == "cpu":
             skip_cpu_shm_allreduce()
         kw = {"timeout": timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
-        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **kw)
+        try:
+            deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **kw)
+        except RuntimeError as e:  # torch's DistNetworkError: the rendezvous port is taken
+            if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
+                raise
+            port = os.environ.get("MASTER_PORT", "?")
+            raise ConfigError(f"port {port} (MASTER_PORT) is already in use, by another run or program: give the "
+                              "launcher another one (deepspeed --master_port N, torchrun --master_port N, accelerate "
+                              "launch --main_process_port N)") from None
     global CPU_THREADS
     if get_accelerator().device_name() == "cpu":
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or dist.get_world_size())
