@@ -112,3 +112,18 @@ def test_zero3_clip_is_active(runs, zero3_json):
                                   flags=["--stop-at", "3"])[0], 3)
     diff = max(float((clipped[k].detach().float() - unclipped[k].detach().float()).abs().max()) for k in unclipped)
     assert diff > 1e-3
+
+
+def test_zero3_vlm_with_text_only_micro_batches_trains_as_zero0(family_runs_of, zero3_json):
+    """DP = 2, micro-batch 1, a third of the samples text-only: one rank's micro-batch holds an image while the
+    other's holds none. Each vision block then runs on one zero row (output unused), so both ranks gather the
+    same ZeRO-3 parameters: no hang (DeepSpeed #7170), and the losses are ZeRO-0's."""
+    runs = family_runs_of("vlm")
+    sets = ["parallel.pipeline_stages=1", "parallel.micro_batch_size=1", "train.collective_timeout_minutes=2"]
+    z0 = runs.get("z0_vlm_mb1", 2, sets, flags=["--stop-at", "3"])[0]
+    z3 = runs.get("z3_vlm_mb1", 2, sets + ["parallel.zero_stage=3", f"train.deepspeed_config={zero3_json}"],
+                  flags=["--stop-at", "3"])[0]
+    a, b = [r["loss"] for r in read_metrics(os.path.join(z3, "metrics.jsonl"))], \
+        [r["loss"] for r in read_metrics(os.path.join(z0, "metrics.jsonl"))]
+    assert len(a) == len(b) == 3
+    np.testing.assert_allclose(a, b, rtol=1e-5)

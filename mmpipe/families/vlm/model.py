@@ -193,11 +193,13 @@ def vision_embed_step(part, acts):
 
 
 def _through(part, h):
-    """``h`` (holding no images) passed on, with a zero-weight path through ``part``'s parameters:
-    every layout gives them a zero gradient (not none) for a micro-batch without images, and the
-    tensor a pipeline stage sends keeps a gradient of its own."""
-    anchor = [p.reshape(-1)[:1].sum() for p in part.parameters() if p.requires_grad]
-    return h + sum(anchor).to(h.dtype) * 0.0 if anchor else h
+    """``h`` (holding no images) passed on, with a zero-weight path through ``part`` run on one zero
+    row: every layout gives its parameters a zero gradient (not none) for a micro-batch without
+    images, the tensor a pipeline stage sends keeps a gradient of its own, and under ZeRO-3 every
+    data-parallel rank runs the block's forward (its parameter gathers) whether its micro-batch
+    holds images or not (DeepSpeed #7170: ranks on different paths hang)."""
+    out = part(h.new_zeros((1,) + tuple(h.shape[1:])))
+    return h + out.sum() * 0.0
 
 
 def vision_block_step(part, acts):
