@@ -7,7 +7,7 @@ predicts the configured shape, the worst case a run must fit."""
 from __future__ import annotations
 
 import pytest
-from helpers import TINY_VLM, Runs
+from helpers import TINY, TINY_VLM, Runs
 
 import mmpipe
 from mmpipe.planning.measure import run_memory
@@ -59,6 +59,24 @@ def test_every_stage_peak_is_predicted_within_10_percent(memory_runs, name):
         assert abs(_dynamic(pred) / meas["dynamic"] - 1) < 0.15, (name, stage, pred, meas)
         assert abs(pred["weights"] / meas["weights"] - 1) < 0.02, (name, stage, pred, meas)
         assert abs(pred["optimizer"] / meas["optimizer"] - 1) < 0.02, (name, stage, pred, meas)
+
+
+def test_the_global_batch_loss_is_priced(tmp_path_factory):
+    """CLIP with global negatives at P = 1, global batch 2048 in 16 micro-batches of 128: the B x B loss
+    (5 fp32 matrices while computed, ~80 MB) is most of the peak; predicted within 10% of the live count,
+    and priced as its own moment (before the training pass, not on top of its activations)."""
+    sets = ["parallel.pipeline_stages=1", "parallel.micro_batch_size=128", "train.batch_size=2048",
+            "log.memory=true", "parallel.profile=false"]
+    from mmpipe.data.synth import synth
+    d = tmp_path_factory.mktemp("pairs2048")
+    data = synth(str(d), 2100, val_fraction=0.01, size=32, seed=3, progress=False)
+    out = Runs(tmp_path_factory.mktemp("mem_global"), data, TINY).get(
+        "b2048", 1, sets, "python", flags=["--stop-at", "1"])[0]
+    cfg = mmpipe.load_config(f"{out}/config.yaml")
+    (meas,), (pred,) = read_memory(out), run_memory(cfg, out, 1)
+    pred = pred.to_dict()
+    assert pred["loss"] > 2 * pred["activations"] and not pred["loss_in_training"], pred
+    assert abs(pred["total"] / meas["peak"]["total"] - 1) < 0.10, (pred, meas["peak"])
 
 
 @pytest.mark.parametrize("plain,ckpt", [("clip_p2", "clip_p2_ckpt")])

@@ -238,6 +238,11 @@ class Family:
         surrogate with the same gradients (``mmpipe.parallel.step_loss``)."""
         return False
 
+    # bytes per pair of the global batch that ``batch_loss`` and its backward hold at once (the memory
+    # model's B x B term): CLIP's softmax loss holds 5 fp32 B x B matrices at its peak (logits, a
+    # log-softmax per direction and their gradients; measured by LiveBytes: 20.0 bytes per pair)
+    step_loss_pair_bytes = 20
+
     def batch_loss(self, loss_module: nn.Module, features: torch.Tensor) -> torch.Tensor:
         """With ``step_loss``: the loss of a whole batch's features (rows = samples), computed by
         calling ``loss_module`` (the last layer's module, which holds the loss's parameters)."""

@@ -11,11 +11,11 @@ run by both strategies as a feature cache (GradCache; open_clip's ``--accum-freq
 4. the ordinary pass (1F1B in a pipeline, one micro-batch at a time at P = 1) recomputes each
    micro-batch's features with autograd and backpropagates a surrogate: n <features, their cached
    gradient>, n = A x D (DeepSpeed divides each micro-batch's loss by the A accumulation steps and
-   averages over the D data-parallel ranks), plus, on each rank's first micro-batch only, A times the
-   batch loss on the cached features, so that the loss module's own parameters (``logit_scale``) get
-   the batch loss's gradient exactly once. The surrogate's value is the batch loss. The B x B loss is
-   thus computed three times a step (the loss, its feature gradient, the loss module's gradient),
-   not once per micro-batch.
+   averages over the D data-parallel ranks), plus, on each rank's first micro-batch only, A <p, dL/dp>
+   for the loss module's own parameters p (``logit_scale``; dL/dp from step 3), so that they get the
+   batch loss's gradient exactly once. The surrogate's value is the batch loss. The B x B loss is
+   thus computed once a step (its value and every gradient in one backward), not once per
+   micro-batch, and nothing of it is kept past ``fill`` (its transient: ``planning.memory``).
 
 Cost: one extra forward of every stage, the features of the global batch on the last stage, and
 one all-gather of them; activations are held for one micro-batch at a time, as without it. A frozen
@@ -53,10 +53,12 @@ class StepLossCache:
             dist.all_gather(parts, local, group=self.group)
             local = torch.cat(parts)
         self.features = local
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
         with torch.enable_grad():
             feats = local.clone().requires_grad_(True)
             loss = self.family.batch_loss(self.module, feats)
-            self.grad, = torch.autograd.grad(loss, feats)
+            grads = torch.autograd.grad(loss, [feats] + self.params)
+        self.grad, self.param_grads = grads[0], [g.detach().float() for g in grads[1:]]
         self.loss = loss.detach().float()
         self.k = 0
 
@@ -68,7 +70,10 @@ class StepLossCache:
         first = self.k == 0
         self.k += 1
         s = self.A * self.D * (outputs.float() * self.grad[start:start + self.rows]).sum()
-        if first and any(p.requires_grad for p in self.module.parameters()):
+        if first and self.params and not any(hasattr(p, "ds_id") for p in self.params):
+            # A dL/dp through <p, A dL/dp>: no B x B graph kept until this micro-batch's backward
+            s = s + self.A * sum((p.float() * g).sum() for p, g in zip(self.params, self.param_grads))
+        elif first and self.params:  # ZeRO-3 partitions p: the loss module's forward gathers it
             s = s + self.A * self.family.batch_loss(self.module, self.features)
         return s + (self.loss - s).detach()
 

@@ -259,7 +259,10 @@ def _with_step_loss(prof: dict, family) -> dict:
         forward_only = prof.get("key", {}).get("forward_only", [])
         prof["step_loss"] = {"features_bytes": widen * layer_costs(prof)[-2].out_bytes,
                              # leading layers run once per step (parallel.step_loss.FirstPassMemo)
-                             "frozen_prefix": len(frozen_prefix(family.layer_names(), set(forward_only)))}
+                             "frozen_prefix": len(frozen_prefix(family.layer_names(), set(forward_only))),
+                             # the batch loss's B x B transient: rows per micro-batch, bytes per pair
+                             "rows": int(prof.get("key", {}).get("micro_batch_size") or 0),
+                             "pair_bytes": int(getattr(family, "step_loss_pair_bytes", 0))}
     return prof
 
 
@@ -277,16 +280,21 @@ def run_memory(cfg, run_dir: str, world: int, use_cache: bool = True, log=None) 
     """Predicted peak per stage (``MemoryBreakdown``) of a finished run: its resolved config, its
     plan's parts and micro-batches, the layer profile at its micro-batch shape (bytes only)."""
     import json
-    with open(os.path.join(run_dir, "plan.json")) as fh:
-        run_plan = json.load(fh)
-    parts, M = run_plan["parts"], run_plan["micro_batches"]
+    plan_file = os.path.join(run_dir, "plan.json")
+    if os.path.isfile(plan_file):
+        with open(plan_file) as fh:
+            run_plan = json.load(fh)
+        parts, M = run_plan["parts"], run_plan["micro_batches"]
+    else:  # P = 1 (no plan written): the whole model on each of ``world`` data-parallel ranks
+        parts, M = None, cfg.train.batch_size // (int(cfg.parallel.micro_batch_size) * world)
     if os.path.isdir(os.path.join(run_dir, "tokenizer")):  # the run's own vocabulary
         from dataclasses import replace as dc_replace
         cfg = replace(cfg, data=dc_replace(cfg.data, tokenizer=os.path.join(run_dir, "tokenizer")))
-    P = len(parts) - 1
+    P = len(parts) - 1 if parts else 1
     # bytes only: one untimed-quality pass is exact, and it is not cached (a plan must not time with it)
     family, prof = _profile_for(cfg, P, world // P, log=log or (lambda m: None), use_cache=False,
                                 measure_comm=False, passes=1, repeats=1)
+    parts = parts or [0, len(prof["layers"])]
     return stage_breakdown(layer_costs(prof), parts, M, cfg.train.precision, cfg.parallel.zero_stage, world // P,
                            schedule_of(prof))
 

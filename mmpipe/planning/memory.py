@@ -46,6 +46,8 @@ class Schedule:
     ties: tuple = ()  # (layer, layer, elements): one parameter in two layers, held once where both are
     batch_bytes: int = 0  # one micro-batch as loaded (inputs and labels): the step's are held by the stages that read data
     last_reads: bool = False  # the last stage reads the data too (a family with label fields)
+    loss_rows: int = 0  # a step loss: the rows of one micro-batch (the global batch B = rows x micro-batches x DP)
+    loss_pair_bytes: int = 0  # a step loss: bytes per pair of the global batch its loss holds at once (B x B)
 
 
 def schedule_of(prof: dict, checkpointing: Optional[bool] = None) -> Schedule:
@@ -56,7 +58,7 @@ def schedule_of(prof: dict, checkpointing: Optional[bool] = None) -> Schedule:
                     frozenset(prof.get("key", {}).get("forward_only", [])),
                     int(sl.get("features_bytes", 0)), int(sl.get("frozen_prefix", 0)),
                     tuple(tuple(t) for t in prof.get("ties", ())), int(prof.get("batch_bytes", 0)),
-                    bool(prof.get("last_reads", False)))
+                    bool(prof.get("last_reads", False)), int(sl.get("rows", 0)), int(sl.get("pair_bytes", 0)))
 
 
 @dataclass
@@ -70,13 +72,17 @@ class MemoryBreakdown:
     workspace: float = 0.0  # one layer's transient bytes in its forward/backward (profiled)
     step_workspace: float = 0.0  # the optimizer step's temporaries (AdamW: one fp32 tensor per parameter)
     features: float = 0.0  # a step loss's feature cache, a frozen prefix's memo, the step's batches
+    loss: float = 0.0  # a step loss over the global batch: its B x B transient while computed (last stage)
+    loss_in_training: bool = False  # computed while a micro-batch's activations are held (one pass at P = 1)
 
     @property
     def total(self) -> int:
-        """The larger of two moments: the last forward before the first backward (activations of every
-        micro-batch in flight) and the optimizer step (gradients complete, activations freed)."""
-        training = self.activations + self.buffers + self.workspace
-        return int(self.weights + self.grads + self.optimizer + self.features + max(training, self.step_workspace))
+        """The largest of three moments: the last forward before the first backward (activations of
+        every micro-batch in flight), the optimizer step (gradients complete, activations freed) and a
+        step loss's computation (before the training pass, or within it with one micro-batch per rank)."""
+        training = self.activations + self.buffers + self.workspace + (self.loss if self.loss_in_training else 0)
+        return int(self.weights + self.grads + self.optimizer + self.features
+                   + max(training, self.step_workspace, 0 if self.loss_in_training else self.loss))
 
     def to_dict(self) -> dict:
         return {**{k: int(v) for k, v in asdict(self).items()}, "total": self.total}
@@ -166,8 +172,20 @@ def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str
         trainable = sum(c.trainable for c in costs[a:b])
         step = 4 * trainable / (data_parallel if zero_stage >= 1 or (P > 1 and precision == "bf16") else 1)
         out.append(MemoryBreakdown(w, g, o, activation_bytes(costs, a, b, k, schedule), buffers, workspace, step,
-                                   _features(costs, s, P, micro_batches, data_parallel, schedule)))
+                                   _features(costs, s, P, micro_batches, data_parallel, schedule),
+                                   _step_loss(s, P, micro_batches, data_parallel, schedule), P == 1 and micro_batches == 1))
     return out
+
+
+def _step_loss(stage: int, stages: int, micro_batches: int, dp: int, sch: Schedule) -> float:
+    """A loss over the global batch (``parallel.step_loss.StepLossCache.fill``), on the last stage of
+    every data-parallel rank: ``loss_pair_bytes`` per pair of its B rows (CLIP's softmax: 5 fp32 B x B
+    matrices at the peak: the logits, a log-softmax per direction, their gradients) and a copy of the gathered features.
+    None when the step is one micro-batch on one rank (the loss layer then runs in the graph: profiled)."""
+    if not sch.loss_pair_bytes or stage != stages - 1 or micro_batches * dp == 1:
+        return 0.0
+    rows = sch.loss_rows * micro_batches * dp
+    return float(sch.loss_pair_bytes) * rows * rows + micro_batches * dp * sch.features_bytes
 
 
 def stage_memory(costs: list, parts: list, micro_batches: int, precision: str, zero_stage: int = 0,
