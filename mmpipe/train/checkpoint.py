@@ -4,6 +4,7 @@ the layer-name table of a pipelined run, each rank's RNG state, and the data pos
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import random
@@ -37,7 +38,7 @@ def layout_record(topo, cfg, layer_names: Optional[list], parts: Optional[list])
     return {"pipeline_stages": topo.pipeline_stages, "data_parallel": topo.data_parallel,
             "zero_stage": cfg.parallel.zero_stage, "placement": cfg.parallel.placement,
             "stages": stage_lists(layer_names, parts) if layer_names is not None else None,
-            "decay_split": 2 if cfg.model.type == "vlm" else 1}
+            "decay_split": 2 if cfg.model.type == "vlm" else 1, "precision": cfg.train.precision}
 
 
 # "decay_split": how parameters split into decayed / undecayed optimizer groups, which DeepSpeed's
@@ -54,17 +55,98 @@ def run_record(cfg, layout: dict, plan: Optional[dict] = None) -> dict:
     import deepspeed
     import transformers
 
-    return {"format": 1, "family": cfg.model.type, "model": cfg.to_dict()["model"], "layout": layout, "plan": plan,
+    return {"format": 1, "family": cfg.model.type, "model": absolute_paths(cfg.to_dict()["model"]), "layout": layout,
+            "plan": plan, "training": training_record(cfg),
             "versions": {"mmpipe": __version__, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
                          "transformers": transformers.__version__}}
+
+
+def absolute_paths(section: dict) -> dict:
+    """A config section with every ``pretrained`` directory as an absolute path: what a run saves
+    (config.yaml, the checkpoint record), so later commands do not depend on the launch directory."""
+    return {k: absolute_paths(v) if isinstance(v, dict) else
+            (os.path.abspath(v) if k == "pretrained" and isinstance(v, str) and v else v) for k, v in section.items()}
+
+
+def training_record(cfg) -> dict:
+    """The precision and the LoRA spec, by config key: a resume must keep the LoRA spec as it was."""
+    o = cfg.optim
+    out = {"train.precision": cfg.train.precision, "optim.train_type": o.train_type}
+    if o.train_type == "lora":
+        tm = [o.target_modules] if isinstance(o.target_modules, str) else list(o.target_modules)
+        out.update({"optim.lora_rank": o.lora_rank, "optim.lora_alpha": o.lora_alpha,
+                    "optim.lora_dropout": o.lora_dropout, "optim.target_modules": tm})
+    return out
+
+
+def check_training(tag_dir: str, saved: Optional[dict], now: dict) -> None:
+    """The checkpoint was trained with this run's train type and LoRA spec (one line naming the
+    setting otherwise); a record older than this check is taken as it is."""
+    if not saved:
+        return
+    keys = ["optim.train_type"]  # (a precision change resumes through the layout-free files: ``same_layout``)
+    if saved.get("optim.train_type") == now.get("optim.train_type") == "lora":
+        keys += ["optim.lora_rank", "optim.lora_alpha", "optim.lora_dropout", "optim.target_modules"]
+    diff = [k for k in keys if k in saved and saved[k] != now.get(k)]
+    if diff:
+        shown = ", ".join(f"{k}={_setting(saved[k])} at the checkpoint, {_setting(now.get(k))} now" for k in diff)
+        raise MmpipeError(f"--resume: {tag_dir} was trained with other settings ({shown}): resume with "
+                          f"{' '.join(f'--set {k}={_setting(saved[k])}' for k in diff)} (its config.yaml), or start "
+                          "a new train.output_dir")
+
+
+def _setting(v) -> str:
+    return "[" + ",".join(map(str, v)) + "]" if isinstance(v, list) else str(v)
+
+
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")  # what a fingerprint of a pretrained directory reads
+
+
+def _dir_digest(d: str) -> Optional[str]:
+    if not os.path.isdir(d):
+        return None
+    h = hashlib.sha256()
+    for f in sorted(os.listdir(d)):
+        if f.endswith(WEIGHT_FILES) and os.path.isfile(os.path.join(d, f)):
+            h.update(f.encode() + b"\0")
+            with open(os.path.join(d, f), "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 24), b""):  # noqa: B023 - read at once
+                    h.update(chunk)
+    return h.hexdigest()[:32]
+
+
+def base_fingerprint(model: dict) -> dict:
+    """{config key: {dir, digest}} of every pretrained directory of a ``model`` section: the weight
+    files' contents (sha256), what a LoRA run's frozen base is rebuilt from (a base without one is
+    the seeded init, fixed by the model config)."""
+    return {f"model.{k}": {"dir": os.path.abspath(d), "digest": _dir_digest(d)}
+            for k, d in sorted(_flat(model).items()) if k.rsplit(".", 1)[-1] == "pretrained" and d}
+
+
+def check_base(saved: Optional[dict], now: dict, where: str, config: str, prefix: str = "") -> None:
+    """The pretrained directories hold the frozen base the adapters in ``where`` were trained on."""
+    for key, rec in (saved or {}).items():
+        cur = now.get(key) or {"dir": None, "digest": None}
+        if cur["digest"] != rec["digest"]:
+            state = "is missing" if cur["dir"] and cur["digest"] is None else "differs from the base trained on"
+            raise MmpipeError(f"{prefix}{key}={cur['dir']} {state}: the LoRA adapters in {where} were trained on the "
+                              f"weight files of {rec['dir']} as they were then (another fingerprint); point {key} "
+                              f"({config}) at that base")
 
 
 def read_record(tag_dir: str) -> Optional[dict]:
     path = os.path.join(tag_dir, RECORD_FILE)
     if not os.path.isfile(path):
         return None  # written by an mmpipe before the record existed
+    return _readable(path, lambda: _json_dict(path), prefix="")
+
+
+def _json_dict(path: str) -> dict:
     with open(path) as fh:
-        return json.load(fh)
+        out = json.load(fh)
+    if not isinstance(out, dict):
+        raise ValueError(f"not a JSON object ({type(out).__name__})")
+    return out
 
 
 def saved_layout(root: str) -> Optional[dict]:
@@ -97,7 +179,9 @@ def _describe(layout: dict) -> str:
 def same_layout(saved: dict, current: dict) -> bool:
     """Whether DeepSpeed's own per-stage files fit this run (else the layout-free path)."""
     keys = ["pipeline_stages", "zero_stage", "stages"] + (["data_parallel"] if saved["zero_stage"] > 0 else [])
+    # another precision: DeepSpeed's optimizer wrappers differ (fp32, bf16, fp16): the layout-free path
     return (saved.get("decay_split", 1) == current.get("decay_split", 1)
+            and saved.get("precision", current.get("precision")) == current.get("precision")
             and all(saved.get(k) == current.get(k) for k in keys))
 
 
@@ -378,13 +462,56 @@ def check_model(tag_dir: str, model: dict) -> None:
     record = read_record(tag_dir)
     if not record or "model" not in record:
         return
-    saved, now = _flat(record["model"]), _flat(model)
+    saved, now = _flat(absolute_paths(record["model"])), _flat(absolute_paths(model))
     diff = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
     if diff:
         shown = ", ".join(f"model.{k}: {saved.get(k)!r} saved, {now.get(k)!r} now" for k in diff[:3])
         raise MmpipeError(f"--resume: {tag_dir} was saved by another model config ({shown}"
                           f"{' ...' if len(diff) > 3 else ''}); resume with the config it was trained with "
                           "(its config.yaml), or start a new train.output_dir")
+
+
+def check_adapters(tag_dir: str, named_params, stages: Optional[list], aliases: dict) -> None:
+    """A LoRA checkpoint (frozen base left out) loads non-strictly: only if every weight of this
+    rank it lacks is a frozen one, every adapter it holds for this rank's layers is one of this
+    run's, of the same shape (one line otherwise: resumed with other target modules, another rank
+    or other frozen groups, its adapters would be dropped)."""
+    saved = _readable(tag_dir, lambda: load_model_weights(os.path.dirname(tag_dir), os.path.basename(tag_dir)))
+    from mmpipe.families.lora import is_adapter
+    mine = dict(named_params)
+    layers = None if not stages else [n for st in stages for n in st if any(k.startswith(n + ".") for k in mine)]
+    missing = [n for n, p in mine.items() if p.requires_grad and n not in saved and aliases.get(n) not in saved]
+    extra = [k for k in saved if k not in mine and is_adapter(k)
+             and (layers is None or any(k.startswith(n + ".") for n in layers))]
+    shape = [k for k in saved if k in mine and tuple(saved[k].shape) != tuple(mine[k].shape)]
+    if missing or extra or shape:
+        said = [f"{what} {', '.join(ks[:2])}{' ...' if len(ks) > 2 else ''}"
+                for what, ks in (("lacks", missing), ("holds adapters this run has not:", extra),
+                                 ("holds other shapes for", shape)) if ks]
+        raise MmpipeError(f"--resume: {tag_dir} {'; '.join(said)}: resume with the LoRA settings it was trained with "
+                          "(optim.target_modules, optim.lora_rank, the freeze_* flags: its config.yaml), or start a "
+                          "new train.output_dir")
+
+
+def check_resume(root: str, current: dict, packing: Optional[bool]) -> None:
+    """Before a resume loads anything: the latest checkpoint was trained with this run's precision
+    and LoRA spec, on the same frozen base (when ``current`` holds its fingerprint: rank 0), and its
+    data position counts what this run's does (``data.packing``: packs or samples)."""
+    tag_dir = os.path.join(root, latest_tag(root, prefix="--resume: "))
+    check_complete(tag_dir)
+    record = read_record(tag_dir)
+    if not record:
+        return
+    check_training(tag_dir, record.get("training"), current.get("training") or {})
+    if record.get(FROZEN_EXCLUDED, False) and current.get("frozen_base") is not None:
+        check_base(record.get("frozen_base"), current["frozen_base"], tag_dir, "in the config resumed with",
+                   "--resume: ")
+    saved = ((record.get("client") or {}).get("data_position") or {}).get("packing")
+    if saved is not None and packing is not None and bool(saved) != bool(packing):
+        counts = "packs" if saved else "samples"
+        raise MmpipeError(f"--resume: {tag_dir}'s data position counts {counts} (data.packing={str(saved).lower()}), "
+                          f"this run has data.packing={str(packing).lower()}: the rest of its epoch cannot be found; "
+                          f"resume with data.packing={str(saved).lower()}, or start a new train.output_dir")
 
 
 def _readable(what: str, fn, prefix: str = "--resume: ", fix: str = "point latest at an earlier checkpoint"):
@@ -404,21 +531,23 @@ def load(engine, root: str, layout: Optional[dict] = None, inner=None, named_par
     """Load the latest checkpoint into ``engine``: in the layout it was saved in, DeepSpeed's own
     files (and this rank's RNG); in another (P, DP, ZeRO stage, stage boundaries), the plain
     weights and layout-free optimizer state (``load_elsewhere``). Returns the client state."""
-    if not os.path.isfile(os.path.join(root, "latest")):
-        raise MmpipeError(f"--resume: no checkpoint in {root} (no 'latest' file); run without --resume first")
-    tag_dir = os.path.join(root, latest_tag(root))
+    tag_dir = os.path.join(root, latest_tag(root, prefix="--resume: "))
     check_complete(tag_dir)
     if model is not None:
         check_model(tag_dir, model)
     saved = saved_layout(root)
     record = read_record(tag_dir)
+    if (record or {}).get(FROZEN_EXCLUDED, False) and named_params is not None:
+        check_adapters(tag_dir, named_params, (layout or {}).get("stages"), aliases or {})
     if layout is not None and saved is not None and not same_layout(saved, layout):
         if not has_plain_optimizer(tag_dir):
             check_layout(saved, layout, tag_dir)
         client = record_client(record)
         _readable(tag_dir, lambda: load_elsewhere(engine, inner, named_params, tag_dir, client["step"], aliases))
         return client
-    strict = not (record or {}).get(FROZEN_EXCLUDED, False)  # else the frozen base is the model's own, as built
+    # a LoRA checkpoint leaves the frozen base out (the model's own, as built): non-strict, once
+    # ``check_adapters`` found every missing weight frozen and every saved adapter in this run
+    strict = not (record or {}).get(FROZEN_EXCLUDED, False)
     path, client = _readable(tag_dir, lambda: engine.load_checkpoint(root, load_lr_scheduler_states=True,
                                                                       load_optimizer_states=True,
                                                                       load_module_strict=strict))
@@ -427,7 +556,7 @@ def load(engine, root: str, layout: Optional[dict] = None, inner=None, named_par
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng = os.path.join(tag_dir, f"rng_rank{rank}.pt")
     if os.path.isfile(rng):
-        _set_rng_state(torch.load(rng, weights_only=False))
+        _readable(rng, lambda: _set_rng_state(torch.load(rng, weights_only=False)))
     # the run's records (bad samples, data position, counters) as rank 0 wrote them, the same on every rank
     return {**(client or {}), **(record_client(record) if record else {})}
 
@@ -447,8 +576,7 @@ def check_complete(tag_dir: str, prefix: str = "--resume: ") -> None:
                           "checkpoint" + (" or run without --resume" if prefix else ""))
     if not os.path.isfile(marker):
         return
-    with open(marker) as fh:
-        files = json.load(fh).get("files", [])
+    files = _readable(marker, lambda: _json_dict(marker).get("files", []), prefix=prefix)
     missing = [f for f in files if not os.path.exists(os.path.join(tag_dir, f))]
     if missing:
         raise MmpipeError(f"{prefix}checkpoint {tag_dir} is incomplete: {', '.join(missing[:4])}"
@@ -456,10 +584,31 @@ def check_complete(tag_dir: str, prefix: str = "--resume: ") -> None:
                           "earlier checkpoint")
 
 
-def latest_tag(root: str) -> str:
+def complete_tags(root: str) -> list:
+    """The checkpoints of ``root`` marked complete, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    return sorted((t for t in os.listdir(root) if _step_of(t) >= 0 and is_complete(os.path.join(root, t))),
+                  key=_step_of)
+
+
+def point_latest(root: str) -> str:
+    """How to continue from complete checkpoints that no ``latest`` file names ('' when there is none)."""
+    tags = complete_tags(root)
+    if not tags:
+        return ""
+    return (f"{root} has no 'latest' file but holds the complete checkpoint(s) {', '.join(tags[-4:])}: point latest "
+            f"at one (echo {tags[-1]} > {os.path.join(root, 'latest')})")
+
+
+def latest_tag(root: str, prefix: str = "") -> str:
     f = os.path.join(root, "latest")
     if not os.path.isfile(f):
-        raise MmpipeError(f"no checkpoint in {root} (no 'latest' file)")
+        found = point_latest(root)
+        if found:
+            raise MmpipeError(f"{prefix}{found}" + (", then --resume" if prefix else ""))
+        raise MmpipeError(f"{prefix}no checkpoint in {root} (no 'latest' file)"
+                          + ("; run without --resume first" if prefix else ""))
     return open(f).read().strip()
 
 
@@ -489,14 +638,16 @@ def load_weights(path: str, step: Optional[int] = None) -> dict:
     check_complete(tag_dir, prefix="")
     weights = _readable(tag_dir, lambda: load_model_weights(root, tag), prefix="",
                         fix="read an earlier checkpoint (--step)")
-    if (read_record(tag_dir) or {}).get(FROZEN_EXCLUDED, False):
-        weights = {**frozen_base(root), **weights}
+    record = read_record(tag_dir) or {}
+    if record.get(FROZEN_EXCLUDED, False):
+        weights = {**frozen_base(root, record.get("frozen_base"), tag_dir), **weights}
     return weights
 
 
-def frozen_base(root: str) -> dict:
+def frozen_base(root: str, fingerprint: Optional[dict] = None, where: Optional[str] = None) -> dict:
     """The weights a LoRA checkpoint leaves out: the frozen base, rebuilt from the run's config as the
-    run built it (pretrained directories, or the seeded init)."""
+    run built it (pretrained directories, or the seeded init); ``fingerprint`` (the checkpoint's
+    record of its pretrained directories) refuses another base in one line."""
     from mmpipe.config.registry import build_family
     from mmpipe.config.schema import load_config
     cfg_path = os.path.join(os.path.dirname(os.path.normpath(root)), "config.yaml")
@@ -504,7 +655,9 @@ def frozen_base(root: str) -> dict:
         raise MmpipeError(f"{root}: the checkpoint holds the adapters only (a LoRA run) and the run's config.yaml, "
                           f"which rebuilds its frozen base, is not beside it ({cfg_path})")
     from mmpipe.families.lora import is_adapter
-    model = build_family(load_config(cfg_path)).plain_model()
+    cfg = load_config(cfg_path)
+    check_base(fingerprint, base_fingerprint(cfg.to_dict()["model"]), where or root, cfg_path)
+    model = build_family(cfg).plain_model()
     return {k: v for k, v in model.state_dict().items() if not is_adapter(k)}
 
 

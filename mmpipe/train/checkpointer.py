@@ -21,6 +21,17 @@ class Checkpointer:
         self.dir = os.path.join(run.out_dir, "checkpoints")
         self.last_save_time = time.time()
         self.timed_due = False  # rank 0's clock passed save_every_minutes (agreed in the step's gather)
+        # a LoRA run's frozen base never changes: its checkpoints hold the adapters (and the optimizer
+        # state, the schedule, the data position); ZeRO-3 partitions keep everything
+        self.exclude_frozen = run.family.lora is not None and run.cfg.parallel.zero_stage < 3
+        self._base = None
+
+    def record(self) -> dict:
+        """The run record a checkpoint carries; with the frozen base left out, rank 0 adds the
+        fingerprint of the pretrained directories it is rebuilt from (read once: their weight files)."""
+        if self.exclude_frozen and self.run.rank == 0 and self._base is None:
+            self._base = checkpoint.base_fingerprint(self.run.cfg.to_dict()["model"])
+        return {**self.eng.record, "frozen_base": self._base} if self._base is not None else self.eng.record
 
     def clock_due(self) -> bool:
         minutes = self.run.cfg.train.save_every_minutes
@@ -45,7 +56,9 @@ class Checkpointer:
         if not run.resume:
             return {"step": 0, "skipped_steps": 0, "data_position": None}
         ties = {a: b for pair in run.family.tied_weights() for a, b in (pair, pair[::-1])}
-        model = run.cfg.to_dict()["model"]
+        model = checkpoint.absolute_paths(run.cfg.to_dict()["model"])
+        current, packing = self.record(), bool(getattr(run.cfg.data, "packing", False))
+        agree(run.rank, lambda: checkpoint.check_resume(self.dir, current, packing))
         client = agree(run.rank, lambda: checkpoint.load(eng.engine, self.dir, eng.layout, eng.inner,
                                                          eng.named_params, ties, model))
         ledger.load_state_dict(client.get("data") or {})
@@ -58,12 +71,12 @@ class Checkpointer:
 
     def save(self, step: int, ledger: BadSampleLedger, skipped: int, position) -> None:
         eng, run = self.eng, self.run
+        if position is not None:  # what the position counts: packs or samples (a resume must count the same)
+            position = {**position, "packing": bool(getattr(run.cfg.data, "packing", False))}
         checkpoint.save(eng.engine, self.dir, step, {"bad_samples": ledger.count, "data": ledger.state_dict(),
                                                      "skipped_steps": skipped, "batch_size": run.topo.batch_size,
                                                      "data_position": position},
-                        eng.layer_names, eng.parts, keep=run.cfg.train.keep_checkpoints, record=eng.record,
+                        eng.layer_names, eng.parts, keep=run.cfg.train.keep_checkpoints, record=self.record(),
                         plain_optimizer=(eng.inner, eng.named_params, run.where.stage, run.where.dp_rank),
-                        # a LoRA run's frozen base never changes: its checkpoints hold the adapters (and the
-                        # optimizer state, the schedule, the data position); ZeRO-3 partitions keep everything
-                        exclude_frozen=run.family.lora is not None and run.cfg.parallel.zero_stage < 3)
+                        exclude_frozen=self.exclude_frozen)
         self.last_save_time, self.timed_due = time.time(), False

@@ -98,6 +98,7 @@ def export(run_dir: str, out: str, step: Optional[int] = None, dtype: str = "fp3
 
 
 HF_MARKER = "mmpipe_hf_export.json"  # what an mmpipe export in transformers' format writes beside it
+BASE_DIR = "base"  # a LoRA adapter directory's base model, inside it (adapter_config.json names it relatively)
 
 
 def _written_by_export(path: str) -> bool:
@@ -142,10 +143,10 @@ def _write_adapter(cfg, family, spec, base: dict, adapters: dict, tok, out: str,
         raise ConfigError(f"a LoRA run of model.type={cfg.model.type}: mmpipe writes peft adapter directories for the "
                           "VLM only; export with --merge (full weights)")
     # the base as the run trained on it (its generation config stops at the end of a turn), written beside
-    base_dir = os.path.join(final, "base")
-    (model.to(torch.bfloat16) if dtype == "bf16" else model).save_pretrained(os.path.join(out, "base"))
-    processor.save_pretrained(os.path.join(out, "base"))
-    with open(os.path.join(out, "base", HF_MARKER), "w") as fh:
+    base_dir = os.path.join(final, BASE_DIR)
+    (model.to(torch.bfloat16) if dtype == "bf16" else model).save_pretrained(os.path.join(out, BASE_DIR))
+    processor.save_pretrained(os.path.join(out, BASE_DIR))
+    with open(os.path.join(out, BASE_DIR, HF_MARKER), "w") as fh:
         json.dump({"format": "transformers", "class": type(model).__name__, "mmpipe_version": __version__}, fh)
     hf_names = {k: family.hf.adapter_name(k) for k in adapters}
     modules = sorted({n.split(".lora_")[0] for n in hf_names.values()})
@@ -155,15 +156,17 @@ def _write_adapter(cfg, family, spec, base: dict, adapters: dict, tok, out: str,
     with torch.no_grad():
         for k, v in adapters.items():
             params[hf_names[k]].copy_(v)
-    peft_model.peft_config["default"].base_model_name_or_path = os.path.abspath(base_dir)
+    # relative: the directory moves or is copied whole (peft and transformers read the path from the
+    # working directory: AutoPeftModel.from_pretrained(".") inside it; PeftModel.from_pretrained with
+    # OUT/base from anywhere)
+    peft_model.peft_config["default"].base_model_name_or_path = BASE_DIR
     if dtype == "bf16":
         peft_model = peft_model.to(torch.bfloat16)
     peft_model.save_pretrained(out)
     processor.save_pretrained(out)
     with open(os.path.join(out, HF_MARKER), "w") as fh:
-        json.dump({"format": "peft", "class": "PeftModel", "base": os.path.abspath(base_dir),
-                   "mmpipe_version": __version__}, fh)
-    return "PeftModel", f"LoRA adapters on {type(model).__name__} from {os.path.abspath(base_dir)}"
+        json.dump({"format": "peft", "class": "PeftModel", "base": BASE_DIR, "mmpipe_version": __version__}, fh)
+    return "PeftModel", f"LoRA adapters on {type(model).__name__} from {base_dir}"
 
 
 def _save_own(cfg, family, state: dict, tok, out: str) -> None:

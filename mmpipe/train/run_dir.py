@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from mmpipe.config.schema import save_yaml
+import yaml
+
 from mmpipe.errors import ConfigError
 from mmpipe.parallel.plan import stage_lists
 from mmpipe.train import checkpoint
@@ -27,6 +28,10 @@ def check_run_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
             raise ConfigError(f"train.output_dir={out_dir} already holds a run (checkpoint "
                               f"{open(latest).read().strip()}): continue it with --resume, replace it with --overwrite, "
                               "or set another train.output_dir")
+        found = checkpoint.point_latest(os.path.join(out_dir, "checkpoints"))
+        if found:  # a run that lost its 'latest' file: --overwrite would delete its checkpoints
+            raise ConfigError(f"train.output_dir={out_dir} already holds a run: {found} and continue it with --resume "
+                              "(--overwrite would delete them), or set another train.output_dir")
         raise ConfigError(f"train.output_dir={out_dir} already holds a run without a checkpoint ({', '.join(held)}): "
                           "replace it with --overwrite, or set another train.output_dir")
 
@@ -76,7 +81,15 @@ def write_run_files(run, eng, start_step: int):
     writer = (MetricsWriter(out, cfg.train.steps, start_step, progress=cfg.log.progress,
                             tensorboard=cfg.log.tensorboard, every=cfg.log.every) if run.is_reporter else NullWriter())
     if run.rank == 0:
-        save_yaml(cfg, os.path.join(out, "config.yaml"))
+        # pretrained directories as absolute paths: export, generate, load_weights and a resume rebuild
+        # the model (a LoRA run's frozen base) from them, from any working directory
+        saved = cfg.to_dict()
+        saved["model"] = checkpoint.absolute_paths(saved["model"])
+        for key in ("tokenizer", "cache"):
+            if saved["data"].get(key):
+                saved["data"][key] = os.path.abspath(saved["data"][key])
+        with open(os.path.join(out, "config.yaml"), "w") as fh:
+            yaml.safe_dump(saved, fh, sort_keys=False)
         with open(os.path.join(out, "ds_config.json"), "w") as fh:
             json.dump(run.where.ds_cfg, fh, indent=2)
         if run.layout_doc is not None:  # parallel.layout=auto: what it chose and why
