@@ -22,6 +22,8 @@ import mmpipe
 from mmpipe.errors import MmpipeError
 from mmpipe.train import checkpoint
 
+pytestmark = pytest.mark.dist  # every test reads the LoRA run the module's fixture trains (subprocesses)
+
 LORA = ["optim.train_type=lora", "optim.lora_dropout=0", "optim.target_modules=[q_proj,k_proj]", "train.steps=4",
         "model.pretrained=llava_base", "data.tokenizer=llava_base"]
 

@@ -159,10 +159,16 @@ def _write_adapter(cfg, family, spec, base: dict, adapters: dict, tok, out: str,
     # relative: the directory moves or is copied whole (peft and transformers read the path from the
     # working directory: AutoPeftModel.from_pretrained(".") inside it; PeftModel.from_pretrained with
     # OUT/base from anywhere)
-    peft_model.peft_config["default"].base_model_name_or_path = BASE_DIR
+    # (saved with the written base's path, which peft reads for its vocabulary check, then made relative)
+    peft_model.peft_config["default"].base_model_name_or_path = os.path.abspath(os.path.join(out, BASE_DIR))
     if dtype == "bf16":
         peft_model = peft_model.to(torch.bfloat16)
     peft_model.save_pretrained(out)
+    with open(os.path.join(out, "adapter_config.json")) as fh:
+        adapter_cfg = json.load(fh)
+    adapter_cfg["base_model_name_or_path"] = BASE_DIR
+    with open(os.path.join(out, "adapter_config.json"), "w") as fh:
+        json.dump(adapter_cfg, fh, indent=2, sort_keys=True)
     processor.save_pretrained(out)
     with open(os.path.join(out, HF_MARKER), "w") as fh:
         json.dump({"format": "peft", "class": "PeftModel", "base": BASE_DIR, "mmpipe_version": __version__}, fh)
