@@ -158,11 +158,13 @@ def test_bert_and_frozen_towers_train_like_one_micro_batch(runs, name, extra):
 
 def test_dropout_under_data_parallelism_draws_each_micro_batchs_own_masks(runs):
     """BERT dropout 0.1: rank r's micro-batches draw the masks of their index in the step (r x A + k),
-    so DP2 x 2 micro-batches trains as one process over the same 4 micro-batches."""
+    so DP2 x 2 micro-batches, at P = 1 and on two stages, trains as one process over the same 4."""
     extra = ["model.text.arch=bert", "model.text.dropout=0.1"]
     p1 = _steps4(runs, "gn_p1x4_dropout", 1, ["parallel.pipeline_stages=1"] + extra, "python")
     dp2 = _steps4(runs, "gn_dp2x2_dropout", 2, ["parallel.pipeline_stages=1", "parallel.micro_batch_size=4"] + extra)
     _assert_same_training(dp2, p1)
+    p2dp2 = _steps4(runs, "gn_p2dp2_dropout", 4, ["parallel.pipeline_stages=2", "parallel.zero_stage=1"] + extra)
+    _assert_same_training(p2dp2, p1)
 
 
 def test_micro_batch_negatives_train_differently(runs):

@@ -23,8 +23,8 @@ def _norm(name: str) -> str:
 
 
 def imported_modules(root: str) -> dict:
-    """Top-level module name -> the first file importing it (absolute imports only)."""
-    out = {}
+    """Top-level module name -> the files importing it (absolute imports only)."""
+    out: dict = {}
     for d, _, files in os.walk(root):
         for f in sorted(files):
             if not f.endswith(".py"):
@@ -34,13 +34,13 @@ def imported_modules(root: str) -> dict:
                 names = [a.name for a in n.names] if isinstance(n, ast.Import) else \
                     [n.module] if isinstance(n, ast.ImportFrom) and not n.level and n.module else []
                 for m in names:
-                    out.setdefault(m.split(".")[0], os.path.relpath(path, ROOT))
+                    out.setdefault(m.split(".")[0], set()).add(os.path.relpath(path, root))
     return out
 
 
-def declared_distributions(setup_py: str) -> set:
-    """Every distribution setup.py names (install_requires and extras) and, as installed here,
-    everything those require."""
+def declared_distributions(setup_py: str, extras: bool = True) -> set:
+    """Every distribution setup.py names (install_requires, and with ``extras`` its extras) and, as
+    installed here, everything those require."""
     import setuptools
     seen = {}
 
@@ -51,7 +51,8 @@ def declared_distributions(setup_py: str) -> set:
         exec(compile(open(setup_py).read(), setup_py, "exec"), {"__name__": "__setup__"})
     finally:
         setuptools.setup = real
-    reqs = list(seen.get("install_requires", [])) + [r for rs in seen.get("extras_require", {}).values() for r in rs]
+    reqs = list(seen.get("install_requires", []))
+    reqs += [r for rs in seen.get("extras_require", {}).values() for r in rs] if extras else []
     todo, closure = [_norm(re.match(r"[A-Za-z0-9_.\-]+", r).group(0)) for r in reqs], set()
     while todo:
         n = todo.pop()
@@ -66,15 +67,20 @@ def declared_distributions(setup_py: str) -> set:
     return closure
 
 
-def undeclared(root: str, setup_py: str) -> dict:
-    want, dist_of = declared_distributions(setup_py), md.packages_distributions()
-    missing = {}
-    for m, where in sorted(imported_modules(root).items()):
+def undeclared(root: str, setup_py: str, optional: tuple = ("bench",)) -> dict:
+    """Imports setup.py does not install: the package's own modules need ``install_requires``; those
+    under an ``optional`` folder (the benches, whose peers come with ``[peers]``) may use an extra."""
+    core, everything = declared_distributions(setup_py, extras=False), declared_distributions(setup_py)
+    dist_of, missing = md.packages_distributions(), {}
+    for m, files in sorted(imported_modules(root).items()):
         if m in sys.stdlib_module_names or m == os.path.basename(root) or m == "__future__":
             continue
         dists = [_norm(d) for d in dist_of.get(m, [])] or [_norm(ALIAS.get(m, m))]
-        if not any(d in want for d in dists):
-            missing[m] = f"{where} imports {m} (distribution {'/'.join(dists)})"
+        for f in sorted(files):
+            want = everything if f.split(os.sep)[0] in optional else core
+            if not any(d in want for d in dists):
+                missing[m] = f"{f} imports {m} (distribution {'/'.join(dists)})"
+                break
     return missing
 
 
@@ -87,9 +93,12 @@ def test_the_check_finds_an_undeclared_import(tmp_path):
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "a.py").write_text("import torch\n\ndef f():\n    import peft\n    from yaml import safe_load\n")
-    (tmp_path / "setup.py").write_text('from setuptools import setup\nsetup(name="pkg", install_requires=["torch"])\n')
+    (pkg / "bench").mkdir()
+    (pkg / "bench" / "b.py").write_text("import pytest\n")
+    (tmp_path / "setup.py").write_text('from setuptools import setup\nsetup(name="pkg", install_requires=["torch"], '
+                                       'extras_require={"x": ["pyyaml", "pytest"]})\n')
     missing = undeclared(str(pkg), str(tmp_path / "setup.py"))
-    assert set(missing) == {"peft", "yaml"}
+    assert set(missing) == {"peft", "yaml"}  # yaml only in an extra, imported by a core module; pytest: a bench's
 
 
 def test_lora_without_peft_is_one_line_before_the_run_dir_is_written(tiny_chat_data, tmp_path, monkeypatch):

@@ -64,11 +64,6 @@ def resolve_groups(optim_cfg, family) -> list[Group]:
     out = []
     for name, g in optim_cfg.groups.items():
         frozen = bool(g.freeze or shortcuts.get(name, False))
-        flag = next((f for f in LR_FLAGS if lrs.get(name) is not None and family.lr_shortcuts.get(f) == name), None)
-        if frozen and flag:  # an lr for a group that gets no gradient would be ignored
-            why = "LoRA's default for it (optim.freeze_vit / freeze_aligner unset)" if lora else "it is frozen"
-            raise ConfigError(f"optim.{flag}={lrs[name]} is set but the {name} group trains nothing ({why}): set its "
-                              "freeze flag to false to train it, or drop the lr")
         for p in g.patterns:
             try:
                 re.compile(p)
@@ -132,6 +127,25 @@ def mark_embedding_tables(module: torch.nn.Module) -> int:
 
 def _adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name  # (mmpipe.families.lora.is_adapter; config sits below families)
+
+
+def check_frozen_lrs(optim_cfg, family, groups: list) -> None:
+    """An lr given to a group that trains nothing (frozen, or LoRA's default for the ViT / aligner)
+    would be ignored: one line (checked when a run starts; a saved run still loads)."""
+    lora = getattr(optim_cfg, "train_type", "full") == "lora"
+    for g in groups:
+        if not g.frozen:
+            continue
+        flag = next((f for f in LR_FLAGS if getattr(optim_cfg, f) is not None and family.lr_shortcuts.get(f) == g.name),
+                    None)
+        given = f"optim.{flag}={getattr(optim_cfg, flag)}" if flag else None
+        if given is None and g.name in optim_cfg.groups and optim_cfg.groups[g.name].lr is not None:
+            given = f"optim.groups.{g.name}.lr={optim_cfg.groups[g.name].lr}"
+        if given:
+            why = ("LoRA's default for it (optim.freeze_vit / freeze_aligner unset)"
+                   if lora and not optim_cfg.groups[g.name].freeze else "it is frozen")
+            raise ConfigError(f"{given} is set but the {g.name} group trains nothing ({why}): set its freeze flag "
+                              "to false to train it, or drop the lr")
 
 
 def frozen_names(names, groups: list[Group], lora: bool = False) -> set:

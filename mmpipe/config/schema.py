@@ -73,7 +73,8 @@ class ParallelConfig(Section):
                      "P x DP; see mmpipe plan --world) and takes the fastest that fits memory, logged and saved "
                      "in layout.json")
     pipeline_stages: int = _f(1, "P: pipeline stages; the data-parallel degree is world_size / P; auto = layout auto", ge=1)
-    placement: str = _f("modality", "modality (stages never mix branches, split between branches by measured cost), "
+    placement: str = _f("modality", "modality (stages never mix branches, split between branches by measured cost; a "
+                        "one-layer segment rides with the stage before it), "
                         "balanced (boundaries anywhere), auto (whichever the simulator predicts faster), or "
                         "DeepSpeed's uniform, parameters, type:REGEX")
     profile: bool = _f(True, "cost layers by measured forward/backward time (rank 0 profiles at start, cached in "

@@ -57,8 +57,10 @@ class StepLossCache:
         with torch.enable_grad():
             feats = local.clone().requires_grad_(True)
             loss = self.family.batch_loss(self.module, feats)
-            grads = torch.autograd.grad(loss, [feats] + self.params)
-        self.grad, self.param_grads = grads[0], [g.detach().float() for g in grads[1:]]
+            grads = torch.autograd.grad(loss, [feats] + self.params, allow_unused=True)
+        self.grad = grads[0]
+        self.param_grads = [torch.zeros_like(p, dtype=torch.float32) if g is None else g.detach().float()
+                            for p, g in zip(self.params, grads[1:])]
         self.loss = loss.detach().float()
         self.k = 0
 

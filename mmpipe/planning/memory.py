@@ -173,7 +173,9 @@ def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str
         step = 4 * trainable / (data_parallel if zero_stage >= 1 or (P > 1 and precision == "bf16") else 1)
         out.append(MemoryBreakdown(w, g, o, activation_bytes(costs, a, b, k, schedule), buffers, workspace, step,
                                    _features(costs, s, P, micro_batches, data_parallel, schedule),
-                                   _step_loss(s, P, micro_batches, data_parallel, schedule), P == 1 and micro_batches == 1))
+                                   _step_loss(s, P, micro_batches, data_parallel, schedule),
+                                   # one pass (one micro-batch per rank), or ZeRO-3's first micro-batch recomputing it
+                                   P == 1 and (micro_batches == 1 or zero_stage == 3)))
     return out
 
 

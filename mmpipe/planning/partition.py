@@ -84,6 +84,8 @@ def modality_partition(costs: Sequence[float], segments: Sequence[str], num_stag
     runs = segment_runs(segments)
     single = {a for a, b in runs if b - a == 1 and a > 0}
     starts = [i for i in range(len(costs)) if i not in single]  # each unit's first layer
+    if num_stages > len(starts):  # more stages than that allows: every layer may be a stage
+        starts = list(range(len(costs)))
     ends = starts[1:] + [len(costs)]
     unit_costs = [sum(costs[a:b]) for a, b in zip(starts, ends)]
     parts = _segment_partition(unit_costs, [segments[a] for a in starts], num_stages)

@@ -17,7 +17,7 @@ from typing import Optional
 from mmpipe.errors import ConfigError
 from mmpipe.parallel.plan import Plan, parts_from_lists
 from mmpipe.planning.memory import bytes_per_param, in_flight, schedule_of, stage_memory
-from mmpipe.planning.partition import min_max_partition, modality_partition
+from mmpipe.planning.partition import every_stage_trains, min_max_partition, modality_partition
 from mmpipe.planning.profiler import LayerCost
 from mmpipe.planning.simulate import simulate
 
@@ -27,9 +27,12 @@ MEASURED = ("modality", "balanced", "auto")
 def place(names: list, segments: list, num_stages: int, placement: str, micro_batches: int, *,
           prof: Optional[dict] = None, param_costs: Optional[list] = None, plan_file: Optional[str] = None,
           micro_batch_size: Optional[int] = None, memory_cap: Optional[int] = None, precision: str = "fp32",
-          zero_stage: int = 0, data_parallel: int = 1) -> Plan:
+          zero_stage: int = 0, data_parallel: int = 1, trains: Optional[list] = None) -> Plan:
     """The ``Plan`` of ``placement`` for these layers on ``num_stages`` stages (see the module doc).
-    Measured placements use ``prof`` when given, else ``param_costs`` (e.g. trainable parameters)."""
+    Measured placements use ``prof`` when given, else ``param_costs`` (e.g. trainable parameters).
+    ``trains`` (per layer: holds a trained parameter; else read from ``prof``): under bf16 or ZeRO, whose
+    optimizers cannot hold a stage without one, a stage of frozen layers only takes the next stage's
+    layers up to its first trained one (LoRA's frozen ViT + projector at P = 2)."""
     if num_stages > len(names):
         raise ConfigError(f"parallel.pipeline_stages={num_stages} is more than the model's {len(names)} layers "
                           f"({names[0]} .. {names[-1]}): use at most {len(names)} stages")
@@ -56,9 +59,23 @@ def place(names: list, segments: list, num_stages: int, placement: str, micro_ba
             plan.chosen = ranked[0][0]
             plan.why = "fastest predicted step: " + ", ".join(f"{k} {1e3 * v['step_time']:.1f} ms" for k, v in ranked)
     else:
-        plan.parts = (modality_partition(param_costs, segments, num_stages) if placement == "modality"
-                      else min_max_partition(param_costs, num_stages))
+        try:
+            plan.parts = (modality_partition(param_costs, segments, num_stages) if placement == "modality"
+                          else min_max_partition(param_costs, num_stages))
+        except ValueError as e:
+            raise ConfigError(f"parallel.placement={placement}: {e}; use fewer stages or parallel.placement=balanced") \
+                from None
     plan.parts = [int(x) for x in plan.parts]
+    trains = trains if trains is not None else [c.trainable > 0 for c in layer_costs(prof)] if prof else None
+    if trains and not plan_file and placement in ("modality", "balanced", "auto") and \
+            (zero_stage > 0 or precision != "fp32"):
+        parts = every_stage_trains(plan.parts, trains)
+        if parts != plan.parts:
+            moved = ", ".join(n for a, b in zip(plan.parts[1:-1], parts[1:-1]) for n in names[a:b])
+            plan.why = (f"{plan.why}; " if plan.why else "") + (
+                f"a stage held only frozen layers, which the {precision}/ZeRO-{zero_stage} optimizer cannot hold: "
+                f"{moved} moved onto the stage before")
+            plan.parts = parts
     return plan
 
 

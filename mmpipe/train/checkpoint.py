@@ -87,7 +87,8 @@ def check_training(tag_dir: str, saved: Optional[dict], now: dict) -> None:
     keys = ["optim.train_type"]  # (a precision change resumes through the layout-free files: ``same_layout``)
     if saved.get("optim.train_type") == now.get("optim.train_type") == "lora":
         keys += ["optim.lora_rank", "optim.lora_alpha", "optim.lora_dropout", "optim.target_modules"]
-    diff = [k for k in keys if k in saved and saved[k] != now.get(k)]
+    same = lambda a, b: sorted(a) == sorted(b) if isinstance(a, list) and isinstance(b, list) else a == b  # noqa: E731
+    diff = [k for k in keys if k in saved and not same(saved[k], now.get(k))]  # (target modules: a set)
     if diff:
         shown = ", ".join(f"{k}={_setting(saved[k])} at the checkpoint, {_setting(now.get(k))} now" for k in diff)
         raise MmpipeError(f"--resume: {tag_dir} was trained with other settings ({shown}): resume with "
@@ -108,11 +109,34 @@ def _dir_digest(d: str) -> Optional[str]:
     h = hashlib.sha256()
     for f in sorted(os.listdir(d)):
         if f.endswith(WEIGHT_FILES) and os.path.isfile(os.path.join(d, f)):
-            h.update(f.encode() + b"\0")
-            with open(os.path.join(d, f), "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 24), b""):  # noqa: B023 - read at once
-                    h.update(chunk)
+            h.update(f.encode() + b"\0" + _file_digest(os.path.join(d, f)).encode())
     return h.hexdigest()[:32]
+
+
+def _file_digest(path: str) -> str:
+    """sha256 of a weight file's contents, read once: kept in the measurement cache under (path, size,
+    modification time), which a re-saved or edited file changes (so a 14 GB base is read once, not at
+    every export, generate and resume)."""
+    from mmpipe.planning.cache import _write_json, cache_dir
+    st = os.stat(path)
+    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
+    store = os.path.join(cache_dir(), "file_digests.json")
+    try:
+        with open(store) as fh:
+            known = json.load(fh)
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 24), b""):
+                h.update(chunk)
+        known[key] = h.hexdigest()
+        try:
+            _write_json(store, known)
+        except OSError:  # a read-only cache: hashed again next time
+            pass
+    return known[key]
 
 
 def base_fingerprint(model: dict) -> dict:
@@ -170,7 +194,7 @@ def saved_plan(root: str) -> Optional[dict]:
 
 def _describe(layout: dict) -> str:
     s = f"pipeline_stages={layout['pipeline_stages']} data_parallel={layout['data_parallel']} " \
-        f"zero_stage={layout['zero_stage']}"
+        f"zero_stage={layout['zero_stage']}" + (f" precision={layout['precision']}" if layout.get("precision") else "")
     if layout.get("stages"):
         s += " stages " + " | ".join(f"{st[0]}..{st[-1]}" for st in layout["stages"])
     return s

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from mmpipe.config.deepspeed import resolve
-from mmpipe.config.groups import frozen_layout, resolve_groups
+from mmpipe.config.groups import check_frozen_lrs, frozen_layout, resolve_groups
 from mmpipe.config.schema import RunConfig, family_of, replace
 from mmpipe.data.source import (
     check_cache_tokenizer,
@@ -38,7 +38,6 @@ from mmpipe.parallel.topology import Topology
 from mmpipe.planning.layouts import layouts_json, plan_layouts
 from mmpipe.planning.measure import get_profile
 from mmpipe.planning.micro_batch import auto_micro_batch, check_auto_micro_batch
-from mmpipe.planning.partition import every_stage_trains
 from mmpipe.train import checkpoint
 from mmpipe.train.faults import _everywhere, _rank0_decides, _warn, agree
 from mmpipe.train.run_dir import check_run_dir, prepare_run_dir
@@ -118,7 +117,11 @@ LORA_KEYS = ("optim.lora_rank", "optim.lora_alpha", "optim.lora_dropout", "optim
 def check_lora_keys(cfg: RunConfig) -> None:
     """LoRA settings without ``optim.train_type: lora`` would train every weight: refused when the
     train type was left at its default (ms-swift's default is lora, mmpipe's full), said when chosen."""
-    given = [k for k in LORA_KEYS if k in cfg.explicit]
+    import dataclasses
+    defaults = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                for f in dataclasses.fields(cfg.optim)}
+    # set, and to another value than the default (a saved config.yaml names every key)
+    given = [k for k in LORA_KEYS if k in cfg.explicit and cfg.get(k) != defaults[k.split(".", 1)[1]]]
     if cfg.optim.train_type != "full" or not given:
         return
     if "optim.train_type" not in cfg.explicit:
@@ -159,6 +162,7 @@ def validate(cfg: RunConfig, resume: bool, stop_at: Optional[int], overwrite: bo
             raise ConfigError("train.precision=fp16 needs a GPU: DeepSpeed refuses fp16 on the CPU accelerator; "
                               "use bf16 or fp32 here")
         groups = resolve_groups(cfg.optim, family_cls)
+        check_frozen_lrs(cfg.optim, family_cls, groups)
         where = locate(cfg, family_cls, groups)
         # (parallel.layout: auto has not chosen yet: every rank opens the data, once)
         data = open_data(cfg, family_cls, read=where.reads_data or int(os.environ.get("RANK", "0")) == 0
@@ -328,17 +332,9 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
     cap = int(p.memory_budget_gb * 2**30) if p.memory_budget_gb else None
     plan = place(names, segments, P, p.placement, M, prof=prof, param_costs=costs, plan_file=p.plan,
                  micro_batch_size=mbs, memory_cap=cap, precision=cfg.train.precision, zero_stage=p.zero_stage,
-                 data_parallel=topo.data_parallel)
-    if P > 1 and not p.plan and p.placement in ("modality", "balanced", "auto") and \
-            (p.zero_stage > 0 or cfg.train.precision != "fp32"):  # optimizers that need a trainable stage
-        trains = [any(n not in frozen for n in v) for v in params.values()]
-        parts = every_stage_trains(plan.parts, trains)
-        if parts != plan.parts:
-            moved = names[plan.parts[1]:parts[1]] if parts[1] != plan.parts[1] else []
-            print(f"[mmpipe] parallel.placement={p.placement}: a stage held only frozen layers, which DeepSpeed's "
-                  f"{cfg.train.precision}/ZeRO-{p.zero_stage} optimizer cannot hold; stage boundaries moved to "
-                  f"{parts}" + (f" ({', '.join(moved)} onto stage 0)" if moved else ""), flush=True)
-            plan.parts = parts
+                 data_parallel=topo.data_parallel, trains=[any(n not in frozen for n in v) for v in params.values()])
+    if plan.why and "moved onto the stage before" in plan.why and not plan.chosen:
+        print(f"[mmpipe] parallel.placement={p.placement}: {plan.why}; stage boundaries {plan.parts}", flush=True)
     return plan
 
 
