@@ -10,7 +10,7 @@ install:
 	$(PIP) install -q -e ".[test]"
 
 test: install
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=25 tests
 
 test-fast: install
 	$(PYTHON) -m pytest -q -m "not dist" tests
