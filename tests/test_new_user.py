@@ -343,7 +343,8 @@ def test_resume_on_another_layout_says_what_the_checkpoint_holds(runs, tmp_path)
                         "--set", "parallel.pipeline_stages=1", "--resume"])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     (line,) = _error_lines(proc)
-    assert "was saved with pipeline_stages=2 data_parallel=1 zero_stage=0 stages vision.embed..visual_projection" in line
+    assert ("was saved with pipeline_stages=2 data_parallel=1 zero_stage=0 precision=fp32 stages "
+            "vision.embed..visual_projection") in line
     assert "this run has pipeline_stages=1" in line
 
 
