@@ -23,6 +23,7 @@ setup(
         "matplotlib",
         "tensorboard",
         "peft>=0.13",  # optim.train_type: lora (ms-swift's LoRA)
+        "psutil",  # device and process memory (planning.memory, parallel.roster)
     ],
     # open_clip: the loss and format parity tests; with what open_clip_train imports, mmpipe bench peers --family clip
     extras_require={"test": ["pytest>=8", "open-clip-torch>=2.20"], "peers": ["open-clip-torch>=2.20", "pandas", "webdataset", "braceexpand"]},
