@@ -63,3 +63,26 @@ def test_peers_reads_open_clips_step_log(tmp_path):
              "4.1500 (4.1544)"]
     (tmp_path / "out.log").write_text("\n".join(["2026-11-25,18:00:59 | INFO | Start epoch 0"] + lines) + "\n")
     assert open_clip_step_times(str(tmp_path), 64) == [64 / 51.2, 64 / 200.0]
+
+
+def test_bench_gpu_runs_every_job_beside_its_peer_at_tiny_size(tmp_path):
+    """``mmpipe bench gpu --tiny`` on this CPU: mmpipe and the peer of each job run to the end (open_clip_train
+    on CLIP, transformers' Trainer on the VLM), each with a step time, mmpipe with its TFLOP/s and the memory
+    model's prediction; packed VLM rows count the samples they hold (data.log_samples)."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "gpu"
+    proc = subprocess.run([sys.executable, "-m", "mmpipe.cli.main", "bench", "gpu", "--tiny", "--jobs", "clip", "vlm_full",
+                           "--steps", "3", "--warmup", "1", "--no-append", "--out", str(out)],
+                          capture_output=True, text=True, cwd=str(tmp_path), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())["results"]
+    systems = {(r["job"], r["system"]) for r in results}
+    assert systems == {("clip", "mmpipe"), ("clip", "open_clip_train"), ("vlm_full", "mmpipe"), ("vlm_full", "Trainer")}
+    for r in results:
+        assert r["step_s"] > 0 and r["samples_s"] > 0
+    mm = {r["job"]: r for r in results if r["system"] == "mmpipe"}
+    assert all(r["tflops"] > 0 and r["predicted_mb"] > 0 and r["mfu"] is None for r in mm.values())  # no peak on a CPU
+    assert mm["vlm_full"]["samples_per_step"] > 4  # 4 packed rows per step, several samples in each
+    assert "| clip | open_clip_train |" in proc.stdout

@@ -10,6 +10,7 @@ and ratios against a baseline measured in the same run.
     mmpipe bench negatives   # CLIP's global-batch negatives vs per-micro-batch: step time measured and predicted
     mmpipe bench peers --family clip  # the same CLIP job by open_clip_train and by mmpipe: samples/s, recall
     mmpipe bench packing     # VLM samples/s with sequence packing vs padding per micro-batch (length-skewed chat)
+    mmpipe bench gpu         # real sizes on one GPU: samples/s, MFU, memory vs open_clip_train and the Trainer
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import os
 from mmpipe.bench.balance import bench_balance
 from mmpipe.bench.common import ROOT
 from mmpipe.bench.data import bench_data
+from mmpipe.bench.gpu import add_arguments as add_gpu
 from mmpipe.bench.groups import bench_groups
 from mmpipe.bench.memory import add_arguments as add_memory
 from mmpipe.bench.negatives import add_arguments as add_negatives
@@ -73,3 +75,5 @@ def add_parser(sub) -> None:
                               "length-skewed chat set (P = 2)"))
     add_peers(bs.add_parser("peers", help="the same job by a peer (open_clip_train) and by mmpipe's chosen layout: "
                             "samples/s and retrieval recall"))
+    add_gpu(bs.add_parser("gpu", help="real model sizes on one accelerator (CLIP ViT-B/16, LLaVA-7B-shaped LoRA and "
+                          "full): samples/s, MFU and peak memory beside open_clip_train and transformers' Trainer"))

@@ -19,6 +19,12 @@ from mmpipe.train.metrics import read_metrics
 def machine() -> str:
     import deepspeed
     import torch
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() != "cpu":  # a GPU section: the device, driver and library versions
+        import transformers
+        return (f"GPU: {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()} (CUDA {torch.version.cuda}), "
+                f"{os.cpu_count()} cores, torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers "
+                f"{transformers.__version__}, python {sys.version.split()[0]}")
     return (f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads in this process "
             f"(1 per rank when 2 ranks share 2 cores), torch {torch.__version__}, deepspeed {deepspeed.__version__}, "
             f"python {sys.version.split()[0]}")

@@ -54,6 +54,27 @@ def _cpu_ready_ddp() -> None:
     torch.nn.parallel.DistributedDataParallel = DDP
 
 
+def synthetic_tokenizer(config_dir: str):
+    """``mmpipe bench gpu``'s open_clip run on its synthetic data: every caption the same full-length
+    row of ids inside the model's vocabulary, its EOS last (open_clip's own BPE tokenizer would give
+    ids past a small test vocabulary)."""
+    import glob
+    with open(glob.glob(f"{config_dir}/*.json")[0]) as fh:
+        text = json.load(fh)["text_cfg"]
+    n, vocab, eos = text["context_length"], text["vocab_size"], text.get("eos_id", text["vocab_size"] - 1)
+    row = torch.arange(n, dtype=torch.long) % max(1, min(vocab, eos) - 1) + 1
+    row[-1] = eos
+
+    def tokenize(texts, context_length=None):
+        return row.repeat(len(texts) if isinstance(texts, (list, tuple)) else 1, 1)
+    return tokenize
+
+
+def _report_peak() -> None:
+    if torch.cuda.is_available():
+        print(f"PEAK_MB {torch.cuda.max_memory_allocated() / 2**20:.0f}", flush=True)
+
+
 def main(spec_path: str) -> int:
     with open(spec_path) as fh:
         spec = json.load(fh)
@@ -61,6 +82,11 @@ def main(spec_path: str) -> int:
     import open_clip
     import open_clip_train.main as oc
     open_clip.add_model_config(spec["model_config_dir"])
+    if spec.get("synthetic"):  # open_clip's own data path and preprocessing, ids inside the vocabulary
+        oc.get_tokenizer = lambda *args, **kwargs: synthetic_tokenizer(spec["model_config_dir"])
+        code = oc.main(spec["args"]) or 0
+        _report_peak()
+        return code
     tokenize = open_clip_tokenizer(load_tokenizer(spec["tokenizer"]), spec["max_length"])
     preprocess = mmpipe_preprocess(spec["image_size"], spec["mean"], spec["std"])
     create = oc.create_model_and_transforms

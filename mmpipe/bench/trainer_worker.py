@@ -135,5 +135,153 @@ def main(spec_path: str) -> None:
     os._exit(0)  # DeepSpeed's CPU communication threads abort the interpreter's normal teardown here
 
 
+# ---- mmpipe bench gpu: the Trainer on the samples an mmpipe run trained ---------------------------------
+def write_gpu_spec(run_dir: str, spec: dict, mm: dict, args, tmp: str) -> str:
+    """The Trainer's job for ``mmpipe bench gpu``: the mmpipe run ``run_dir``'s model (its resolved
+    config) and samples, as many per step as the run trained (packed rows hold several), in
+    ``ACCUMULATION`` micro-batches; LoRA as the run's."""
+    import math
+    import os
+    accumulation = 4
+    per_step = max(accumulation, int(round(mm["samples_per_step"])))
+    path = os.path.join(os.path.dirname(tmp), os.path.basename(tmp) + ".json")
+    with open(path, "w") as fh:
+        json.dump({"run": run_dir, "micro_batch": math.ceil(per_step / accumulation), "accumulation": accumulation,
+                   "steps": args.steps, "lora": spec.get("lora"), "lora_rank": args.lora_rank, "tmp": tmp}, fh)
+    return path
+
+
+def _encoded_samples(run: str, count: int):
+    """(family, config, [(input_ids, labels, pixel_values or None)]) for the first ``count`` usable
+    samples of the run's training file, by mmpipe's own chat encoder and image loader."""
+    import os
+
+    import torch
+
+    from mmpipe.config.schema import family_of, load_config
+    from mmpipe.data.loader import load_image
+    from mmpipe.data.tokenizer import load_tokenizer
+    from mmpipe.families.towers.common import normalize_pixels
+    from mmpipe.families.vlm.chat_data import read_chat
+    cfg = load_config(os.path.join(run, "config.yaml"))
+    fam_cls = family_of(cfg)
+    family = fam_cls(cfg.model, cfg.train.seed)
+    enc = family.encoder(fam_cls.prepare_tokenizer(load_tokenizer(os.path.join(run, "tokenizer"))), cfg.data.max_length)
+    size = fam_cls.image_size(cfg.model)
+    mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+    out = []
+    samples = [s for s in read_chat(cfg.data.train) if not s.error]
+    while len(out) < count:
+        for s in samples:
+            e = enc.encode(s)
+            if e.dropped:
+                continue
+            pix = None
+            if e.images:
+                pix = normalize_pixels(torch.stack([load_image(p, size) for p in e.images]), mean, std, torch.float32)
+            out.append((torch.tensor(e.input_ids), torch.tensor(e.labels), pix))
+            if len(out) == count:
+                break
+    return family, cfg, out
+
+
+def _gpu_model(family, spec: dict, device):
+    """``LlavaForConditionalGeneration`` of the run's config, random bf16 weights made on ``device``;
+    peft LoRA on the decoder's linears (the run had LoRA), else the vision tower frozen (freeze_vit)."""
+    import torch
+    from transformers import LlavaForConditionalGeneration
+    torch.set_default_dtype(torch.bfloat16)
+    with device:  # random weights made where they train (a 7B model made on the host takes minutes)
+        model = LlavaForConditionalGeneration(family.hf.hf_config())
+    torch.set_default_dtype(torch.float32)
+    if spec["lora"]:
+        from peft import LoraConfig, get_peft_model
+        r = spec["lora_rank"]
+        return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.05, bias="none",
+                                                target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|"
+                                                               r"gate_proj|up_proj|down_proj)"))
+    for n, p in model.named_parameters():
+        if "vision_tower" in n:
+            p.requires_grad_(False)
+    return model
+
+
+def gpu_main(spec_path: str) -> None:
+    """One process (the deepspeed launcher, one rank): ``LlavaForConditionalGeneration`` built from the
+    run's config on the device in bf16 (random weights), peft LoRA on the decoder's linears when the
+    run had LoRA, transformers' Trainer with DeepSpeed ZeRO-2 and bf16 (LLaVA's scripts), the same
+    samples padded per micro-batch; writes each step's seconds, the samples and tokens per step and
+    the allocator's peak."""
+    import os
+
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.data import Dataset, SequentialSampler
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+    with open(spec_path) as fh:
+        spec = json.load(fh)
+    acc = get_accelerator()
+    on_cpu = acc.device_name() == "cpu"
+    per_step = spec["micro_batch"] * spec["accumulation"]
+    family, cfg, items = _encoded_samples(spec["run"], per_step * spec["steps"])
+    model = _gpu_model(family, spec, torch.device("cpu" if on_cpu else acc.device_name()))
+    pad = 0
+
+    class Items(Dataset):
+        def __len__(self):
+            return len(items)
+
+        def __getitem__(self, i):
+            ids, labels, pix = items[i]
+            out = {"input_ids": ids, "labels": labels}
+            if pix is not None:
+                out["pixel_values"] = pix
+            return out
+
+    class InOrder(Trainer):
+        def _get_train_sampler(self, *a, **k):
+            return SequentialSampler(self.train_dataset)
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.times, self.t0 = [], None
+
+        def on_step_begin(self, *a, **k):
+            acc.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            acc.synchronize()
+            self.times.append(time.perf_counter() - self.t0)
+
+    ds = os.path.join(spec["tmp"] + "_ds.json")
+    with open(ds, "w") as fh:
+        json.dump({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                   "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 2},
+                   "bf16": {"enabled": "auto"}}, fh)
+    args = TrainingArguments(output_dir=spec["tmp"], per_device_train_batch_size=spec["micro_batch"],
+                             gradient_accumulation_steps=spec["accumulation"], max_steps=spec["steps"],
+                             learning_rate=2e-5, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
+                             logging_steps=1, save_strategy="no", report_to=[], bf16=True, use_cpu=on_cpu,
+                             deepspeed=ds, dataloader_num_workers=0, remove_unused_columns=False, seed=0,
+                             disable_tqdm=True)
+    clock = Clock()
+    trainer = InOrder(model=model, args=args, train_dataset=Items(), data_collator=Collate(pad), callbacks=[clock])
+    acc.reset_peak_memory_stats() if not on_cpu else None
+    trainer.train()
+    tokens = [sum(len(items[i][0]) for i in range(s * per_step, (s + 1) * per_step)) for s in range(spec["steps"])]
+    with open(spec_path.replace(".json", "_out.json"), "w") as fh:
+        images = [sum(0 if items[i][2] is None else len(items[i][2]) for i in range(s * per_step, (s + 1) * per_step))
+                  for s in range(spec["steps"])]
+        json.dump({"step_times": clock.times, "samples_per_step": per_step, "tokens_per_step": tokens,
+                   "images_per_step": images, "micro_batch": spec["micro_batch"],
+                   "peak_mb": None if on_cpu else acc.max_memory_allocated() / 2**20}, fh)
+    sys.stdout.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
-    main(sys.argv[-1])
+    if "--gpu" in sys.argv:
+        gpu_main(sys.argv[-1])
+    else:
+        main(sys.argv[-1])

@@ -1,7 +1,9 @@
 """``mmpipe report --run DIR``: PNG charts of a run's ``metrics.jsonl`` over steps, in DIR/report/:
 ``loss.png`` (training loss and eval losses on one axis; eval ratios such as accuracy or recall on a
-second), ``throughput.png`` (samples/s and step time), ``stages.png`` (per-stage busy / data / idle
-share of each step) and ``grad_norms.png`` (per-group gradient norms, and the clip limits' effect)."""
+second), ``throughput.png`` (samples/s and step time; model TFLOP/s per device and MFU / HFU, the
+medians over the steps, in its title), ``stages.png`` (per-stage busy / data / idle share of each
+step) and ``grad_norms.png`` (per-group gradient norms, and the clip limits' effect); the command
+prints the TFLOP/s line too."""
 from __future__ import annotations
 
 import os
@@ -50,7 +52,8 @@ def write_report(run_dir: str, out: str = None) -> list:
     ax2.set_ylabel("step ms")
     ax.legend(loc="upper left", fontsize=7)
     ax2.legend(loc="upper right", fontsize=7)
-    ax.set_title("throughput")
+    util = utilization_line(recs)
+    ax.set_title("throughput" + (f"\n{util}" if util else ""), fontsize=9)
     save(fig, "throughput.png")
 
     save(_stages_chart(plt, recs, _pipeline_stages(run_dir)), "stages.png")
@@ -142,9 +145,27 @@ def _stages_chart(plt, recs: list, pipeline_stages: int = 1):
     return fig
 
 
+def utilization_line(recs: list):
+    """Model TFLOP/s per device and MFU / HFU, medians over the steps that logged them (metrics.jsonl's
+    ``tflops``, ``mfu``, ``hfu``); None when no step did."""
+    import statistics
+    tflops = [r["tflops"] for r in recs if r.get("tflops") is not None]
+    if not tflops:
+        return None
+    line = f"{statistics.median(tflops):.4g} TFLOP/s per device"
+    for key in ("mfu", "hfu"):
+        v = [r[key] for r in recs if r.get(key) is not None]
+        line += f", {key.upper()} {statistics.median(v):.1%}" if v else f", {key.upper()} n/a (no peak: log.peak_tflops)"
+    return line + f" (median of {len(tflops)} steps)"
+
+
 def cmd_report(args) -> int:
+    from mmpipe.train.metrics import read_metrics
     for p in write_report(args.run, args.out):
         print(f"wrote {p}")
+    line = utilization_line(read_metrics(os.path.join(args.run, "metrics.jsonl")))
+    if line:
+        print(line)
     return 0
 
 

@@ -155,6 +155,8 @@ class TrainConfig(Section):
     output_dir: str = _f("runs/clip", "run directory: resolved configs, metrics.jsonl, checkpoints, tokenizer")
     deepspeed_config: Optional[str] = _f(None, "DeepSpeed JSON whose \"auto\" values are filled from this config; unset = generated")
     save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)", ge=0)
+    save: bool = _f(True, "false: write no checkpoint at all, not even at the end (benchmarks and smoke runs; "
+                          "transformers' save_strategy=no)")
     save_every_minutes: Optional[float] = _f(None, "also checkpoint at the first step boundary after this many minutes "
                                              "since the last save (rank 0's clock; preemptible jobs)", gt=0)
     collective_timeout_minutes: float = _f(30.0, "a rank that stops answering (hung; or dead, under NCCL) ends the "
@@ -176,8 +178,13 @@ class LogConfig(Section):
                             "metrics.jsonl")
     trace: Optional[list] = _f(None, "[first, last] steps to record as OUTPUT/trace.json (Perfetto/Chrome) and "
                                "OUTPUT/timeline.png, e.g. [5, 6]")
+    profile: Optional[list] = _f(None, "[first, last] steps to run under torch.profiler: OUTPUT/profile/rank*.json "
+                                 "(Perfetto/Chrome, host and device) and rank*.txt (the ops by device and host time)")
     memory: bool = _f(False, "count every tensor each rank holds during the steps, by category (a dispatch mode counting "
                       "tensor storages; slow: for checking the memory model) and write the peak to OUTPUT/memory/rank*.json")
+    peak_tflops: Optional[float] = _f(None, "peak TFLOP/s of one device for mfu/hfu in metrics.jsonl; unset = the "
+                                      "published dense peak of a known GPU (H100, H200, A100, L40S) at train.precision, "
+                                      "else no mfu/hfu", gt=0)
 
 
 @dataclass
@@ -401,10 +408,11 @@ def validate(cfg: RunConfig) -> None:
     for key, choices in (("data.augment", ("none", "crop", "crop_flip")), ("data.padding", ("batch", "max_length"))):
         if cfg.get(key) not in choices:
             raise ConfigError(f"{where}: {key}={cfg.get(key)!r} is not one of {', '.join(choices)}")
-    tr = cfg.log.trace
-    if tr is not None and not (isinstance(tr, list) and len(tr) == 2 and all(isinstance(x, int) for x in tr)
-                               and 1 <= tr[0] <= tr[1]):
-        raise ConfigError(f"{where}: log.trace must be [first, last] step numbers (1-based), got {tr!r}")
+    for key in ("log.trace", "log.profile"):
+        tr = cfg.get(key)
+        if tr is not None and not (isinstance(tr, list) and len(tr) == 2 and all(isinstance(x, int) for x in tr)
+                                   and 1 <= tr[0] <= tr[1]):
+            raise ConfigError(f"{where}: {key} must be [first, last] step numbers (1-based), got {tr!r}")
     lo_hi = cfg.data.crop_scale
     if not (isinstance(lo_hi, list) and len(lo_hi) == 2 and 0 < lo_hi[0] <= lo_hi[1] <= 1):
         raise ConfigError(f"{where}: data.crop_scale must be [low, high] with 0 < low <= high <= 1, got {lo_hi!r}")

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from mmpipe.errors import NoHFFormat
+from mmpipe.families.products import Matmul, MicroBatch  # noqa: F401 - part of the family interface
 from mmpipe.families.towers.common import part_seed
 from mmpipe.parallel.layers import checkpoint
 
@@ -190,6 +191,24 @@ class Family:
                 m = self._add_adapters(self.build_unseeded(name), name)
             out[name] = {f"{name}.{k}": p.numel() for k, p in m.named_parameters()}
         return out
+
+    # ---- arithmetic (analytic FLOPs: ``mmpipe.planning.flops``) ----------------------------------
+    def micro_batch(self, batch: dict) -> MicroBatch:
+        """The shape of a micro-batch of ``collate``'s batch dict, from its tensors' shapes only
+        (``input_ids`` rows and length, ``pixel_values`` images)."""
+        ids, pixels = batch.get("input_ids"), batch.get("pixel_values")
+        rows, seq_len = (tuple(ids.shape) + (1,))[:2] if torch.is_tensor(ids) else (0, 0)
+        return MicroBatch(int(rows), int(seq_len), int(pixels.shape[0]) if torch.is_tensor(pixels) else 0)
+
+    def matmuls(self, name: str, mb: MicroBatch) -> list:
+        """The matrix products (``Matmul``) of layer ``name``'s forward on micro-batch ``mb``, as its
+        kernels compute them (padding included); raises NotImplementedError for a family that does
+        not describe its arithmetic (its runs then log no TFLOP/s)."""
+        raise NotImplementedError
+
+    def forward_flops(self, mb: MicroBatch) -> list:
+        """Forward FLOPs of each layer of ``layers()`` (in order) on micro-batch ``mb``."""
+        return [sum(2.0 * p.m * p.k * p.n for p in self.matmuls(name, mb)) for name in self.layer_names()]
 
     def plain_model(self, forward_only: frozenset = frozenset()) -> "PlainModel":
         return PlainModel(self, forward_only)

@@ -276,9 +276,10 @@ def _measure_comm(costs) -> dict:
 
 
 # ---- a run's memory --------------------------------------------------------------------------------
-def run_memory(cfg, run_dir: str, world: int, use_cache: bool = True, log=None) -> list:
+def run_memory(cfg, run_dir: str, world: int, use_cache: bool = True, log=None, meta: bool = False) -> list:
     """Predicted peak per stage (``MemoryBreakdown``) of a finished run: its resolved config, its
-    plan's parts and micro-batches, the layer profile at its micro-batch shape (bytes only)."""
+    plan's parts and micro-batches, the layer profile at its micro-batch shape (bytes only; ``meta``:
+    sized on the meta device, for a model this process cannot hold or run)."""
     import json
     plan_file = os.path.join(run_dir, "plan.json")
     if os.path.isfile(plan_file):
@@ -292,8 +293,13 @@ def run_memory(cfg, run_dir: str, world: int, use_cache: bool = True, log=None) 
         cfg = replace(cfg, data=dc_replace(cfg.data, tokenizer=os.path.join(run_dir, "tokenizer")))
     P = len(parts) - 1 if parts else 1
     # bytes only: one untimed-quality pass is exact, and it is not cached (a plan must not time with it)
-    family, prof = _profile_for(cfg, P, world // P, log=log or (lambda m: None), use_cache=False,
-                                measure_comm=False, passes=1, repeats=1)
+    if meta:
+        rcfg, family = resolve_for_plan(cfg)
+        _, frozen, forward_only = frozen_layout(family, resolve_groups(rcfg.optim, type(family)))
+        prof = meta_profile(rcfg, family, int(cfg.parallel.micro_batch_size), forward_only, frozen)
+    else:
+        family, prof = _profile_for(cfg, P, world // P, log=log or (lambda m: None), use_cache=False,
+                                    measure_comm=False, passes=1, repeats=1)
     parts = parts or [0, len(prof["layers"])]
     return stage_breakdown(layer_costs(prof), parts, M, cfg.train.precision, cfg.parallel.zero_stage, world // P,
                            schedule_of(prof))

@@ -11,6 +11,7 @@ import torch
 
 from mmpipe.data.source import build_train_loader
 from mmpipe.parallel.strategies import LABEL_PLACEHOLDER
+from mmpipe.planning.flops import step_counter
 from mmpipe.train.faults import agree
 
 
@@ -20,19 +21,25 @@ from mmpipe.train.faults import agree
 class DataStats:
     """Per-rank data counters for the current step: the bad-file reports of the micro-batches this
     rank consumed (merged over all ranks by the trainer into the run's ``BadSampleLedger``),
-    samples drawn, and seconds the training loop waited for the loader."""
+    samples drawn, seconds the training loop waited for the loader, and the analytic model and
+    hardware FLOPs of the micro-batches (``counter``: ``planning.flops.StepCounter``, from their shapes)."""
 
-    def __init__(self, sample_log: Optional[str] = None, rank: int = 0, stage: int = 0):
+    def __init__(self, sample_log: Optional[str] = None, rank: int = 0, stage: int = 0, counter=None):
         self.sample_log = open(sample_log, "a") if sample_log else None
         self.rank, self.stage, self.step = rank, stage, 0  # ``step``: set by the trainer before each step
+        self.counter = counter
         self.reset()
 
     def reset(self) -> None:
         self.reports, self.wait, self.drawn, self.tokens, self.real_tokens, self.samples = [], 0.0, 0, 0, 0, 0
+        self.flops = self.hw_flops = 0.0
 
     def add(self, batch) -> None:
         self.drawn += len(batch["keys"]) + len(batch["bad"])
         self.samples += len(batch["keys"])
+        if self.counter is not None:
+            model, hardware = self.counter(batch)
+            self.flops, self.hw_flops = self.flops + model, self.hw_flops + hardware
         mask = batch.get("attention_mask")
         if torch.is_tensor(mask):  # padding fraction (a packed row's mask holds segment ids: > 0 is a token)
             self.tokens += mask.numel()
@@ -72,7 +79,7 @@ class TrainData:
         if cfg.data.log_samples and where.reads_inputs:
             os.makedirs(os.path.join(run.out_dir, "samples"), exist_ok=True)
             sample_log = os.path.join(run.out_dir, "samples", f"rank{rank}.jsonl")
-        self.stats = DataStats(sample_log, rank, where.stage)
+        self.stats = DataStats(sample_log, rank, where.stage, step_counter(run) if where.reads_inputs else None)
         self.collate = run.family.collate(run.tok, cfg.data)
         self.sampler = None  # its position is what a resume continues at
         if where.reads_data:

@@ -39,6 +39,8 @@ class Checkpointer:
 
     def due(self, step: int, end: int) -> bool:
         every = self.run.cfg.train.save_every
+        if not self.run.cfg.train.save:
+            return False
         return step == end or bool(every and step % every == 0) or self.timed_due
 
     def open_ledger(self) -> BadSampleLedger:

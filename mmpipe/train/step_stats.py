@@ -62,14 +62,16 @@ def lr_record(per_group: list, groups, base_lr: float, ds_scheduler: bool = Fals
 
 
 
-FIXED = ("new_reports", "loader_wait", "drawn", "stop", "timed_save", "tokens", "real_tokens", "samples")
+FIXED = ("new_reports", "loader_wait", "drawn", "stop", "timed_save", "tokens", "real_tokens", "samples", "flops",
+         "hw_flops")
 
 
 @dataclass
 class StepStats:
     """Every rank's counters of one step, gathered once (one small all-gather), a field per column:
     new bad-file reports, seconds waiting for the loader, samples drawn, a stop request (1 + the
-    rank, else 0), rank 0's save clock; then every group's lr and the stage clock's fields."""
+    rank, else 0), rank 0's save clock, tokens, samples, the analytic FLOPs of the micro-batches
+    read; then every group's lr and the stage clock's fields."""
     new_reports: torch.Tensor  # one value per rank
     loader_wait: torch.Tensor
     drawn: torch.Tensor
@@ -78,6 +80,8 @@ class StepStats:
     tokens: torch.Tensor  # token positions the rank's micro-batches held (padding included)
     real_tokens: torch.Tensor  # ... of which real tokens (the padding fraction is the rest)
     samples: torch.Tensor  # usable samples trained on (packed rows hold several)
+    flops: torch.Tensor  # analytic model FLOPs of the micro-batches the rank read (planning.flops)
+    hw_flops: torch.Tensor  # ... and hardware FLOPs (recomputed forwards included)
     lrs: torch.Tensor  # world x groups (NaN where a group is not on that rank)
     timings: torch.Tensor  # world x stage-clock fields
 
@@ -115,7 +119,8 @@ def gather_step(run, eng, ledger, data_stats, lrs: list, stop_requested: bool, t
     reports = ledger.unknown(data_stats.reports)
     fixed = {"new_reports": len(reports), "loader_wait": data_stats.wait, "drawn": data_stats.drawn,
              "stop": 1.0 + run.rank if stop_requested else 0.0, "timed_save": timed_save,
-             "tokens": data_stats.tokens, "real_tokens": data_stats.real_tokens, "samples": data_stats.samples}
+             "tokens": data_stats.tokens, "real_tokens": data_stats.real_tokens, "samples": data_stats.samples,
+             "flops": data_stats.flops, "hw_flops": data_stats.hw_flops}
     stats = StepStats.gather(fixed, lrs, timings, run.world, eng.engine.device)
     if stats.new_reports.sum() > 0:  # new bad files somewhere: merge every rank's, in rank order
         per_rank = [None] * run.world

@@ -24,12 +24,14 @@ from mmpipe.config.schema import RunConfig
 from mmpipe.errors import DataError
 from mmpipe.parallel.ds_compat import dynamic_loss_scale
 from mmpipe.parallel.stage_clock import stage_record
+from mmpipe.planning.flops import peak_tflops, step_counter, utilization
 from mmpipe.train.batches import TrainData
 from mmpipe.train.checkpointer import Checkpointer
 from mmpipe.train.engine import build_engine
 from mmpipe.train.evaluate import Evaluator
 from mmpipe.train.faults import FaultGuard, _everywhere, _warn
 from mmpipe.train.memory_meter import MemoryMeter, write_memory
+from mmpipe.train.profiling import StepProfiler
 from mmpipe.train.run_dir import write_run_files
 from mmpipe.train.setup import resolve_run
 from mmpipe.train.step_stats import (
@@ -73,7 +75,11 @@ class Trainer:
         self.data = TrainData(run, self.start_step, restored["data_position"])
         self.evaluate = Evaluator(run, eng, self.data.collate, self.writer)
         self.trace_offset = time.time() - time.perf_counter()
+        self.profiler = StepProfiler(self.cfg.log.profile, run.out_dir, run.rank, run.device_name)
         self.meter = MemoryMeter(eng.engine.module, eng.engine.optimizer, eng.inner) if self.cfg.log.memory else None
+        # analytic FLOPs per step (a family that describes its arithmetic) over one device's peak
+        self.counts_flops = step_counter(run) is not None
+        self.peak = peak_tflops(run.cfg.train.precision, run.cfg.log.peak_tflops) if self.counts_flops else None
 
     # ---- the loop ------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -83,7 +89,10 @@ class Trainer:
         saved_at = step
         while step < end:
             step += 1
+            self.profiler.before(step)
             record = self.step(step, tracing=bool(cfg.log.trace) and cfg.log.trace[0] <= step <= cfg.log.trace[1])
+            if self.profiler.after(step) and self.run.is_reporter:
+                self.writer.info(f"wrote {self.run.out_dir}/profile/ (rank*.json: ui.perfetto.dev; rank*.txt: ops by time)")
             self.writer.log_step(record)
             if self.eng.monitor is not None:
                 to_monitor(self.run, self.eng.monitor, step, record)
@@ -141,8 +150,10 @@ class Trainer:
         samples = float(stats.samples.sum()) if packed else topo.batch_size
         tokens = float(stats.tokens.sum())
         pad = {"pad_fraction": 1.0 - float(stats.real_tokens.sum()) / tokens} if tokens and run.family.token_mean else {}
+        flops = (utilization(float(stats.flops.sum()), float(stats.hw_flops.sum()), dt, run.world, self.peak)
+                 if self.counts_flops else {})
         return {"step": step, "loss": loss, **lr, "skipped_steps": self.skipped_total,
-                "samples_per_sec": samples / dt, **pad, **clip, "step_time": dt,
+                "samples_per_sec": samples / dt, **pad, **clip, "step_time": dt, **flops,
                 "loader_wait": wait, "loader_wait_frac": wait / dt, "bad_samples": self.ledger.count,
                 "samples_seen": self.ledger.drawn, **stage_fields}
 

@@ -15,6 +15,7 @@ from mmpipe.families.base import Layer
 from mmpipe.families.clip import model as m
 from mmpipe.families.clip.config import ClipConfig
 from mmpipe.families.image_text import ImageTextFamily
+from mmpipe.families.products import Matmul
 from mmpipe.families.towers import hf
 from mmpipe.families.towers.text import TextSpec
 from mmpipe.families.towers.vision import VisionSpec
@@ -142,6 +143,18 @@ class ClipFamily(ImageTextFamily):
         lin = nn.Linear(width, self.projection_dim, bias=False)
         nn.init.normal_(lin.weight, std=lin.in_features ** -0.5)
         return lin
+
+    def matmuls(self, name: str, mb) -> list:
+        """The towers' products (``VisionSpec`` / ``TextSpec``), the projections, and the loss's
+        logits: each caption against ``mb.negatives`` images (the global batch under a step loss)."""
+        if name.startswith("vision."):
+            return self.vision.matmuls(name[len("vision."):], mb.images)
+        if name.startswith("text."):
+            return self.text.matmuls(name[len("text."):], mb.rows, mb.seq_len)
+        if name in ("visual_projection", "text_projection"):
+            rows, width = (mb.images, self.vision.width) if name == "visual_projection" else (mb.rows, self.text.width)
+            return [Matmul(rows, width, self.projection_dim, "", 0, recomputed=False)]
+        return [Matmul(mb.rows, self.projection_dim, mb.negatives or mb.images, None, 0)]  # the loss
 
     def load_pretrained(self, module: nn.Module, name: str) -> None:
         if name.startswith("vision."):

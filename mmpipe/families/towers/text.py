@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from mmpipe.errors import ConfigError, one_line
+from mmpipe.families.products import BERT_BLOCK, CLIP_BLOCK, Matmul, block_products
 from mmpipe.families.towers import hf
 from mmpipe.families.towers.common import (
     causal_padding_mask,
@@ -167,6 +168,18 @@ class TextSpec:
             m = _block_cls(self.arch)(c)
         init_transformer_part(m)
         return m
+
+    def matmuls(self, part: str, rows: int, seq: int) -> list:
+        """The products of ``part`` on ``rows`` captions padded to ``seq`` tokens (``Family.matmuls``):
+        the embedding is a lookup, the head a norm and a pooling (BERT's pooler: one dense over [CLS])."""
+        c = self.hf_config
+        if part == "embed":
+            return []
+        if part == "head":
+            return [Matmul(rows, c.hidden_size, c.hidden_size, "pooler.dense", 0)] if self.pooling == "pooler" else []
+        bert = self.arch == "bert"
+        return block_products(rows * seq, rows, seq, BERT_BLOCK if bert else CLIP_BLOCK, c.hidden_size,
+                              c.intermediate_size, c.num_attention_heads, post_norm=bert)
 
     def weight_source(self):
         if self.weights_dir and self._weights is None:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from mmpipe.errors import ConfigError, one_line
+from mmpipe.families.products import CLIP_BLOCK, Matmul, block_products
 from mmpipe.families.towers import hf
 from mmpipe.families.towers.common import (
     IMAGENET_MEAN,
@@ -75,6 +76,58 @@ class ResNetHead(nn.Module):
         return torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1)
 
 
+def vit_products(c, part: str, images: int) -> list:
+    """The products of a CLIP ViT part (``embed``, ``blocks.i``, ``head``) on ``images`` images:
+    the patch embedding (a convolution with stride = kernel: one product over the patches) and
+    the blocks over patches + CLS; the head (a norm of CLS) has none."""
+    patches = (c.image_size // c.patch_size) ** 2
+    if part == "embed":
+        return [Matmul(images * patches, c.num_channels * c.patch_size ** 2, c.hidden_size,
+                       "embeddings.patch_embedding", 0)]
+    if part == "head":
+        return []
+    seq = patches + 1
+    return block_products(images * seq, images, seq, CLIP_BLOCK, c.hidden_size, c.intermediate_size,
+                          c.num_attention_heads)
+
+
+def conv_products(convs: list, size: int, images: int, depth: int = 2) -> tuple:
+    """The products of ``(path, nn.Conv2d)`` applied in order to ``images`` square maps of side
+    ``size`` (a convolution: output positions x (in channels x kernel) x out channels); returns
+    (products, output side)."""
+    out = []
+    for path, conv in convs:
+        (kh, kw), (s, _), (p, _), (d, _) = conv.kernel_size, conv.stride, conv.padding, conv.dilation
+        size = (size + 2 * p - d * (kh - 1) - 1) // s + 1
+        out.append(Matmul(images * size * size, conv.in_channels // conv.groups * kh * kw, conv.out_channels, path,
+                          depth))
+        depth = 2
+    return out, size
+
+
+def resnet_products(spec, part: str, images: int) -> list:
+    """The convolutions of a torchvision ResNet part (built on the meta device): the stem; in a
+    stage, each residual block's main path and its downsample (both from the block's input)."""
+    if part == "head":
+        return []
+    with torch.device("meta"):
+        module = spec.build_part(part)
+    if part == "embed":
+        return conv_products([("conv1", module.conv1)], spec.image_size, images, 0)[0]
+    side = (spec.image_size - 1) // 2 + 1  # the stem: a stride-2 convolution, then a stride-2 max pool
+    side = (side - 1) // 2 + 1
+    for _ in range(1, int(part.split(".")[1])):  # stages 2-4 halve the side
+        side = (side - 1) // 2 + 1
+    out = []
+    for i, block in enumerate(module):
+        main = [(f"{i}.{n}", getattr(block, n)) for n in ("conv1", "conv2", "conv3") if hasattr(block, n)]
+        prods, after = conv_products(main, side, images, 0 if i == 0 else 2)
+        if block.downsample is not None:
+            prods += conv_products([(f"{i}.downsample.0", block.downsample[0])], side, images, 0 if i == 0 else 2)[0]
+        out, side = out + prods, after
+    return out
+
+
 class VisionSpec:
     """Resolved image-tower definition: how many parts, how to build each, where weights come from."""
 
@@ -136,6 +189,12 @@ class VisionSpec:
         if name == "head":
             return ResNetHead()
         return getattr(net, f"layer{int(name.split('.')[1]) + 1}")
+
+    def matmuls(self, part: str, images: int) -> list:
+        """The products of ``part`` on ``images`` images (``Family.matmuls``)."""
+        if self.arch == "clip_vit":
+            return vit_products(self.hf_config, part, images)
+        return resnet_products(self, part, images)
 
     def weight_source(self):
         if self.weights_dir and self._weights is None:

@@ -12,7 +12,9 @@ from mmpipe.config.registry import register_family
 from mmpipe.errors import ConfigError
 from mmpipe.families.base import Layer, PlainModel
 from mmpipe.families.image_text import ImageTextFamily
+from mmpipe.families.products import DECODER_BLOCK, Matmul, block_products
 from mmpipe.families.towers import hf
+from mmpipe.families.towers.vision import vit_products
 from mmpipe.families.towers.common import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
@@ -305,6 +307,27 @@ class VlmFamily(ImageTextFamily):
             raise KeyError(name)
         init_transformer_part(module, std=getattr(t, "initializer_range", 0.02))
         return module
+
+    def matmuls(self, name: str, mb) -> list:
+        """The vision tower's products on the micro-batch's images (a block given none runs on one
+        zero row: ``model._through``), the projector's on their image tokens, the decoder blocks'
+        and the LM head's on every (padded) token position."""
+        v, t = self.vision_cfg, self.text_cfg
+        if name == "vision.embed":
+            return vit_products(v, "embed", mb.images)
+        if name.startswith("vision.blocks."):
+            return vit_products(v, "blocks", max(mb.images, 1))
+        if name == "projector":
+            tokens = mb.images * self.n_image_tokens()
+            return [Matmul(tokens, v.hidden_size, t.hidden_size, "linear_1", 0),
+                    Matmul(tokens, t.hidden_size, t.hidden_size, "linear_2", recomputed=False)]
+        tokens = mb.rows * mb.seq_len
+        if name.startswith("llm.blocks."):
+            return block_products(tokens, mb.rows, mb.seq_len, DECODER_BLOCK, t.hidden_size, t.intermediate_size,
+                                  t.num_attention_heads, t.num_key_value_heads, head_dim=getattr(t, "head_dim", None))
+        if name == "llm.head":
+            return [Matmul(tokens, t.hidden_size, t.vocab_size, "lm_head", 1, recomputed=False)]
+        return []  # llm.embed: a lookup and a scatter
 
     def _norm_cls(self):
         if self.arch == "llama":

@@ -1,0 +1,73 @@
+"""The arithmetic a family describes (``Family.matmuls``): the shape of a micro-batch, one matrix
+product of a layer's forward, and the products of the transformer blocks the towers share.
+``mmpipe.planning.flops`` turns them into FLOPs per layer, step and stage."""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+
+class MicroBatch(NamedTuple):
+    """A micro-batch's real shape, read from its host tensors' shapes (no values): ``rows``
+    (samples, or packed rows), ``seq_len`` (tokens per row as the model computes them: the
+    micro-batch's own padded length, not ``data.max_length``), ``images`` (images it holds; image
+    sizes are the model's), ``negatives`` (rows a contrastive loss scores each row against: the
+    global batch under a step loss; 0 = this micro-batch's rows)."""
+    rows: int
+    seq_len: int
+    images: int = 0
+    negatives: int = 0
+
+
+class Matmul(NamedTuple):
+    """One matrix product of a layer's forward, (m x k) @ (k x n): 2·m·k·n FLOPs. ``weight``: the
+    module path, inside the layer, of the Linear or convolution whose weight is the (k x n) operand
+    ("" for a layer that is itself a Linear); None for a product of two activations (attention's
+    QK^T and AV, contrastive logits). ``depth``: what the product reads: 0 the layer's input as it
+    came, 1 the input through a norm (whose weights may train), 2 the output of another product.
+    ``recomputed``: activation checkpointing runs it again in backward; False for a layer's last
+    product whose output nothing keeps (a block's last linear before its residual add, a layer that
+    is one Linear): torch's recompute stops at the last tensor backward needs. ``rescored``: the
+    backward runs it again (attention's QK^T: sdpa's fused kernels keep no scores)."""
+    m: int
+    k: int
+    n: int
+    weight: Optional[str] = None
+    depth: int = 2
+    recomputed: bool = True
+    rescored: bool = False
+
+
+# module paths of the blocks' products (``block_products``' names)
+CLIP_BLOCK = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.out_proj",
+              "up": "mlp.fc1", "down": "mlp.fc2"}
+BERT_BLOCK = {"q": "attention.self.query", "k": "attention.self.key", "v": "attention.self.value",
+              "o": "attention.output.dense", "up": "intermediate.dense", "down": "output.dense"}
+DECODER_BLOCK = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+                 "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+def attention_products(rows: int, seq: int, heads: int, head_dim: int) -> list:
+    """QK^T and AV of ``heads`` query heads over ``rows`` rows of ``seq`` tokens, as sdpa computes
+    them: every (query, key) pair of the padded rows (a mask hides pairs, it does not skip them;
+    grouped key/value heads are broadcast to the query heads); their backward computes QK^T again."""
+    m = rows * heads * seq
+    return [Matmul(m, head_dim, seq, rescored=True), Matmul(m, seq, head_dim)]
+
+
+def block_products(tokens: int, rows: int, seq: int, names: dict, width: int, inter: int, heads: int,
+                   kv_heads: int = None, post_norm: bool = False, head_dim: int = None) -> list:
+    """A transformer block's products on ``rows`` rows of ``seq`` tokens (``tokens`` = rows x seq):
+    q/k/v projections (``kv_heads`` grouped key/value heads), attention, the output projection and
+    the MLP; ``names``: the block's module paths under the keys q, k, v, o, and up, down (plus gate
+    for a gated MLP); ``post_norm``: the block norms after its residual adds (BERT: q/k/v read its
+    input, and the norm keeps the last linear's output), else before its products."""
+    qkv_depth = 0 if post_norm else 1
+    head_dim = head_dim or width // heads
+    q, kv = heads * head_dim, (kv_heads or heads) * head_dim
+    out = [Matmul(tokens, width, q, names["q"], qkv_depth), Matmul(tokens, width, kv, names["k"], qkv_depth),
+           Matmul(tokens, width, kv, names["v"], qkv_depth)]
+    out += attention_products(rows, seq, heads, head_dim)
+    out.append(Matmul(tokens, q, width, names["o"]))
+    out += [Matmul(tokens, width, inter, names[k]) for k in ("gate", "up") if k in names]
+    out.append(Matmul(tokens, inter, width, names["down"], recomputed=post_norm))
+    return out
