@@ -11,8 +11,8 @@ def test_group_norms_of_fp16_gradients_are_taken_in_fp32():
     from mmpipe.train.clipping import sum_of_squares
     g = torch.full((10_000,), 1000.0, dtype=torch.float16)
     assert not torch.isfinite(torch._foreach_norm([g], 2.0)[0])  # what an fp16 norm gives
-    assert math.isclose(sum_of_squares([g, g.bfloat16()]), 2 * 10_000 * 1000.0 ** 2, rel_tol=1e-4)
-    assert not math.isfinite(sum_of_squares([torch.tensor([float("inf")], dtype=torch.float16)]))
+    assert math.isclose(float(sum_of_squares([g, g.bfloat16()])), 2 * 10_000 * 1000.0 ** 2, rel_tol=1e-4)
+    assert not math.isfinite(float(sum_of_squares([torch.tensor([float("inf")], dtype=torch.float16)])))
 
 
 def test_an_fp16_overflow_that_lowers_the_loss_scale_is_not_a_bad_step():

@@ -137,3 +137,34 @@ def test_the_unfused_optimizer_takes_no_step_before_training():
     with no_initial_unfused_step():
         assert FP16_UnfusedOptimizer.initialize_optimizer_states(object()) is None
     assert FP16_UnfusedOptimizer.initialize_optimizer_states is original
+
+
+def test_one_read_overflow_check_gives_deepspeeds_answer():
+    """``CheckOverflow.has_overflow_serial`` tested one gradient at a time (a host read each); the patch
+    reads once and gives the same answer for finite, inf and NaN gradients, fp16 / bf16, large values
+    (an fp32 sum of squares of finite bf16 values could overflow; a max-magnitude cannot)."""
+    import torch
+    from deepspeed.runtime.utils import CheckOverflow
+
+    from mmpipe.parallel.ds_compat import one_read_overflow_check
+    assert "self._has_inf_or_nan(p.grad.data, i)" in _src(CheckOverflow.has_overflow_serial) or \
+        getattr(CheckOverflow.has_overflow_serial, "_mmpipe_one_read", False)
+    original = CheckOverflow.has_overflow_serial
+
+    def params(values, dtype):
+        out = []
+        for v in values:
+            p = torch.nn.Parameter(torch.zeros(3, dtype=dtype))
+            p.grad = torch.tensor([1.0, v, -2.0], dtype=dtype)
+            out.append(p)
+        return out + [torch.nn.Parameter(torch.zeros(2, dtype=dtype))]  # one without a gradient
+    cases = [(dt, vals) for dt in (torch.float16, torch.bfloat16)
+             for vals in ([0.5, 3.0], [0.5, float("inf")], [float("nan"), 1.0], [float("-inf"), 1.0])]
+    cases.append((torch.bfloat16, [1e30, -3e38]))
+    try:
+        expected = [original(CheckOverflow.__new__(CheckOverflow), params(v, dt)) for dt, v in cases]
+        assert one_read_overflow_check() and one_read_overflow_check()
+        got = [CheckOverflow.has_overflow_serial(CheckOverflow.__new__(CheckOverflow), params(v, dt)) for dt, v in cases]
+    finally:
+        CheckOverflow.has_overflow_serial = original
+    assert got == expected and expected == [False, True, True, True] * 2 + [False]

@@ -43,7 +43,7 @@ class DataStats:
         mask = batch.get("attention_mask")
         if torch.is_tensor(mask):  # padding fraction (a packed row's mask holds segment ids: > 0 is a token)
             self.tokens += mask.numel()
-            self.real_tokens += int((mask > 0).sum())
+            self.real_tokens += (mask > 0).sum()  # a host tensor, read once per step (gather_step)
         if self.sample_log is not None:  # one JSON object per micro-batch
             self.sample_log.write(json.dumps({"rank": self.rank, "step": self.step, "stage": self.stage,
                                               "keys": [str(k) for k in batch["keys"]]}) + "\n")

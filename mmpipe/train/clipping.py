@@ -62,10 +62,11 @@ def clip_coef(norm: float, limit: Optional[float]) -> float:
     return min(1.0, limit / (norm + 1e-6))
 
 
-def sum_of_squares(grads) -> float:
-    """Sum of the squared elements of ``grads``, with norms taken in fp32 whatever the gradients'
+def sum_of_squares(grads) -> torch.Tensor:
+    """Sum of the squared elements of ``grads`` as a float64 scalar tensor on their device (no host
+    read: the caller reads every group's at once), with norms taken in fp32 whatever the gradients'
     dtype: a loss-scaled fp16 ZeRO partition's norm can pass fp16's 65504 with every element finite."""
-    return float(sum(n.double() ** 2 for n in torch._foreach_norm(list(grads), 2.0, dtype=torch.float32)))
+    return torch.stack(torch._foreach_norm(list(grads), 2.0, dtype=torch.float32)).double().pow(2).sum()
 
 
 class GradClipper:
@@ -166,26 +167,30 @@ class GradClipper:
         it) sets ``skip``: the optimizer step is left out on every rank."""
         t0 = time.perf_counter()
         _test_inject_nan(named_grads, self.step_no)
-        sq = torch.zeros(max(1, len(self.names)), dtype=torch.float64)
         grads: dict = {}
+        counted: dict = {}
         for name, gs, replica in named_grads:
             if name not in self.names or not gs:
                 continue
             grads.setdefault(name, []).extend(gs)
             if not replica:
-                sq[self.names.index(name)] += sum_of_squares(gs)
+                counted.setdefault(name, []).extend(gs)
+        dev = next((x.device for gs in grads.values() for x in gs), self.engine.device)
+        # every group's sum of squares on the device, read by the host once per step (after the all-reduce)
+        sq = torch.stack([sum_of_squares(counted[n]) if n in counted else torch.zeros((), dtype=torch.float64, device=dev)
+                          for n in self.names]) if self.names else torch.zeros(1, dtype=torch.float64, device=dev)
         if self.reduce is not None:
-            dev = next((x.device for gs in grads.values() for x in gs), self.engine.device)
-            t = sq.to(dev)
             t1 = time.perf_counter()
-            dist.all_reduce(t, group=self.reduce[0])
-            sq = t.cpu()
+            dist.all_reduce(sq, group=self.reduce[0])
+            values = sq.tolist()
             # the all-reduce also absorbs the wait for the slowest stage (pipeline skew that would
             # otherwise show at the next step's first receive): counted apart from the compute
             self.wait_seconds += time.perf_counter() - t1
             t0 += time.perf_counter() - t1
+        else:
+            values = sq.tolist()
         norms = {n: math.sqrt(v) / scale if math.isfinite(v) else float("nan")
-                 for n, v in zip(self.names, sq.tolist())}  # of unscaled gradients
+                 for n, v in zip(self.names, values)}  # of unscaled gradients
         coefs = {n: clip_coef(norms[n], self.limits[n]) for n in self.names}
         total = math.sqrt(sum(v * v for v in norms.values()))
         clipped_total = math.sqrt(sum((norms[n] * coefs[n]) ** 2 for n in self.names))

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from mmpipe.config.groups import apply_freeze, lr_lambda, mark_embedding_tables, param_groups
-from mmpipe.parallel.ds_compat import fix_fp16_backward_scaling, no_initial_unfused_step
+from mmpipe.parallel.ds_compat import fix_fp16_backward_scaling, no_initial_unfused_step, one_read_overflow_check
 from mmpipe.parallel.layers import set_activation_checkpointing
 from mmpipe.parallel.strategies import strategy_for
 from mmpipe.train import checkpoint
@@ -69,6 +69,8 @@ def build_engine(run) -> Engine:
         scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, f)  # noqa: E731
     if cfg.train.precision == "fp16":  # DeepSpeed 0.19.8 leaves ZeRO-0's fp16 gradients unscaled
         fix_fp16_backward_scaling()
+    if cfg.train.precision != "fp32":  # its overflow check: one host read per step, not one per parameter
+        one_read_overflow_check()
     with no_initial_unfused_step():  # bf16 at P = 1 without ZeRO: Adam's first step is the first training step
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=torch_groups, config=run.where.ds_cfg,
                                                lr_scheduler=scheduler)

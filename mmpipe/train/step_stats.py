@@ -119,7 +119,7 @@ def gather_step(run, eng, ledger, data_stats, lrs: list, stop_requested: bool, t
     reports = ledger.unknown(data_stats.reports)
     fixed = {"new_reports": len(reports), "loader_wait": data_stats.wait, "drawn": data_stats.drawn,
              "stop": 1.0 + run.rank if stop_requested else 0.0, "timed_save": timed_save,
-             "tokens": data_stats.tokens, "real_tokens": data_stats.real_tokens, "samples": data_stats.samples,
+             "tokens": data_stats.tokens, "real_tokens": float(data_stats.real_tokens), "samples": data_stats.samples,
              "flops": data_stats.flops, "hw_flops": data_stats.hw_flops}
     stats = StepStats.gather(fixed, lrs, timings, run.world, eng.engine.device)
     if stats.new_reports.sum() > 0:  # new bad files somewhere: merge every rank's, in rank order
