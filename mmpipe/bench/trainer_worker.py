@@ -65,18 +65,38 @@ class Collate:
         return out
 
 
+def trainer_parts(synchronize=None) -> tuple:
+    """(a ``Trainer`` that keeps the dataset's order, a callback timing each optimizer step; with
+    ``synchronize``, the device's queue is drained at both ends of the step)."""
+    from torch.utils.data import SequentialSampler
+    from transformers import Trainer, TrainerCallback
+
+    class InOrder(Trainer):
+        def _get_train_sampler(self, *a, **k):
+            return SequentialSampler(self.train_dataset)
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.times, self.t0 = [], None
+
+        def on_step_begin(self, *a, **k):
+            if synchronize is not None:
+                synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            if synchronize is not None:
+                synchronize()
+            self.times.append(time.perf_counter() - self.t0)
+    return InOrder, Clock
+
+
 def main(spec_path: str) -> None:
     import os
 
     import torch
-    from torch.utils.data import Dataset, SequentialSampler
-    from transformers import (
-        AutoProcessor,
-        LlavaForConditionalGeneration,
-        Trainer,
-        TrainerCallback,
-        TrainingArguments,
-    )
+    from torch.utils.data import Dataset
+    from transformers import AutoProcessor, LlavaForConditionalGeneration, TrainingArguments
     with open(spec_path) as fh:
         spec = json.load(fh)
     torch.set_num_threads(spec["threads"])
@@ -92,19 +112,7 @@ def main(spec_path: str) -> None:
         def __getitem__(self, i):
             return encode(processor, rows[spec["order"][i]], root, spec["max_length"])
 
-    class InOrder(Trainer):
-        def _get_train_sampler(self, *a, **k):
-            return SequentialSampler(self.train_dataset)
-
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.times, self.t0 = [], None
-
-        def on_step_begin(self, *a, **k):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            self.times.append(time.perf_counter() - self.t0)
+    InOrder, Clock = trainer_parts()
 
     model = LlavaForConditionalGeneration.from_pretrained(spec["llava"], torch_dtype=torch.float32)
     if spec.get("lora"):
@@ -216,8 +224,8 @@ def gpu_main(spec_path: str) -> None:
 
     import torch
     from deepspeed.accelerator import get_accelerator
-    from torch.utils.data import Dataset, SequentialSampler
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from torch.utils.data import Dataset
+    from transformers import TrainingArguments
     with open(spec_path) as fh:
         spec = json.load(fh)
     acc = get_accelerator()
@@ -238,21 +246,7 @@ def gpu_main(spec_path: str) -> None:
                 out["pixel_values"] = pix
             return out
 
-    class InOrder(Trainer):
-        def _get_train_sampler(self, *a, **k):
-            return SequentialSampler(self.train_dataset)
-
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.times, self.t0 = [], None
-
-        def on_step_begin(self, *a, **k):
-            acc.synchronize()
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, *a, **k):
-            acc.synchronize()
-            self.times.append(time.perf_counter() - self.t0)
+    InOrder, Clock = trainer_parts(acc.synchronize)
 
     ds = os.path.join(spec["tmp"] + "_ds.json")
     with open(ds, "w") as fh:
