@@ -25,7 +25,8 @@ setup(
         "peft>=0.13",  # optim.train_type: lora (ms-swift's LoRA)
         "psutil",  # device and process memory (planning.memory, parallel.roster)
     ],
-    # open_clip: the loss and format parity tests; with what open_clip_train imports, mmpipe bench peers --family clip
-    extras_require={"test": ["pytest>=8", "open-clip-torch>=2.20"], "peers": ["open-clip-torch>=2.20", "pandas", "webdataset", "braceexpand"]},
+    # open_clip: the loss and format parity tests; with what open_clip_train imports (pandas, webdataset), mmpipe
+    # bench peers --family clip and mmpipe bench gpu (test_bench.py runs it at tiny size)
+    extras_require={"test": ["pytest>=8", "open-clip-torch>=2.20", "pandas", "webdataset", "braceexpand"], "peers": ["open-clip-torch>=2.20", "pandas", "webdataset", "braceexpand"]},
     entry_points={"console_scripts": ["mmpipe=mmpipe.cli.main:main"]},
 )
