@@ -10,6 +10,7 @@ and ratios against a baseline measured in the same run.
     mmpipe bench negatives   # CLIP's global-batch negatives vs per-micro-batch: step time measured and predicted
     mmpipe bench peers --family clip  # the same CLIP job by open_clip_train and by mmpipe: samples/s, recall
     mmpipe bench packing     # VLM samples/s with sequence packing vs padding per micro-batch (length-skewed chat)
+    mmpipe bench overhead    # mmpipe's step vs a raw DeepSpeed engine on the same module (P = 1, P = 2, DP = 2)
     mmpipe bench gpu         # real sizes on one GPU: samples/s, MFU, memory vs open_clip_train and the Trainer
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from mmpipe.bench.gpu import add_arguments as add_gpu
 from mmpipe.bench.groups import bench_groups
 from mmpipe.bench.memory import add_arguments as add_memory
 from mmpipe.bench.negatives import add_arguments as add_negatives
+from mmpipe.bench.overhead import add_arguments as add_overhead
 from mmpipe.bench.packing import add_arguments as add_packing
 from mmpipe.bench.peers import add_arguments as add_peers
 from mmpipe.bench.strategies import bench_strategies
@@ -77,3 +79,5 @@ def add_parser(sub) -> None:
                             "samples/s and retrieval recall"))
     add_gpu(bs.add_parser("gpu", help="real model sizes on one accelerator (CLIP ViT-B/16, LLaVA-7B-shaped LoRA and "
                           "full): samples/s, MFU and peak memory beside open_clip_train and transformers' Trainer"))
+    add_overhead(bs.add_parser("overhead", help="mmpipe's step time vs a raw DeepSpeed engine on the same module and "
+                               "micro-batches (P = 1, P = 2, DP = 2)"))
