@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from mmpipe.bench.common import ROOT, append_benchmarks, launch, with_scratch
+from mmpipe.bench.common import ROOT, _steps, append_benchmarks, launch, with_scratch
 
 JOBS = ("clip", "vlm_lora", "vlm_full")
 _PEAK_LINE = re.compile(r"rank 0 stage 0: params ([\d.]+)M \(trainable ([\d.]+)M\).*?peak device memory "
@@ -95,11 +95,6 @@ def _data(tmp: str, job: str, cfg, n: int) -> list:
     return [f"data.train={info['train']}"]
 
 
-def _steps(out: str, warmup: int) -> list:
-    from mmpipe.train.metrics import read_metrics
-    return read_metrics(os.path.join(out, "metrics.jsonl"))[warmup:]
-
-
 def run_mmpipe(name: str, spec: dict, data: list, args, tmp: str) -> dict:
     """One mmpipe run (the deepspeed launcher, one rank): samples/s, TFLOP/s, MFU, memory."""
     from mmpipe.config.schema import load_config
@@ -118,7 +113,7 @@ def run_mmpipe(name: str, spec: dict, data: list, args, tmp: str) -> dict:
             shutil.copy(os.path.join(out, "samples", "rank0.jsonl"), os.path.join(args.out, f"samples_{name}.jsonl"))
     recs = _steps(out, args.warmup)
     step = statistics.median(r["step_time"] for r in recs)
-    samples = statistics.median(r.get("samples", 0) or 0 for r in recs)
+    samples = 0
     log_file = os.path.join(out, "samples", "rank0.jsonl")
     if os.path.isfile(log_file):  # packed rows: the samples each step trained, from data.log_samples
         per = {}
@@ -205,11 +200,9 @@ def run_trainer(name: str, spec: dict, data: list, mm: dict, args, tmp: str) -> 
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.time()
     import shutil
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", "1", "--master_port", str(port),
+
+    from mmpipe.bench.peers_vlm import _port
+    cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", "1", "--master_port", str(_port()),
            os.path.join(ROOT, "mmpipe", "bench", "trainer_worker.py"), "--gpu", path]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.time() - t0

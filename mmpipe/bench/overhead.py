@@ -10,20 +10,14 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 
 from mmpipe.bench.common import ROOT, append_benchmarks, launch, with_scratch
+from mmpipe.bench.peers_vlm import _port
 
 LAYOUTS = {"P1": (1, 1), "P2": (2, 2), "DP2": (2, 1)}  # name: (ranks, stages)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def raw_deepspeed(run: str, ranks: int, stages: int, steps: int, clip: float, tmp: str) -> list:

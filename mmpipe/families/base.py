@@ -206,10 +206,6 @@ class Family:
         not describe its arithmetic (its runs then log no TFLOP/s)."""
         raise NotImplementedError
 
-    def forward_flops(self, mb: MicroBatch) -> list:
-        """Forward FLOPs of each layer of ``layers()`` (in order) on micro-batch ``mb``."""
-        return [sum(2.0 * p.m * p.k * p.n for p in self.matmuls(name, mb)) for name in self.layer_names()]
-
     def plain_model(self, forward_only: frozenset = frozenset()) -> "PlainModel":
         return PlainModel(self, forward_only)
 
