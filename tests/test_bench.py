@@ -86,3 +86,21 @@ def test_bench_gpu_runs_every_job_beside_its_peer_at_tiny_size(tmp_path):
     assert all(r["tflops"] > 0 and r["predicted_mb"] > 0 and r["mfu"] is None for r in mm.values())  # no peak on a CPU
     assert mm["vlm_full"]["samples_per_step"] > 4  # 4 packed rows per step, several samples in each
     assert "| clip | open_clip_train |" in proc.stdout
+
+
+def test_bench_overhead_times_mmpipe_and_a_raw_deepspeed_engine_on_the_same_model(tmp_path):
+    """``mmpipe bench overhead`` at P = 1 and P = 2: mmpipe's run and the raw DeepSpeed engine (the plain
+    module; a PipelineModule of the family's layers) both train to the end, and the table gives each
+    layout's step times and their ratio."""
+    import re
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "mmpipe.cli.main", "bench", "overhead", "--layouts", "P1", "P2",
+                           "--rounds", "1", "--steps", "4", "--warmup", "1", "--n", "64", "--no-append"],
+                          capture_output=True, text=True, cwd=str(tmp_path), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = re.findall(r"^\| (P1|P2) \| (\d) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|$", proc.stdout, re.M)
+    assert [(r[0], r[1]) for r in rows] == [("P1", "1"), ("P2", "2")], proc.stdout
+    for _, _, raw, mm, ratio in rows:
+        assert float(raw) > 0 and float(mm) > 0
+        assert abs(float(ratio) - float(mm) / float(raw)) < 0.01 + 0.01 * float(ratio)
