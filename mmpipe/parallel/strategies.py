@@ -6,7 +6,8 @@
   ``PipelineModule`` cut at the plan's boundaries; DeepSpeed's 1F1B schedule runs the step.
 
 Both build their module from a ``Family`` and a ``Plan``, and give the trainer a runner with one
-interface: ``train_step(data_iter, step, trace) -> loss`` and ``eval_outputs(batches, n)`` (the
+interface: ``train_step(data_iter, step, trace) -> loss`` (a 0-dim tensor on the device: the trainer reads it
+with the step's one gather, no host read of its own) and ``eval_outputs(batches, n)`` (the
 last layer's eval-mode outputs per micro-batch on the rank that holds them, else None). Batches
 are ``(inputs, labels)`` tuples: the family's first-stage fields and its last-stage fields.
 """
@@ -99,7 +100,7 @@ class PlainRunner:
     def _to_device(self, tensors):
         return tuple(t.to(self.engine.device, non_blocking=True) for t in tensors)
 
-    def _step_loss_step(self, data_iter, step: int) -> float:
+    def _step_loss_step(self, data_iter, step: int) -> torch.Tensor:
         """The step's micro-batches forward-only for their features, the batch loss, then each
         micro-batch trained on its surrogate (``mmpipe.parallel.step_loss``). With one micro-batch
         per rank, no pass is repeated: its features, with autograd, are gathered (detached) and its
@@ -117,7 +118,7 @@ class PlainRunner:
                 self.engine.step()
             finally:
                 module.features_mode = False
-            return float(cache.loss)
+            return cache.loss
         try:
             if module.replay is not None:
                 module.replay.start(step)
@@ -136,9 +137,9 @@ class PlainRunner:
             module.features_mode = False
             if module.memo is not None:
                 module.memo.clear()
-        return float(cache.loss)
+        return cache.loss
 
-    def train_step(self, data_iter, step: int = 0, trace: bool = False) -> float:
+    def train_step(self, data_iter, step: int = 0, trace: bool = False) -> torch.Tensor:
         if self.cache is not None:
             return self._step_loss_step(data_iter, step)
         if self.engine.module.replay is not None:
@@ -155,7 +156,7 @@ class PlainRunner:
         if self.topo.data_parallel > 1:
             dist.all_reduce(mean)
             mean /= self.topo.data_parallel
-        return float(mean)
+        return mean
 
     @torch.no_grad()
     def eval_outputs(self, batches, n_micro: int) -> Optional[list]:
@@ -205,7 +206,7 @@ class PipelineRunner:
                                            engine.grid.get_data_parallel_group())
                 last.surrogate = self.cache.surrogate
 
-    def train_step(self, data_iter, step: int = 0, trace: bool = False) -> float:
+    def train_step(self, data_iter, step: int = 0, trace: bool = False) -> torch.Tensor:
         if self.clock is not None:
             self.clock.begin_step(step, trace)
         if self.engine.module.family.step_loss:
@@ -213,12 +214,12 @@ class PipelineRunner:
         else:
             if self.replay is not None:
                 self.replay.start(step)
-            loss = float(self.engine.train_batch(data_iter))
+            loss = self.engine.train_batch(data_iter).detach()
         if self.clock is not None:
             self.timings = self.clock.end_step()
         return loss
 
-    def _step_loss_step(self, data_iter, step: int) -> float:
+    def _step_loss_step(self, data_iter, step: int) -> torch.Tensor:
         """Pass 1: the step's micro-batches forward-only through every stage (DeepSpeed's inference
         schedule, training mode) for the last layer's features; the last stage's batch loss; pass 2:
         DeepSpeed's 1F1B over the same micro-batches, the last stage backpropagating surrogates."""
@@ -240,7 +241,7 @@ class PipelineRunner:
             self.replay.start(step)
         if self.memo is not None:
             self.memo.start(recording=False)
-        loss = float(engine.train_batch(iter(batches) if batches is not None else None))
+        loss = engine.train_batch(iter(batches) if batches is not None else None).detach()
         if self.memo is not None:
             self.memo.clear()
         return loss

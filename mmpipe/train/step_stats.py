@@ -68,31 +68,40 @@ FIXED = ("new_reports", "loader_wait", "drawn", "stop", "timed_save", "tokens", 
 
 @dataclass
 class StepStats:
-    """Every rank's counters of one step, gathered once (one small all-gather), a field per column:
-    new bad-file reports, seconds waiting for the loader, samples drawn, a stop request (1 + the
-    rank, else 0), rank 0's save clock, tokens, samples, the analytic FLOPs of the micro-batches
-    read; then every group's lr and the stage clock's fields."""
-    new_reports: torch.Tensor  # one value per rank
-    loader_wait: torch.Tensor
-    drawn: torch.Tensor
-    stop: torch.Tensor
-    timed_save: torch.Tensor
-    tokens: torch.Tensor  # token positions the rank's micro-batches held (padding included)
-    real_tokens: torch.Tensor  # ... of which real tokens (the padding fraction is the rest)
-    samples: torch.Tensor  # usable samples trained on (packed rows hold several)
-    flops: torch.Tensor  # analytic model FLOPs of the micro-batches the rank read (planning.flops)
-    hw_flops: torch.Tensor  # ... and hardware FLOPs (recomputed forwards included)
-    lrs: torch.Tensor  # world x groups (NaN where a group is not on that rank)
-    timings: torch.Tensor  # world x stage-clock fields
+    """Every rank's counters of one step, gathered once (one small all-gather, read by the host
+    once: the fields are numpy arrays), a field per column: new bad-file reports, seconds waiting
+    for the loader, samples drawn, a stop request (1 + the rank, else 0), rank 0's save clock,
+    tokens, samples, the analytic FLOPs of the micro-batches read, the step's loss as the rank holds
+    it (a device tensor until this gather); then every group's lr and the stage clock's fields."""
+    new_reports: np.ndarray  # one value per rank
+    loader_wait: np.ndarray
+    drawn: np.ndarray
+    stop: np.ndarray
+    timed_save: np.ndarray
+    tokens: np.ndarray  # token positions the rank's micro-batches held (padding included)
+    real_tokens: np.ndarray  # ... of which real tokens (the padding fraction is the rest)
+    samples: np.ndarray  # usable samples trained on (packed rows hold several)
+    flops: np.ndarray  # analytic model FLOPs of the micro-batches the rank read (planning.flops)
+    hw_flops: np.ndarray  # ... and hardware FLOPs (recomputed forwards included)
+    loss: np.ndarray  # the step's loss on each rank (the reporting rank's is the run's)
+    lrs: np.ndarray  # world x groups (NaN where a group is not on that rank)
+    timings: np.ndarray  # world x stage-clock fields
 
     @classmethod
-    def gather(cls, fixed: dict, lrs: list, timings: list, world: int, device) -> "StepStats":
-        mine = torch.tensor([float(fixed[k]) for k in FIXED] + lrs + timings, dtype=torch.float64,
-                            device=device)  # NCCL gathers device tensors only
+    def gather(cls, fixed: dict, loss: torch.Tensor, lrs: list, timings: list, world: int, device) -> "StepStats":
+        tensors = {k: v for k, v in fixed.items() if torch.is_tensor(v)}  # host tensors: copied, not read
+        host = torch.tensor([0.0 if k in tensors else float(fixed[k]) for k in FIXED] + lrs + timings,
+                            dtype=torch.float64)
+        for k, v in tensors.items():
+            host[FIXED.index(k)] = v
+        if host.device != torch.device(device):  # pinned, so the copy to the device does not wait for it
+            host = host.pin_memory()
+        mine = torch.cat([host.to(device, non_blocking=True),  # NCCL gathers device tensors only
+                          loss.detach().reshape(1).to(device=device, dtype=torch.float64)])
         everyone = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(everyone, mine)
-        s, n = torch.stack(everyone).cpu(), len(FIXED)
-        return cls(*(s[:, i] for i in range(n)), s[:, n:n + len(lrs)], s[:, n + len(lrs):])
+        s, n, k = torch.stack(everyone).cpu().numpy(), len(FIXED), len(lrs)  # the step's one host read
+        return cls(*(s[:, i] for i in range(n)), s[:, n + k + len(timings)], s[:, n:n + k], s[:, n + k:n + k + len(timings)])
 
     @property
     def stop_rank(self) -> Optional[int]:
@@ -101,15 +110,17 @@ class StepStats:
 
     def lr_now(self) -> list:
         """Every group's lr, from whichever rank holds it."""
-        return [float(np.nanmax(col)) if not np.isnan(col).all() else float("nan") for col in self.lrs.T.numpy()]
+        return [float(np.nanmax(col)) if not np.isnan(col).all() else float("nan") for col in self.lrs.T]
 
     def stage_means(self, stage_ranks: list) -> dict:
         return {s: self.timings[ranks].mean(0).tolist() for s, ranks in enumerate(stage_ranks)}
 
 
-def gather_step(run, eng, ledger, data_stats, lrs: list, stop_requested: bool, timed_save: bool) -> tuple:
-    """(``StepStats``, the bad-file reports new to the run, merged over ranks in rank order). ``lrs``:
-    this rank's lr per group as the step began (the scheduler moves it in the step)."""
+def gather_step(run, eng, ledger, data_stats, loss: torch.Tensor, lrs: list, stop_requested: bool,
+                timed_save: bool) -> tuple:
+    """(``StepStats``, the bad-file reports new to the run, merged over ranks in rank order). ``loss``:
+    the runner's step loss (a device tensor, read here with everything else); ``lrs``: this rank's lr
+    per group as the step began (the scheduler moves it in the step)."""
     timings = []
     if eng.runner.clock is not None:  # the norm all-reduce in the optimizer step waits for other stages: idle
         timings = list(eng.runner.timings)
@@ -119,9 +130,9 @@ def gather_step(run, eng, ledger, data_stats, lrs: list, stop_requested: bool, t
     reports = ledger.unknown(data_stats.reports)
     fixed = {"new_reports": len(reports), "loader_wait": data_stats.wait, "drawn": data_stats.drawn,
              "stop": 1.0 + run.rank if stop_requested else 0.0, "timed_save": timed_save,
-             "tokens": data_stats.tokens, "real_tokens": float(data_stats.real_tokens), "samples": data_stats.samples,
+             "tokens": data_stats.tokens, "real_tokens": data_stats.real_tokens, "samples": data_stats.samples,
              "flops": data_stats.flops, "hw_flops": data_stats.hw_flops}
-    stats = StepStats.gather(fixed, lrs, timings, run.world, eng.engine.device)
+    stats = StepStats.gather(fixed, loss, lrs, timings, run.world, eng.engine.device)
     if stats.new_reports.sum() > 0:  # new bad files somewhere: merge every rank's, in rank order
         per_rank = [None] * run.world
         dist.all_gather_object(per_rank, reports)

@@ -131,8 +131,9 @@ class Trainer:
         with self.meter or contextlib.nullcontext():
             loss = eng.runner.train_step(self.data.step_batches(run, eng.engine.device), step, tracing)
         dt = time.perf_counter() - t0
-        stats, reports = gather_step(run, eng, self.ledger, self.data.stats, lrs, bool(self.guard.requested),
+        stats, reports = gather_step(run, eng, self.ledger, self.data.stats, loss, lrs, bool(self.guard.requested),
                                      self.ckpt.clock_due())
+        loss = float(stats.loss[run.rank])
         for path, why in self.ledger.add(reports, int(stats.drawn.sum())):
             if run.is_reporter:
                 _warn(f"skipped bad sample {path}: {why}")
