@@ -66,6 +66,14 @@ def launch(nprocs: int, config: str, sets: list, out: str) -> str:
     return proc.stdout + proc.stderr
 
 
+def free_port() -> int:
+    """A free local TCP port for a launcher's rendezvous (the benches start several in one run)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _steps(out: str, warmup: int) -> list:
     return read_metrics(os.path.join(out, "metrics.jsonl"))[warmup:]
 

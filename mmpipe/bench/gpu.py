@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from mmpipe.bench.common import ROOT, _steps, append_benchmarks, launch, with_scratch
+from mmpipe.bench.common import ROOT, _steps, append_benchmarks, free_port, launch, with_scratch
 
 JOBS = ("clip", "vlm_lora", "vlm_full")
 _PEAK_LINE = re.compile(r"rank 0 stage 0: params ([\d.]+)M \(trainable ([\d.]+)M\).*?peak device memory "
@@ -200,9 +200,7 @@ def run_trainer(name: str, spec: dict, data: list, mm: dict, args, tmp: str) -> 
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.time()
     import shutil
-
-    from mmpipe.bench.peers_vlm import _port
-    cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", "1", "--master_port", str(_port()),
+    cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", "1", "--master_port", str(free_port()),
            os.path.join(ROOT, "mmpipe", "bench", "trainer_worker.py"), "--gpu", path]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.time() - t0

@@ -14,8 +14,7 @@ import statistics
 import subprocess
 import sys
 
-from mmpipe.bench.common import ROOT, append_benchmarks, launch, with_scratch
-from mmpipe.bench.peers_vlm import _port
+from mmpipe.bench.common import ROOT, append_benchmarks, free_port, launch, with_scratch
 
 LAYOUTS = {"P1": (1, 1), "P2": (2, 2), "DP2": (2, 1)}  # name: (ranks, stages)
 
@@ -27,7 +26,7 @@ def raw_deepspeed(run: str, ranks: int, stages: int, steps: int, clip: float, tm
     path = os.path.join(tmp, "raw_spec.json")
     with open(path, "w") as fh:
         json.dump(spec, fh)
-    cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(ranks), "--master_port", str(_port()),
+    cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
            os.path.join(ROOT, "mmpipe", "bench", "overhead_worker.py"), path]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -11,14 +11,13 @@ import json
 import os
 import re
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
 
 import torch
 
-from mmpipe.bench.common import ROOT, append_benchmarks, launch, with_scratch
+from mmpipe.bench.common import ROOT, append_benchmarks, free_port, launch, with_scratch
 from mmpipe.config.schema import family_of, load_config, replace
 from mmpipe.data.loader import load_image
 from mmpipe.data.manifest import read_manifest
@@ -31,12 +30,6 @@ from mmpipe.train.metrics import read_metrics
 
 MODEL_NAME = "mmpipe-bench-peer"
 _STEP_LINE = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/\d+.*?Batch \(t\): [\d.]+, ([\d.]+)/s,")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _log(msg: str) -> None:
@@ -146,7 +139,7 @@ def run_open_clip(job: Job, args, tmp: str) -> str:
         json.dump({"args": oc_args, "model_config_dir": cfg_dir, "tokenizer": job.tok_dir,
                    "max_length": cfg.data.max_length, "image_size": job.size, "mean": list(v.mean), "std": list(v.std),
                    "threads": max(1, (os.cpu_count() or 2) // 2)}, fh)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "mmpipe.bench.open_clip_worker", spec]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -10,12 +10,11 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 
-from mmpipe.bench.common import ROOT, append_benchmarks, launch, with_scratch
+from mmpipe.bench.common import ROOT, append_benchmarks, free_port, launch, with_scratch
 from mmpipe.bench.trainer_worker import encode
 from mmpipe.config.schema import family_of, load_config, replace
 from mmpipe.data.synth import synth_vlm
@@ -26,12 +25,6 @@ from mmpipe.train.metrics import read_metrics
 
 def _log(msg: str) -> None:
     print(f"[bench] {msg}", flush=True)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_llava_dir(args, tmp: str) -> tuple:
@@ -91,7 +84,7 @@ def run_trainer(cfg, train: str, llava: str, order: list, args, tmp: str, lora: 
     path = os.path.join(tmp, name + "_spec.json")
     with open(path, "w") as fh:
         json.dump(spec, fh)
-    cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", "2", "--master_port", str(_port()),
+    cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
            os.path.join(ROOT, "mmpipe", "bench", "trainer_worker.py"), path]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -89,19 +89,17 @@ class StepStats:
 
     @classmethod
     def gather(cls, fixed: dict, loss: torch.Tensor, lrs: list, timings: list, world: int, device) -> "StepStats":
-        tensors = {k: v for k, v in fixed.items() if torch.is_tensor(v)}  # host tensors: copied, not read
-        host = torch.tensor([0.0 if k in tensors else float(fixed[k]) for k in FIXED] + lrs + timings,
-                            dtype=torch.float64)
-        for k, v in tensors.items():
-            host[FIXED.index(k)] = v
+        host = torch.stack([torch.as_tensor(v, dtype=torch.float64)  # a host tensor (real tokens) is copied, not read
+                            for v in [fixed[k] for k in FIXED] + lrs + timings])
         if host.device != torch.device(device):  # pinned, so the copy to the device does not wait for it
             host = host.pin_memory()
-        mine = torch.cat([host.to(device, non_blocking=True),  # NCCL gathers device tensors only
-                          loss.detach().reshape(1).to(device=device, dtype=torch.float64)])
+        mine = torch.cat([loss.detach().reshape(1).to(device=device, dtype=torch.float64),
+                          host.to(device, non_blocking=True)])  # NCCL gathers device tensors only
         everyone = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(everyone, mine)
-        s, n, k = torch.stack(everyone).cpu().numpy(), len(FIXED), len(lrs)  # the step's one host read
-        return cls(*(s[:, i] for i in range(n)), s[:, n + k + len(timings)], s[:, n:n + k], s[:, n + k:n + k + len(timings)])
+        s, n = torch.stack(everyone).cpu().numpy(), len(FIXED)  # the step's one host read
+        loss, s = s[:, 0], s[:, 1:]
+        return cls(*(s[:, i] for i in range(n)), loss, s[:, n:n + len(lrs)], s[:, n + len(lrs):])
 
     @property
     def stop_rank(self) -> Optional[int]:
