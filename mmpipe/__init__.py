@@ -2,6 +2,7 @@
 from mmpipe._version import __version__  # noqa: E402
 from mmpipe.config.schema import load_config  # noqa: E402
 from mmpipe.errors import ConfigError, DataError, MmpipeError  # noqa: E402
+from mmpipe.parallel.plain import plain_model
 
 
 def build_model(config, seed=None):
@@ -29,7 +30,7 @@ def build_model(config, seed=None):
         raise ConfigError(f"build_model({path!r}): not a run config (.yaml), a run directory (with config.yaml) or "
                           "an mmpipe export directory")
     from mmpipe.config.registry import build_family
-    return build_family(config, seed).plain_model()
+    return plain_model(build_family(config, seed))
 
 
 def load_weights(path, step=None):

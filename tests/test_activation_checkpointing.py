@@ -12,6 +12,7 @@ from helpers import TINY, TINY_VLM, assert_same_training
 import mmpipe
 from mmpipe.config.registry import build_family
 from mmpipe.parallel.layers import PipeLayer, run_sequential, set_activation_checkpointing
+from mmpipe.parallel.plain import plain_model
 
 CLIP_BERT = ["model.text.arch=bert", "model.text.vocab_size=300", "model.text.max_position_embeddings=16"]
 
@@ -50,7 +51,7 @@ def _loss_and_grads(model, fields, seed=0):
 @pytest.mark.parametrize("config,sets", [(TINY, CLIP_BERT), (TINY_VLM, ["model.llm.vocab_size=200", "model.image_token_id=199"])], ids=["clip_bert_dropout", "vlm"])
 def test_plain_model_recomputes_exactly_and_saves_less(config, sets):
     family, cfg = _family(config, sets)
-    model = family.plain_model().train()
+    model = plain_model(family).train()
     fields = _fields(family, cfg)
     loss, grads, saved = _loss_and_grads(model, fields)
     assert set_activation_checkpointing(model) == len(family.layer_names())

@@ -18,6 +18,7 @@ from mmpipe.config.registry import build_family
 from mmpipe.config.schema import load_config
 from mmpipe.families.products import MicroBatch
 from mmpipe.parallel.layers import set_activation_checkpointing
+from mmpipe.parallel.plain import plain_model
 from mmpipe.planning.flops import (
     StepCounter,
     device_kind,
@@ -70,7 +71,7 @@ def _counted(name: str) -> tuple:
     family = build_family(cfg)
     groups = resolve_groups(cfg.optim, type(family))
     layout = frozen_layout(family, groups)
-    model = family.plain_model(layout[2])
+    model = plain_model(family, layout[2])
     apply_freeze(model.named_parameters(), groups, lora=family.lora is not None)
     checkpointing = cfg.parallel.activation_checkpointing == "all"
     if checkpointing:

@@ -13,6 +13,7 @@ from helpers import TINY, assert_same_training, train_losses
 import mmpipe
 from mmpipe.config.registry import build_family
 from mmpipe.parallel.step_loss import FirstPassMemo, Replay, StepLossCache, frozen_prefix, is_stochastic
+from mmpipe.parallel.plain import plain_model
 
 TINY_SETS = ["model.text.vocab_size=300", "model.text.max_position_embeddings=16", "model.text.eos_token_id=2"]
 
@@ -56,18 +57,18 @@ def test_the_cache_replays_dropout_and_gives_autograds_gradient():
     assert is_stochastic(model)
     family, loss_module = model.family, model.get_submodule("loss")
     batches, A = _batches(cfg, 3, 4), 3
-    model.features_mode, model.replay = True, Replay(0)
+    model.executor.features, model.executor.replay = True, Replay(0)
 
     def features(grad: bool) -> list:
-        if model.replay is not None:
-            model.replay.start(7)
+        if model.executor.replay is not None:
+            model.executor.replay.start(7)
         with torch.set_grad_enabled(grad):
             return [model(*b) for b in batches]
     first, again = features(False), features(True)
     assert all(torch.equal(a, b.detach()) for a, b in zip(first, again))
-    model.replay = None  # without the replay the passes differ: the tower does draw random numbers
+    model.executor.replay = None  # without the replay the passes differ: the tower does draw random numbers
     assert not torch.equal(features(False)[0], features(False)[0])
-    model.replay = Replay(0)
+    model.executor.replay = Replay(0)
 
     params = [p for p in model.parameters() if p.requires_grad]
     reference = family.batch_loss(loss_module, torch.cat(features(True)))
@@ -76,7 +77,7 @@ def test_the_cache_replays_dropout_and_gives_autograds_gradient():
     cache.fill(features(False))
     assert torch.allclose(cache.loss, reference.detach())
     model.zero_grad()
-    model.replay.start(7)
+    model.executor.replay.start(7)
     for b in batches:
         (cache.surrogate(model(*b)) / A).backward()  # DeepSpeed divides by the accumulation steps
     for p, w in zip(params, want):
@@ -91,28 +92,28 @@ def test_a_frozen_prefix_runs_once_per_step():
     cfg = mmpipe.load_config(TINY, TINY_SETS)
     family = build_family(cfg.model)
     vision = [n for n in family.layer_names() if family.layer(n).segment == "vision"]
-    model = family.plain_model(forward_only=frozenset(vision)).train()
+    model = plain_model(family, forward_only=frozenset(vision)).train()
     for n, p in model.named_parameters():
         p.requires_grad_(not any(n.startswith(v + ".") for v in vision))
     assert frozen_prefix(family.layer_names(), model.forward_only) == vision
     batches, calls = _batches(cfg, 3, 4), []
     for n in vision:
         model.get_submodule(n).register_forward_hook(lambda *a, n=n: calls.append(n))
-    model.features_mode = True
+    model.executor.features = True
     with torch.no_grad():
         plain = [model(*b) for b in batches]
-    model.memo = FirstPassMemo(vision)
-    model.memo.start(recording=True)
+    model.executor.memo = FirstPassMemo(vision)
+    model.executor.memo.start(recording=True)
     with torch.no_grad():
         first = [model(*b) for b in batches]
     assert len(calls) == 2 * 3 * len(vision)
-    model.memo.start(recording=False)
+    model.executor.memo.start(recording=False)
     live = [model(*b) for b in batches]
     assert len(calls) == 2 * 3 * len(vision)  # not one vision layer ran in the training pass
     assert all(torch.equal(a, b) and torch.equal(a, c.detach()) for a, b, c in zip(plain, first, live))
     params = [p for p in model.parameters() if p.requires_grad]
     with_memo = torch.autograd.grad(family.batch_loss(model.loss, torch.cat(live)), params)
-    model.memo = None
+    model.executor.memo = None
     again = torch.autograd.grad(family.batch_loss(model.loss, torch.cat([model(*b) for b in batches])), params)
     for a, b in zip(with_memo, again):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

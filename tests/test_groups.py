@@ -24,6 +24,7 @@ from mmpipe.families.clip import ClipFamily
 from mmpipe.train.checkpoint import load_model_weights
 from mmpipe.train.clipping import clip_coef
 from mmpipe.train.metrics import read_metrics
+from mmpipe.parallel.plain import plain_model
 
 GROUP_SETS = ["optim.schedule=constant", "optim.groups.vision.max_grad_norm=0.5", "optim.groups.vision.lr=5e-4",
               "optim.groups.text.max_grad_norm=0.3", "optim.groups.text.lr=2e-3",
@@ -107,7 +108,7 @@ def test_frozen_branch_runs_forward_only_and_gets_no_optimizer_state():
     fo = forward_only_parts(part_params, family.upstream(), groups)
     assert fo == {"vision.embed", "vision.blocks.0", "vision.blocks.1", "vision.head"}
     model = mmpipe.build_model(cfg)
-    model.forward_only = frozenset(fo)
+    model.executor.forward_only = frozenset(fo)
     apply_freeze(model.named_parameters(), groups)
     tg = param_groups(model.named_parameters(), groups)
     assert {g["name"] for g in tg} == {"projector", "text", "logit_scale"}
@@ -357,7 +358,7 @@ def test_embedding_tables_take_no_weight_decay_by_type():
     from mmpipe.train.engine import mark_embeddings
     cfg = mmpipe.load_config(TINY_VLM, ["model.llm.vocab_size=200", "model.image_token_id=199"])
     family = build_family(cfg.model, 0)
-    model = family.plain_model()
+    model = plain_model(family)
     mark_embeddings(model, strategy_for(Topology(1, 1, 2, 2)), family)  # its named_parameters: plain names
     groups = resolve_groups(cfg.optim, type(family))
     decayed = {id(p) for g in param_groups(model.named_parameters(), groups) if g["weight_decay"] > 0

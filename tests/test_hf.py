@@ -9,6 +9,7 @@ import torch
 from helpers import TINY, launch, train_losses
 
 import mmpipe
+from mmpipe.parallel.plain import plain_model
 from mmpipe.families.towers.common import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
@@ -91,7 +92,7 @@ def test_clip_family_maps_its_weights_to_transformers_and_back():
     cfg = mmpipe.load_config(TINY, ["model.text.vocab_size=50", "model.text.eos_token_id=3",
                                     "model.text.max_position_embeddings=16"])
     family = build_family(cfg)
-    model = family.plain_model().eval()
+    model = plain_model(family).eval()
     sd = model.state_dict()
     adapter = family.hf
     hf_model = CLIPModel(adapter.hf_config()).eval()

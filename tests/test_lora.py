@@ -12,6 +12,7 @@ import torch
 from helpers import TINY_VLM, Runs, train_losses
 
 import mmpipe
+from mmpipe.parallel.plain import plain_model
 
 LORA_SETS = ["optim.train_type=lora", "optim.lora_dropout=0", "optim.lora_rank=4", "optim.lora_alpha=8",
              "optim.groups.llm.max_grad_norm=0.5", "optim.schedule=constant"]
@@ -263,7 +264,7 @@ def test_clip_lora_adapts_the_projections_as_peft_all_linear_does():
     from mmpipe.families.lora import merged
     sets = ["model.text.vocab_size=100", "optim.train_type=lora", "optim.lora_rank=4"]
     fam = build_family(mmpipe.load_config(os.path.join(os.path.dirname(TINY_VLM), "tiny.yaml"), sets))
-    model = fam.plain_model()
+    model = plain_model(fam)
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     ours = {n.split(".lora_A.")[0] for n in trained if ".lora_A." in n}
     assert {"visual_projection", "text_projection"} <= ours

@@ -11,6 +11,7 @@ import torch
 import mmpipe
 from mmpipe.config.registry import build_family
 from mmpipe.families.clip.open_clip_format import open_clip_config, to_open_clip
+from mmpipe.parallel.plain import plain_model
 
 SETS = ["model.text.vocab_size=300", "model.text.max_position_embeddings=16", "model.text.eos_token_id=2"]
 
@@ -30,7 +31,7 @@ def _open_clip_model(family, state, tmp_path):
 def test_open_clip_computes_mmpipes_features(tmp_path):
     from helpers import TINY
     family = build_family(mmpipe.load_config(TINY, SETS).model)
-    ours = family.plain_model().eval()
+    ours = plain_model(family).eval()
     theirs = _open_clip_model(family, ours.state_dict(), tmp_path)
     g = torch.Generator().manual_seed(0)
     size = family.vision.image_size

@@ -102,6 +102,9 @@ ORDER = ["ground", "parallel", "config", "data", "families", "planning", "train"
 ALLOWED = {layer: set(ORDER[:i + 1]) for i, layer in enumerate(ORDER)}
 ALLOWED["cli"] = set(ORDER) | {"cli", "bench"}
 ALLOWED["bench"] = set(ORDER) | {"bench"}
+# a family says what its layers compute, never how they run: the one layer executor and the
+# single-process model live in parallel/ and take a family, not the other way round
+ALLOWED["families"] -= {"parallel"}
 ROOT_MODULES = {"mmpipe": "api", "mmpipe.errors": "ground", "mmpipe._version": "ground"}
 MAX_ATTRIBUTES = 20
 

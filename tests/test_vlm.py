@@ -101,7 +101,7 @@ def test_projector_only_training_keeps_the_frozen_llm_on_the_gradient_path(llava
     groups = resolve_groups(cfg.optim, type(model.family))
     _, frozen, fo = frozen_layout(model.family, groups)
     assert fo == {"vision.embed", "vision.blocks.0", "vision.blocks.1"}
-    model.forward_only = fo
+    model.executor.forward_only = frozenset(fo)
     apply_freeze(model.named_parameters(), groups)
     pix, ids, mask, labels = _batch()
     model(pix, ids, mask, labels).backward()

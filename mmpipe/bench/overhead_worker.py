@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from mmpipe.parallel.plain import plain_model
 
 
 class _Step:
@@ -56,7 +57,7 @@ def main(spec_path: str) -> None:
     labels = tuple(batch[f] for f in family.labels)
     o = cfg.optim
     if P == 1:
-        model = family.plain_model()
+        model = plain_model(family)
         opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
 

@@ -27,6 +27,7 @@ from mmpipe.families.clip.open_clip_format import open_clip_config, to_open_clip
 from mmpipe.families.clip.retrieval import retrieval_metrics
 from mmpipe.families.towers.common import normalize_pixels
 from mmpipe.train.metrics import read_metrics
+from mmpipe.parallel.plain import plain_model
 
 MODEL_NAME = "mmpipe-bench-peer"
 _STEP_LINE = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/\d+.*?Batch \(t\): [\d.]+, ([\d.]+)/s,")
@@ -59,7 +60,7 @@ class Job:
         cfg = replace(cfg, model=self.family_cls.resolve(cfg.model, self.tokenizer, cfg.data))
         self.cfg, self.size = cfg, size
         self.family = self.family_cls(cfg.model, cfg.train.seed)
-        self.model = self.family.plain_model().eval()  # mmpipe's initial weights (each layer seeded by name)
+        self.model = plain_model(self.family).eval()  # mmpipe's initial weights (each layer seeded by name)
 
     # ---- the same batch through both models -------------------------------------------------------
     def pixels(self, samples) -> torch.Tensor:

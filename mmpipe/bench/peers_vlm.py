@@ -21,6 +21,7 @@ from mmpipe.data.synth import synth_vlm
 from mmpipe.data.tokenizer import load_tokenizer, train_tokenizer
 from mmpipe.families.vlm.chat_data import add_chat_tokens, chat_texts, read_chat
 from mmpipe.train.metrics import read_metrics
+from mmpipe.parallel.plain import plain_model
 
 
 def _log(msg: str) -> None:
@@ -39,7 +40,7 @@ def make_llava_dir(args, tmp: str) -> tuple:
     tok = add_chat_tokens(train_tokenizer(chat_texts(read_chat(info["train"])), cfg.data.tokenizer_vocab_size, tok_dir))
     cfg = replace(cfg, model=fam_cls.resolve(cfg.model, tok, cfg.data))
     family = fam_cls(cfg.model, cfg.train.seed)
-    model, processor = family.hf_export(family.plain_model().state_dict(), tok)
+    model, processor = family.hf_export(plain_model(family).state_dict(), tok)
     llava = os.path.join(tmp, "llava")
     model.save_pretrained(llava)
     processor.save_pretrained(llava)

@@ -12,7 +12,6 @@ image-caption data defaults. Adding a family = subclass one of them, decorate it
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Callable, ClassVar, NamedTuple, Optional
 
 import torch
@@ -21,7 +20,6 @@ from torch import nn
 from mmpipe.errors import NoHFFormat
 from mmpipe.families.products import Matmul, MicroBatch  # noqa: F401 - part of the family interface
 from mmpipe.families.towers.common import part_seed
-from mmpipe.parallel.layers import checkpoint
 
 
 class Layer(NamedTuple):
@@ -60,6 +58,9 @@ class Family:
     # the loss is a mean over units (e.g. label tokens) of the whole global batch, not a mean of
     # per-micro-batch means: ``loss_units`` counts them and ``loss`` takes the normaliser
     token_mean: ClassVar[bool] = False
+    # a mixin of methods the single-process model offers besides forward (CLIP's encode_image /
+    # encode_text); ``mmpipe.parallel.plain.plain_model`` mixes it into its ``PlainModel``
+    plain_api: ClassVar[Optional[type]] = None
 
     # ---- config: class methods, no model built ------------------------------------------------
     @classmethod
@@ -206,9 +207,6 @@ class Family:
         not describe its arithmetic (its runs then log no TFLOP/s)."""
         raise NotImplementedError
 
-    def plain_model(self, forward_only: frozenset = frozenset()) -> "PlainModel":
-        return PlainModel(self, forward_only)
-
     def hf_export(self, state: dict, tokenizer) -> tuple:
         """(transformers model holding ``state``, processor) for ``mmpipe export``; raises
         ``mmpipe.errors.NoHFFormat`` (saying why) when no transformers class computes the same outputs,
@@ -281,66 +279,3 @@ class Family:
         """A batch of the configured shapes (inputs and labels) for the profiler: timing does not
         depend on the values."""
         raise NotImplementedError
-
-
-class PlainModel(nn.Module):
-    """The single-process model composed of the family's layers under their plain names:
-    ``forward(*inputs, *labels)`` is the scalar loss (in either mode), ``eval_outputs(*inputs)``
-    what the family's evaluator scores; by the same layer steps the pipeline runs."""
-
-    def __init__(self, family: Family, forward_only: frozenset = frozenset()):
-        super().__init__()
-        self.family = family
-        self._layers = family.layers()
-        for layer in self._layers:
-            attach(self, layer.name, family.build_layer(layer.name))
-        self._module_of = {layer.name: self.get_submodule(layer.name) for layer in self._layers}  # looked up once
-        # layers that may run without autograd (frozen, nothing trainable upstream)
-        self.forward_only = frozenset(forward_only)
-        self.features_mode = False  # a step loss: ``forward`` returns the last layer's features
-        self.replay = None  # a step loss with dropout: ``parallel.step_loss.Replay`` reseeds each layer
-        self.memo = None  # a step loss's frozen prefix: ``parallel.step_loss.FirstPassMemo``
-        self.checkpointing = False  # parallel.activation_checkpointing: trained layers recompute in backward
-
-    def run_layers(self, acts: tuple, layers=None, evaluating: bool = False) -> tuple:
-        layers = layers or self._layers
-        memo = self.memo if self.features_mode and self.training and layers is self._layers else None
-        if memo is not None and not memo.recording:  # the training pass: the prefix ran in the first pass
-            acts, layers = memo.take(), layers[len(memo.names):]
-        for layer in layers:
-            module = self._module_of[layer.name]
-            step = layer.eval_step if evaluating and layer.eval_step is not None else layer.step
-            with self.replay.rng(layer.name) if self.replay is not None and self.training else nullcontext():
-                if layer.name in self.forward_only and torch.is_grad_enabled():
-                    with torch.no_grad():
-                        acts = step(module, acts)
-                elif self.checkpointing and self.training and torch.is_grad_enabled():
-                    acts = checkpoint(step, module, acts)
-                else:
-                    acts = step(module, acts)
-            if memo is not None and layer.name == memo.last:
-                memo.record(acts)
-        return acts
-
-    def forward(self, *fields):
-        n = len(self.family.inputs)
-        if self.features_mode:
-            return self.run_layers(tuple(fields[:n]), evaluating=True)
-        out = self.run_layers(tuple(fields[:n]))
-        if self.family.labels:
-            return self.family.loss(out, *fields[n:])
-        return out
-
-    def eval_outputs(self, *inputs):
-        return self.run_layers(tuple(inputs[:len(self.family.inputs)]), evaluating=True)
-
-
-def attach(root: nn.Module, dotted: str, module: nn.Module) -> None:
-    """Register ``module`` under the dotted name, creating plain containers on the way."""
-    *path, last = dotted.split(".")
-    node = root
-    for part in path:
-        if part not in node._modules:
-            node.add_module(part, nn.Module())
-        node = node._modules[part]
-    node.add_module(last, module)

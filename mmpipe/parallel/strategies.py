@@ -29,6 +29,7 @@ from mmpipe.parallel.layers import PipeLayer
 from mmpipe.parallel.module import MMPipelineModule
 from mmpipe.parallel.stage_clock import StageClock
 from mmpipe.parallel.step_loss import FirstPassMemo, Replay, StepLossCache, frozen_prefix, is_stochastic
+from mmpipe.parallel.plain import plain_model
 
 LABEL_PLACEHOLDER = torch.zeros(1)  # DeepSpeed's last stage reads "labels"; a family without labels gets this
 
@@ -40,7 +41,7 @@ class DataParallel:
         self.family, self.plan, self.topo, self.forward_only = family, plan, topo, forward_only
 
     def build_module(self, **_):
-        return self.family.plain_model(self.forward_only)
+        return plain_model(self.family, self.forward_only)
 
     @staticmethod
     def named_parameters(module):
@@ -85,17 +86,18 @@ class PlainRunner:
         self.engine, self.topo = engine, topo
         module, A, D = engine.module, topo.accumulation_steps, topo.data_parallel
         self.cache = None  # a step loss over more than one micro-batch: the feature cache
+        run = module.executor  # how every layer runs (parallel.executor)
         if not module.family.step_loss and is_stochastic(module):  # dropout (e.g. LoRA's): each micro-batch's
             # numbers from (seed, step, layer, its index in the step), the same in every layout
-            module.replay = Replay(module.family.seed, offset=(dist.get_rank() if D > 1 else 0) * A)
+            run.replay = Replay(module.family.seed, offset=(dist.get_rank() if D > 1 else 0) * A)
         if module.family.step_loss and A * D > 1:
             loss_module = module.get_submodule(module.family.layer_names()[-1])
             self.cache = StepLossCache(module.family, loss_module, A, D, dist.get_rank() if D > 1 else 0)
             if is_stochastic(module):  # offset by rank as above: rank r's micro-batches draw their own masks
-                module.replay = Replay(module.family.seed, offset=(dist.get_rank() if D > 1 else 0) * A)
-            prefix = frozen_prefix(module.family.layer_names(), module.forward_only)
+                run.replay = Replay(module.family.seed, offset=(dist.get_rank() if D > 1 else 0) * A)
+            prefix = frozen_prefix(module.family.layer_names(), run.forward_only)
             if prefix and A > 1 and engine.zero_optimization_stage() < 3:  # ZeRO-3 traces the modules' order
-                module.memo = FirstPassMemo(prefix)
+                run.memo = FirstPassMemo(prefix)
 
     def _to_device(self, tensors):
         return tuple(t.to(self.engine.device, non_blocking=True) for t in tensors)
@@ -105,45 +107,45 @@ class PlainRunner:
         micro-batch trained on its surrogate (``mmpipe.parallel.step_loss``). With one micro-batch
         per rank, no pass is repeated: its features, with autograd, are gathered (detached) and its
         surrogate backpropagated."""
-        module, cache = self.engine.module, self.cache
+        run, cache = self.engine.module.executor, self.cache
         batches = [next(data_iter)[0] for _ in range(self.topo.accumulation_steps)]
-        module.features_mode = True
+        run.features = True
         if len(batches) == 1:  # data parallel, one micro-batch per rank: one pass, as open_clip's
             try:  # the live features give the step's loss and the gathered features their negatives
-                if module.replay is not None:
-                    module.replay.start(step)
+                if run.replay is not None:
+                    run.replay.start(step)
                 out = self.engine(*self._to_device(batches[0]))
                 cache.fill([out])
                 self.engine.backward(cache.surrogate(out))
                 self.engine.step()
             finally:
-                module.features_mode = False
+                run.features = False
             return cache.loss
         try:
-            if module.replay is not None:
-                module.replay.start(step)
-            if module.memo is not None:
-                module.memo.start(recording=True)
+            if run.replay is not None:
+                run.replay.start(step)
+            if run.memo is not None:
+                run.memo.start(recording=True)
             with torch.no_grad():
                 cache.fill([self.engine(*self._to_device(inputs)) for inputs in batches])
-            if module.replay is not None:
-                module.replay.start(step)
-            if module.memo is not None:
-                module.memo.start(recording=False)
+            if run.replay is not None:
+                run.replay.start(step)
+            if run.memo is not None:
+                run.memo.start(recording=False)
             for inputs in batches:
                 self.engine.backward(cache.surrogate(self.engine(*self._to_device(inputs))))
                 self.engine.step()
         finally:
-            module.features_mode = False
-            if module.memo is not None:
-                module.memo.clear()
+            run.features = False
+            if run.memo is not None:
+                run.memo.clear()
         return cache.loss
 
     def train_step(self, data_iter, step: int = 0, trace: bool = False) -> torch.Tensor:
         if self.cache is not None:
             return self._step_loss_step(data_iter, step)
-        if self.engine.module.replay is not None:
-            self.engine.module.replay.start(step)
+        if self.engine.module.executor.replay is not None:
+            self.engine.module.executor.replay.start(step)
         losses = []
         for _ in range(self.topo.accumulation_steps):
             inputs, labels = next(data_iter)
@@ -180,31 +182,22 @@ class PipelineRunner:
         if stage_timing:
             self.clock = StageClock(engine)
         self.cache = self.replay = self.memo = None
-        family = engine.module.family
-        if not family.step_loss and is_stochastic(engine.module):  # dropout: as PlainRunner's
-            self.replay = Replay(family.seed, offset=engine.grid.get_data_parallel_rank() * topo.accumulation_steps)
-            for layer in (m for m in engine.module.modules() if isinstance(m, PipeLayer)):
-                layer.replay = self.replay
+        family, run = engine.module.family, engine.module.executor  # how this stage's layers run
+        if is_stochastic(engine.module):  # dropout: as PlainRunner's
+            self.replay = run.replay = Replay(family.seed,
+                                              offset=engine.grid.get_data_parallel_rank() * topo.accumulation_steps)
         if family.step_loss:  # every layer hands out features; the last stage's loss is the surrogate
-            layers = [m for m in engine.module.modules() if isinstance(m, PipeLayer)]
-            for layer in layers:
-                layer.features = True
-            if is_stochastic(engine.module):
-                self.replay = Replay(family.seed,
-                                     offset=engine.grid.get_data_parallel_rank() * topo.accumulation_steps)
-                for layer in layers:
-                    layer.replay = self.replay
-            prefix = frozen_prefix([m.name for m in layers], {m.name for m in layers if m.forward_only})
+            run.features = True
+            names = [m.name for m in engine.module.modules() if isinstance(m, PipeLayer)]
+            prefix = frozen_prefix(names, run.forward_only)
             if prefix and engine.is_first_stage():  # a frozen prefix runs once per step (FirstPassMemo)
-                self.memo = FirstPassMemo(prefix)
-                for layer in layers[:len(prefix)]:
-                    layer.memo = self.memo
+                self.memo = run.memo = FirstPassMemo(prefix)
             if engine.is_last_stage():
-                last = next(m for m in layers if m.name == family.layer_names()[-1])
+                last = next(m for m in engine.module.modules() if isinstance(m, PipeLayer) and m.name == run.last)
                 self.cache = StepLossCache(family, last.part, topo.accumulation_steps, topo.data_parallel,
                                            engine.grid.get_data_parallel_rank(),
                                            engine.grid.get_data_parallel_group())
-                last.surrogate = self.cache.surrogate
+                run.surrogate = self.cache.surrogate
 
     def train_step(self, data_iter, step: int = 0, trace: bool = False) -> torch.Tensor:
         if self.clock is not None:

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from mmpipe.parallel.layers import wants_grad
+from mmpipe.parallel.executor import wants_grad
 from mmpipe.parallel.live_bytes import LiveBytes
 
 

@@ -31,6 +31,7 @@ from mmpipe.errors import ConfigError, NoHFFormat
 from mmpipe.families.lora import adapter_state as lora_adapters
 from mmpipe.families.lora import base_name, merged
 from mmpipe.train.checkpoint import load_weights
+from mmpipe.parallel.plain import plain_model
 
 MARKER = "mmpipe_export.json"
 _PRETRAINED_FILES = ("config.json", "preprocessor_config.json")
@@ -236,6 +237,6 @@ def build_exported(path: str, seed=None):
     resolve(model_cfg)
     family = build_family(model_cfg, 0 if seed is None else seed)
     family.skip_pretrained = True
-    model = family.plain_model()
+    model = plain_model(family)
     model.load_state_dict(load_export_weights(path), strict=True)
     return model

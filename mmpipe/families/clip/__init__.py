@@ -34,6 +34,7 @@ class ClipFamily(ImageTextFamily):
     default_groups = {"vision": [r"^vision\."], "projector": [r"^visual_projection\.", r"^text_projection\."],
                       "text": [r"^text\."], "logit_scale": [r"^loss\.logit_scale$"]}
     freeze_shortcuts = {"freeze_vision": "vision", "freeze_projector": "projector", "freeze_text": "text"}
+    plain_api = m.DualEncoder  # encode_image / encode_text on the plain model, as open_clip's
 
     # ---- config ---------------------------------------------------------------------------------
     @classmethod
@@ -167,9 +168,6 @@ class ClipFamily(ImageTextFamily):
             # BERT's pooler is optional in saved BERTs (sentence encoders drop it): fresh when absent
             hf.load_part_weights(module, name, source, rules, optional=("text.head.pooler.",))
 
-    def plain_model(self, forward_only: frozenset = frozenset()) -> m.DualEncoder:
-        return m.DualEncoder(self, forward_only)
-
     # ---- evaluation and profiling ---------------------------------------------------------------
     def evaluate(self, outputs: list, labels: list, samples: list) -> dict:
         """Zero-shot retrieval both ways over the val pairs; pairs sharing a caption match too."""
@@ -215,9 +213,3 @@ class ClipFamily(ImageTextFamily):
         """The transformers adapter: ``to_hf`` / ``from_hf`` state dicts, ``hf_config()`` (CLIPConfig)."""
         from mmpipe.families.clip.adapter import ClipHF
         return ClipHF(self)
-
-
-def build_model(config, seed: Optional[int] = None) -> m.DualEncoder:
-    """The plain CLIP model from a run config (or its ``model`` section)."""
-    from mmpipe.config.registry import build_family
-    return build_family(config, seed).plain_model()

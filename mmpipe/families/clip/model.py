@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmpipe.families.base import PlainModel
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -93,8 +92,9 @@ def features_step(part, acts):
     return torch.cat([img.float(), t.float()], dim=-1)  # eval: the features, split by the evaluator
 
 
-class DualEncoder(PlainModel):
-    """Plain single-process CLIP model: ``forward`` returns the scalar contrastive loss;
+class DualEncoder:
+    """The plain single-process CLIP model's API (``ClipFamily.plain_api``, mixed into
+    ``parallel.plain.PlainModel``): ``forward`` returns the scalar contrastive loss;
     ``encode_image`` / ``encode_text`` as in open_clip."""
 
     def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 
 from mmpipe.config.registry import register_family
 from mmpipe.errors import ConfigError
-from mmpipe.families.base import Layer, PlainModel
+from mmpipe.families.base import Layer
 from mmpipe.families.image_text import ImageTextFamily
 from mmpipe.families.products import DECODER_BLOCK, Matmul, block_products
 from mmpipe.families.towers import hf
@@ -411,13 +411,6 @@ class VlmFamily(ImageTextFamily):
 
     def tied_weights(self) -> list:
         return [("llm.embed.embed_tokens.weight", "llm.head.lm_head.weight")] if self.tied else []
-
-    def plain_model(self, forward_only: frozenset = frozenset()) -> PlainModel:
-        model = PlainModel(self, forward_only)
-        for a, b in self.tied_weights():  # one parameter, as in transformers
-            *path, last = b.split(".")
-            setattr(model.get_submodule(".".join(path)), last, model.get_parameter(a))
-        return model
 
     def loss(self, outputs, labels, normaliser=None) -> torch.Tensor:
         return m.causal_lm_loss(outputs, labels, normaliser)
