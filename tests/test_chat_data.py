@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from mmpipe.families.vlm.chat_data import (
+from mmpipe.data.pixels import SquarePixels
+
+from mmpipe.families.chat import (
     IMAGE,
     ChatEncoder,
     add_chat_tokens,
@@ -46,7 +48,7 @@ def test_llava_and_swift_give_the_same_ids_and_labels(tok, tmp_path):
     a, b = _write_both(tmp_path, CONV, system="a system prompt")
     assert a[0].error is None and b[0].error is None and a[0].images == b[0].images
     image_id = tok.convert_tokens_to_ids(IMAGE)
-    enc = ChatEncoder(tok, image_id, N, 128)
+    enc = ChatEncoder(tok, image_id, lambda _: N, 128)
     ea, eb = enc.encode(a[0]), enc.encode(b[0])
     assert ea.input_ids == eb.input_ids and ea.labels == eb.labels
     ids, labels = ea.input_ids, ea.labels
@@ -67,13 +69,13 @@ def test_truncation_never_cuts_through_an_image(tok, tmp_path):
     (tmp_path / "two.jsonl").write_text(json.dumps({"messages": [{"role": r, "content": t} for r, t in two],
                                                     "images": ["a.jpg", "b.jpg"]}) + "\n")
     sample = read_chat(str(tmp_path / "two.jsonl"))[0]
-    full = ChatEncoder(tok, image_id, N, 1000).encode(sample)
+    full = ChatEncoder(tok, image_id, lambda _: N, 1000).encode(sample)
     second = [i for i, t in enumerate(full.input_ids) if t == image_id][N]  # first token of image 2
-    cut = ChatEncoder(tok, image_id, N, second + 3).encode(sample)  # would cut image 2 after 3 tokens
+    cut = ChatEncoder(tok, image_id, lambda _: N, second + 3).encode(sample)  # would cut image 2 after 3 tokens
     assert cut.truncated and cut.dropped is None
     assert cut.input_ids.count(image_id) == N and len(cut.images) == 1  # image 1 whole, image 2 gone
     assert len(cut.input_ids) == second and any(t != -100 for t in cut.labels)
-    dropped = ChatEncoder(tok, image_id, N, 5).encode(sample)  # not even image 1 fits
+    dropped = ChatEncoder(tok, image_id, lambda _: N, 5).encode(sample)  # not even image 1 fits
     assert dropped.dropped and "first image" in dropped.dropped and dropped.input_ids == []
 
 
@@ -112,7 +114,7 @@ def test_swift_rows_without_image_tags_get_them_as_ms_swift_adds_them(tok, tmp_p
     rows = read_chat(str(p))
     assert rows[0].error is None and rows[0].messages == rows[1].messages
     assert rows[0].messages[1] == ("user", "<image><image>what colour is the circle?")
-    enc = ChatEncoder(tok, tok.convert_tokens_to_ids(IMAGE), N, 128)
+    enc = ChatEncoder(tok, tok.convert_tokens_to_ids(IMAGE), lambda _: N, 128)
     assert enc.encode(rows[0]).input_ids == enc.encode(rows[1]).input_ids
     assert rows[2].error == "2 <image> marker(s) but 1 image(s)"  # more tags than images stays an error
 
@@ -123,7 +125,7 @@ def test_chat_batches_hold_every_image_in_order_and_skip_bad_samples(tok, tmp_pa
     import torch
 
     from mmpipe.data.synth import synth
-    from mmpipe.families.vlm.chat_data import ChatCollate, ChatDataset
+    from mmpipe.families.chat import ChatCollate, ChatDataset
     info = synth(str(tmp_path / "imgs"), 4, val_fraction=0.0, size=32, seed=0, progress=False)
     paths = [json.loads(line)["image"] for line in open(info["train"])]
     paths = [p if p.startswith("/") else str(tmp_path / "imgs" / p) for p in paths]
@@ -136,8 +138,8 @@ def test_chat_batches_hold_every_image_in_order_and_skip_bad_samples(tok, tmp_pa
              "images": paths[2:3]}]
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     image_id = tok.convert_tokens_to_ids(IMAGE)
-    ds = ChatDataset(read_chat(str(tmp_path / "chat.jsonl")), ChatEncoder(tok, image_id, N, 64), 32)
-    batch = ChatCollate(tok.pad_token_id, 32)([ds[i] for i in range(4)])
+    ds = ChatDataset(read_chat(str(tmp_path / "chat.jsonl")), ChatEncoder(tok, image_id, lambda _: N, 64), SquarePixels(32))
+    batch = ChatCollate(tok.pad_token_id, SquarePixels(32))([ds[i] for i in range(4)])
     assert batch["pixel_values"].shape == (4, 3, 32, 32) and batch["pixel_values"].dtype == torch.uint8
     assert [int(i) for i in batch["index"]] == [0, 1, 3, 3]  # row 2's missing image: the next usable row
     assert batch["bad"] == [(str(tmp_path / "missing.jpg"), "missing file")]
@@ -154,7 +156,7 @@ def test_a_chat_batch_trains_the_vlm_plain_model(tok, tmp_path):
 
     import mmpipe
     from mmpipe.data.synth import synth
-    from mmpipe.families.vlm.chat_data import ChatCollate, ChatDataset
+    from mmpipe.families.chat import ChatCollate, ChatDataset
     info = synth(str(tmp_path / "imgs"), 2, val_fraction=0.0, size=32, seed=0, progress=False)
     paths = [json.loads(line)["image"] for line in open(info["train"])]
     paths = [p if p.startswith("/") else str(tmp_path / "imgs" / p) for p in paths]
@@ -171,8 +173,8 @@ def test_a_chat_batch_trains_the_vlm_plain_model(tok, tmp_path):
                                     "model.llm.intermediate_size=64", f"model.llm.vocab_size={len(tok)}",
                                     f"model.image_token_id={image_id}"])
     model = mmpipe.build_model(cfg)
-    ds = ChatDataset(read_chat(str(tmp_path / "chat.jsonl")), ChatEncoder(tok, image_id, 16, 64), 32)
-    b = ChatCollate(tok.pad_token_id, 32)([ds[0], ds[1]])
+    ds = ChatDataset(read_chat(str(tmp_path / "chat.jsonl")), ChatEncoder(tok, image_id, lambda _: 16, 64), SquarePixels(32))
+    b = ChatCollate(tok.pad_token_id, SquarePixels(32))([ds[0], ds[1]])
     loss = model(b["pixel_values"], b["input_ids"], b["attention_mask"], b["labels"])
     assert torch.isfinite(loss) and loss > 0
     loss.backward()
@@ -188,7 +190,7 @@ def test_synth_vlm_writes_a_learnable_chat_set(tok, tmp_path, capsys):
     from collections import Counter
 
     from mmpipe.cli.main import main
-    from mmpipe.families.vlm.chat_data import ChatDataset
+    from mmpipe.families.chat import ChatDataset
     assert main(["data", "synth", "--kind", "vlm", "--out", str(tmp_path / "vlm"), "--n", "120", "--size", "32"]) == 0
     assert "chat samples" in capsys.readouterr().out
     train, val = read_chat(str(tmp_path / "vlm" / "train.jsonl")), read_chat(str(tmp_path / "vlm" / "val.jsonl"))
@@ -205,7 +207,7 @@ def test_synth_vlm_writes_a_learnable_chat_set(tok, tmp_path, capsys):
             both += 1
             assert qa["how many shapes are there?"] == "one", qa
     assert both > 0
-    ds = ChatDataset(train, ChatEncoder(tok, tok.convert_tokens_to_ids(IMAGE), N, 64), 32)
+    ds = ChatDataset(train, ChatEncoder(tok, tok.convert_tokens_to_ids(IMAGE), lambda _: N, 64), SquarePixels(32))
     assert all(ds[i]["bad"] == [] for i in range(len(ds)))
 
 
@@ -218,7 +220,7 @@ def test_the_tokenizers_own_chat_template_is_used(tmp_path):
     conversation's and exactly each assistant turn (its text and its end marker) is learned; only
     <image> is added to the tokenizer (no plain-template role markers)."""
     from mmpipe.data.tokenizer import train_tokenizer
-    from mmpipe.families.vlm.chat_data import ChatSample
+    from mmpipe.families.chat import ChatSample
     t = train_tokenizer(["what colour is the circle", "red two shapes how many and", "user assistant"], 200,
                         str(tmp_path / "tok"))
     t.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
@@ -226,7 +228,7 @@ def test_the_tokenizers_own_chat_template_is_used(tmp_path):
     add_chat_tokens(t)
     assert "<|user|>" not in t.get_vocab() and IMAGE in t.get_vocab()
     image_id = t.convert_tokens_to_ids(IMAGE)
-    enc = ChatEncoder(t, image_id, N, 128).encode(ChatSample(tuple(CONV), ("x.jpg",)))
+    enc = ChatEncoder(t, image_id, lambda _: N, 128).encode(ChatSample(tuple(CONV), ("x.jpg",)))
     rendered = t.apply_chat_template([{"role": r, "content": c} for r, c in CONV], tokenize=False)
     want = []
     for k, part in enumerate(rendered.split(IMAGE)):
@@ -237,7 +239,7 @@ def test_the_tokenizers_own_chat_template_is_used(tmp_path):
     assert learned == t("red", add_special_tokens=False)["input_ids"] + [end] + \
         t("two", add_special_tokens=False)["input_ids"] + [end]
     # generation prompt: the conversation so far, then the assistant header
-    prompt = ChatEncoder(t, image_id, N, 128).prompt_ids(CONV[:1])
+    prompt = ChatEncoder(t, image_id, lambda _: N, 128).prompt_ids(CONV[:1], ("x.jpg",))
     assert t.decode(prompt[-3:]).replace(" ", "").endswith("<|im_start|>assistant")
 
 
@@ -307,10 +309,10 @@ def test_truncation_never_cuts_through_touching_images(tok, tmp_path):
     (tmp_path / "t.jsonl").write_text(json.dumps({"messages": [{"role": r, "content": t} for r, t in two],
                                                   "images": ["a.jpg", "b.jpg"]}) + "\n")
     sample = read_chat(str(tmp_path / "t.jsonl"))[0]
-    full = ChatEncoder(tok, image_id, N, 1000).encode(sample)
+    full = ChatEncoder(tok, image_id, lambda _: N, 1000).encode(sample)
     second = [i for i, t in enumerate(full.input_ids) if t == image_id][N]
     assert full.input_ids[second - 1] == image_id  # touching
-    cut = ChatEncoder(tok, image_id, N, second + 3).encode(sample)
+    cut = ChatEncoder(tok, image_id, lambda _: N, second + 3).encode(sample)
     # whole images only: as many image tokens as images kept (the loader's check before the model)
     assert cut.input_ids.count(image_id) == N * len(cut.images)
     assert cut.dropped or len(cut.images) == 1
@@ -327,7 +329,7 @@ def test_generation_stops_where_a_chatml_turn_ends(tok):
     t.eos_token = "<|endoftext|>"
     t.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\\n{{ m['content'] }}<|im_end|>\\n{% endfor %}"
                        "{% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}")
-    enc = ChatEncoder(t, t.convert_tokens_to_ids(IMAGE), N, 100)
+    enc = ChatEncoder(t, t.convert_tokens_to_ids(IMAGE), lambda _: N, 100)
     assert enc.end_of_turn_ids() == [t.convert_tokens_to_ids("<|im_end|>"), t.convert_tokens_to_ids("<|endoftext|>")]
-    plain = ChatEncoder(tok, tok.convert_tokens_to_ids(IMAGE), N, 100)  # no template: mmpipe's <|end|>
+    plain = ChatEncoder(tok, tok.convert_tokens_to_ids(IMAGE), lambda _: N, 100)  # no template: mmpipe's <|end|>
     assert plain.end_of_turn_ids()[0] == tok.convert_tokens_to_ids("<|end|>")

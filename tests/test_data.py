@@ -9,6 +9,7 @@ import random
 import tarfile
 
 import pytest
+from mmpipe.data.pixels import SquarePixels
 import torch
 
 from mmpipe.errors import ConfigError
@@ -93,7 +94,7 @@ def test_cache_matches_the_direct_path_and_prepare_resumes(tiny_data, tmp_path, 
     for f in ("images.u8", "tokens.npy", "status.u8"):
         assert open(os.path.join(out, f), "rb").read() == open(os.path.join(oneshot, f), "rb").read(), f
 
-    direct, cached = ImageTextDataset(samples, 32), CachedDataset(out, 32)
+    direct, cached = ImageTextDataset(samples, SquarePixels(32)), CachedDataset(out, SquarePixels(32))
     collate = Collate(tok, 16)
     for mb in ([0, 1, 2, 3], [len(samples) - 3, len(samples) - 2, len(samples) - 1, 5]):  # incl. bad rows
         a, b = collate([direct[i] for i in mb]), collate([cached[i] for i in mb])
@@ -123,7 +124,7 @@ def test_augmentation_runs_after_the_cache_and_is_seeded(tiny_data, tmp_path):
     out = str(tmp_path / "c")
     prepare(tiny_data["train"], out, 48, 16, workers=1, progress=False)
     aug = Augment("crop_flip", 32, [0.5, 1.0], seed=0)
-    ds = CachedDataset(out, 32, aug)
+    ds = CachedDataset(out, SquarePixels(32, augment=aug))
     a, a2, b = ds[(3, 0)]["pixel_values"], ds[(3, 0)]["pixel_values"], ds[(3, 1)]["pixel_values"]
     assert a.shape == (3, 32, 32) and a.dtype == torch.uint8
     assert torch.equal(a, a2)  # same (seed, epoch, sample): same crop, in any worker or layout
@@ -166,7 +167,7 @@ def test_shards_split_by_rank_and_worker(tiny_data, tmp_path, tok):
     assert all(t for _, _, t in iter_tar(urls[1]))  # .txt and .json captions both read
     seen = {}
     for rank in range(2):
-        stream = ShardStream(urls, 2, rank, 2, 4, Collate(tok, 16), 32, 32, shuffle_buffer=5)
+        stream = ShardStream(urls, 2, rank, 2, 4, Collate(tok, 16), SquarePixels(32), shuffle_buffer=5)
         keys, bad = [], []
         for i, b in enumerate(DataLoader(stream, batch_size=None, num_workers=2)):
             assert b["pixel_values"].shape == (4, 3, 32, 32)
@@ -182,7 +183,7 @@ def test_shards_split_by_rank_and_worker(tiny_data, tmp_path, tok):
         assert all(int(p.split("/")[1]) % 16 == 0 for p in bad) and (bool(bad) == (rank == 0))
     assert not set(seen[0]) & set(seen[1])
     with pytest.raises(ConfigError, match="fewer than the data-parallel degree"):
-        ShardStream(urls[:1], 2, 1, 2, 4, Collate(tok, 16), 32, 32)
+        ShardStream(urls[:1], 2, 1, 2, 4, Collate(tok, 16), SquarePixels(32))
 
 
 def test_missing_shard_is_one_line(tmp_path):
@@ -212,17 +213,17 @@ def test_auto_micro_batch_picks_the_largest_size_that_fits(tiny_data, tok):
     dev = torch.device("cpu")
 
     def peak(m):  # measured independently of the search: every stage of the 2-stage layout
-        costs = profile_layers(layers, probe_batch(cfg, spec, source, tok, m, 32, dev), timed=False)
+        costs = profile_layers(layers, probe_batch(cfg, spec, source, tok, m, dev), timed=False)
         return max(stage_memory(costs, parts, 48 // m, "fp32"))
 
     peaks = {m: peak(m) for m in (4, 6, 8)}
     assert peaks[4] < peaks[6] < peaks[8]  # activations grow with the micro-batch
     budget = (peaks[6] + peaks[8]) // 2  # 6 fits, 8 does not
-    m, probed = auto_micro_batch(cfg, spec, source, tok, 32, 2, 1, parts, frozenset(), frozenset(), budget, dev)
+    m, probed = auto_micro_batch(cfg, spec, source, tok, 2, 1, parts, frozenset(), frozenset(), budget, dev)
     assert m == 6, (m, probed)
     assert probed[m] <= budget and all(p > budget for mm, p in probed.items() if mm > m)
     with pytest.raises(ConfigError, match="even a micro-batch of 2"):  # the smallest a contrastive loss takes
-        auto_micro_batch(cfg, spec, source, tok, 32, 2, 1, parts, frozenset(), frozenset(), 1000, dev)
+        auto_micro_batch(cfg, spec, source, tok, 2, 1, parts, frozenset(), frozenset(), 1000, dev)
 
 
 def test_profile_counts_activations_and_frozen_layers_run_forward_only(tok):

@@ -10,6 +10,7 @@ import zlib
 
 import numpy as np
 import pytest
+from mmpipe.data.pixels import SquarePixels
 import torch
 from PIL import Image, ImageOps
 
@@ -311,7 +312,7 @@ def test_bad_rows_are_substituted_counted_and_cached_alike(tmp_path):
     Image.new("RGB", (20, 20), (0, 128, 0)).save(tmp_path / "a.jpg")
     path = _jsonl(tmp_path / "m.jsonl", JSONL_ROWS)
     samples = read_manifest(path)
-    ds = ImageTextDataset(samples, 16)
+    ds = ImageTextDataset(samples, SquarePixels(16))
     i4 = next(i for i, s in enumerate(samples) if s.line == 4)
     item = ds[i4]
     assert item["text"] == "line\u2028sep, ünïcode"  # the next usable row (line 15) stands in
@@ -320,7 +321,7 @@ def test_bad_rows_are_substituted_counted_and_cached_alike(tmp_path):
     out = str(tmp_path / "cache")
     r = prepare(path, out, 16, 16, workers=1, progress=False)
     assert r["bad"] == len(JSONL_BAD) and r["ok"] == 4 and r["remaining"] == 0
-    cached = CachedDataset(out, 16)
+    cached = CachedDataset(out, SquarePixels(16))
     for i in range(len(samples)):
         assert cached[i]["bad"] == ds[i]["bad"] and cached[i]["index"] == ds[i]["index"]
 

@@ -81,7 +81,7 @@ def test_auto_micro_batch_in_a_pipelined_run(runs, tiny_data, tmp_path_factory):
     parts = [0, round(n / 2), n]
     layers = build_layers(family)
     source = TrainSource("manifest", samples=samples)
-    peaks = {m: max(stage_memory(profile_layers(layers, probe_batch(cfg, family, source, tok, m, 32, torch.device("cpu")),
+    peaks = {m: max(stage_memory(profile_layers(layers, probe_batch(cfg, family, source, tok, m, torch.device("cpu")),
                                                 timed=False), parts, 16 // m, "fp32")) for m in (4, 8)}
     budget_gb = (peaks[4] + peaks[8]) / 2 / 2**30
     out, proc = runs.get("p2_mbs_auto", 2, ["parallel.pipeline_stages=2", "parallel.micro_batch_size=auto",

@@ -7,6 +7,7 @@ import pytest
 from helpers import TINY
 
 from mmpipe.cli.main import main
+from mmpipe.data.pixels import SquarePixels
 
 
 def _one_line_error(capsys, argv) -> str:
@@ -96,7 +97,7 @@ def test_bad_samples_are_skipped_and_reported(tmp_path, bad):
         target.write_bytes(good.read_bytes()[:60])
     elif bad == "empty_caption":
         target, text = good, "   "
-    ds = ImageTextDataset([Sample(str(target), text), Sample(str(good), "red")], 16)
+    ds = ImageTextDataset([Sample(str(target), text), Sample(str(good), "red")], SquarePixels(16))
     item = ds[0]
     assert item["index"] == 1 and item["text"] == "red"  # the next good sample stands in
     assert item["pixel_values"].shape == (3, 16, 16)

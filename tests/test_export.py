@@ -10,6 +10,7 @@ from PIL import Image
 from test_parity import reference
 
 import mmpipe
+from mmpipe.data.pixels import SquarePixels
 
 
 def _png(tmp_path, size: int) -> str:
@@ -246,7 +247,7 @@ def test_the_exported_vlm_answers_through_transformers_as_mmpipe_generate_does(f
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from mmpipe.cli.generate import Generator
-    from mmpipe.families.vlm.chat_data import IMAGE, read_chat
+    from mmpipe.families.chat import IMAGE, read_chat
     from mmpipe.train.export import export
     ref = reference(family_runs_of("vlm"))
     out, _, _ = export(ref, str(tmp_path / "llava_hf"))
@@ -280,7 +281,7 @@ def test_the_exported_processor_gives_training_pixels_on_a_photo(tmp_path):
     from mmpipe.data.synth import make_vlm_sample
     from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, normalize_pixels
     from mmpipe.families.towers.hf import image_processor
-    from mmpipe.families.vlm.chat_data import ChatDataset, ChatEncoder, ChatSample
+    from mmpipe.families.chat import ChatDataset, ChatEncoder, ChatSample
     im, _ = make_vlm_sample(random.Random(4), 480, width=640)
     im.save(tmp_path / "photo.jpg", quality=90)
     rng = torch.Generator().manual_seed(0)
@@ -298,7 +299,7 @@ def test_the_exported_processor_gives_training_pixels_on_a_photo(tmp_path):
             return SimpleNamespace(dropped=None, images=list(s.images), input_ids=[], labels=[], truncated=False)
     for name, size in (("photo.jpg", 32), ("portrait.png", 32)):
         path = str(tmp_path / name)
-        ds = ChatDataset([ChatSample((("user", "<image>\nq"), ("assistant", "a")), (path,))], Enc(), size)
+        ds = ChatDataset([ChatSample((("user", "<image>\nq"), ("assistant", "a")), (path,))], Enc(), SquarePixels(size))
         ours = normalize_pixels(ds[0]["images"][0][None], OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, torch.float32)
         theirs = proc(Image.open(path), return_tensors="pt")["pixel_values"]
         torch.testing.assert_close(theirs, ours, atol=1e-6, rtol=0)
@@ -333,7 +334,7 @@ def test_round_trip_as_a_user_does_it(roundtrip_data, tmp_path, arch, tokenizer)
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from mmpipe.cli.generate import Generator
-    from mmpipe.families.vlm.chat_data import IMAGE, read_chat
+    from mmpipe.families.chat import IMAGE, read_chat
     from mmpipe.train.export import export
     run = str(tmp_path / "run")
     sets = [f"data.train={roundtrip_data['train']}", f"data.val={roundtrip_data['val']}", f"train.output_dir={run}",
@@ -361,6 +362,7 @@ def test_round_trip_as_a_user_does_it(roundtrip_data, tmp_path, arch, tokenizer)
         text = proc.apply_chat_template(messages, add_generation_prompt=True)
         enc = proc(text=text, images=photo, return_tensors="pt")
         ids, pixels = g.prompt(question, image)
+        pixels = pixels["pixel_values"]
         assert enc["input_ids"].tolist() == ids.tolist()
         torch.testing.assert_close(enc["pixel_values"], pixels, atol=1e-6, rtol=0)  # item 6 on a photo
         with torch.no_grad():

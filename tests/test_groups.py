@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import pytest
+from mmpipe.data.pixels import SquarePixels
 import torch
 from helpers import TINY, train_losses
 
@@ -147,7 +148,7 @@ def reference_run(tiny_data, tokenizer_dir, steps=3, family="clip", config=TINY)
                              for (g, decay), ps in buckets.items()], lr=1e-3, betas=(0.9, 0.98), eps=1e-6)
     samples = read_manifest(tiny_data["train"])
     fam = model.family
-    ds, collate = ImageTextDataset(samples, 32), fam.collate(tok, cfg.data)
+    ds, collate = ImageTextDataset(samples, SquarePixels(32)), fam.collate(tok, cfg.data)
     # the data order, stated from the documented contract: a permutation seeded by seed * 100003 +
     # epoch, cut into micro-batches of 4; global step k takes micro-batches 4k .. 4k+3
     perm = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from mmpipe.data.pixels import SquarePixels
 import torch
 from helpers import TINY, launch, train_losses
 
@@ -71,7 +72,7 @@ def test_pipelined_first_step_matches_transformers(clip_dir, tiny_data, tmp_path
     # the same first global batch (4 micro-batches of 4) through transformers' CLIPModel at once: the
     # loss spans the whole global batch (model.negatives: global)
     samples = read_manifest(tiny_data["train"])
-    ds, collate = ImageTextDataset(samples, 32), Collate(clip_dir["tok"], 16)
+    ds, collate = ImageTextDataset(samples, SquarePixels(32)), Collate(clip_dir["tok"], 16)
     cfg = mmpipe.load_config(TINY)
     sampler = MicroBatchSampler(len(samples), 4, 4, 1, 0, cfg.train.seed)
     hf = clip_dir["model"]

@@ -60,8 +60,8 @@ def peft_reference(run_dir: str, data: dict):
     from mmpipe.data.tokenizer import load_tokenizer
     from mmpipe.families.lora import adapter_state, merged
     from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, normalize_pixels
-    from mmpipe.families.vlm.chat_data import read_chat
-    from mmpipe.families.vlm.model import label_tokens
+    from mmpipe.families.chat import read_chat
+    from mmpipe.families.chat.loss import label_tokens
     cfg = mmpipe.load_config(os.path.join(run_dir, "config.yaml"))
     ours = mmpipe.build_model(cfg)  # the run's initial weights: base and adapters, seeded by layer name
     family, spec = ours.family, ours.family.lora
@@ -81,7 +81,7 @@ def peft_reference(run_dir: str, data: dict):
                             weight_decay=cfg.optim.weight_decay)
     tok = load_tokenizer(os.path.join(run_dir, "tokenizer"))
     samples = read_chat(data["train"])
-    ds = family.dataset(samples, tok, cfg.data, family.vision_cfg.image_size)
+    ds = family.dataset(samples, tok, cfg.data)
     collate = family.collate(tok, cfg.data)
     mb, acc = cfg.parallel.micro_batch_size, cfg.train.batch_size // cfg.parallel.micro_batch_size
     perm = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.train.seed * 100003)).tolist()
@@ -161,7 +161,7 @@ def test_lora_exports_load_with_peft_and_merged(lora_runs, lora_data, tmp_path, 
     from mmpipe.cli.generate import Generator
     from mmpipe.cli.main import main
     from mmpipe.data.tokenizer import load_tokenizer
-    from mmpipe.families.vlm.chat_data import read_chat
+    from mmpipe.families.chat import read_chat
     run = _run(lora_runs, "p2dp2")
     adapter, merged_dir = str(tmp_path / "adapter"), str(tmp_path / "merged")
     assert main(["export", "--run", run, "--out", adapter]) == 0
@@ -176,7 +176,7 @@ def test_lora_exports_load_with_peft_and_merged(lora_runs, lora_data, tmp_path, 
     fam = ours.family
     tok = load_tokenizer(os.path.join(run, "tokenizer"))
     samples = [s for s in read_chat(lora_data["val"]) if s.images][:2]
-    ds = fam.dataset(samples, tok, ours_cfg_data(run), fam.vision_cfg.image_size)
+    ds = fam.dataset(samples, tok, ours_cfg_data(run))
     b = fam.collate(tok, ours_cfg_data(run))([ds[0], ds[1]])
     from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, normalize_pixels
     pix = normalize_pixels(b["pixel_values"], OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, torch.float32)
@@ -193,6 +193,7 @@ def test_lora_exports_load_with_peft_and_merged(lora_runs, lora_data, tmp_path, 
     g = Generator(run)
     question = samples[0].messages[0][1].replace("<image>", "").strip()
     ids, px = g.prompt(question, samples[0].images[0])
+    px = px["pixel_values"]
     with torch.no_grad():
         hf_new = full.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=px, max_new_tokens=6,
                                do_sample=False)[0, ids.shape[1]:].tolist()

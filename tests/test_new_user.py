@@ -15,6 +15,7 @@ from helpers import ROOT, TINY, TRAIN_PY, _env
 
 import mmpipe
 from mmpipe.cli.main import main
+from mmpipe.data.pixels import SquarePixels
 from mmpipe.errors import ConfigError, DataError
 
 
@@ -378,7 +379,7 @@ def test_loader_worker_error_is_one_line(tmp_path, capsys, workers):
     from mmpipe.cli.main import run_guarded
     from mmpipe.data.loader import ImageTextDataset
     from mmpipe.data.manifest import Sample
-    ds = ImageTextDataset([Sample(str(tmp_path / f"missing{i}.jpg"), "a caption") for i in range(4)], 16)
+    ds = ImageTextDataset([Sample(str(tmp_path / f"missing{i}.jpg"), "a caption") for i in range(4)], SquarePixels(16))
     loader = DataLoader(ds, batch_size=2, num_workers=workers)
 
     def consume(_args):

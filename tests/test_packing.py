@@ -15,7 +15,7 @@ def chat(tmp_path_factory):
     """A length-skewed chat set (one or two turns, some without an image) and the tiny VLM on it."""
     from mmpipe.data.synth import synth_vlm
     from mmpipe.data.tokenizer import train_tokenizer
-    from mmpipe.families.vlm.chat_data import add_chat_tokens, chat_texts, read_chat
+    from mmpipe.families.chat import add_chat_tokens, chat_texts, read_chat
     d = tmp_path_factory.mktemp("pack")
     info = synth_vlm(str(d), 24, val_fraction=0.05, size=32, seed=7, text_only=0.3, progress=False)
     samples = read_chat(info["train"])
@@ -37,12 +37,12 @@ def _loss_and_grads(model, batches, n_tokens):
 
 
 def test_a_packed_batch_trains_as_its_samples_unpacked(chat):
-    from mmpipe.families.vlm.chat_data import PackedChatDataset, plan_packs
-    from mmpipe.families.vlm.model import label_tokens
+    from mmpipe.families.chat import PackedChatDataset, plan_packs
+    from mmpipe.families.chat.loss import label_tokens
     samples, tok, cfg = chat
     model = mmpipe.build_model(cfg)
     fam = model.family
-    ds = fam.dataset(samples, tok, cfg.data, 32)
+    ds = fam.dataset(samples, tok, cfg.data)
     packed = PackedChatDataset(ds, cfg.data.max_length)
     assert len(packed) < len(ds) / 2  # it packs: fewer than half as many rows
     assert sorted(i for p in packed.packs for i in p) == list(range(len(ds)))  # every sample once, none split
@@ -71,7 +71,7 @@ def test_decoder_attention_without_a_dense_mask_is_exact(chat, arch):
     from mmpipe.config.fields import thawed_copy
     from mmpipe.config.registry import build_family
     from mmpipe.families.towers.common import causal_padding_mask
-    from mmpipe.families.vlm import model as m
+    from mmpipe.families.chat import masks as m
     _, _, cfg = chat
     model_cfg = thawed_copy(cfg.model)
     model_cfg.llm.arch = arch
@@ -98,14 +98,14 @@ def test_decoder_attention_without_a_dense_mask_is_exact(chat, arch):
 def test_unusable_samples_are_reported_when_packing(chat, tmp_path):
     """A sample that cannot be packed (its image is missing, or nothing of it fits) is reported in the
     bad list of a pack once per epoch, as an unpacked run reports it; the rest train."""
-    from mmpipe.families.vlm.chat_data import ChatSample, PackedChatDataset
+    from mmpipe.families.chat import ChatSample, PackedChatDataset
     samples, tok, cfg = chat
     fam = mmpipe.build_model(cfg).family
     broken = ChatSample((("user", "<image>\nwhat colour?"), ("assistant", "red")), (str(tmp_path / "gone.jpg"),),
                         where="broken.jsonl line 1")
     unfit = ChatSample((("user", "<image>\n" + "what colour " * 60), ("assistant", "red")), (samples[0].images[0]
                        if samples[0].images else str(tmp_path / "x.jpg"),), where="long.jsonl line 1")
-    ds = fam.dataset([broken] + list(samples) + [unfit], tok, cfg.data, 32)
+    ds = fam.dataset([broken] + list(samples) + [unfit], tok, cfg.data)
     packed = PackedChatDataset(ds, cfg.data.max_length)
     bad = [b for j in range(len(packed)) for b in packed[j]["bad"]]
     where = " ".join(f"{a} {b}" for a, b in bad)
@@ -115,10 +115,10 @@ def test_unusable_samples_are_reported_when_packing(chat, tmp_path):
 
 def test_packing_with_no_sample_that_fits_names_the_first_ones_reason(chat):
     from mmpipe.errors import DataError
-    from mmpipe.families.vlm.chat_data import PackedChatDataset
+    from mmpipe.families.chat import PackedChatDataset
     samples, tok, cfg = chat
     fam = mmpipe.build_model(cfg).family
     image_first = [s for s in samples if s.images and s.messages[0][1].startswith("<image>")]
-    ds = fam.dataset(image_first, tok, mmpipe.load_config(TINY_VLM, ["data.max_length=8"]).data, 32)
+    ds = fam.dataset(image_first, tok, mmpipe.load_config(TINY_VLM, ["data.max_length=8"]).data)
     with pytest.raises(DataError, match=rf"to pack \(the first, {image_first[0].where}: .*data.max_length=8"):
         PackedChatDataset(ds, 8)

@@ -36,13 +36,13 @@ def test_micro_batch_means_would_differ(family_runs_of, tiny_chat_data):
     from mmpipe.config.registry import build_family
     from mmpipe.data.loader import MicroBatchSampler
     from mmpipe.data.tokenizer import load_tokenizer
-    from mmpipe.families.vlm.chat_data import read_chat
-    from mmpipe.families.vlm.model import label_tokens
+    from mmpipe.families.chat import read_chat
+    from mmpipe.families.chat.loss import label_tokens
     ref = reference(family_runs_of("vlm"))
     tok = load_tokenizer(os.path.join(ref, "tokenizer"))
     cfg = mmpipe.load_config(os.path.join(ref, "config.yaml"))
     fam = build_family(cfg.model, 0)
-    ds = fam.dataset(read_chat(tiny_chat_data["train"]), tok, cfg.data, 32)
+    ds = fam.dataset(read_chat(tiny_chat_data["train"]), tok, cfg.data)
     collate = fam.collate(tok, cfg.data)
     sampler = MicroBatchSampler(len(ds), 2, 4, 1, 0, cfg.train.seed)
     batches = [collate([ds[i] for i in mb]) for step in range(6) for mb in sampler.micro_batches(step)]
@@ -96,7 +96,7 @@ def test_generate_from_a_pipelined_checkpoint_matches_the_plain_model(family_run
     continues greedily exactly as mmpipe's own plain model does without a cache."""
     from mmpipe.cli.generate import Generator
     from mmpipe.cli.main import main
-    from mmpipe.families.vlm.chat_data import IMAGE, read_chat
+    from mmpipe.families.chat import IMAGE, read_chat
     ref = reference(family_runs_of("vlm"))
     sample = next(s for s in read_chat(tiny_chat_data["val"]) if s.images)
     question = sample.messages[0][1].replace(IMAGE, "").strip()
@@ -105,6 +105,7 @@ def test_generate_from_a_pipelined_checkpoint_matches_the_plain_model(family_run
     model = mmpipe.build_model(mmpipe.load_config(os.path.join(ref, "config.yaml"))).eval()
     model.load_state_dict(mmpipe.load_weights(ref))
     ids, pix = g.prompt(question, sample.images[0])
+    pix = pix["pixel_values"]
     want = []
     with torch.no_grad():
         for _ in range(6):
@@ -127,7 +128,7 @@ def test_generate_and_eval_read_chat_data_as_training_does(family_runs_of, tiny_
 
     from mmpipe.cli.generate import Generator, exact_match
     from mmpipe.errors import ConfigError
-    from mmpipe.families.vlm.chat_data import read_chat
+    from mmpipe.families.chat import read_chat
     ref = reference(family_runs_of("vlm"))
     g = Generator(ref)
     image = next(s for s in read_chat(tiny_chat_data["val"]) if s.images).images[0]

@@ -47,7 +47,7 @@ def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: 
     import json
 
     cfg = load_config(config, extra)
-    size = family_of(cfg).image_size(cfg.model)
+    size = family_of(cfg).pixels(cfg.model, cfg.data).size
     vlm = cfg.model.type == "vlm"
     if vlm:  # chat data is read as it is (the VLM has no cache)
         common = [f"data.train={info['train']}", "data.val=null", f"train.steps={args.steps}"] + extra

@@ -9,6 +9,7 @@ import sys
 from mmpipe.bench.common import append_benchmarks, with_scratch
 from mmpipe.data import loader
 from mmpipe.data.cache import CachedDataset, prepare
+from mmpipe.data.pixels import SquarePixels
 from mmpipe.data.loader import Collate, ImageTextDataset
 from mmpipe.data.manifest import Sample
 from mmpipe.data.tokenizer import train_tokenizer
@@ -93,9 +94,9 @@ def bench_data(args, tmp: str) -> int:
     loaders = {
         "(a) naive: full decode, Resize/ToTensor/Normalize, pad to 512": DataLoader(_NaiveDataset(samples, tok), **kw),
         "(b) mmpipe direct: reduced-size JPEG decode, uint8, pad to batch": DataLoader(
-            ImageTextDataset(samples, 224), collate_fn=Collate(tok, 32), **kw),
+            ImageTextDataset(samples, SquarePixels(224)), collate_fn=Collate(tok, 32), **kw),
         "(c) mmpipe cache: memory-mapped uint8 + token ids": DataLoader(
-            CachedDataset(os.path.join(tmp, "cache"), 224), collate_fn=Collate(tok, 32), **kw),
+            CachedDataset(os.path.join(tmp, "cache"), SquarePixels(224)), collate_fn=Collate(tok, 32), **kw),
     }
     results = {name: [] for name in loaders}
     for _ in range(args.repeats):  # alternate, keep the best: less exposed to the shared machine's noise

@@ -87,7 +87,7 @@ def job_specs(args) -> dict:
 def _data(tmp: str, job: str, cfg, n: int) -> list:
     from mmpipe.config.schema import family_of
     from mmpipe.data.synth import synth, synth_vlm
-    size = family_of(cfg).image_size(cfg.model)
+    size = family_of(cfg).pixels(cfg.model, cfg.data).size
     if job == "clip":
         info = synth(os.path.join(tmp, "pairs"), n, val_fraction=0.0, size=size, progress=False)
     else:  # one image per sample, 15% text-only: LLaVA's mix, packed into max_length rows

@@ -24,7 +24,7 @@ VARIANTS = [("micro_batch", ["model.negatives=micro_batch"]), ("global", ["model
 @with_scratch("negatives")
 def bench_negatives(args, tmp: str) -> int:
     cfg = load_config(args.config)
-    size = family_of(cfg).image_size(cfg.model)
+    size = family_of(cfg).pixels(cfg.model, cfg.data).size
     info = synth(os.path.join(tmp, "data"), args.n, val_fraction=0.0, size=size, seed=0, progress=False)
     cache = os.path.join(tmp, "cache")
     prepare(info["train"], cache, size, cfg.data.max_length, vocab_size=cfg.data.tokenizer_vocab_size, workers=2,

@@ -44,7 +44,7 @@ class Job:
     def __init__(self, args, tmp: str):
         cfg = load_config(args.config)
         self.family_cls = family_of(cfg)
-        size = self.family_cls.image_size(cfg.model)
+        size = self.family_cls.pixels(cfg.model, cfg.data).size
         _log(f"synthetic data: {args.n} pairs ...")
         info = synth(os.path.join(tmp, "data"), args.n, val_fraction=args.val_fraction, seed=0, progress=False)
         self.train, self.val = read_manifest(info["train"]), read_manifest(info["val"], key="data.val")

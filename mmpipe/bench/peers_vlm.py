@@ -19,7 +19,7 @@ from mmpipe.bench.trainer_worker import encode
 from mmpipe.config.schema import family_of, load_config, replace
 from mmpipe.data.synth import synth_vlm
 from mmpipe.data.tokenizer import load_tokenizer, train_tokenizer
-from mmpipe.families.vlm.chat_data import add_chat_tokens, chat_texts, read_chat
+from mmpipe.families.chat import add_chat_tokens, chat_texts, read_chat
 from mmpipe.train.metrics import read_metrics
 from mmpipe.parallel.plain import plain_model
 
@@ -33,7 +33,7 @@ def make_llava_dir(args, tmp: str) -> tuple:
     model's initial weights as a ``LlavaForConditionalGeneration`` directory with its processor."""
     cfg = load_config(args.config)
     fam_cls = family_of(cfg)
-    size = fam_cls.image_size(cfg.model)
+    size = fam_cls.pixels(cfg.model, cfg.data).size
     info = synth_vlm(os.path.join(tmp, "data"), args.n, val_fraction=0.0, size=size, seed=0, text_only=0.15,
                      progress=False)
     tok_dir = os.path.join(tmp, "tokenizer")

@@ -170,12 +170,12 @@ def _encoded_samples(run: str, count: int):
     from mmpipe.data.loader import load_image
     from mmpipe.data.tokenizer import load_tokenizer
     from mmpipe.families.towers.common import normalize_pixels
-    from mmpipe.families.vlm.chat_data import read_chat
+    from mmpipe.families.chat import read_chat
     cfg = load_config(os.path.join(run, "config.yaml"))
     fam_cls = family_of(cfg)
     family = fam_cls(cfg.model, cfg.train.seed)
     enc = family.encoder(fam_cls.prepare_tokenizer(load_tokenizer(os.path.join(run, "tokenizer"))), cfg.data.max_length)
-    size = fam_cls.image_size(cfg.model)
+    size = fam_cls.pixels(cfg.model, cfg.data).size
     mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
     out = []
     samples = [s for s in read_chat(cfg.data.train) if not s.error]

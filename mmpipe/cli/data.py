@@ -30,7 +30,7 @@ def cmd_data_prepare(args) -> int:
     manifest = args.manifest or cfg.data.train
     if not manifest:
         raise ConfigError("mmpipe data prepare: give --manifest (or a --config with data.train)")
-    size = args.size or cfg.data.decode_size or family_of(cfg).image_size(cfg.model)
+    size = args.size or family_of(cfg).pixels(cfg.model, cfg.data).cache_size
     r = prepare(manifest, args.out, size, args.max_length or cfg.data.max_length,
                 tokenizer=args.tokenizer or cfg.data.tokenizer, vocab_size=cfg.data.tokenizer_vocab_size,
                 workers=args.workers, max_items=args.max_items)
@@ -52,5 +52,5 @@ def cmd_data_check(args) -> int:
     rc = family_of(cfg).check_data(manifest, cfg, args.json, args.workers)  # a family's own format (chat data)
     if rc is not None:
         return rc
-    size = cfg.data.decode_size or family_of(cfg).image_size(cfg.model)
+    size = family_of(cfg).pixels(cfg.model, cfg.data).cache_size
     return run_check(manifest, size, cfg.data.max_bad_fraction, args.json, args.workers)

@@ -1,6 +1,5 @@
-"""Greedy answers from a VLM run's checkpoint (any layout), on one device, with transformers'
-``generate`` and its KV cache (the checkpoint is loaded into ``LlavaForConditionalGeneration``,
-whose arithmetic the family matches).
+"""``mmpipe generate``: greedy answers of a chat family's run, or ``--eval``'s exact match
+(``mmpipe.families.chat.generate``).
 
     mmpipe generate --run runs/demo_vlm --image data/synth_vlm/images/000001.jpg --prompt "what colour is the shape?"
 """
@@ -9,158 +8,38 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-import torch
-
 from mmpipe.errors import ConfigError
-from mmpipe.families.vlm.chat_data import IMAGE
+from mmpipe.families.chat import generate as chat
 
 
-class Generator:
-    def __init__(self, run_dir: str, step: Optional[int] = None, device: str = "cpu"):
-        import mmpipe
-        from mmpipe.config.registry import build_family
-        from mmpipe.config.schema import family_of
-        from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-        from mmpipe.train.export import run_tokenizer
-        cfg_path = os.path.join(run_dir, "config.yaml")
-        if not os.path.isfile(cfg_path):
-            raise ConfigError(f"--run {run_dir}: no config.yaml (not an mmpipe run directory)")
-        cfg = mmpipe.load_config(cfg_path)
-        if cfg.model.type != "vlm":
-            raise ConfigError(f"--run {run_dir}: model.type={cfg.model.type}; mmpipe generate answers with a VLM run")
-        self.cfg = cfg
-        self.family = build_family(cfg, cfg.train.seed)  # (a LoRA run's: its adapters are folded in below)
-        self.tok = run_tokenizer(cfg, family_of(cfg), run_dir)
-        self.encoder = self.family.encoder(self.tok, cfg.data.max_length)
-        from mmpipe.families.lora import merged
-        self.model = self.family.hf.hf_model(merged(mmpipe.load_weights(run_dir, step), self.family.lora)).to(device)
-        self.device, self.mean, self.std = device, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-        self.size = self.family.vision_cfg.image_size
-        self.stop = self.encoder.end_of_turn_ids()  # the end of the assistant's turn, as training learned it
-
-    def pixels(self, image_path: str, what: str = "--image") -> torch.Tensor:
-        from mmpipe.data.loader import decode_sample, finish_pixels
-        from mmpipe.families.towers.common import normalize_pixels
-        pixels, why = decode_sample(image_path, "<image>", self.cfg.data.decode_size or self.size, draft=False)
-        if pixels is None:
-            raise ConfigError(f"{what} {image_path}: {why}")
-        pixels = finish_pixels(pixels, self.size, None, 0, 0)  # as training's ChatDataset
-        return normalize_pixels(pixels.unsqueeze(0), self.mean, self.std, torch.float32)
-
-    def prompt(self, prompt: str, image=None, history: tuple = (), what: str = "--image") -> tuple:
-        """(input ids (1, T), pixel values (N, 3, S, S) or None) of ``history``, a user turn and the
-        assistant header, tokenized as training's chat encoder does. ``image``: one path (``--image``:
-        a prompt without a marker gets it first), or a list of paths, one per ``<image>`` marker of
-        ``history`` and ``prompt`` in order (a chat sample's, the turn as written)."""
-        paths = [] if image is None else [image] if isinstance(image, str) else list(image)
-        n = prompt.count(IMAGE)
-        before = sum(t.count(IMAGE) for _, t in history)
-        if isinstance(image, str) or image is None:  # the command line's one --image
-            if image is None and n:
-                raise ConfigError(f"--prompt has {n} {IMAGE} marker(s) but no --image: give --image PATH, or drop "
-                                  "the marker")
-            if image is not None and n > 1:
-                raise ConfigError(f"--prompt has {n} {IMAGE} markers but one --image: give one marker (or none: the "
-                                  "image goes first)")
-            if image is not None and n + before == 0:
-                prompt, n = f"{IMAGE}\n{prompt}", 1
-        if n + before != len(paths):
-            raise ConfigError(f"{what}: {n + before} {IMAGE} marker(s) but {len(paths)} image(s) (one image per "
-                              "marker, in order)")
-        ids = torch.tensor([self.encoder.prompt_ids(tuple(history) + (("user", prompt),))], device=self.device)
-        pix = torch.cat([self.pixels(p, what) for p in paths]).to(self.device) if paths else None
-        return ids, pix
-
-    @torch.no_grad()
-    def generate_ids(self, prompt: str, image=None, max_new_tokens: int = 32, stop: bool = True,
-                     history: tuple = (), what: str = "--image") -> list:
-        """The greedy continuation's token ids (KV cache); ``stop``: end at the end-of-turn token;
-        ``image``: as ``prompt`` takes it."""
-        if max_new_tokens < 1:
-            raise ConfigError(f"--max-new-tokens {max_new_tokens}: give 1 or more (the most tokens an answer gets)")
-        ids, pix = self.prompt(prompt, image, history, what)
-        extra = {"pixel_values": pix} if pix is not None else {}
-        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra,
-                                  max_new_tokens=max_new_tokens, min_new_tokens=0 if stop else max_new_tokens,
-                                  do_sample=False, use_cache=True, eos_token_id=self.stop if stop else None,
-                                  pad_token_id=self.tok.pad_token_id)
-        return out[0, ids.shape[1]:].tolist()
-
-    def answer(self, prompt: str, image=None, max_new_tokens: int = 32, history: tuple = (),
-               what: str = "--image") -> str:
-        new = [t for t in self.generate_ids(prompt, image, max_new_tokens, history=history, what=what)
-               if t not in self.stop]
-        return self.tok.decode(new, skip_special_tokens=True).strip()
-
-
-def first_question(s) -> object:
-    """(history, the first user turn's text as written, the images of history and turn, the answer
-    wanted) of a chat sample, or why it has none to score. The images of a sample are consumed by
-    its ``<image>`` markers in message order; a system turn before the question is context."""
-    u = next((i for i, (r, _) in enumerate(s.messages) if r == "user"), None)
-    want = next((t for r, t in s.messages[u:] if r == "assistant"), None) if u is not None else None
-    if want is None:
-        return f"{s.where}: no user turn followed by an assistant turn to score"
-    upto = sum(t.count(IMAGE) for _, t in s.messages[:u + 1])
-    return tuple(s.messages[:u]), s.messages[u][1], tuple(s.images[:upto]), want
-
-
-def _scored(text: str, images: tuple, want: str, got: str) -> dict:
-    norm = lambda x: " ".join(x.lower().split())  # noqa: E731
-    return {"question": " ".join(text.replace(IMAGE, " ").split()), "images": list(images),
-            "image": images[0] if images else None, "want": norm(want), "got": norm(got)}
+def Generator(run_dir: str, step: Optional[int] = None, device: str = "cpu") -> chat.ChatGenerator:  # noqa: N802
+    """The run's chat family, tokenizer and weights (any layout's checkpoint; LoRA folded in) as a
+    ``ChatGenerator``."""
+    import mmpipe
+    from mmpipe.config.registry import build_family
+    from mmpipe.config.schema import family_of
+    from mmpipe.families.lora import merged
+    from mmpipe.train.export import run_tokenizer
+    cfg_path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(cfg_path):
+        raise ConfigError(f"--run {run_dir}: no config.yaml (not an mmpipe run directory)")
+    cfg = mmpipe.load_config(cfg_path)
+    if not family_of(cfg).generates:
+        raise ConfigError(f"--run {run_dir}: model.type={cfg.model.type} does not generate; mmpipe generate answers "
+                          "with a chat family's run (e.g. model.type=vlm)")
+    family = build_family(cfg, cfg.train.seed)  # (a LoRA run's: its adapters are folded in below)
+    tok = run_tokenizer(cfg, family_of(cfg), run_dir)
+    return chat.ChatGenerator(cfg, family, tok, merged(mmpipe.load_weights(run_dir, step), family.lora), device)
 
 
 def exact_match(run_dir: str, chat_file: str, limit: Optional[int] = None, step: Optional[int] = None,
                 progress: bool = True, max_new_tokens: int = 32) -> dict:
-    """Greedy answers (at most ``max_new_tokens`` each) to the first question of each held-out
-    conversation, asked as written (its text and ``<image>`` markers where they stand, with the
-    images its markers name), scored by exact match (case and surrounding spaces ignored), against
-    two baselines: the best constant answer over the set, and the best constant answer per question
-    (what a model that ignores the image can reach at most). Written to ``RUN/exact_match.json``."""
-    import json
-    from collections import Counter, defaultdict
-
-    from mmpipe.families.vlm.chat_data import read_chat
+    """``--eval``: ``chat.exact_match`` of the run's generator (``RUN/exact_match.json``)."""
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit {limit}: give 1 or more (the most questions to score), or leave it out for all")
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {max_new_tokens}: give 1 or more (the most tokens an answer gets)")
-    gen = Generator(run_dir, step)
-    # LLaVA JSON names images relative to the run's data.image_folder, as training read them
-    items = [s for s in read_chat(chat_file, gen.cfg.data.image_folder, key="--eval") if s.error is None][:limit]
-    it = items
-    if progress:
-        from tqdm import tqdm
-        it = tqdm(items, desc="answering", unit="q")
-    rows, skipped = [], []
-    for s in it:
-        asked = first_question(s)
-        if isinstance(asked, str):
-            skipped.append(asked)
-            continue
-        history, text, images, want = asked
-        try:
-            got = gen.answer(text, images, max_new_tokens, history=history, what=f"{s.where}: image")
-        except ConfigError as e:  # an image that does not decode: that question is skipped, and said
-            skipped.append(str(e))
-            continue
-        rows.append(_scored(text, images[sum(t.count(IMAGE) for _, t in history):], want, got))
-    n = max(1, len(rows))
-    acc = sum(r["want"] == r["got"] for r in rows) / n
-    constant = Counter(r["want"] for r in rows).most_common(1)[0] if rows else ("", 0)
-    by_q = defaultdict(Counter)
-    for r in rows:
-        by_q[r["question"]][r["want"]] += 1
-    prior = sum(c.most_common(1)[0][1] for c in by_q.values()) / n
-    image_rows = [r for r in rows if r["images"]]
-    out = {"n": len(rows), "exact_match": acc, "constant_answer": constant[0], "constant_baseline": constant[1] / n,
-           "question_prior_baseline": prior,
-           "exact_match_image_questions": sum(r["want"] == r["got"] for r in image_rows) / max(1, len(image_rows)),
-           "examples": rows[:8], "skipped": skipped}
-    with open(os.path.join(run_dir, "exact_match.json"), "w") as fh:
-        json.dump(out, fh, indent=1)
-    return out
+    return chat.exact_match(Generator(run_dir, step), run_dir, chat_file, limit, progress, max_new_tokens)
 
 
 def cmd_generate(args) -> int:

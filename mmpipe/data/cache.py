@@ -195,13 +195,13 @@ def check_compatible(meta: dict, cache_dir: str, decode_size: int, max_length: i
 class CachedDataset(SubstitutingDataset):
     """The cache as a dataset with ``ImageTextDataset``'s item contract (``ids`` instead of ``text``)."""
 
-    def __init__(self, cache_dir: str, image_size: int, augment=None):
+    def __init__(self, cache_dir: str, pixels):
         self.dir = cache_dir
         self.what = f"the cache {cache_dir}"
         with open(os.path.join(cache_dir, "meta.json")) as fh:
             self.meta = json.load(fh)
         self.n, self.size = self.meta["n"], self.meta["size"]
-        self.image_size, self.augment = image_size, augment
+        self.pixels = pixels  # the family's image input: finishes each cached image
         self.tokens = np.load(os.path.join(cache_dir, "tokens.npy"), mmap_mode="r")
         self.lengths = np.load(os.path.join(cache_dir, "lengths.npy"))
         self.status = np.fromfile(os.path.join(cache_dir, "status.u8"), dtype=np.uint8)

@@ -267,10 +267,10 @@ def finish_pixels(pixels: torch.Tensor, image_size: int, augment: Optional[Augme
 class SubstitutingDataset(Dataset):
     """Indexable samples where an unusable row is replaced by the next usable one (deterministically,
     so every stage and layout agrees) and reported in the item's ``bad`` list. Subclasses load a
-    row: ``_load(j)`` -> ({"pixel_values": uint8, and "text" or "ids"}, None) or (None, (name, why))."""
+    row: ``_load(j)`` -> ({"pixel_values": uint8, and "text" or "ids"}, None) or (None, (name, why));
+    ``pixels`` (the family's image input, ``mmpipe.data.pixels``) finishes each image."""
 
-    image_size: int
-    augment: Optional[Augment] = None
+    pixels = None
     what = "the data set"
 
     def _load(self, j: int) -> tuple[Optional[dict], Optional[tuple]]:
@@ -284,24 +284,21 @@ class SubstitutingDataset(Dataset):
             j = (idx + step) % n
             fields, why = self._load(j)
             if fields is not None:
-                fields["pixel_values"] = finish_pixels(fields["pixel_values"], self.image_size, self.augment, j, epoch)
+                fields["pixel_values"] = self.pixels.finish(fields["pixel_values"], j, epoch)
                 return {**fields, "index": j, "bad": bad}
             bad.append(why)
         raise DataError(f"no usable sample in {self.what} (first failure: {bad[0][0]}: {bad[0][1]})")
 
 
 class ImageTextDataset(SubstitutingDataset):
-    """Samples of a manifest, decoded on the fly to ``decode_size`` (then augmented to
-    ``image_size`` if ``augment``)."""
+    """Samples of a manifest, decoded on the fly and finished by the family's image input
+    (``pixels``: ``mmpipe.data.pixels``)."""
 
     what = "the manifest"
 
-    def __init__(self, samples: list[Sample], image_size: int, augment: Optional[Augment] = None,
-                 decode_size: Optional[int] = None):
+    def __init__(self, samples: list[Sample], pixels):
         self.samples = samples
-        self.image_size = image_size
-        self.decode_size = decode_size or image_size
-        self.augment = augment
+        self.pixels = pixels
 
     def __len__(self):
         return len(self.samples)
@@ -310,7 +307,7 @@ class ImageTextDataset(SubstitutingDataset):
         s = self.samples[j]
         if s.error is not None:  # a manifest row that cannot be used: counted like an unreadable image
             return None, (s.where, s.error)
-        pixels, why = decode_sample(s.image, s.text, self.decode_size)
+        pixels, why = self.pixels.decode(s.image, s.text)
         if pixels is None:
             return None, (s.image, why)
         return {"pixel_values": pixels, "text": s.text}, None

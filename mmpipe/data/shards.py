@@ -27,7 +27,6 @@ from typing import Iterator, Optional
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from mmpipe.data.loader import decode_sample, finish_pixels
 from mmpipe.data.manifest import TEXT_KEYS, _field, caption_text
 from mmpipe.errors import ConfigError
 
@@ -93,7 +92,7 @@ class ShardStream(IterableDataset):
     """Yields collated micro-batches of this data-parallel rank, forever."""
 
     def __init__(self, urls: list[str], dp_size: int, dp_rank: int, num_workers: int, micro_batch_size: int,
-                 collate, decode_size: int, image_size: int, augment=None, seed: int = 0, start_step: int = 0,
+                 collate, pixels, seed: int = 0, start_step: int = 0,
                  shuffle_buffer: int = 1000, group_by_length: bool = False, group_window: int = 64):
         self.rank_urls = urls[dp_rank::dp_size]
         if not self.rank_urls:
@@ -101,7 +100,7 @@ class ShardStream(IterableDataset):
                               f"write at least {dp_size} shards (ideally a multiple of {dp_size} x data.num_workers)")
         self.workers = max(1, min(num_workers, len(self.rank_urls)))
         self.dp_rank, self.mb, self.collate = dp_rank, micro_batch_size, collate
-        self.decode_size, self.image_size, self.augment = decode_size, image_size, augment
+        self.pixels = pixels  # the family's image input (mmpipe.data.pixels)
         self.seed, self.start_step, self.buffer = seed, start_step, max(1, shuffle_buffer)
         self.group_by_length, self.group_window = group_by_length, group_window
 
@@ -121,18 +120,17 @@ class ShardStream(IterableDataset):
                 for key, image, text in iter_tar(url):
                     buf.append((f"{os.path.basename(url)}/{key}", image, text, epoch))
                     if len(buf) >= self.buffer:
-                        yield self._decode(buf.pop(buf_rng.randrange(len(buf))), decode_sample)
+                        yield self._decode(buf.pop(buf_rng.randrange(len(buf))))
             epoch += 1
 
-    def _decode(self, raw, decode_sample) -> dict:
+    def _decode(self, raw) -> dict:
         name, image, text, epoch = raw
         if image is None:
             return {"bad": (name, "no image member")}
-        pixels, why = decode_sample(io.BytesIO(image), text or "", self.decode_size)
+        sid = zlib.crc32(name.encode()) & 0x7FFFFFFF  # str hash() differs per process
+        pixels, why = self.pixels.load(io.BytesIO(image), text or "", sid, epoch)
         if pixels is None:
             return {"bad": (name, why)}
-        sid = zlib.crc32(name.encode()) & 0x7FFFFFFF  # str hash() differs per process
-        pixels = finish_pixels(pixels, self.image_size, self.augment, sid, epoch)
         return {"pixel_values": pixels, "text": text, "index": -1, "key": name, "bad": []}
 
     def _micro_batches(self, worker: int) -> Iterator[list]:

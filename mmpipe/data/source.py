@@ -19,7 +19,7 @@ from mmpipe.data.cache import (
     open_meta,
     tokenizer_digest,
 )
-from mmpipe.data.loader import MicroBatchSampler, make_augment, make_loader
+from mmpipe.data.loader import MicroBatchSampler, make_loader
 from mmpipe.data.manifest import require_manifest
 from mmpipe.data.shards import ShardStream, expand, is_shard_spec, iter_tar
 from mmpipe.data.tokenizer import has_tokenizer, load_tokenizer
@@ -42,12 +42,13 @@ class TrainSource:
             return self.cache_meta["n"]
         return None
 
-    def dataset(self, cfg, image_size: int, augment=None, *, family, tok=None):
-        """The indexable dataset of a manifest (the family's records) or cache source."""
+    def dataset(self, cfg, seed=None, *, family, tok=None):
+        """The indexable dataset of a manifest (the family's records) or cache source; ``seed``:
+        training data (its augmentation draws), None: no augmentation."""
         if self.kind == "cache":
-            return CachedDataset(cfg.data.cache, image_size, augment)
+            return CachedDataset(cfg.data.cache, family.pixels(cfg.model, cfg.data, seed))
         if self.kind == "manifest":
-            return family.dataset(self.samples, tok, cfg.data, image_size, augment, decode_size(cfg, image_size))
+            return family.dataset(self.samples, tok, cfg.data, seed)
         raise TypeError("shards are a stream, not an indexable dataset")
 
     def captions(self, limit: int = 100_000, *, family) -> list[str]:
@@ -62,18 +63,15 @@ class TrainSource:
         return out[:limit]
 
 
-def decode_size(cfg, image_size: int) -> int:
-    return cfg.data.decode_size or image_size
-
-
-def open_source(cfg, image_size: int, read: bool, *, family) -> TrainSource:
+def open_source(cfg, read: bool, *, family) -> TrainSource:
     """Check the configured source exists (every rank: the same one-line error everywhere) and, with
     ``read``, load what the data-reading rank needs (``family.read_records``: its record format)."""
     d = cfg.data
     family.check_source("cache" if d.cache else "shards" if d.train and is_shard_spec(d.train) else "manifest")
+    pixels = family.pixels(cfg.model, d)  # the family's image input (reads its image config: fails here first)
     if d.cache:
         meta = open_meta(d.cache)
-        check_compatible(meta, d.cache, decode_size(cfg, image_size), d.max_length, d.train)
+        check_compatible(meta, d.cache, pixels.cache_size, d.max_length, d.train)
         return TrainSource("cache", cache_meta=meta)
     if is_shard_spec(d.train):
         return TrainSource("shards", shard_urls=expand(d.train))
@@ -117,23 +115,22 @@ def train_lengths(source: TrainSource, tok, max_length: int) -> list[int]:
 
 
 def build_train_loader(cfg, source: TrainSource, tok, collate, topo, dp_rank: int, start_step: int,
-                       image_size: int, device_is_cpu: bool, family, start_at: Optional[dict] = None):
+                       device_is_cpu: bool, family, start_at: Optional[dict] = None):
     """The training loader from global step ``start_step``; ``start_at``: the stream position a
     checkpoint saved (``MicroBatchSampler.position``), so a resume with another batch size continues
     at the next unseen sample. The loader's ``batch_sampler`` (indexable sources) tells positions."""
     from torch.utils.data import DataLoader
 
     d = cfg.data
-    augment = make_augment(d, image_size, cfg.train.seed)
-    size = decode_size(cfg, image_size)
     if source.kind == "shards":
         stream = ShardStream(source.shard_urls, topo.data_parallel, dp_rank, d.num_workers, topo.micro_batch_size,
-                             collate, size, image_size, augment, cfg.train.seed, start_step, d.shuffle_buffer,
+                             collate, family.pixels(cfg.model, d, cfg.train.seed), cfg.train.seed, start_step,
+                             d.shuffle_buffer,
                              d.group_by_length, d.group_window)
         kw = {"prefetch_factor": d.prefetch_factor, "persistent_workers": d.persistent_workers} if d.num_workers else {}
         return DataLoader(stream, batch_size=None, num_workers=stream.workers if d.num_workers else 0,
                           pin_memory=d.pin_memory and not device_is_cpu, **kw)
-    dataset = source.dataset(cfg, image_size, augment, family=family, tok=tok)
+    dataset = source.dataset(cfg, cfg.train.seed, family=family, tok=tok)
     lengths = None
     if d.group_by_length:  # the cache and chat data count their tokens; a manifest's are counted here
         lengths = dataset.lengths if hasattr(dataset, "lengths") else train_lengths(source, tok, d.max_length)

@@ -48,7 +48,6 @@ class Family:
     min_micro_batch_why: ClassVar[str] = ""
     default_groups: ClassVar[dict] = {}  # group name -> parameter-name regexes
     freeze_shortcuts: ClassVar[dict] = {}  # optim.<flag> -> group it freezes
-    hf_adapter: ClassVar[Optional[type]] = None  # from_hf / to_hf / hf_config
     training_unsupported: ClassVar[Optional[str]] = None  # why ``mmpipe train`` cannot run it yet
     lr_shortcuts: ClassVar[dict] = {}  # optim.<key> -> group whose lr it sets (ms-swift's vit_lr, aligner_lr)
     special_tokens: ClassVar[tuple] = ()  # tokens the tokenizer must hold as single special tokens
@@ -58,6 +57,11 @@ class Family:
     # the loss is a mean over units (e.g. label tokens) of the whole global batch, not a mean of
     # per-micro-batch means: ``loss_units`` counts them and ``loss`` takes the normaliser
     token_mean: ClassVar[bool] = False
+    packs: ClassVar[bool] = False  # data.packing: several samples per sequence
+    generates: ClassVar[bool] = False  # mmpipe generate answers with it (chat families)
+    # how its parameters split into decayed / undecayed optimizer groups, recorded with checkpoints
+    # (a checkpoint of another split resumes through the layout-free path)
+    decay_split: ClassVar[int] = 1
     # a mixin of methods the single-process model offers besides forward (CLIP's encode_image /
     # encode_text); ``mmpipe.parallel.plain.plain_model`` mixes it into its ``PlainModel``
     plain_api: ClassVar[Optional[type]] = None
@@ -68,8 +72,11 @@ class Family:
         """Choices and ranges of the ``model:`` section (one-line ConfigError)."""
 
     @classmethod
-    def image_size(cls, model_cfg) -> Optional[int]:
-        """The side of the square images the model takes (None: the family reads no images)."""
+    def pixels(cls, model_cfg, data_cfg, seed: Optional[int] = None):
+        """How the family's images become tower input (``mmpipe.data.pixels``: ``load`` / ``finish`` an
+        image, ``batch`` a micro-batch's, ``cache_size`` of a preprocessed cache), with ``seed``
+        (training data) its augmentation; None: the family reads no images. The data layer asks this
+        object, never an image size."""
         return None
 
     @classmethod
@@ -115,7 +122,6 @@ class Family:
     def __init__(self, model_cfg, seed: int = 0):
         self.cfg = model_cfg
         self.seed = seed
-        self.skip_pretrained = False  # set when all weights come from elsewhere (an mmpipe export)
         self.lora = None  # a LoraSpec (optim.train_type: lora): adapters on the trained layers (use_lora)
 
     def use_lora(self, optim_cfg) -> None:
@@ -140,7 +146,7 @@ class Family:
         """The layer seeded from (seed, name): identical in one process and on any pipeline stage."""
         with part_seed(self.seed, name):
             module = self.build_unseeded(name)
-        if not getattr(self, "skip_pretrained", False):
+        if not getattr(self, "skip_pretrained", False):  # set when all weights come from elsewhere (an export)
             self.load_pretrained(module, name)
         return self._add_adapters(module, name)
 
@@ -154,9 +160,10 @@ class Family:
         return [layer.name for layer in self.layers()]
 
     def layer(self, name: str) -> Layer:
-        if not hasattr(self, "_by_name"):
-            self._by_name = {layer.name: layer for layer in self.layers()}
-        return self._by_name[name]
+        for layer in self.layers():
+            if layer.name == name:
+                return layer
+        raise KeyError(name)
 
     def segments(self) -> list:
         return [layer.segment for layer in self.layers()]
@@ -262,8 +269,9 @@ class Family:
         raise NotImplementedError
 
     # ---- data ---------------------------------------------------------------------------------
-    def dataset(self, records: list, tokenizer, data_cfg, image_size: int, augment=None, decode_size=None):
-        """The indexable dataset of ``records`` (items for ``collate``)."""
+    def dataset(self, records: list, tokenizer, data_cfg, seed: Optional[int] = None):
+        """The indexable dataset of ``records`` (items for ``collate``); ``seed``: training data, whose
+        augmentation draws are seeded by it (None: evaluation, no augmentation)."""
         raise NotImplementedError
 
     def loss_units(self, *labels) -> int:

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from mmpipe.data.loader import Collate, ImageTextDataset
 from mmpipe.data.manifest import read_manifest
+from mmpipe.data.pixels import square_pixels
 from mmpipe.families.base import Family
 
 
@@ -16,7 +17,14 @@ class ImageTextFamily(Family):
 
     @classmethod
     def image_size(cls, model_cfg) -> int:
+        """The side of the square images the tower takes (the family's own: the data layer asks
+        ``pixels``)."""
         raise NotImplementedError
+
+    @classmethod
+    def pixels(cls, model_cfg, data_cfg, seed=None):
+        """Square images at the tower's size (``data.decode_size`` / ``data.augment`` apply)."""
+        return square_pixels(cls.image_size(model_cfg), data_cfg, seed)
 
     @classmethod
     def read_records(cls, path: str, data_cfg, key: str) -> list:
@@ -27,8 +35,8 @@ class ImageTextFamily(Family):
     def record_texts(cls, records: list) -> list:
         return [s.text for s in records]
 
-    def dataset(self, records: list, tokenizer, data_cfg, image_size: int, augment=None, decode_size=None):
-        return ImageTextDataset(records, image_size, augment, decode_size or image_size)
+    def dataset(self, records: list, tokenizer, data_cfg, seed=None):
+        return ImageTextDataset(records, self.pixels(self.cfg, data_cfg, seed))
 
     def collate(self, tokenizer, data_cfg):
         return Collate(tokenizer, data_cfg.max_length, data_cfg.padding, data_cfg.pad_multiple)

@@ -6,7 +6,6 @@ from typing import Callable, Optional
 
 from mmpipe.config.deepspeed import AUTO, load_json
 from mmpipe.config.schema import RunConfig, replace
-from mmpipe.data.loader import decode_sample
 from mmpipe.data.shards import iter_tar
 from mmpipe.errors import ConfigError, DataError
 from mmpipe.planning.measure import _with_schedule, iter_layers, precision_dtype
@@ -14,29 +13,29 @@ from mmpipe.planning.memory import pick_micro_batch, schedule_of, stage_memory
 from mmpipe.planning.profiler import profile_layers
 
 
-def probe_batch(cfg, family, source, tok, m: int, image_size: int, device) -> tuple:
+def probe_batch(cfg, family, source, tok, m: int, device) -> tuple:
     """A real micro-batch of ``m`` samples from the training source (the family's first-stage
     fields), captions padded to ``data.max_length`` (the largest shape a run can meet)."""
     collate = family.collate(tok, replace(cfg, data__padding="max_length").data)
     if source.kind == "shards":
         import io
 
-        items = []
+        items, pixels = [], family.pixels(cfg.model, cfg.data)
         for _, image, text in iter_tar(source.shard_urls[0]):
-            px, _ = decode_sample(io.BytesIO(image), text or "", image_size) if image else (None, None)
+            px, _ = pixels.load(io.BytesIO(image), text or "", 0, 0) if image else (None, None)
             if px is not None:
                 items.append({"pixel_values": px, "text": text, "index": -1, "bad": []})
         if not items:
             raise DataError(f"no usable sample in {source.shard_urls[0]}")
         items = [items[i % len(items)] for i in range(m)]
     else:
-        ds = source.dataset(cfg, image_size, family=family, tok=tok)
+        ds = source.dataset(cfg, family=family, tok=tok)
         items = [ds[i % len(ds)] for i in range(m)]
     b = collate(items)
     return tuple(b[f].to(device) for f in family.inputs)
 
 
-def auto_micro_batch(cfg, family, source, tok, image_size: int, pipeline_stages: int, data_parallel: int,
+def auto_micro_batch(cfg, family, source, tok, pipeline_stages: int, data_parallel: int,
                      parts: Optional[list], forward_only: frozenset, frozen_params: frozenset, budget_bytes: int,
                      device, log: Optional[Callable[[str], None]] = None) -> tuple[int, dict]:
     """(micro-batch size, {probed size: peak bytes of the fullest stage})."""
@@ -48,7 +47,7 @@ def auto_micro_batch(cfg, family, source, tok, image_size: int, pipeline_stages:
 
     def peak(m: int) -> int:
         layers = iter_layers(family, forward_only, frozen_params, device, dtype)  # one layer alive at a time
-        costs = profile_layers(layers, probe_batch(cfg, family, source, tok, m, image_size, device), timed=False)
+        costs = profile_layers(layers, probe_batch(cfg, family, source, tok, m, device), timed=False)
         micro_batches = per_rank // m
         # what the run does beyond forward and backward (checkpointing, ties, the step's batches, a
         # step loss's feature cache), as the layout model reads it from a profile

@@ -85,7 +85,6 @@ class TrainData:
         if where.reads_data:
             loader = agree(rank, lambda: build_train_loader(cfg, run.source, run.tok, self.collate, run.topo,
                                                             where.dp_rank, start_step,
-                                                            run.family.image_size(cfg.model),
                                                             run.device_name == "cpu", run.family,
                                                             start_at=data_position))
             self.sampler = getattr(loader, "batch_sampler", None)

@@ -30,8 +30,7 @@ class Evaluator:
                 from mmpipe.config.fields import thawed_copy
                 data_cfg = thawed_copy(run.cfg.data)
                 data_cfg.packing = False  # one row per val sample (idx counts samples)
-                ds = family.dataset(val, run.tok, data_cfg, family.image_size(run.cfg.model),
-                                    decode_size=run.cfg.data.decode_size)
+                ds = family.dataset(val, run.tok, data_cfg)
                 return list(_as_pipe_batches((self.collate([ds[i] for i in mb]) for mb in idx), stats, family))
             return [(None, LABEL_PLACEHOLDER)] * len(idx) if run.topo.is_last_stage(run.rank) else None
 

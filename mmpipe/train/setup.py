@@ -192,7 +192,7 @@ def locate(cfg: RunConfig, family_cls, groups: list) -> Placement:
 def open_data(cfg: RunConfig, family_cls, read: bool) -> tuple:
     """(the training source, the val records): every rank reads the val records (all stages need
     the eval micro-batch count)."""
-    source = open_source(cfg, family_cls.image_size(cfg.model), read=read, family=family_cls)
+    source = open_source(cfg, read=read, family=family_cls)
     val = family_cls.read_records(cfg.data.val, cfg.data, "data.val") if cfg.data.val else None
     return source, val
 
@@ -347,7 +347,7 @@ def probe_micro_batch(cfg, family, source, tok, topo, forward_only, frozen) -> i
     acc = get_accelerator()
     budget = int((cfg.parallel.memory_budget_gb or acc.total_memory() / 2**30) * 2**30)
     parts = make_plan(cfg, family, topo, frozen, forward_only, measure=False).parts
-    m, _ = auto_micro_batch(cfg, family, source, tok, family.image_size(cfg.model), topo.pipeline_stages,
+    m, _ = auto_micro_batch(cfg, family, source, tok, topo.pipeline_stages,
                             topo.data_parallel, parts, forward_only, frozen, budget, torch.device(acc.device_name()),
                             log=lambda s: print(f"[mmpipe] {s}", flush=True))
     return m

@@ -2,7 +2,7 @@
 -> projector -> a transformers causal LM (Llama or Qwen2), trained on the next-token loss of the
 label tokens. Model, weights (``model.pretrained``: a local ``LlavaForConditionalGeneration``
 directory) and the plain model's loss match transformers'. Trained on chat data
-(``mmpipe.families.vlm.chat_data``) with the token-mean loss over the global batch (``token_mean``)."""
+(``mmpipe.families.chat``) with the token-mean loss over the global batch (``token_mean``)."""
 from __future__ import annotations
 
 import torch
@@ -11,7 +11,9 @@ from torch import nn
 from mmpipe.config.registry import register_family
 from mmpipe.errors import ConfigError
 from mmpipe.families.base import Layer
-from mmpipe.families.image_text import ImageTextFamily
+from mmpipe.families.chat.family import ChatFamily
+from mmpipe.families.chat.masks import mark_mask
+from mmpipe.families.chat.records import IMAGE
 from mmpipe.families.products import DECODER_BLOCK, Matmul, block_products
 from mmpipe.families.towers import hf
 from mmpipe.families.towers.vision import vit_products
@@ -22,7 +24,6 @@ from mmpipe.families.towers.common import (
 )
 from mmpipe.families.vlm import model as m
 from mmpipe.families.vlm.adapter import LLM_RULES, LOAD_RULES, VISION_RULES
-from mmpipe.families.vlm.chat_data import SPECIAL_TOKENS
 from mmpipe.families.vlm.config import VlmConfig
 
 _VISION_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "image_size",
@@ -160,47 +161,17 @@ def _check_shapes(cfg) -> None:
 
 
 @register_family
-class VlmFamily(ImageTextFamily):
+class VlmFamily(ChatFamily):
     name = "vlm"
     config_class = VlmConfig
-    inputs = ("pixel_values", "input_ids", "attention_mask")
-    labels = ("labels",)
     default_groups = {"vision": [r"^vision\."], "projector": [r"^projector\."], "llm": [r"^llm\."]}
     # ms-swift's names, and mmpipe's own (as for CLIP)
     freeze_shortcuts = {"freeze_vit": "vision", "freeze_aligner": "projector", "freeze_llm": "llm",
                         "freeze_vision": "vision", "freeze_projector": "projector", "freeze_text": "llm"}
     lr_shortcuts = {"vit_lr": "vision", "aligner_lr": "projector"}
-    special_tokens = SPECIAL_TOKENS  # the plain template's (a tokenizer with a chat template adds only <image>)
-    dynamic_shapes = True  # images per micro-batch vary (0 for text-only micro-batches)
-    token_mean = True
-    packs = True  # data.packing: several chat samples per sequence (chat_data.PackedChatDataset)
-
-    # ---- data ----------------------------------------------------------------------------------
-    @classmethod
-    def read_records(cls, path, data_cfg, key):
-        from mmpipe.families.vlm.chat_data import read_chat
-        return read_chat(path, data_cfg.image_folder, key)
-
-    @classmethod
-    def record_texts(cls, records):
-        from mmpipe.families.vlm.chat_data import chat_texts
-        return chat_texts(records)
-
-    @classmethod
-    def prepare_tokenizer(cls, tokenizer):
-        from mmpipe.families.vlm.chat_data import add_chat_tokens
-        return add_chat_tokens(tokenizer)
-
-    @classmethod
-    def check_data(cls, path, cfg, as_json=False, workers=1):
-        from mmpipe.families.vlm.chat_check import run_chat_check
-        return run_chat_check(path, cfg, as_json)
-
-    @classmethod
-    def check_source(cls, kind):
-        if kind != "manifest":
-            raise ConfigError(f"model.type=vlm reads chat data (data.train: LLaVA .json or ms-swift .jsonl), not "
-                              f"{'data.cache' if kind == 'cache' else 'tar shards'}; unset it and give the chat file")
+    # checkpoints' "decay_split" (train/checkpoint.py): its decoder token table left the decayed group
+    # when embedding tables were marked by type (2); a checkpoint of another split resumes by name
+    decay_split = 2
 
     @classmethod
     def tokenizer_weights(cls, model_cfg):
@@ -215,15 +186,9 @@ class VlmFamily(ImageTextFamily):
         """``model.llm.vocab_size`` (at least the tokenizer's size), ``model.image_token_id`` (the
         tokenizer's ``<image>``) and the rotary table's length, when left unset."""
         from mmpipe.config.fields import thawed_copy
-        from mmpipe.families.vlm.chat_data import IMAGE
         out = thawed_copy(model_cfg)
         n = len(tokenizer)
-        image_id = tokenizer.convert_tokens_to_ids(IMAGE)
-        if out.image_token_id is None:
-            out.image_token_id = image_id
-        elif out.image_token_id != image_id:
-            raise ConfigError(f"model.image_token_id={out.image_token_id} but the tokenizer's {IMAGE} is {image_id}: "
-                              "unset model.image_token_id, or use the tokenizer the model was trained with")
+        cls.resolve_image_token(out, tokenizer)
         out = _feature_choice(out)
         key, weights = cls.tokenizer_weights(model_cfg)
         if weights:
@@ -252,8 +217,10 @@ class VlmFamily(ImageTextFamily):
             raise ConfigError(f"{where}: {e}") from None
 
     @classmethod
-    def image_size(cls, model_cfg) -> int:
-        return _vision_config(model_cfg).image_size
+    def pixels(cls, model_cfg, data_cfg, seed=None):
+        """Square images at the CLIP tower's size (``data.decode_size`` / ``data.augment`` apply)."""
+        from mmpipe.data.pixels import square_pixels
+        return square_pixels(_vision_config(model_cfg).image_size, data_cfg, seed)
 
     def __init__(self, model_cfg, seed: int = 0):
         model_cfg = _feature_choice(model_cfg)  # unset: the directory's, else -2 / default (resolve records it)
@@ -380,7 +347,6 @@ class VlmFamily(ImageTextFamily):
         """``LlavaForConditionalGeneration`` + ``LlavaProcessor`` (with the run's chat template)."""
         from transformers import LlavaProcessor
 
-        from mmpipe.families.vlm.chat_data import IMAGE
         stop = self.encoder(tokenizer, 1).end_of_turn_ids()  # before the template is set: as training rendered
         if not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = PLAIN_TEMPLATE
@@ -412,57 +378,40 @@ class VlmFamily(ImageTextFamily):
     def tied_weights(self) -> list:
         return [("llm.embed.embed_tokens.weight", "llm.head.lm_head.weight")] if self.tied else []
 
-    def loss(self, outputs, labels, normaliser=None) -> torch.Tensor:
-        return m.causal_lm_loss(outputs, labels, normaliser)
-
-    def eval_stats(self, logits, labels) -> torch.Tensor:
-        return m.token_stats(logits, labels)
-
-    def evaluate(self, outputs, labels, samples) -> dict:
-        """Validation loss (mean over label tokens) and next-token accuracy (micro-batches are not
-        padded: ``dynamic_shapes``)."""
-        loss, n, right = torch.stack([o.double().cpu() for o in outputs]).sum(0).tolist()
-        return {"val_loss": loss / max(n, 1), "token_accuracy": right / max(n, 1), "val_tokens": int(n)}
-
-    def eval_line(self, record) -> str:
-        return (f"val loss {record['val_loss']:.4f}, token accuracy {record['token_accuracy']:.3f} "
-                f"({record['val_tokens']} tokens)")
-
-    def loss_units(self, labels) -> int:
-        return m.label_tokens(labels)
-
     def n_image_tokens(self) -> int:
         s, p = self.vision_cfg.image_size, self.vision_cfg.patch_size
         return (s // p) ** 2 + (self.cfg.vision_feature_select_strategy == "full")
 
-    def encoder(self, tokenizer, max_length: int):
-        from mmpipe.families.vlm.chat_data import ChatEncoder
-        return ChatEncoder(tokenizer, self.image_token_id, self.n_image_tokens(), max_length)
+    def image_tokens(self, image) -> int:
+        return self.n_image_tokens()  # every image is the tower's square: one count
 
-    def dataset(self, records, tokenizer, data_cfg, image_size, augment=None, decode_size=None):
-        from mmpipe.families.vlm.chat_data import ChatDataset, PackedChatDataset
-        chat = ChatDataset(records, self.encoder(tokenizer, data_cfg.max_length), image_size, decode_size, augment)
-        return PackedChatDataset(chat, data_cfg.max_length) if getattr(data_cfg, "packing", False) else chat
-
-    def collate(self, tokenizer, data_cfg):
-        from mmpipe.families.vlm.chat_data import ChatCollate
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        return ChatCollate(pad, self.vision_cfg.image_size, data_cfg.pad_multiple,
-                           data_cfg.max_length if data_cfg.padding == "max_length" else None)
+    def generation_inputs(self, images: list, data_cfg=None) -> dict:
+        """``pixel_values`` (N, 3, S, S) float, normalised, of the images at generation, decoded and
+        resized as training's loader did (no augmentation)."""
+        from mmpipe.errors import ConfigError
+        from mmpipe.families.towers.common import normalize_pixels
+        px = self.pixels(self.cfg, data_cfg)
+        out = []
+        for path in images:
+            pixels, why = px.load(path, IMAGE, 0, 0, draft=False)
+            if pixels is None:
+                raise ConfigError(f"{path}: {why}")
+            out.append(pixels)
+        return {"pixel_values": normalize_pixels(torch.stack(out), OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, torch.float32)}
 
     def example_batch(self, micro_batch_size: int, max_length: int, device, packed: bool = False) -> dict:
         """Rows of ``max_length`` tokens, one image each; ``packed``: each row two samples (segment
         ids in the mask, as a packed run's rows: the block-diagonal attention is what is timed)."""
         g = torch.Generator().manual_seed(0)
-        s, n_img = self.vision_cfg.image_size, self.n_image_tokens()
+        n_img = self.n_image_tokens()
         ids = torch.randint(0, self.text_cfg.vocab_size, (micro_batch_size, max(max_length, n_img + 1)), generator=g)
         ids[ids == self.image_token_id] = 0
         ids[:, :n_img] = self.image_token_id
-        pix = torch.randint(0, 256, (micro_batch_size, 3, s, s), dtype=torch.uint8, generator=g)
+        pix = self.pixels(self.cfg, None).example(micro_batch_size, g)["pixel_values"]
         mask = torch.ones_like(ids)
         if packed:
             mask[:, ids.shape[1] // 2:] = 2
         mask = mask.to(device)
-        m.mark_mask(mask, "packed" if packed else "causal")  # (on the meta device too)
+        mark_mask(mask, "packed" if packed else "causal")  # (on the meta device too)
         return {"pixel_values": pix.to(device), "input_ids": ids.to(device),
                 "attention_mask": mask, "labels": ids.to(device)}

@@ -35,11 +35,10 @@ def run_chat_check(path: str, cfg, as_json: bool = False, out=None, err=None) ->
     tok = _tokenizer(cfg, fam_cls, samples)
     cfg = replace(cfg, model=fam_cls.resolve(cfg.model, tok, cfg.data))
     family = build_family(cfg.model, cfg.train.seed)
-    size = fam_cls.image_size(cfg.model)
     from mmpipe.config.fields import thawed_copy
     data_cfg = thawed_copy(cfg.data)
     data_cfg.packing = False  # every sample on its own
-    ds = family.dataset(samples, tok, data_cfg, size, decode_size=cfg.data.decode_size or size)
+    ds = family.dataset(samples, tok, data_cfg)
     bad = 0
     for j in tqdm(range(len(samples)), unit="sample", desc=f"check {path}", file=err, disable=None, mininterval=1.0):
         fields, why = ds._load(j)

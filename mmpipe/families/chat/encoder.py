@@ -1,0 +1,158 @@
+"""Chat samples -> token ids and labels, by the tokenizer's chat template or mmpipe's plain one.
+
+``<image>`` expands to the image's own number of image tokens: the family's ``image_tokens(path)``
+(a fixed count for a square tower, ``(h/p)(w/p)`` for a native-resolution one), so truncation,
+packing lengths and length grouping use real counts. Labels: every assistant turn (its text and
+the end-of-turn token) is learned; system text, prompts, role markers, image tokens and padding are
+-100. A sample longer than ``max_length`` is cut after its last complete image; if an image itself
+does not fit, the sample is dropped (and counted), never cut through its image tokens.
+
+The chat template is the tokenizer's own (``tokenizer.chat_template``, e.g. a Qwen2 or Llama
+tokenizer directory): each assistant turn is what rendering one more message adds after the
+generation prompt, so label boundaries are exact. Without one, the plain template::
+
+    <|system|>\\n{text}<|end|>\\n<|user|>\\n{text}<|end|>\\n<|assistant|>\\n{text}<|end|>\\n
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from mmpipe.errors import DataError
+from mmpipe.families.chat.records import IMAGE, SPECIAL_TOKENS, ChatSample
+
+@dataclass
+class Encoded:
+    input_ids: list
+    labels: list
+    images: tuple = ()
+    truncated: bool = False
+    dropped: Optional[str] = None  # why the sample cannot be used at this length
+
+
+class ChatEncoder:
+    """Token ids and labels of a chat sample: each piece is tokenized on its own (no special tokens
+    added), so label boundaries are exact whatever the tokenizer merges."""
+
+    def __init__(self, tokenizer, image_token_id: int, image_tokens: Callable, max_length: int):
+        """``image_tokens(image)``: the number of image tokens an image (a path) becomes, the family's
+        (``ChatFamily.image_tokens``)."""
+        self.tok, self.image_id, self.max_length = tokenizer, image_token_id, max_length
+        self.image_tokens = image_tokens
+
+    def _ids(self, text: str, counts=None) -> list:
+        """Token ids of ``text``; its ``<image>`` markers take the next counts of ``counts`` (an
+        iterator of image-token counts, in marker order)."""
+        out = []
+        for k, part in enumerate(text.split(IMAGE)):
+            if k:
+                out += [self.image_id] * next(counts)
+            if part:
+                out += self.tok(part, add_special_tokens=False)["input_ids"]
+        return out
+
+    def counts(self, images) -> list:
+        """Image-token count of each image, in order."""
+        return [int(self.image_tokens(im)) for im in images]
+
+    def pieces(self, messages) -> list:
+        """[(text, learned)]: the tokenizer's chat template, else the plain one."""
+        if getattr(self.tok, "chat_template", None):
+            return self._template_pieces(messages)
+        out = []
+        for role, text in messages:
+            learned = role == "assistant"
+            out.append((f"<|{role}|>\n", False))
+            out.append((text + "<|end|>", learned))
+            out.append(("\n", False))
+        return out
+
+    def _render(self, messages, generation_prompt: bool = False) -> str:
+        if not messages:
+            return ""
+        return self.tok.apply_chat_template([{"role": r, "content": t} for r, t in messages], tokenize=False,
+                                            add_generation_prompt=generation_prompt)
+
+    def _template_pieces(self, messages) -> list:
+        out, done = [], ""
+        for i, (role, _) in enumerate(messages):
+            if role != "assistant":
+                continue
+            prompt, full = self._render(messages[:i], True), self._render(messages[:i + 1])
+            if not (prompt.startswith(done) and full.startswith(prompt)):
+                raise DataError("data.tokenizer: its chat template does not render a conversation prefix by prefix "
+                                "(turn i's text changes when turn i+1 is added), so assistant turns cannot be "
+                                "labelled; remove chat_template from its tokenizer_config.json to use mmpipe's "
+                                "plain template")
+            out += [(prompt[len(done):], False), (full[len(prompt):], True)]
+            done = full
+        tail = self._render(messages)[len(done):]
+        return out + ([(tail, False)] if tail else [])
+
+    def end_of_turn_ids(self) -> list:
+        """The token(s) that end an assistant turn, as the labels learned them: the first token of what
+        rendering an assistant message adds after its content (mmpipe's template: ``<|end|>``;
+        ChatML: ``<|im_end|>``), and the tokenizer's EOS. Generation stops at any of them."""
+        marker = "\u2063"  # a content no template alters
+        if getattr(self.tok, "chat_template", None):
+            full = self._render((("user", "q"), ("assistant", marker)))
+            after = full[full.rindex(marker) + len(marker):]
+        else:
+            after = "<|end|>"
+        ids = self.tok(after, add_special_tokens=False)["input_ids"][:1] if after.strip() else []
+        eos = self.tok.eos_token_id
+        return ids + ([eos] if eos is not None and eos not in ids else [])
+
+    def prompt_ids(self, messages, images=()) -> list:
+        """Token ids of ``messages`` (with ``images``, one per ``<image>`` marker in order) followed by
+        the assistant's turn header (generation)."""
+        if getattr(self.tok, "chat_template", None):
+            return self._ids(self._render(messages, True), iter(self.counts(images)))
+        counts = iter(self.counts(images))
+        return [t for text, _ in self.pieces(messages) for t in self._ids(text, counts)] + self._ids("<|assistant|>\n")
+
+    def encode(self, sample: ChatSample) -> Encoded:
+        ids, labels = [], []
+        counts = self.counts(sample.images)
+        it = iter(counts)
+        for text, learned in self.pieces(sample.messages):
+            piece = self._ids(text, it)
+            ids += piece
+            labels += [(t if learned and t != self.image_id else -100) for t in piece]
+        return self._fit(Encoded(ids, labels, sample.images), counts)
+
+    def _fit(self, enc: Encoded, counts: list) -> Encoded:
+        """Cut to ``max_length`` after the last image that fits whole; drop when none can be kept."""
+        if len(enc.input_ids) <= self.max_length:
+            return enc
+        cut = self.max_length
+        keep_images = len(enc.images)
+        # image k is counts[k] image tokens, in order: it starts at image token sum(counts[:k]), whether
+        # or not images touch (<image><image>, or a newline the tokenizer drops between them)
+        positions = [i for i, t in enumerate(enc.input_ids) if t == self.image_id]
+        firsts = [sum(counts[:k]) for k in range(len(counts))]
+        starts = [positions[f] for f in firsts if f < len(positions)]
+        for k, s in enumerate(starts):
+            if s + counts[k] > cut:  # this image would be cut through: end the sample before it
+                cut, keep_images = s, k
+                break
+        if keep_images < len(enc.images) and keep_images == 0 and starts:
+            return Encoded([], [], (), True, f"its first image ends at token {starts[0] + counts[0]}, "
+                                             f"beyond data.max_length={self.max_length}")
+        labels = enc.labels[:cut]
+        if all(t == -100 for t in labels):
+            return Encoded([], [], (), True, f"nothing to learn within data.max_length={self.max_length}")
+        return Encoded(enc.input_ids[:cut], labels, enc.images[:keep_images], True)
+
+
+def chat_special_tokens(tokenizer) -> tuple:
+    """``<image>``, and the plain template's role markers when the tokenizer has no template."""
+    return (IMAGE,) if getattr(tokenizer, "chat_template", None) else SPECIAL_TOKENS
+
+
+def add_chat_tokens(tokenizer):
+    """Make the chat tokens single special tokens of ``tokenizer`` (in place, in a fixed order)."""
+    missing = [t for t in chat_special_tokens(tokenizer) if t not in tokenizer.get_vocab()]
+    if missing:
+        tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
+    return tokenizer

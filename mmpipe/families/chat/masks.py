@@ -1,0 +1,70 @@
+"""The attention-mask kinds of chat batches (``attention_mask`` field): ``causal`` rows (tokens then
+padding: no mask tensor at all, sdpa's causal kernel), ``packed`` rows (segment ids per sample:
+block-diagonal attention, positions restarting per sample), ``dense`` otherwise (left padding).
+Any decoder family reads its batch's mask through ``attention_inputs``."""
+from __future__ import annotations
+
+import torch
+
+from mmpipe.families.towers.common import causal_padding_mask
+
+
+def mask_kind(attention_mask: torch.Tensor) -> str:
+    """``causal``: every row is its tokens then padding (right padding, or none) - causal attention
+    alone gives every real token exactly what a padding mask would; ``packed``: segment ids (1, 2,
+    ... per sample of a packed row, 0 = padding); ``dense``: anything else (left padding). Decided
+    once per mask tensor (one host read), remembered on it."""
+    cached = getattr(attention_mask, "_mmpipe_kind", None)
+    if cached is not None and cached[0] == attention_mask._version:  # (an in-place change decides again)
+        return cached[1]
+    m = attention_mask
+    if m.is_meta:  # shapes only: the batch that made it says (example_batch), else causal
+        kind = "causal"
+    elif bool((m > 1).any()):
+        kind = "packed"
+    else:
+        kind = "dense" if bool((m[:, 1:] > m[:, :-1]).any()) else "causal"
+    mark_mask(attention_mask, kind)
+    return kind
+
+
+def mark_mask(attention_mask: torch.Tensor, kind: str) -> None:
+    """Record ``kind`` on the mask (``mask_kind``); a meta mask has no values to read it from."""
+    try:
+        attention_mask._mmpipe_kind = (attention_mask._version, kind)
+    except AttributeError:  # pragma: no cover - a tensor type without attributes
+        pass
+
+
+def segment_positions(segments: torch.Tensor) -> torch.Tensor:
+    """Position ids restarting at 0 at each sample of a packed row (segment ids, 0 = padding)."""
+    T = segments.shape[1]
+    idx = torch.arange(T, device=segments.device).expand_as(segments)
+    start = torch.ones_like(segments, dtype=torch.bool)
+    start[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return idx - torch.where(start, idx, torch.zeros_like(idx)).cummax(1).values
+
+
+def packed_mask(segments: torch.Tensor) -> torch.Tensor:
+    """(B,1,T,T) boolean: causal within a sample, nothing across samples (block-diagonal); a
+    padding position sees itself only (no empty row: sdpa would return NaN there)."""
+    T = segments.shape[1]
+    allowed = segments[:, :, None] == segments[:, None, :]  # the one (B,T,T) tensor; the rest in place
+    allowed &= torch.ones(T, T, dtype=torch.bool, device=segments.device).tril_()
+    allowed &= (segments > 0)[:, None, :]
+    allowed.diagonal(dim1=1, dim2=2).logical_or_(segments == 0)
+    return allowed[:, None]
+
+
+def attention_inputs(attention_mask: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """(position ids, the mask handed to transformers' attention): no mask at all for rows of
+    tokens then padding (sdpa's causal kernel: no (B,1,T,T) tensor, the fused paths stay open),
+    a block-diagonal one for packed rows (positions restart per sample), the additive
+    causal+padding mask otherwise."""
+    kind = mask_kind(attention_mask)
+    if kind == "packed":
+        return segment_positions(attention_mask), packed_mask(attention_mask)
+    pos = torch.arange(attention_mask.shape[1], device=attention_mask.device).unsqueeze(0)
+    if kind == "causal":
+        return pos, None
+    return pos, causal_padding_mask(attention_mask, dtype)
