@@ -9,6 +9,7 @@ from __future__ import annotations
 from deepspeed.pipe import LayerSpec, PipelineModule
 
 from mmpipe.parallel.ds_compat import set_stage_bounds
+from mmpipe.parallel.executor import LayerExecutor
 from mmpipe.parallel.layers import PipeLayer, plain_state_key
 from mmpipe.parallel.plan import stage_lists
 
@@ -22,7 +23,9 @@ class MMPipelineModule(PipelineModule):
                  **kwargs):
         self.layer_names = family.layer_names()
         self.mm_parts = [int(x) for x in parts]
-        layers = [LayerSpec(PipeLayer, family, name, name in forward_only) for name in self.layer_names]
+        # one run policy for this stage's layers (parallel.executor): the runner sets it up
+        self.executor = LayerExecutor(forward_only, last=self.layer_names[-1], anchor=True)
+        layers = [LayerSpec(PipeLayer, family, name, executor=self.executor) for name in self.layer_names]
         loss_fn = LabelLoss(family) if family.labels else None
         super().__init__(layers=layers, num_stages=None if topology else num_stages, topology=topology,
                          loss_fn=loss_fn, partition_method="uniform", **kwargs)
