@@ -170,3 +170,30 @@ def test_no_class_holds_more_than_20_attributes():
 
 def test_the_trainer_is_wiring_and_a_loop():
     assert sum(1 for _ in open(os.path.join(PKG, "train", "trainer.py"))) < 250
+
+
+def family_name_tests(sources: dict, names: set) -> list:
+    """Outside ``families/``: comparisons with a family name (``== "vlm"``, ``in ("clip", "vlm")``)
+    and hard-coded lists of family names; the registry (``config/registry.py``) lists the built-ins."""
+    out = []
+    for mod, text in sources.items():
+        if mod.startswith("mmpipe.families") or mod == "mmpipe.config.registry":
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Compare):
+                for side in [node.left, *node.comparators]:
+                    elts = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                    if any(isinstance(e, ast.Constant) and e.value in names for e in elts):
+                        out.append(f"{mod}:{node.lineno}")
+            elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                if sum(isinstance(e, ast.Constant) and e.value in names for e in node.elts) >= 2:
+                    out.append(f"{mod}:{node.lineno}")
+    return sorted(set(out))
+
+
+def test_no_family_name_is_tested_outside_families():
+    from mmpipe.config.registry import BUILTIN
+    names = set(BUILTIN)
+    planted = {"mmpipe.train.x": 'if cfg.model.type == "vlm":\n    pass\nKINDS = ("clip", "vlm")\n'}
+    assert family_name_tests(planted, names) == ["mmpipe.train.x:1", "mmpipe.train.x:3"]
+    assert family_name_tests({m: open(p).read() for m, p in _modules().items()}, names) == []

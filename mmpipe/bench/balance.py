@@ -15,6 +15,7 @@ from mmpipe.planning.charts import write_plan_png
 from mmpipe.planning.measure import median_profile, plan_all, single_process_time
 from mmpipe.planning.place import layer_costs, predict
 from mmpipe.train.metrics import measured_from_run
+from mmpipe.config.registry import get_family
 
 
 def _balance_rounds(args, title: str, config: str, common: list, placements: list, extra: list, vlm_vocab,
@@ -48,7 +49,7 @@ def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: 
 
     cfg = load_config(config, extra)
     size = family_of(cfg).pixels(cfg.model, cfg.data).size
-    vlm = cfg.model.type == "vlm"
+    vlm = family_of(cfg).data_format == "chat"
     if vlm:  # chat data is read as it is (the VLM has no cache)
         common = [f"data.train={info['train']}", "data.val=null", f"train.steps={args.steps}"] + extra
     else:
@@ -123,7 +124,7 @@ def bench_balance(args, tmp: str) -> int:
     print(f"[bench] synthetic data and caches in {tmp} ...", flush=True)
     art = os.path.join(os.getcwd(), "benchmarks")
     os.makedirs(art, exist_ok=True)
-    if args.model == "vlm":
+    if get_family(args.model, "--model").data_format == "chat":
         # every sample has an image (the tower runs in every micro-batch, at its profiled cost)
         info = synth_vlm(os.path.join(tmp, "chat"), args.n, val_fraction=0.0, size=64, seed=0, text_only=0.0,
                          progress=False)

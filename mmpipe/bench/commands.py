@@ -28,6 +28,7 @@ from mmpipe.bench.overhead import add_arguments as add_overhead
 from mmpipe.bench.packing import add_arguments as add_packing
 from mmpipe.bench.peers import add_arguments as add_peers
 from mmpipe.bench.strategies import bench_strategies
+from mmpipe.config.registry import BUILTIN
 
 
 def add_parser(sub) -> None:
@@ -64,7 +65,7 @@ def add_parser(sub) -> None:
     bb.add_argument("--warmup", type=int, default=2)
     bb.add_argument("--n", type=int, default=400, help="synthetic training pairs")
     bb.add_argument("--no-frozen", action="store_true", help="skip the frozen-vision variant")
-    bb.add_argument("--model", choices=("clip", "vlm"), default="clip",
+    bb.add_argument("--model", choices=tuple(BUILTIN), default="clip",
                     help="clip: image- and text-heavy dual encoders; vlm: an image-heavy LLaVA-style VLM")
     bb.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; steps pooled, median kept")
     bb.add_argument("--no-append", action="store_true")

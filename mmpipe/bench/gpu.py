@@ -88,7 +88,7 @@ def _data(tmp: str, job: str, cfg, n: int) -> list:
     from mmpipe.config.schema import family_of
     from mmpipe.data.synth import synth, synth_vlm
     size = family_of(cfg).pixels(cfg.model, cfg.data).size
-    if job == "clip":
+    if family_of(cfg).data_format == "captions":
         info = synth(os.path.join(tmp, "pairs"), n, val_fraction=0.0, size=size, progress=False)
     else:  # one image per sample, 15% text-only: LLaVA's mix, packed into max_length rows
         info = synth_vlm(os.path.join(tmp, "chat"), n, val_fraction=0.0, size=size, text_only=0.15, progress=False)
@@ -241,7 +241,7 @@ def table(results: list) -> str:
 
 @with_scratch("gpu")
 def bench_gpu(args, tmp: str) -> int:
-    from mmpipe.config.schema import load_config
+    from mmpipe.config.schema import family_of, load_config
     acc, device = _device()
     on_cpu = acc == "cpu"
     if on_cpu and not args.tiny:
@@ -259,7 +259,8 @@ def bench_gpu(args, tmp: str) -> int:
     for name in args.jobs:
         spec = specs[name]
         cfg = load_config(spec["config"], spec["sets"])
-        n = args.n or (2048 if name == "clip" else cfg.train.batch_size * (args.steps + 1) * 4)  # ~3 per packed row
+        pairs = family_of(cfg).data_format == "captions"
+        n = args.n or (2048 if pairs else cfg.train.batch_size * (args.steps + 1) * 4)  # ~3 per packed row
         _log(f"{name}: {n} synthetic samples ...")
         data = _data(tmp, name, cfg, n)
         try:
@@ -269,7 +270,7 @@ def bench_gpu(args, tmp: str) -> int:
             results.append(mm)
             save()
             if args.peers:
-                peer = (run_open_clip(spec, args, tmp, on_cpu) if name == "clip"
+                peer = (run_open_clip(spec, args, tmp, on_cpu) if spec["peer"] == "open_clip_train"
                         else run_trainer(name, spec, data, mm, args, tmp))
                 peer["label"] = mm.get("label", name)
                 results.append(peer)

@@ -18,7 +18,7 @@ MODELS = {"clip": "bench_image_heavy.yaml", "vlm": "bench_vlm.yaml"}
 
 def _data(tmp: str, family: str, cfg, n: int) -> list:
     size = family_of(cfg).pixels(cfg.model, cfg.data).size
-    if family == "vlm":  # one image per sample: the profiled shape
+    if family_of(cfg).data_format == "chat":  # one image per sample: the profiled shape
         info = synth_vlm(os.path.join(tmp, "chat"), n, val_fraction=0.0, size=size, text_only=0.0, progress=False)
     else:
         info = synth(os.path.join(tmp, "pairs"), n, val_fraction=0.0, size=size, progress=False)

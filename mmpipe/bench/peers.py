@@ -28,6 +28,7 @@ from mmpipe.families.clip.retrieval import retrieval_metrics
 from mmpipe.families.towers.common import normalize_pixels
 from mmpipe.train.metrics import read_metrics
 from mmpipe.parallel.plain import plain_model
+from mmpipe.config.registry import BUILTIN, get_family
 
 MODEL_NAME = "mmpipe-bench-peer"
 _STEP_LINE = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/\d+.*?Batch \(t\): [\d.]+, ([\d.]+)/s,")
@@ -206,7 +207,7 @@ def bench_peers(args, tmp: str) -> int:
 
 
 def bench_peers_any(args) -> int:
-    if args.family == "vlm":
+    if get_family(args.family, "--family").data_format == "chat":
         from mmpipe.bench.peers_vlm import bench_peers_vlm
         args.config = args.config or os.path.join(ROOT, "configs", "bench_vlm.yaml")
         args.n = args.n or 400
@@ -220,7 +221,7 @@ def bench_peers_any(args) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--family", choices=["clip", "vlm"], default="clip",
+    p.add_argument("--family", choices=tuple(BUILTIN), default="clip",
                    help="clip: against open_clip_train; vlm: against transformers' Trainer + DeepSpeed ZeRO-2, "
                         "full weights and LoRA")
     p.add_argument("--config", default=None, help="default: configs/demo.yaml (clip), configs/bench_vlm.yaml (vlm)")

@@ -5,8 +5,9 @@ from mmpipe.errors import ConfigError
 
 
 def cmd_data_synth(args) -> int:
+    from mmpipe.config.registry import get_family
     from mmpipe.data.synth import synth, synth_vlm
-    if args.kind == "vlm":
+    if get_family(args.kind, "--kind").data_format == "chat":
         info = synth_vlm(args.out, args.n, val_fraction=args.val_fraction, size=args.size or 64, seed=args.seed)
         print(f"wrote {info['n_train']} train and {info['n_val']} val chat samples (ms-swift JSONL): "
               f"{info['train']} {info['val']}")

@@ -14,6 +14,7 @@ from mmpipe.cli.export import cmd_export
 from mmpipe.cli.generate import cmd_generate
 from mmpipe.cli.plan import cmd_plan_any
 from mmpipe.cli.train import _train_parser, cmd_train
+from mmpipe.config.registry import BUILTIN
 from mmpipe.errors import ConfigError, MmpipeError, one_line
 
 
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("data", help="data tools").add_subparsers(dest="data_cmd", required=True)
     s = d.add_parser("synth", help="write a learnable synthetic image-caption (or, --kind vlm, chat) data set")
     s.add_argument("--out", required=True)
-    s.add_argument("--kind", choices=("clip", "vlm"), default="clip",
+    s.add_argument("--kind", choices=tuple(BUILTIN), default="clip",
                    help="clip: image-caption pairs; vlm: chat about the images (ms-swift JSONL) + text-only turns")
     s.add_argument("--n", type=int, default=2000, help="total samples (train + val)")
     s.add_argument("--val-fraction", type=float, default=0.1)

@@ -14,6 +14,7 @@ from mmpipe.families.base import Family
 
 class ImageTextFamily(Family):
     inputs: ClassVar[tuple] = ("pixel_values", "input_ids", "attention_mask")
+    data_format: ClassVar[str] = "captions"
 
     @classmethod
     def image_size(cls, model_cfg) -> int:

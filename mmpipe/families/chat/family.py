@@ -29,6 +29,7 @@ class ChatFamily(Family):
     token_mean: ClassVar[bool] = True
     packs: ClassVar[bool] = True  # data.packing: several chat samples per sequence (PackedChatDataset)
     generates: ClassVar[bool] = True  # mmpipe generate / --eval answer with it
+    data_format: ClassVar[str] = "chat"
     image_token_id: Optional[int] = None
 
     # ---- data ----------------------------------------------------------------------------------
