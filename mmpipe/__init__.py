@@ -29,7 +29,7 @@ def build_model(config, seed=None):
             return build_model(load_config(path), seed)
         raise ConfigError(f"build_model({path!r}): not a run config (.yaml), a run directory (with config.yaml) or "
                           "an mmpipe export directory")
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     return plain_model(build_family(config, seed))
 
 

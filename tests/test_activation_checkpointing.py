@@ -10,7 +10,7 @@ import torch
 from helpers import TINY, TINY_VLM, assert_same_training
 
 import mmpipe
-from mmpipe.config.registry import build_family
+from mmpipe.config.resolve import build_family
 from mmpipe.parallel.layers import PipeLayer, run_sequential, set_activation_checkpointing
 from mmpipe.parallel.plain import plain_model
 

@@ -196,7 +196,7 @@ def test_missing_shard_is_one_line(tmp_path):
 def test_auto_micro_batch_picks_the_largest_size_that_fits(tiny_data, tok):
     from helpers import TINY
 
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     from mmpipe.config.schema import load_config
     from mmpipe.data.manifest import read_manifest
     from mmpipe.data.source import TrainSource
@@ -229,7 +229,7 @@ def test_auto_micro_batch_picks_the_largest_size_that_fits(tiny_data, tok):
 def test_profile_counts_activations_and_frozen_layers_run_forward_only(tok):
     from helpers import TINY
 
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     from mmpipe.config.schema import load_config
     from mmpipe.planning.measure import build_layers
     from mmpipe.planning.profiler import profile_layers

@@ -61,7 +61,7 @@ def test_auto_micro_batch_in_a_pipelined_run(runs, tiny_data, tmp_path_factory):
     (accumulation 4) on every rank, and the run trains with it."""
     import torch
 
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     from mmpipe.config.schema import load_config
     from mmpipe.data.manifest import read_manifest
     from mmpipe.data.source import TrainSource

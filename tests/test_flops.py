@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from mmpipe.cli.main import main
 from mmpipe.config.groups import apply_freeze, frozen_layout, resolve_groups
-from mmpipe.config.registry import build_family
+from mmpipe.config.resolve import build_family
 from mmpipe.config.schema import load_config
 from mmpipe.families.products import MicroBatch
 from mmpipe.parallel.layers import set_activation_checkpointing

@@ -11,7 +11,7 @@ import torch
 from helpers import TINY, assert_same_training, train_losses
 
 import mmpipe
-from mmpipe.config.registry import build_family
+from mmpipe.config.resolve import build_family
 from mmpipe.parallel.step_loss import FirstPassMemo, Replay, StepLossCache, frozen_prefix, is_stochastic
 from mmpipe.parallel.plain import plain_model
 

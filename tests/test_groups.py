@@ -101,7 +101,7 @@ def _tiny_model_cfg(*sets):
 
 def test_frozen_branch_runs_forward_only_and_gets_no_optimizer_state():
     from mmpipe.config.groups import apply_freeze
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     cfg = _tiny_model_cfg("optim.freeze_vision=true")
     groups = resolve_groups(cfg.optim, ClipFamily)
     family = build_family(cfg.model, 0)
@@ -181,7 +181,7 @@ LAYOUTS = {
 
 def _split_plan(tmp_path_factory, family, runs):
     """Stage boundary inside a clipped group (CLIP: inside the image tower)."""
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     case = GROUP_CASES[family]
     cfg = load_config(runs.config, case.model_sets(50, 3))
     names = build_family(cfg.model, 0).layer_names()
@@ -353,7 +353,7 @@ def test_embedding_tables_take_no_weight_decay_by_type():
 
     import mmpipe
     from mmpipe.config.groups import param_groups, resolve_groups
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     from mmpipe.parallel.strategies import strategy_for
     from mmpipe.parallel.topology import Topology
     from mmpipe.train.engine import mark_embeddings

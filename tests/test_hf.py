@@ -89,7 +89,7 @@ def test_clip_family_maps_its_weights_to_transformers_and_back():
     loads strictly and whose features equal ours; ``from_hf`` inverts it exactly."""
     from transformers import CLIPModel
 
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     cfg = mmpipe.load_config(TINY, ["model.text.vocab_size=50", "model.text.eos_token_id=3",
                                     "model.text.max_position_embeddings=16"])
     family = build_family(cfg)

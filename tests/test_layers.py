@@ -30,7 +30,7 @@ def _batch(seed=0):
 
 
 def test_pipeline_layers_compute_the_plain_model():
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     from mmpipe.parallel.layers import PipeLayer, plain_state_key, run_sequential
     cfg = _tiny_cfg()
     model = mmpipe.build_model(cfg)

@@ -235,7 +235,7 @@ def test_lora_targets_follow_ms_swift_flags():
     """all-linear on the decoder by default (ViT and projector frozen, as ms-swift's freeze_vit /
     freeze_aligner default under LoRA); freeze_vit=false / freeze_aligner=false add theirs; named
     target modules select by suffix; a name matching nothing is one line."""
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     from mmpipe.errors import ConfigError
     base = ["model.llm.vocab_size=100", "model.image_token_id=99", "optim.train_type=lora"]
 
@@ -261,7 +261,7 @@ def test_clip_lora_adapts_the_projections_as_peft_all_linear_does():
     gradient reaches the adapters of both projections."""
     from peft import LoraConfig, get_peft_model
 
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     from mmpipe.families.lora import merged
     sets = ["model.text.vocab_size=100", "optim.train_type=lora", "optim.lora_rank=4"]
     fam = build_family(mmpipe.load_config(os.path.join(os.path.dirname(TINY_VLM), "tiny.yaml"), sets))

@@ -250,7 +250,7 @@ def test_recall_counts_ties_and_nan_as_misses():
 
 # ---- item 8: a profile cached without transfers is not reused as if transfers were free --------------------
 def test_profile_cached_without_transfers_gets_them_measured(tmp_path, monkeypatch):
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     from mmpipe.planning.measure import get_profile
     monkeypatch.setenv("MMPIPE_CACHE", str(tmp_path))
     cfg = mmpipe.load_config(TINY, ["model.text.vocab_size=60", "model.text.eos_token_id=3",
@@ -302,7 +302,7 @@ def test_stop_at_zero_is_one_line(capsys, tiny_data, tmp_path):
 
 
 def test_placement_mistakes_are_config_errors(tmp_path):
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     from mmpipe.planning.place import parts_from_plan_file, place
     cfg = mmpipe.load_config(TINY, ["model.text.vocab_size=60", "model.text.eos_token_id=3",
                                     "model.text.max_position_embeddings=16"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mmpipe
-from mmpipe.config.registry import build_family
+from mmpipe.config.resolve import build_family
 from mmpipe.families.clip.open_clip_format import open_clip_config, to_open_clip
 from mmpipe.parallel.plain import plain_model
 

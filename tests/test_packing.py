@@ -69,7 +69,7 @@ def test_decoder_attention_without_a_dense_mask_is_exact(chat, arch):
     """Right-padded rows run sdpa's causal path with no (B,1,T,T) mask: the real tokens' outputs are
     those of the additive causal+padding mask; left padding still gets the dense mask."""
     from mmpipe.config.fields import thawed_copy
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     from mmpipe.families.towers.common import causal_padding_mask
     from mmpipe.families.chat import masks as m
     _, _, cfg = chat

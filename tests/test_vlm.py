@@ -205,7 +205,7 @@ def test_vlm_shape_mistakes_are_one_line_errors(sets, match):
     from helpers import TINY_VLM
 
     from mmpipe.config.groups import resolve_groups
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     from mmpipe.errors import ConfigError
     with pytest.raises(ConfigError, match=match):  # at load (the file named), or at the groups for freezing
         cfg = mmpipe.load_config(TINY_VLM, ["model.llm.vocab_size=200", "model.image_token_id=199"] + sets)

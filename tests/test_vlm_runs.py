@@ -33,7 +33,7 @@ def test_micro_batch_means_would_differ(family_runs_of, tiny_chat_data):
     """The micro-batches the runs train on (the sampler's, for the reference's 6 steps) hold
     different numbers of label tokens, and some hold no image at all (what makes the layout and
     accumulation tests able to fail)."""
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     from mmpipe.data.loader import MicroBatchSampler
     from mmpipe.data.tokenizer import load_tokenizer
     from mmpipe.families.chat import read_chat
@@ -55,7 +55,7 @@ def test_micro_batch_means_would_differ(family_runs_of, tiny_chat_data):
 def test_freeze_vit_and_aligner_stage0_forward_only(family_runs_of, tmp_path):
     runs = family_runs_of("vlm")
     cfg = mmpipe.load_config(runs.config, ["model.llm.vocab_size=200", "model.image_token_id=199"])
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     names = build_family(cfg.model, 0).layer_names()
     vision = [n for n in names if n.startswith("vision.")]
     plan = tmp_path / "plan.json"

@@ -37,7 +37,7 @@ def main(spec_path: str) -> None:
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     from mmpipe.config.schema import load_config
     with open(spec_path) as fh:
         spec = json.load(fh)

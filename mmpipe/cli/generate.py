@@ -16,7 +16,7 @@ def Generator(run_dir: str, step: Optional[int] = None, device: str = "cpu") -> 
     """The run's chat family, tokenizer and weights (any layout's checkpoint; LoRA folded in) as a
     ``ChatGenerator``."""
     import mmpipe
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     from mmpipe.config.schema import family_of
     from mmpipe.families.lora import merged
     from mmpipe.train.export import run_tokenizer

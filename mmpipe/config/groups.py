@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -200,14 +200,22 @@ def forward_only_parts(part_params: dict, upstream: dict, groups: list[Group], l
     return {part for part in part_params if part not in trainable and not (upstream[part] & trainable)}
 
 
-def frozen_layout(family, groups: list[Group]) -> tuple[dict, frozenset, frozenset]:
+class FrozenLayout(NamedTuple):
+    """What trains: ``part_params`` {layer: [its plain parameter names]}, ``frozen`` parameter names,
+    ``forward_only`` layers (frozen, nothing trainable upstream: they run without autograd)."""
+    part_params: dict
+    frozen: frozenset
+    forward_only: frozenset
+
+
+def frozen_layout(family, groups: list[Group]) -> FrozenLayout:
     """For the whole model, checked on the meta device (every parameter must land in exactly one
     group): ({layer: [its plain parameter names]}, frozen parameter names, forward-only layers).
     Under LoRA (``family.lora``) the names include the adapters, and every base weight is frozen."""
     part_params = {part: list(params) for part, params in family.meta_params().items()}
     lora = getattr(family, "lora", None) is not None
     frozen = frozenset(frozen_names([n for names in part_params.values() for n in names], groups, lora))
-    return part_params, frozen, frozenset(forward_only_parts(part_params, family.upstream(), groups, lora))
+    return FrozenLayout(part_params, frozen, frozenset(forward_only_parts(part_params, family.upstream(), groups, lora)))
 
 
 # --------------------------------------------------------------------------------------------

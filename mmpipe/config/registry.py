@@ -54,14 +54,3 @@ def get_family(name: str, where: str = "config"):
                           f"{', '.join(family_names())}); a plugin family must be imported first: list its module "
                           "in MMPIPE_PLUGINS")
     return _REGISTRY[name]
-
-
-def build_family(config, seed=None):
-    """The family instance for a run config (or its ``model`` section) with resolved fields."""
-    model_cfg = getattr(config, "model", config)
-    if seed is None:
-        seed = config.train.seed if hasattr(config, "train") else 0
-    family = get_family(model_cfg.type)(model_cfg, seed)
-    if hasattr(config, "optim"):  # a run config: its train_type decides whether layers carry LoRA adapters
-        family.use_lora(config.optim)
-    return family

@@ -48,7 +48,6 @@ class Family:
     min_micro_batch_why: ClassVar[str] = ""
     default_groups: ClassVar[dict] = {}  # group name -> parameter-name regexes
     freeze_shortcuts: ClassVar[dict] = {}  # optim.<flag> -> group it freezes
-    training_unsupported: ClassVar[Optional[str]] = None  # why ``mmpipe train`` cannot run it yet
     lr_shortcuts: ClassVar[dict] = {}  # optim.<key> -> group whose lr it sets (ms-swift's vit_lr, aligner_lr)
     special_tokens: ClassVar[tuple] = ()  # tokens the tokenizer must hold as single special tokens
     # the activations' shapes change between micro-batches (e.g. the number of images): the

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from mmpipe.config.groups import frozen_layout, resolve_groups
+from mmpipe.config.resolve import resolve_family
 from mmpipe.config.schema import family_of, replace
 from mmpipe.data.tokenizer import StandInTokenizer, load_tokenizer, tokenizer_choice
 from mmpipe.errors import ConfigError
@@ -323,11 +324,7 @@ def resolve_for_plan(cfg):
         size = getattr(text, "vocab_size", None)  # the model's table holds the special tokens too
         size = size - len(fam.special_tokens) if size else cfg.data.tokenizer_vocab_size
         tok = StandInTokenizer(size, fam.special_tokens)
-    model = fam.resolve(cfg.model, tok, cfg.data)
-    cfg = replace(cfg, model=model)
-    family = fam(cfg.model, cfg.train.seed)
-    family.use_lora(cfg.optim)  # a LoRA run's layers carry adapters; its base weights are frozen
-    return cfg, family
+    return resolve_family(cfg, tok)
 
 
 def _profile_for(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = None, log=print,

@@ -53,7 +53,7 @@ def build_engine(run) -> Engine:
     import deepspeed
 
     cfg, topo, family = run.cfg, run.topo, run.family
-    forward_only = run.frozen[2]
+    forward_only = run.frozen.forward_only
     strategy = strategy_for(topo)(family, run.plan, topo, forward_only)
     model = strategy.build_module(dynamic_shape=cfg.data.padding == "batch" or family.dynamic_shapes)
     if cfg.parallel.activation_checkpointing == "all":

@@ -24,7 +24,7 @@ import torch
 
 from mmpipe._version import __version__
 from mmpipe.config.fields import thawed_copy
-from mmpipe.config.registry import build_family
+from mmpipe.config.resolve import build_family
 from mmpipe.config.schema import family_of, load_config
 from mmpipe.data.tokenizer import load_tokenizer, tokenizer_choice
 from mmpipe.errors import ConfigError, NoHFFormat

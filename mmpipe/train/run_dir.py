@@ -103,6 +103,6 @@ def write_run_files(run, eng, start_step: int):
                 f"device={run.device_name}" + (f" resume@{start_step}" if run.resume else ""))
     if eng.layer_names is not None:
         for s, names in enumerate(stage_lists(eng.layer_names, eng.parts)):
-            fo = ", forward-only" if all(n in run.frozen[2] for n in names) else ""
+            fo = ", forward-only" if all(n in run.frozen.forward_only for n in names) else ""
             writer.info(f"stage {s}: {names[0]} .. {names[-1]} ({len(names)} layers{fo})")
     return writer

@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 from mmpipe.config.deepspeed import resolve
-from mmpipe.config.groups import check_frozen_lrs, frozen_layout, resolve_groups
+from mmpipe.config.groups import FrozenLayout, check_frozen_lrs, frozen_layout, resolve_groups
+from mmpipe.config.resolve import resolve_family
 from mmpipe.config.schema import RunConfig, family_of, replace
 from mmpipe.data.source import (
     check_cache_tokenizer,
@@ -67,7 +68,7 @@ class ResolvedRun:
     val_samples: Optional[list]
     tok: Any
     plan: Plan
-    frozen: tuple  # (parameters per layer, frozen parameter names, forward-only layer names)
+    frozen: FrozenLayout  # parameters per layer, frozen parameter names, forward-only layer names
     rank: int
     world: int
     device_name: str
@@ -104,10 +105,10 @@ def resolve_run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = N
     prepare_run_dir(cfg, rank, resume, overwrite)
     import torch.distributed as dist
     dist.barrier()
-    cfg, tok, family, frozen = build_family(cfg, family_cls, groups, rank, data[0])
-    cfg, where, plan = place(cfg, family, where, tok, data[0], frozen, rank, world, resume,
+    cfg, tok, family, frozen = build_family(cfg, family_cls, groups, rank, data.source)
+    cfg, where, plan = place(cfg, family, where, tok, data.source, frozen, rank, world, resume,
                              auto_mbs=requested.parallel.micro_batch_size == "auto")
-    return ResolvedRun(cfg, family, groups, where, data[0], data[1], tok, plan, frozen, rank, world,
+    return ResolvedRun(cfg, family, groups, where, data.source, data.val, tok, plan, frozen, rank, world,
                        _device_name(), resume, layout_doc)
 
 
@@ -136,10 +137,18 @@ def _device_name() -> str:
     return get_accelerator().device_name()
 
 
-def validate(cfg: RunConfig, resume: bool, stop_at: Optional[int], overwrite: bool) -> tuple:
+class Validated(NamedTuple):
+    """What ``validate`` decided without a process group."""
+    cfg: RunConfig  # the run's own config
+    family_cls: type
+    groups: list
+    where: "Placement"
+    data: "RunData"
+
+
+def validate(cfg: RunConfig, resume: bool, stop_at: Optional[int], overwrite: bool) -> Validated:
     """Everything that needs no process group, first: config mistakes end as one line, raised
-    alike on every rank (printed once). Returns (the run's own config, family class, groups,
-    placement, (training source, val records))."""
+    alike on every rank (printed once)."""
     # the run's own copy: adopting DeepSpeed-JSON / Accelerate values is part of its resolution
     cfg = replace(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -152,8 +161,6 @@ def validate(cfg: RunConfig, resume: bool, stop_at: Optional[int], overwrite: bo
             require_peft()
         check_lora_keys(cfg)
         family_cls = family_of(cfg)
-        if family_cls.training_unsupported:
-            raise ConfigError(f"model.type={cfg.model.type}: {family_cls.training_unsupported}")
         if cfg.parallel.micro_batch_size == "auto":  # validated with a stand-in (the per-rank batch); probed later
             check_auto_micro_batch(cfg)
             stand_in = max(1, cfg.train.batch_size // max(1, world // cfg.parallel.pipeline_stages))
@@ -170,7 +177,7 @@ def validate(cfg: RunConfig, resume: bool, stop_at: Optional[int], overwrite: bo
     except MmpipeError as e:
         e.everywhere = True
         raise
-    return cfg, family_cls, groups, where, data
+    return Validated(cfg, family_cls, groups, where, data)
 
 
 def locate(cfg: RunConfig, family_cls, groups: list) -> Placement:
@@ -189,12 +196,17 @@ def locate(cfg: RunConfig, family_cls, groups: list) -> Placement:
     return Placement(ds_cfg, topo, stage, dp_rank, reads_inputs, reads_data)
 
 
-def open_data(cfg: RunConfig, family_cls, read: bool) -> tuple:
+class RunData(NamedTuple):
+    source: object  # data.source.TrainSource
+    val: Optional[list]  # the val records, or None
+
+
+def open_data(cfg: RunConfig, family_cls, read: bool) -> RunData:
     """(the training source, the val records): every rank reads the val records (all stages need
     the eval micro-batch count)."""
     source = open_source(cfg, read=read, family=family_cls)
     val = family_cls.read_records(cfg.data.val, cfg.data, "data.val") if cfg.data.val else None
-    return source, val
+    return RunData(source, val)
 
 
 def choose_layout(requested: RunConfig, family_cls, groups: list, rank: int, world: int, resume: bool) -> tuple:
@@ -237,17 +249,11 @@ def choose_layout(requested: RunConfig, family_cls, groups: list, rank: int, wor
 def build_family(cfg: RunConfig, family_cls, groups: list, rank: int, source) -> tuple:
     """(config with the fields left to the tokenizer resolved, tokenizer, family, frozen layout)."""
     tok = agree(rank, lambda: prepare_tokenizer(cfg, family_cls, rank, source))
-    model = agree(rank, lambda: family_cls.resolve(cfg.model, tok, cfg.data))
-    cfg = replace(cfg, model=model)
-    def make():
-        family = family_cls(cfg.model, cfg.train.seed)
-        family.use_lora(cfg.optim)
-        return family
-    family = agree(rank, make)
+    cfg, family = agree(rank, lambda: resolve_family(cfg, tok))
     return cfg, tok, family, frozen_layout(family, groups)
 
 
-def place(cfg: RunConfig, family, where: Placement, tok, source, frozen: tuple, rank: int, world: int,
+def place(cfg: RunConfig, family, where: Placement, tok, source, frozen: FrozenLayout, rank: int, world: int,
           resume: bool, auto_mbs: bool) -> tuple:
     """``micro_batch_size: auto`` (probed on rank 0), then the plan (rank 0, once); the config is
     resolved after this and sealed. Returns (config, placement, plan)."""

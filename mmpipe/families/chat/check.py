@@ -27,7 +27,7 @@ def run_chat_check(path: str, cfg, as_json: bool = False, out=None, err=None) ->
     fraction is within ``data.max_bad_fraction``, else 1."""
     from tqdm import tqdm
 
-    from mmpipe.config.registry import build_family
+    from mmpipe.config.resolve import build_family
     from mmpipe.config.schema import family_of, replace
     out, err = out or sys.stdout, err or sys.stderr
     fam_cls = family_of(cfg)
