@@ -153,12 +153,16 @@ class PatchChatFamily(ChatFamily):
                 "llm.embed": lambda: Embed(c.vocab_size, c.hidden, c.image_token_id),
                 "llm.head": lambda: nn.Linear(c.hidden, c.vocab_size)}.get(name, lambda: Block(c.hidden))()
 
-    def example_batch(self, m, max_length, device, packed=False):
+    def example_batch(self, m, max_length, device, packed=False, tokens=4):
         ids = torch.randint(0, self.cfg.vocab_size, (m, max_length), generator=torch.Generator().manual_seed(0))
         ids[ids == self.image_token_id] = 0
-        ids[:, :4] = self.image_token_id  # one 2 x 2-patch image per row
-        return {"pixel_values": torch.zeros((4 * m, 3 * self.cfg.patch ** 2), dtype=torch.uint8).to(device),
+        ids[:, :tokens] = self.image_token_id  # one image of ``tokens`` patches per row
+        return {"pixel_values": torch.zeros((tokens * m, 3 * self.cfg.patch ** 2), dtype=torch.uint8).to(device),
                 "input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device), "labels": ids.to(device)}
+
+    def example_batches(self, m, max_length, device, packed=False):  # what its data holds: 3 small, 1 large
+        return [(3.0, self.example_batch(m, max_length, device, tokens=4)),
+                (1.0, self.example_batch(m, max_length, device, tokens=16))]
 
 
 # ---- the data: images of mixed sizes, 1 or 2 per conversation ------------------------------------
@@ -207,6 +211,31 @@ def test_images_keep_their_aspect_and_give_their_own_token_counts(mixed_chat):
     loss = plain_model(fam)(b["pixel_values"], b["input_ids"], b["attention_mask"], b["labels"])
     loss.backward()
     assert loss.ndim == 0 and torch.isfinite(loss)
+
+
+def test_the_profile_weighs_the_familys_shapes(mixed_chat):
+    """``example_batches`` is a distribution: times are its weighted mean, bytes its largest."""
+    import mmpipe
+    from mmpipe.planning.measure import resolve_for_plan
+    from mmpipe.planning.profiler import LayerCost, mixed_costs
+    cfg, fam = resolve_for_plan(mmpipe.load_config(mixed_chat["config"]))
+    assert [w for w, _ in fam.example_batches(2, 64, "cpu")] == [3.0, 1.0]
+    a = LayerCost("x", 1.0, 2.0, 100, 10, 0, 0, 0, in_bytes=None)
+    b = LayerCost("x", 5.0, 6.0, 300, 5, 0, 0, 0, in_bytes=7)
+    m = mixed_costs([(3.0, [a]), (1.0, [b])])[0]
+    assert (m.fwd_ms, m.bwd_ms, m.act_bytes, m.out_bytes, m.in_bytes) == (2.0, 3.0, 300, 10, 7)
+    from mmpipe.planning.measure import get_profile
+
+    def only(tokens):  # the family with one shape of its distribution
+        f = type(fam)(cfg.model)
+        f.example_batches = lambda m, n, device, packed=False: [(1.0, fam.example_batch(m, n, device, tokens=tokens))]
+        return f
+
+    def act_bytes(f):
+        prof = get_profile(cfg, f, 2, use_cache=False, measure_comm=False, passes=1, repeats=1)
+        return [la["act_bytes"] for la in prof["layers"]]
+    mixed, small, large = act_bytes(fam), act_bytes(only(4)), act_bytes(only(16))
+    assert mixed == [max(x, y) for x, y in zip(small, large)] and small[0] < large[0]
 
 
 LAYOUTS = {"p1": (1, ["parallel.pipeline_stages=1"], "python"), "p2": (2, ["parallel.pipeline_stages=2"], "deepspeed"),

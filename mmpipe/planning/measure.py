@@ -25,7 +25,7 @@ from mmpipe.planning.cache import _write_json, cache_dir
 from mmpipe.planning.collectives import fit_comm, measure_p2p
 from mmpipe.planning.memory import schedule_of, stage_breakdown, stage_memory
 from mmpipe.planning.place import layer_costs, place, predict, stage_times
-from mmpipe.planning.profiler import median_costs, profile_layers
+from mmpipe.planning.profiler import median_costs, mixed_costs, profile_layers
 
 
 def precision_dtype(precision: str) -> torch.dtype:
@@ -72,12 +72,14 @@ def profile_key(cfg, family, micro_batch_size: int, threads: int, device: str, f
             "cpu_malloc": device != "cpu" or os.environ.get("MMPIPE_CPU_MALLOC", "").lower() != "default"}
 
 
-def synthetic_batch(family, m: int, max_length: int, device, with_loss: bool = False, packed: bool = False):
+def synthetic_batch(family, m: int, max_length: int, device, with_loss: bool = False, packed: bool = False,
+                    b: Optional[dict] = None):
     """A micro-batch of the configured shape (timing does not depend on the pixels or words); with
     ``with_loss``, also the loss the last stage computes on the last layer's outputs (None when the
     last layer computes it). ``packed`` (``data.packing``): rows of several samples, as a packed run
-    feeds them (its attention takes the block-diagonal mask)."""
-    b = family.example_batch(m, max_length, device, **({"packed": True} if packed else {}))
+    feeds them (its attention takes the block-diagonal mask). ``b``: one of the family's
+    ``example_batches`` instead of its ``example_batch``."""
+    b = b if b is not None else family.example_batch(m, max_length, device, **({"packed": True} if packed else {}))
     inputs = tuple(b[f] for f in family.inputs)
     if not with_loss:
         return inputs
@@ -121,13 +123,15 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        batch, loss_fn = synthetic_batch(family, micro_batch_size, cfg.data.max_length, device, with_loss=True,
-                                         packed=cfg.data.packing)
-        runs = [profile_layers(iter_layers(family, forward_only, frozen, device,  # one layer alive at a time
-                                           precision_dtype(cfg.train.precision)), batch, repeats=repeats,
-                               n_layers=len(family.layer_names()), loss_fn=loss_fn, workspace=i == 0)
-                for i in range(passes or (3 if device.type == "cpu" else 1))]
-        costs = median_costs(runs)
+        shapes = []  # the family's distribution of micro-batch shapes, each profiled
+        for weight, b in family.example_batches(micro_batch_size, cfg.data.max_length, device, packed=cfg.data.packing):
+            batch, loss_fn = synthetic_batch(family, micro_batch_size, cfg.data.max_length, device, with_loss=True, b=b)
+            runs = [profile_layers(iter_layers(family, forward_only, frozen, device,  # one layer alive at a time
+                                               precision_dtype(cfg.train.precision)), batch, repeats=repeats,
+                                   n_layers=len(family.layer_names()), loss_fn=loss_fn, workspace=i == 0)
+                    for i in range(passes or (3 if device.type == "cpu" else 1))]
+            shapes.append((weight, median_costs(runs)))
+        costs = mixed_costs(shapes)
     finally:
         torch.set_num_threads(old)
     comm = _measure_comm(costs) if measure_comm else {"latency_s": 0.0, "s_per_byte": 0.0, "samples": {},

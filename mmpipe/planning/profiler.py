@@ -252,6 +252,23 @@ def median_costs(runs: list) -> list[LayerCost]:
             for cs in zip(*runs)]
 
 
+def mixed_costs(shapes: list) -> list[LayerCost]:
+    """One cost per layer from the profiles of several micro-batch shapes (``[(weight, costs)]``: the
+    family's ``example_batches``): times the weighted mean (what a step costs on average), bytes the
+    largest (a stage must hold the largest shape's activations)."""
+    from dataclasses import replace
+    total = sum(w for w, _ in shapes)
+    out = []
+    for cs in zip(*(costs for _, costs in shapes)):
+        times = {k: sum(w * getattr(c, k) for (w, _), c in zip(shapes, cs)) / total for k in ("fwd_ms", "bwd_ms", "opt_ms")}
+        sizes = {k: max(getattr(c, k) for c in cs) for k in ("act_bytes", "out_bytes", "workspace")}
+        for k in ("in_bytes", "grad_bytes"):
+            vals = [getattr(c, k) for c in cs if getattr(c, k) is not None]
+            sizes[k] = max(vals) if vals else None
+        out.append(replace(cs[0], **times, **sizes))
+    return out
+
+
 def optimizer_ms(layer, repeats: int, evict: Callable[[], None] = lambda: None) -> float:
     """Median time of one AdamW step over the layer's trainable parameters (0 if none, or untimed),
     each after ``evict()``."""
