@@ -39,7 +39,7 @@ def load_weights(path, step=None):
     from mmpipe.train.export import is_export, load_export_weights
     if is_export(path):
         return load_export_weights(path)
-    from mmpipe.train.checkpoint import load_weights as _load
+    from mmpipe.train.checkpoint_weights import load_weights as _load
     return _load(path, step)
 
 

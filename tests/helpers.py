@@ -98,7 +98,7 @@ def assert_same_training(a: str, b: str, steps: int = 4, loss_rtol: float = 1e-5
     import numpy as np
     import torch
 
-    from mmpipe.train.checkpoint import load_model_weights
+    from mmpipe.train.checkpoint_weights import load_model_weights
     np.testing.assert_allclose(train_losses(a)[:steps], train_losses(b)[:steps], rtol=loss_rtol)
     wa = load_model_weights(os.path.join(a, "checkpoints"), f"global_step{steps}")
     wb = load_model_weights(os.path.join(b, "checkpoints"), f"global_step{steps}")

@@ -20,7 +20,7 @@ from helpers import TINY_VLM, TRAIN_PY, _env
 
 import mmpipe
 from mmpipe.errors import MmpipeError
-from mmpipe.train import checkpoint
+from mmpipe.train import checkpoint_record, resume_checks
 
 pytestmark = pytest.mark.dist  # every test reads the LoRA run the module's fixture trains (subprocesses)
 
@@ -60,12 +60,13 @@ def _copy(lora_run, tmp_path, name="copy") -> str:
 def _current(run: str, *sets) -> tuple:
     """What a resume of ``run`` with ``sets`` compares (``Checkpointer.record`` on rank 0)."""
     cfg = mmpipe.load_config(os.path.join(run, "config.yaml"), list(sets))
-    record = {**checkpoint.run_record(cfg, {}, None), "frozen_base": checkpoint.base_fingerprint(cfg.to_dict()["model"])}
+    record = {**checkpoint_record.run_record(cfg, {}, None),
+              "frozen_base": checkpoint_record.base_fingerprint(cfg.to_dict()["model"])}
     return record, bool(cfg.data.packing)
 
 
 def _record_path(run: str) -> str:
-    return os.path.join(run, "checkpoints", "global_step3", checkpoint.RECORD_FILE)
+    return os.path.join(run, "checkpoints", "global_step3", checkpoint_record.RECORD_FILE)
 
 
 def test_lora_checkpoint_records_its_frozen_base_and_refuses_another(lora_run, tmp_path, monkeypatch):
@@ -99,8 +100,8 @@ def test_lora_checkpoint_records_its_frozen_base_and_refuses_another(lora_run, t
         export(other, str(tmp_path / "exp"))
     assert not os.path.exists(tmp_path / "exp")
     with pytest.raises(MmpipeError, match="--resume: model.pretrained=.*differs from the base trained on"):
-        checkpoint.check_resume(os.path.join(other, "checkpoints"), *_current(other))
-    checkpoint.check_resume(os.path.join(run, "checkpoints"), *_current(run))  # its own base: fine
+        resume_checks.check_resume(os.path.join(other, "checkpoints"), *_current(other))
+    resume_checks.check_resume(os.path.join(run, "checkpoints"), *_current(run))  # its own base: fine
 
 
 def test_lora_adapter_export_loads_with_auto_peft_model_after_a_move(lora_run, tmp_path, monkeypatch):
@@ -135,16 +136,16 @@ def test_resume_refuses_other_lora_settings_or_packing(lora_run, change, key):
     one is refused naming it (the same settings resume)."""
     root = os.path.join(lora_run["run"], "checkpoints")
     with pytest.raises(MmpipeError, match=f"--resume: .*{key}=.*{key}=") as e:
-        checkpoint.check_resume(root, *_current(lora_run["run"], change))
+        resume_checks.check_resume(root, *_current(lora_run["run"], change))
     assert "\n" not in str(e.value)
 
 
 def test_a_precision_change_resumes_through_the_layout_free_files(lora_run, tmp_path):
     """fp32 -> bf16: DeepSpeed's optimizer wrapper differs, so its own files do not fit (they failed with
     KeyError 'dynamic_loss_scale'); the layout-free weights and Adam moments do, by parameter name."""
-    saved = checkpoint.layout_record(_Topo(), _cfg("fp32"), None, None)
-    assert not checkpoint.same_layout(saved, checkpoint.layout_record(_Topo(), _cfg("bf16"), None, None))
-    assert checkpoint.same_layout(saved, checkpoint.layout_record(_Topo(), _cfg("fp32"), None, None))
+    saved = checkpoint_record.layout_record(_Topo(), _cfg("fp32"), None, None)
+    assert not resume_checks.same_layout(saved, checkpoint_record.layout_record(_Topo(), _cfg("bf16"), None, None))
+    assert resume_checks.same_layout(saved, checkpoint_record.layout_record(_Topo(), _cfg("fp32"), None, None))
     run = _copy(lora_run, tmp_path)
     sets = LORA + [f"data.train={lora_run['train']}", f"train.output_dir={run}", "train.precision=bf16"]
     proc = _train(lora_run["work"], sets, ["--resume"])
@@ -183,7 +184,8 @@ def test_lora_checkpoint_resumed_with_other_targets_keeps_its_adapters(lora_run,
     assert ok.returncode == 0, ok.stderr[-2000:]
 
 
-@pytest.mark.parametrize("name,damage", [(checkpoint.RECORD_FILE, lambda t: t[:100]), ("COMPLETE", lambda t: "garbage")])
+@pytest.mark.parametrize("name,damage", [(checkpoint_record.RECORD_FILE, lambda t: t[:100]),
+                                         ("COMPLETE", lambda t: "garbage")])
 def test_damaged_record_or_complete_is_one_line(lora_run, tmp_path, name, damage):
     """A damaged mmpipe_checkpoint.json or COMPLETE: load_weights (export, generate) and --resume say so
     in one line naming the file."""
@@ -192,7 +194,7 @@ def test_damaged_record_or_complete_is_one_line(lora_run, tmp_path, name, damage
     text = open(path).read()
     open(path, "w").write(damage(text))
     for call in (lambda: mmpipe.load_weights(run),
-                 lambda: checkpoint.check_resume(os.path.join(run, "checkpoints"), *_current(lora_run["run"]))):
+                 lambda: resume_checks.check_resume(os.path.join(run, "checkpoints"), *_current(lora_run["run"]))):
         with pytest.raises(MmpipeError, match=f"cannot read {path}: .*point latest at an earlier checkpoint") as e:
             call()
         assert "\n" not in str(e.value)
@@ -217,7 +219,7 @@ def test_lost_latest_names_the_complete_checkpoints(lora_run, tmp_path):
     hint = f"echo global_step3 > {os.path.join(run, 'checkpoints', 'latest')}"
     for call in (lambda: check_run_dir(run, resume=False, overwrite=False),
                  lambda: mmpipe.load_weights(run),
-                 lambda: checkpoint.check_resume(os.path.join(run, "checkpoints"), *_current(lora_run["run"]))):
+                 lambda: resume_checks.check_resume(os.path.join(run, "checkpoints"), *_current(lora_run["run"]))):
         with pytest.raises(MmpipeError, match="global_step3") as e:
             call()
         assert hint in str(e.value)

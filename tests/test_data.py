@@ -43,7 +43,8 @@ def test_collate_pads_to_the_batch_longest_rounded_up(tok):
 
 
 def test_length_grouping_keeps_padding_under_10_percent_and_layouts_equal(tok):
-    from mmpipe.data.loader import Collate, MicroBatchSampler
+    from mmpipe.data.loader import Collate
+    from mmpipe.data.sampler import MicroBatchSampler
     caps = _word_captions(4096, 3, 60)
     lengths = [len(x) for x in tok(caps, truncation=True, max_length=77)["input_ids"]]
     collate = Collate(tok, 77, "batch", 4)
@@ -120,7 +121,7 @@ def test_cache_refuses_a_mismatched_run(tiny_data, tmp_path):
 
 def test_augmentation_runs_after_the_cache_and_is_seeded(tiny_data, tmp_path):
     from mmpipe.data.cache import CachedDataset, prepare
-    from mmpipe.data.loader import Augment
+    from mmpipe.data.pixels import Augment
     out = str(tmp_path / "c")
     prepare(tiny_data["train"], out, 48, 16, workers=1, progress=False)
     aug = Augment("crop_flip", 32, [0.5, 1.0], seed=0)
@@ -279,7 +280,7 @@ def test_a_32_bit_integer_image_is_a_bad_sample_with_its_reason(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from mmpipe.data.loader import decode_sample
+    from mmpipe.data.decode import decode_sample
     path = str(tmp_path / "i32.tif")
     Image.fromarray((np.arange(32 * 32).reshape(32, 32) * 100_000).astype(np.int32), mode="I").save(path)
     assert Image.open(path).mode == "I"

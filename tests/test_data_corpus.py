@@ -99,7 +99,7 @@ def _jsonl(path, lines):
 @pytest.fixture(params=["simplejpeg", "pillow"])
 def jpeg_path(request, monkeypatch):
     """Run a test with the fast JPEG decoder and again with Pillow only."""
-    from mmpipe.data import loader
+    from mmpipe.data import decode as loader
     if request.param == "pillow":
         monkeypatch.setattr(loader, "simplejpeg", None)
     elif loader.simplejpeg is None:
@@ -116,7 +116,7 @@ CORPUS = ["rgb_jpeg", "gray16_png", "gray16b_tiff", "palette_png", "palette_tran
 def test_image_modes_decode_to_the_right_rgb(tmp_path, name):
     """16-bit, palette (with/without transparency), alpha, colour-key, CMYK, grayscale and bilevel
     images decode to the RGB a transformers image processor sees (alpha over white, 16 bit / 257)."""
-    from mmpipe.data.loader import decode_sample
+    from mmpipe.data.decode import decode_sample
     path, _, mean, tol = make_images(tmp_path)[name]
     pixels, why = decode_sample(path, "a caption", 16)
     assert why is None and pixels.shape == (3, 16, 16) and pixels.dtype == torch.uint8
@@ -128,7 +128,7 @@ def test_image_modes_decode_to_the_right_rgb(tmp_path, name):
 def test_exif_orientation_is_applied(tmp_path, jpeg_path, orientation):
     """A camera JPEG's EXIF orientation is applied (as PIL.ImageOps.exif_transpose): pixels match the
     upright reference, on the fast decoder and on Pillow."""
-    from mmpipe.data.loader import _decode_rgb
+    from mmpipe.data.decode import _decode_rgb
     path = _with_orientation(tmp_path / "o.jpg", orientation)
     with Image.open(path) as im:
         ref = np.asarray(ImageOps.exif_transpose(im).convert("RGB"), dtype=np.float32)
@@ -139,7 +139,7 @@ def test_exif_orientation_is_applied(tmp_path, jpeg_path, orientation):
 
 
 def test_exif_orientation_of_a_png_and_of_a_reduced_jpeg_decode(tmp_path, jpeg_path):
-    from mmpipe.data.loader import load_image
+    from mmpipe.data.decode import load_image
     for fmt, name in (("PNG", "o.png"), ("JPEG", "o.jpg")):
         path = _with_orientation(tmp_path / name, 6, fmt)
         x = load_image(path, 8)  # the JPEG is decoded at a reduced size, then oriented
@@ -153,8 +153,8 @@ def test_exif_orientation_of_a_png_and_of_a_reduced_jpeg_decode(tmp_path, jpeg_p
 def test_huge_images_are_refused_before_decoding(tmp_path, monkeypatch, jpeg_path):
     """A header declaring more pixels than the limit is a bad sample, named, before any pixel is
     decoded: no traceback (Pillow's DecompressionBombError), no warning, no gigabytes."""
-    from mmpipe.data import loader
-    from mmpipe.data.loader import decode_sample
+    from mmpipe.data import decode as loader
+    from mmpipe.data.decode import decode_sample
     cases = {}
     # a PNG whose header declares 100000 x 100000 (Pillow alone raises DecompressionBombError)
     (tmp_path / "bomb.png").write_bytes(_png_bytes(100_000, 100_000, 1, 0, b"\0" * 64))
@@ -182,7 +182,7 @@ def test_huge_images_are_refused_before_decoding(tmp_path, monkeypatch, jpeg_pat
 
 
 def test_the_pixel_limit_is_a_module_constant(tmp_path, monkeypatch, jpeg_path):
-    from mmpipe.data import loader
+    from mmpipe.data import decode as loader
     Image.new("RGB", (64, 48), (9, 9, 9)).save(tmp_path / "a.jpg")
     Image.new("RGB", (64, 48), (9, 9, 9)).save(tmp_path / "a.png")
     monkeypatch.setattr(loader, "MAX_PIXELS", 64 * 48 - 1)

@@ -11,7 +11,7 @@ import pytest
 from helpers import launch
 from test_parity import assert_weights_close, reference
 
-from mmpipe.train.checkpoint import load_model_weights
+from mmpipe.train.checkpoint_weights import load_model_weights
 from mmpipe.train.metrics import read_metrics
 
 

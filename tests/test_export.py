@@ -28,7 +28,7 @@ def test_clip_run_exports_to_clipmodel_and_clipprocessor(runs, tmp_path):
     from transformers import CLIPModel, CLIPProcessor
 
     from mmpipe.cli.main import main
-    from mmpipe.data.loader import load_image
+    from mmpipe.data.decode import load_image
     ref = reference(runs)
     out = str(tmp_path / "clip_hf")
     assert main(["export", "--run", ref, "--out", out]) == 0
@@ -106,7 +106,7 @@ def test_clip_vit_bert_run_exports_to_vision_text_dual_encoder(runs, tmp_path):
     from transformers import VisionTextDualEncoderModel, VisionTextDualEncoderProcessor
 
     from mmpipe.cli.main import main
-    from mmpipe.data.loader import load_image
+    from mmpipe.data.decode import load_image
     run, _ = runs.get("bert_pooler_p2", 2, ["parallel.pipeline_stages=2", "model.text.pooling=pooler", *BERT_TOWER])
     out = str(tmp_path / "vtde")
     assert main(["export", "--run", run, "--out", out]) == 0

@@ -16,7 +16,7 @@ import torch
 from helpers import ROOT, TRAIN_PY, _env, launch
 from test_parity import REF, assert_weights_close, reference
 
-from mmpipe.train.checkpoint import load_model_weights
+from mmpipe.train.checkpoint_weights import load_model_weights
 from mmpipe.train.metrics import read_metrics
 
 

@@ -22,7 +22,7 @@ from mmpipe.config.groups import (
 from mmpipe.config.schema import load_config
 from mmpipe.errors import ConfigError
 from mmpipe.families.clip import ClipFamily
-from mmpipe.train.checkpoint import load_model_weights
+from mmpipe.train.checkpoint_weights import load_model_weights
 from mmpipe.train.clipping import clip_coef
 from mmpipe.train.metrics import read_metrics
 from mmpipe.parallel.plain import plain_model

@@ -62,7 +62,8 @@ def test_build_model_matches_transformers(clip_dir):
 
 
 def test_pipelined_first_step_matches_transformers(clip_dir, tiny_data, tmp_path):
-    from mmpipe.data.loader import Collate, ImageTextDataset, MicroBatchSampler
+    from mmpipe.data.loader import Collate, ImageTextDataset
+    from mmpipe.data.sampler import MicroBatchSampler
     from mmpipe.data.manifest import read_manifest
     out = str(tmp_path / "run")
     launch(2, ["--config", TINY, "--set", f"data.train={tiny_data['train']}", "--set", f"train.output_dir={out}",

@@ -133,7 +133,7 @@ def test_lora_matches_a_plain_peft_loop_in_every_layout(lora_runs, lora_data, ke
     # the checkpoint holds the adapters, not the frozen base (which never moves: load_weights rebuilds it
     # from the run's config); a tied head is the embedding's copy on the last stage
     from mmpipe.families.lora import is_adapter
-    from mmpipe.train.checkpoint import load_model_weights
+    from mmpipe.train.checkpoint_weights import load_model_weights
     raw = load_model_weights(os.path.join(out, "checkpoints"), f"global_step{STEPS}")
     assert all(is_adapter(k) for k in raw if k != "llm.head.lm_head.weight") and len(raw) <= len(got) + 1
     base = mmpipe.build_model(mmpipe.load_config(os.path.join(out, "config.yaml"))).state_dict()

@@ -72,7 +72,7 @@ def test_shard_run_resumed_keeps_counting_the_samples_drawn_before(tiny_data, tm
     from test_data import write_shards
 
     from mmpipe.data.manifest import read_manifest
-    from mmpipe.train.checkpoint import read_record
+    from mmpipe.train.checkpoint_record import read_record
     good = [(s.image, s.text) for s in read_manifest(tiny_data["train"]) if os.path.isfile(s.image)][:48]
     write_shards(str(tmp_path / "shards"), good, 12, bad_every=10)  # 4 shards, every 10th sample corrupt
     argv = _train_argv(tiny_data, tmp_path / "run", f"data.train={tmp_path}/shards/{{00000..00003}}.tar",

@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import train_losses
 
-from mmpipe.train.checkpoint import load_model_weights
+from mmpipe.train.checkpoint_weights import load_model_weights
 
 REF = ("p2_ref", 2, ["parallel.pipeline_stages=2", "train.save_every=2", "log.trace=[2,3]", "train.eval_every=3"])
 # metrics that must not depend on the layout (nor on a stop and resume in between): the bad-sample
@@ -154,7 +154,7 @@ def test_checkpoints_describe_themselves_and_load_without_an_engine(runs):
     """Every checkpoint records family, model config, layout, step, data position and versions;
     ``mmpipe.load_weights`` reads any layout's checkpoint from a run dir, a step or a tag dir."""
     import mmpipe
-    from mmpipe.train.checkpoint import read_record
+    from mmpipe.train.checkpoint_record import read_record
     ref = reference(runs)
     rec = read_record(os.path.join(ref, "checkpoints", "global_step4"))
     assert rec["family"] == "clip" and rec["step"] == 4 and rec["model"]["text"]["eos_token_id"] == 3

@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import TINY_VLM, launch
 
-from mmpipe.train.checkpoint import load_model_weights
+from mmpipe.train.checkpoint_weights import load_model_weights
 from mmpipe.train.metrics import read_metrics
 
 LAYOUTS = {  # name -> (processes, launcher, settings)

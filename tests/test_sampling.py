@@ -13,7 +13,7 @@ from mmpipe.errors import DataError
 
 # ---- sampler -----------------------------------------------------------------------------------
 def test_micro_batches_are_layout_independent_and_resumable():
-    from mmpipe.data.loader import MicroBatchSampler
+    from mmpipe.data.sampler import MicroBatchSampler
     single = MicroBatchSampler(100, 4, 8, 1, 0, seed=3)
     for step in (0, 1, 5, 12):  # 12 crosses an epoch (3 steps per epoch)
         ref = single.micro_batches(step)
@@ -26,7 +26,7 @@ def test_micro_batches_are_layout_independent_and_resumable():
 
 
 def test_a_resume_with_another_batch_or_micro_batch_size_continues_the_epoch():
-    from mmpipe.data.loader import MicroBatchSampler
+    from mmpipe.data.sampler import MicroBatchSampler
     from mmpipe.errors import DataError
     before = MicroBatchSampler(100, 4, 2, 1, 0, seed=3)  # batch 8: 12 steps per epoch
     seen = [i for step in range(5) for i in before.global_batch_indices(step)]
@@ -48,7 +48,7 @@ def test_a_resume_with_another_batch_or_micro_batch_size_continues_the_epoch():
 
 
 def test_eval_batches_pad_to_full_micro_batches():
-    from mmpipe.data.loader import eval_batches
+    from mmpipe.data.sampler import eval_batches
     mbs, n = eval_batches(list(range(10)), 4)
     assert n == 10 and len(mbs) == 3 and all(len(mb) == 4 for mb in mbs) and mbs[-1][-1] == 9
 
@@ -108,7 +108,7 @@ def test_reduced_size_jpeg_decode_stays_close_to_full_decode(tmp_path):
     from PIL import Image
 
     from mmpipe.bench.data import make_photos
-    from mmpipe.data.loader import load_image
+    from mmpipe.data.decode import load_image
     path = make_photos(str(tmp_path), 1, 640, 480, seed=3)[0]
     fast = load_image(path, 224)
     with Image.open(path) as im:

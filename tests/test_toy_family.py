@@ -169,7 +169,7 @@ def test_the_toy_family_resolves_through_the_registry(tmp_path):
 def test_toy_family_trains_at_p1_and_p2_with_parity(family_runs_of):
     """The toy family at P = 1 and P = 2 (its label reaches the last stage from the loader): same
     losses and weights; the loss falls; the eval is the family's own (val MSE)."""
-    from mmpipe.train.checkpoint import load_model_weights
+    from mmpipe.train.checkpoint_weights import load_model_weights
     from mmpipe.train.metrics import read_metrics
     runs = family_runs_of("toy")
     sets = ["train.steps=12", "train.eval_every=6"]

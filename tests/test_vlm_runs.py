@@ -13,7 +13,7 @@ from helpers import train_losses
 from test_parity import assert_weights_close, reference
 
 import mmpipe
-from mmpipe.train.checkpoint import load_model_weights
+from mmpipe.train.checkpoint_weights import load_model_weights
 
 
 def test_accumulation_split_does_not_change_the_step(family_runs_of):
@@ -34,7 +34,7 @@ def test_micro_batch_means_would_differ(family_runs_of, tiny_chat_data):
     different numbers of label tokens, and some hold no image at all (what makes the layout and
     accumulation tests able to fail)."""
     from mmpipe.config.resolve import build_family
-    from mmpipe.data.loader import MicroBatchSampler
+    from mmpipe.data.sampler import MicroBatchSampler
     from mmpipe.data.tokenizer import load_tokenizer
     from mmpipe.families.chat import read_chat
     from mmpipe.families.chat.loss import label_tokens

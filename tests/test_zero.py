@@ -18,7 +18,7 @@ import torch
 from helpers import TINY
 
 from mmpipe.config.schema import load_config
-from mmpipe.train.checkpoint import load_model_weights
+from mmpipe.train.checkpoint_weights import load_model_weights
 from mmpipe.train.metrics import read_metrics
 
 LIMIT = 0.05

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from mmpipe.data.loader import load_image
+from mmpipe.data.decode import load_image
 from mmpipe.data.tokenizer import load_tokenizer
 from mmpipe.families.towers.common import normalize_pixels
 

@@ -19,7 +19,7 @@ import torch
 
 from mmpipe.bench.common import ROOT, append_benchmarks, free_port, launch, with_scratch
 from mmpipe.config.schema import family_of, load_config, replace
-from mmpipe.data.loader import load_image
+from mmpipe.data.decode import load_image
 from mmpipe.data.manifest import read_manifest
 from mmpipe.data.synth import synth
 from mmpipe.data.tokenizer import load_tokenizer, train_tokenizer

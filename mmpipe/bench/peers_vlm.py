@@ -98,7 +98,7 @@ def run_trainer(cfg, train: str, llava: str, order: list, args, tmp: str, lora: 
 
 @with_scratch("peers-vlm")
 def bench_peers_vlm(args, tmp: str) -> int:
-    from mmpipe.data.loader import MicroBatchSampler
+    from mmpipe.data.sampler import MicroBatchSampler
     _log(f"synthetic chat data ({args.n} samples), a tokenizer, the initial weights as a LLaVA directory ...")
     cfg, train, llava = make_llava_dir(args, tmp)
     batch = cfg.train.batch_size

@@ -167,7 +167,7 @@ def _encoded_samples(run: str, count: int):
     import torch
 
     from mmpipe.config.schema import family_of, load_config
-    from mmpipe.data.loader import load_image
+    from mmpipe.data.decode import load_image
     from mmpipe.data.tokenizer import load_tokenizer
     from mmpipe.families.towers.common import normalize_pixels
     from mmpipe.families.chat import read_chat

@@ -25,7 +25,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from mmpipe.data.loader import SubstitutingDataset, decode_sample
+from mmpipe.data.decode import decode_sample
+
+from mmpipe.data.loader import SubstitutingDataset
 from mmpipe.data.processes import pool_context
 from mmpipe.data.manifest import read_manifest
 from mmpipe.data.tokenizer import load_tokenizer, train_tokenizer

@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Iterator
 
-from mmpipe.data.loader import decode_sample
+from mmpipe.data.decode import decode_sample
 from mmpipe.data.manifest import read_manifest
 
 _W: dict = {}  # worker side: the decode size

@@ -12,7 +12,45 @@ from typing import Optional
 
 import torch
 
-from mmpipe.data.loader import Augment, decode_sample, finish_pixels
+from mmpipe.data.decode import decode_sample
+
+
+class Augment:
+    """Random augmentation applied to the uint8 image *after* decode or cache, so a cache never
+    freezes it: torchvision's ``RandomResizedCrop`` (scale ``crop_scale``) and, with ``crop_flip``,
+    ``RandomHorizontalFlip``. The draws are seeded by (seed, epoch, sample index): the same in every
+    layout, loader worker and after a resume."""
+
+    def __init__(self, mode: str, image_size: int, crop_scale, seed: int):
+        from torchvision.transforms import v2
+        self.mode, self.seed = mode, seed
+        tfs = [v2.RandomResizedCrop(image_size, scale=tuple(crop_scale), antialias=True)]
+        if mode == "crop_flip":
+            tfs.append(v2.RandomHorizontalFlip())
+        self.tf = v2.Compose(tfs)
+
+    def __call__(self, pixels: torch.Tensor, index: int, epoch: int) -> torch.Tensor:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((self.seed * 1_000_003 + epoch) * 10_000_019 + index)
+            return self.tf(pixels)
+
+
+def make_augment(data_cfg, image_size: int, seed: int) -> Optional[Augment]:
+    if data_cfg.augment == "none":
+        return None
+    return Augment(data_cfg.augment, image_size, data_cfg.crop_scale, seed)
+
+
+def finish_pixels(pixels: torch.Tensor, image_size: int, augment: Optional[Augment], sample_id: int,
+                  epoch: int) -> torch.Tensor:
+    """A decoded or cached uint8 image -> the tower's input: augmented (crop to ``image_size``), or
+    resized when it was decoded/cached at another size."""
+    if augment is not None:
+        return augment(pixels, sample_id, epoch)
+    if pixels.shape[-1] != image_size:
+        from torchvision.transforms.v2 import functional as F
+        pixels = F.resize(pixels, [image_size, image_size], antialias=True)
+    return pixels
 
 
 class SquarePixels:
@@ -55,6 +93,5 @@ class SquarePixels:
 def square_pixels(size: int, data_cfg, seed: Optional[int] = None) -> SquarePixels:
     """``SquarePixels`` of a run's data section: decoded at ``data.decode_size`` (unset: ``size``), and
     with ``seed`` (training data) ``data.augment``'s augmentation seeded by it."""
-    from mmpipe.data.loader import make_augment
     augment = make_augment(data_cfg, size, seed) if seed is not None else None
     return SquarePixels(size, getattr(data_cfg, "decode_size", None), augment)

@@ -19,7 +19,8 @@ from mmpipe.data.cache import (
     open_meta,
     tokenizer_digest,
 )
-from mmpipe.data.loader import MicroBatchSampler, make_loader
+from mmpipe.data.loader import make_loader
+from mmpipe.data.sampler import MicroBatchSampler
 from mmpipe.data.manifest import require_manifest
 from mmpipe.data.shards import ShardStream, expand, is_shard_spec, iter_tar
 from mmpipe.data.tokenizer import has_tokenizer, load_tokenizer

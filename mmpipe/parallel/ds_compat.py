@@ -1,20 +1,33 @@
 """Every private DeepSpeed API mmpipe touches, in one place.
 
 Checked on DeepSpeed ``CHECKED`` (CPU accelerator + gloo here; the same code paths under NCCL).
-Each function names the DeepSpeed internals it relies on; ``tests/test_ds_compat.py`` holds one
-test per patch that fails when an installed DeepSpeed no longer has what the patch expects, and
-names the run test that exercises the patch's behaviour.
+Each function names the DeepSpeed internals it relies on, and the table lists every function of this
+module (``tests/test_ds_compat.py`` checks that it does). That file holds one test per patch that
+fails when an installed DeepSpeed no longer has what the patch expects, and names the run test
+that exercises the patch's behaviour.
 
 | patch | DeepSpeed internals | why |
 |---|---|---|
+| ``check_version`` | ``deepspeed.__version__`` (public) | a DeepSpeed newer than ``CHECKED`` is named once |
 | ``fix_recv_buffer_dtype`` | ``PipelineEngine._allocate_or_extend_buffers``, ``_grad_layer_buf``, ``_allocate_buffer`` | buffers reused across dtypes with 3+ stages |
 | ``wrap_instructions`` | ``PipelineEngine._INSTRUCTION_MAP`` | the per-instruction stage clock |
+| ``is_zero_optimizer`` | the class name ``DeepSpeedZeroOptimizer`` | grouped clipping under ZeRO-1/2 |
 | ``wrap_zero_step``, ``zero_group_grads`` | ``DeepSpeedZeroOptimizer.step``, ``_get_preflattened_grad_partition``, ``averaged_gradients`` | grouped clipping under ZeRO-1/2 |
+| ``ensure_zero_optimizer_state`` | ``DeepSpeedZeroOptimizer.single_partition_of_fp32_groups``, ``BF16_Optimizer.fp32_groups_flat_partition``, ``DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat``, ``_lazy_init_hp_params_optimizer_state``, ``_hp_optimizer_states_linked`` | a layout-free resume before any step |
+| ``relink_optimizer_state`` | ``_lazy_init_hp_params_optimizer_state``, ``_hp_optimizer_states_linked`` (``DeepSpeedZeroOptimizer``, ``BF16_Optimizer``) | every param group's Adam state readable by parameter |
+| ``skip_cpu_shm_allreduce`` | ``deepspeed.comm.torch.build_shm_op`` | no shared-memory all-reduce buffer per rank in /dev/shm on CPU |
+| ``eval_batch_in_train_mode`` | ``PipelineEngine.eval_batch`` calling ``self.module.eval()`` | a step loss's first pass in training mode |
 | ``reset_total_loss`` | ``PipelineEngine.total_loss`` | eval after a training step |
 | ``set_stage_bounds`` | ``PipelineModule._topo``, ``global_rank``, ``_set_bounds``, ``parts`` | explicit stage boundaries |
+| ``pipe_layer_count`` | ``PipelineModule._layer_specs`` | explicit stage boundaries checked against the layers |
+| ``stage_layers`` | ``PipelineModule.forward_funcs`` | this stage's layers under the plain model's names |
+| ``stage_global_ranks`` | ``PipelineModule._grid``, ``PipelineParallelGrid.data_parallel_size``, ``stage_to_global`` | weights tied across stages |
+| ``optimizer_kind`` | the class names ``DeepSpeedZeroOptimizer``, ``DeepSpeedZeroOptimizer_Stage3``, ``BF16_Optimizer``, ``FP16_UnfusedOptimizer`` | which path saves and restores layout-free optimizer state |
 | ``fix_fp16_backward_scaling`` | ``DeepSpeedEngine.backward``, ``FP16_UnfusedOptimizer.loss_scale_config`` | fp16 at ZeRO-0 trained with gradients divided by the loss scale (0.19.8) |
 | ``dynamic_loss_scale`` | ``loss_scale_config.cur_scale``, ``loss_scaler.cur_scale`` | fp16 loss-scale calibration is not a bad step |
 | ``set_zero3_partition`` | ``param.ds_tensor``, ``ds_process_group`` | a ZeRO-3 weight restored by name |
+| ``is_zero3_param`` | ``param.ds_id`` | a ZeRO-3 weight restored by name |
+| ``set_engine_step`` | ``DeepSpeedEngine.global_steps``, ``global_samples`` | a resume in another layout continues the engine's counters |
 | ``no_initial_unfused_step`` | ``FP16_UnfusedOptimizer.initialize_optimizer_states`` | bf16/fp16 at P = 1 without ZeRO began Adam one step late (0.19.8) |
 | ``one_read_overflow_check`` | ``CheckOverflow.has_overflow_serial`` | fp16/bf16 at P = 1 without ZeRO read every gradient's finiteness to the host in turn: one device synchronisation per parameter per step |
 | ``unfused_masters`` | ``FP16_UnfusedOptimizer.fp16_groups``, ``fp32_groups`` | layout-free optimizer state of fp16/bf16 at P = 1 without ZeRO |
@@ -155,6 +168,25 @@ def set_stage_bounds(module, parts: list) -> None:
     module._set_bounds(start=module.parts[stage], stop=module.parts[stage + 1])
 
 
+def pipe_layer_count(module) -> int:
+    """How many layers a ``PipelineModule`` was given (its ``_layer_specs``), over all stages."""
+    return len(module._layer_specs)
+
+
+def stage_layers(module) -> list:
+    """The layers a ``PipelineModule`` built for this stage, in order (``forward_funcs``: the modules
+    and functions its ``forward`` runs)."""
+    return module.forward_funcs
+
+
+def stage_global_ranks(module, stage: int) -> list:
+    """The global rank holding pipeline stage ``stage`` in each data-parallel replica (index: the
+    data-parallel rank), from a ``PipelineModule``'s grid (``_grid``: ``data_parallel_size``,
+    ``stage_to_global``)."""
+    grid = module._grid
+    return [grid.stage_to_global(stage_id=stage, data=dp) for dp in range(grid.data_parallel_size)]
+
+
 def optimizer_kind(ds_optimizer) -> str:
     """How the optimizer DeepSpeed built keeps each trainable parameter's fp32 master and Adam state:
     ``mapped`` (ZeRO-1/2/3, ``BF16_Optimizer``: DeepSpeed's ``safe_*_full_*`` accessors), ``unfused``
@@ -191,6 +223,19 @@ def set_zero3_partition(param, full) -> None:
     with torch.no_grad():
         part.data.zero_()
         part.data[:flat.numel()].copy_(flat.to(part.dtype))
+
+
+def is_zero3_param(param) -> bool:
+    """Whether ZeRO-3 partitions ``param`` (``partition_parameters.Init`` gives it a ``ds_id``): its
+    value is then ``set_zero3_partition``'s to write."""
+    return hasattr(param, "ds_id")
+
+
+def set_engine_step(engine, step: int) -> None:
+    """Put a ``DeepSpeedEngine``'s own counters (``global_steps``, ``global_samples``) at ``step``, as
+    if it had trained that far: a resume that did not load DeepSpeed's files (another layout)."""
+    engine.global_steps = step
+    engine.global_samples = step * engine.train_batch_size()
 
 
 def fix_fp16_backward_scaling() -> bool:

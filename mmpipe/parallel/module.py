@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from deepspeed.pipe import LayerSpec, PipelineModule
 
-from mmpipe.parallel.ds_compat import set_stage_bounds
+from mmpipe.parallel.ds_compat import pipe_layer_count, set_stage_bounds, stage_global_ranks, stage_layers
 from mmpipe.parallel.executor import LayerExecutor
 from mmpipe.parallel.layers import PipeLayer, plain_state_key
 from mmpipe.parallel.plan import stage_lists
@@ -48,13 +48,13 @@ class MMPipelineModule(PipelineModule):
                     owner, last = plain_to_pipe(self, b)
                     setattr(owner, last, mine[a])
                 continue
-            for dp in range(self._grid.data_parallel_size):
-                ranks = sorted({self._grid.stage_to_global(stage_id=s, data=dp) for s in (sa, sb)})
+            for first, second in zip(stage_global_ranks(self, sa), stage_global_ranks(self, sb)):  # per replica
+                ranks = sorted({first, second})
                 group = dist.new_group(ranks=ranks)
-                if self.global_rank not in ranks:
+                if dist.get_rank() not in ranks:  # (PipelineModule's global_rank)
                     continue
                 p = mine[a] if a in mine else mine[b]
-                dist.broadcast(p.data, src=self._grid.stage_to_global(stage_id=sa, data=dp), group=group)
+                dist.broadcast(p.data, src=first, group=group)
                 if b in mine:
                     p.ds_pipe_replicated = True
                 out.append((p, group))
@@ -74,16 +74,16 @@ class MMPipelineModule(PipelineModule):
                 dist.all_reduce(p.grad, group=g)
 
     def _partition_layers(self, method="uniform"):
-        if len(self.mm_parts) != self.num_stages + 1 or self.mm_parts[-1] != len(self._layer_specs):
+        if len(self.mm_parts) != self.num_stages + 1 or self.mm_parts[-1] != pipe_layer_count(self):
             raise ValueError(f"parts {self.mm_parts} do not describe {self.num_stages} stages of "
-                             f"{len(self._layer_specs)} layers")
+                             f"{pipe_layer_count(self)} layers")
         set_stage_bounds(self, self.mm_parts)
 
     def plain_named_parameters(self):
         """This stage's parameters under the plain model's names (for groups and freezing); a
         tied parameter held twice on this stage once, under its first name."""
         seen = set()
-        for layer in self.forward_funcs:
+        for layer in stage_layers(self):
             if isinstance(layer, PipeLayer):
                 for k, p in layer.named_parameters():
                     if id(p) not in seen:
@@ -97,7 +97,7 @@ class MMPipelineModule(PipelineModule):
 def plain_to_pipe(module: "MMPipelineModule", plain_name: str) -> tuple:
     """(owning submodule, attribute) of a plain parameter name on this stage."""
     layer = module._layer_of(plain_name)
-    for f in module.forward_funcs:
+    for f in stage_layers(module):
         if isinstance(f, PipeLayer) and f.name == layer:
             *path, last = plain_name[len(layer) + 1:].split(".")
             return f.part.get_submodule(".".join(path)), last

@@ -12,7 +12,9 @@ import torch.distributed as dist
 
 from mmpipe.data.badsamples import BadSampleLedger
 from mmpipe.train import checkpoint
+from mmpipe.train.checkpoint_record import absolute_paths, base_fingerprint
 from mmpipe.train.faults import _warn, agree
+from mmpipe.train.resume_checks import check_resume
 
 
 class Checkpointer:
@@ -30,7 +32,7 @@ class Checkpointer:
         """The run record a checkpoint carries; with the frozen base left out, rank 0 adds the
         fingerprint of the pretrained directories it is rebuilt from (read once: their weight files)."""
         if self.exclude_frozen and self.run.rank == 0 and self._base is None:
-            self._base = checkpoint.base_fingerprint(self.run.cfg.to_dict()["model"])
+            self._base = base_fingerprint(self.run.cfg.to_dict()["model"])
         return {**self.eng.record, "frozen_base": self._base} if self._base is not None else self.eng.record
 
     def clock_due(self) -> bool:
@@ -58,9 +60,9 @@ class Checkpointer:
         if not run.resume:
             return {"step": 0, "skipped_steps": 0, "data_position": None}
         ties = {a: b for pair in run.family.tied_weights() for a, b in (pair, pair[::-1])}
-        model = checkpoint.absolute_paths(run.cfg.to_dict()["model"])
+        model = absolute_paths(run.cfg.to_dict()["model"])
         current, packing = self.record(), bool(getattr(run.cfg.data, "packing", False))
-        agree(run.rank, lambda: checkpoint.check_resume(self.dir, current, packing))
+        agree(run.rank, lambda: check_resume(self.dir, current, packing))
         client = agree(run.rank, lambda: checkpoint.load(eng.engine, self.dir, eng.layout, eng.inner,
                                                          eng.named_params, ties, model))
         ledger.load_state_dict(client.get("data") or {})

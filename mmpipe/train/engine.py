@@ -12,7 +12,7 @@ from mmpipe.config.groups import apply_freeze, lr_lambda, mark_embedding_tables,
 from mmpipe.parallel.ds_compat import fix_fp16_backward_scaling, no_initial_unfused_step, one_read_overflow_check
 from mmpipe.parallel.layers import set_activation_checkpointing
 from mmpipe.parallel.strategies import strategy_for
-from mmpipe.train import checkpoint
+from mmpipe.train.checkpoint_record import layout_record, run_record
 from mmpipe.train.clipping import GradClipper, innermost_optimizer
 
 
@@ -78,7 +78,7 @@ def build_engine(run) -> Engine:
     pipelined = topo.pipeline_stages > 1
     layer_names = run.plan.layers if pipelined else None
     parts = run.plan.parts if pipelined else None
-    layout = checkpoint.layout_record(topo, cfg, layer_names, parts)
+    layout = layout_record(topo, cfg, layer_names, parts)
     stage_of = [topo.coords(r)[0] for r in range(run.world)]
     return Engine(
         engine=engine, runner=strategy.runner(engine, cfg.log.stage_timing),
@@ -86,6 +86,6 @@ def build_engine(run) -> Engine:
         clipper=GradClipper(engine, run.groups, cfg.optim.max_grad_norm),
         inner=innermost_optimizer(engine.optimizer), named_params=list(strategy.named_parameters(model)),
         trainable=[g for g in run.groups if not g.frozen], layer_names=layer_names, parts=parts, layout=layout,
-        record=checkpoint.run_record(cfg, layout, run.plan.to_json()),
+        record=run_record(cfg, layout, run.plan.to_json()),
         monitor=monitor if monitor is not None and monitor.enabled else None,
         stage_ranks=[[r for r in range(run.world) if stage_of[r] == s] for s in range(topo.pipeline_stages)])

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from mmpipe.data.loader import eval_batches
+from mmpipe.data.sampler import eval_batches
 from mmpipe.parallel.strategies import LABEL_PLACEHOLDER
 from mmpipe.train.batches import DataStats, _as_pipe_batches
 from mmpipe.train.faults import _warn, agree

@@ -8,7 +8,8 @@ import yaml
 
 from mmpipe.errors import ConfigError
 from mmpipe.parallel.plan import stage_lists
-from mmpipe.train import checkpoint
+from mmpipe.train.checkpoint_files import point_latest, remove_partial
+from mmpipe.train.checkpoint_record import absolute_paths
 from mmpipe.train.faults import _warn
 from mmpipe.train.metrics import MetricsWriter, NullWriter
 
@@ -28,7 +29,7 @@ def check_run_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
             raise ConfigError(f"train.output_dir={out_dir} already holds a run (checkpoint "
                               f"{open(latest).read().strip()}): continue it with --resume, replace it with --overwrite, "
                               "or set another train.output_dir")
-        found = checkpoint.point_latest(os.path.join(out_dir, "checkpoints"))
+        found = point_latest(os.path.join(out_dir, "checkpoints"))
         if found:  # a run that lost its 'latest' file: --overwrite would delete its checkpoints
             raise ConfigError(f"train.output_dir={out_dir} already holds a run: {found} and continue it with --resume "
                               "(--overwrite would delete them), or set another train.output_dir")
@@ -68,7 +69,7 @@ def prepare_run_dir(cfg, rank: int, resume: bool, overwrite: bool) -> None:
     os.makedirs(out_dir, exist_ok=True)
     if resume:
         ckpt_dir = os.path.join(out_dir, "checkpoints")
-        for tag in checkpoint.remove_partial(ckpt_dir):
+        for tag in remove_partial(ckpt_dir):
             _warn(f"removed the incomplete checkpoint {ckpt_dir}/{tag} (the run stopped while saving it)")
 
 
@@ -84,7 +85,7 @@ def write_run_files(run, eng, start_step: int):
         # pretrained directories as absolute paths: export, generate, load_weights and a resume rebuild
         # the model (a LoRA run's frozen base) from them, from any working directory
         saved = cfg.to_dict()
-        saved["model"] = checkpoint.absolute_paths(saved["model"])
+        saved["model"] = absolute_paths(saved["model"])
         for key in ("tokenizer", "cache"):
             if saved["data"].get(key):
                 saved["data"][key] = os.path.abspath(saved["data"][key])

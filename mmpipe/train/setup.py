@@ -39,7 +39,7 @@ from mmpipe.parallel.topology import Topology
 from mmpipe.planning.layouts import layouts_json, plan_layouts
 from mmpipe.planning.measure import get_profile
 from mmpipe.planning.micro_batch import auto_micro_batch, check_auto_micro_batch
-from mmpipe.train import checkpoint
+from mmpipe.train.checkpoint_record import saved_plan
 from mmpipe.train.faults import _everywhere, _rank0_decides, _warn, agree
 from mmpipe.train.run_dir import check_run_dir, prepare_run_dir
 
@@ -267,7 +267,7 @@ def place(cfg: RunConfig, family, where: Placement, tok, source, frozen: FrozenL
         if rank == 0:
             _warn(f"parallel.micro_batch_size=auto -> {m} (accumulation {topo.accumulation_steps})")
     cfg.seal()
-    saved = checkpoint.saved_plan(os.path.join(cfg.train.output_dir, "checkpoints")) if resume else None
+    saved = saved_plan(os.path.join(cfg.train.output_dir, "checkpoints")) if resume else None
     plan = _rank0_decides(rank, lambda: make_plan(cfg, family, where.topo, frozen_names, forward_only, saved))
     if plan.chosen and rank == 0:
         _warn(f"parallel.placement=auto -> {plan.chosen} ({plan.why})")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from mmpipe.data.loader import _item_key
+from mmpipe.data.sampler import _item_key
 from mmpipe.errors import DataError
 from mmpipe.families.chat.encoder import ChatEncoder
 

@@ -162,7 +162,7 @@ def load_part_weights(module: torch.nn.Module, part_name: str, source: WeightSou
 
 def image_processor(size: int, mean, std):
     """The processor an export writes: shortest edge ``size`` with antialiased bilinear, centre crop,
-    normalise - what mmpipe's loader (``data.loader.load_image``) does, so on a fully decoded image
+    normalise - what mmpipe's loader (``data.decode.load_image``) does, so on a fully decoded image
     (a VLM's; a CLIP run's below twice the size, where no JPEG draft decode is used) it gives
     training's pixels exactly with transformers' torchvision backend, within one grey level with its
     PIL backend."""

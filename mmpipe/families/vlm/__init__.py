@@ -169,7 +169,7 @@ class VlmFamily(ChatFamily):
     freeze_shortcuts = {"freeze_vit": "vision", "freeze_aligner": "projector", "freeze_llm": "llm",
                         "freeze_vision": "vision", "freeze_projector": "projector", "freeze_text": "llm"}
     lr_shortcuts = {"vit_lr": "vision", "aligner_lr": "projector"}
-    # checkpoints' "decay_split" (train/checkpoint.py): its decoder token table left the decayed group
+    # checkpoints' "decay_split" (train/checkpoint_record.py): its decoder token table left the decayed group
     # when embedding tables were marked by type (2); a checkpoint of another split resumes by name
     decay_split = 2
 
