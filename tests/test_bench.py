@@ -45,6 +45,27 @@ def test_benchmarks_md_shows_the_latest_of_each_bench_and_the_history_keeps_ever
     assert latest.index("note-c") < latest.index("note-b")  # newest first
 
 
+def test_append_benchmarks_files_a_result_at_the_end_of_its_benchs_section(tmp_path):
+    """BENCHMARKS.md has one ``## <bench>`` section per bench (the name from the recorded command): a result
+    goes last in its own section, before the next section's header, and a bench without a section gets one
+    at the end of the file; the entries already there keep their text and order."""
+    from mmpipe.bench.common import append_benchmarks
+    groups_old = "### Grouped clipping (2026-01-01 00:00 UTC)\n\n`mmpipe bench groups --nproc 2`\n\nnote-g1\n"
+    data_old = "### Data path (2026-01-02 00:00 UTC)\n\n`mmpipe bench data`\n\nnote-d1\n"
+    (tmp_path / "BENCHMARKS.md").write_text("# mmpipe benchmarks\n\nContents:\n\n- [groups](#groups)\n- [data](#data)\n\n"
+                                            f"## groups\n\n{groups_old}\n## data\n\n{data_old}")
+    append_benchmarks("Grouped clipping", "mmpipe bench groups --nproc 4 --steps 3", "| g2 |", "note-g2",
+                      root=str(tmp_path))
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    assert groups_old in text and data_old in text
+    assert text.index("note-g1") < text.index("note-g2") < text.index("\n## data\n") < text.index("note-d1")
+    append_benchmarks("Overhead", "mmpipe bench overhead --rounds 2", "| o |", "note-o", root=str(tmp_path))
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    assert text.index("note-d1") < text.index("\n## overhead\n") < text.index("note-o")
+    assert text.rstrip().endswith("note-o") and text.count("\n## ") == 3
+    assert "[overhead](#overhead)" in text.split("\n## ")[0]  # in the contents list
+
+
 def test_the_benches_find_the_repository_they_run_in():
     """Their default configs and launch/train.py are found from the package's location."""
     from mmpipe.bench.common import ROOT

@@ -216,7 +216,7 @@ def test_images_keep_their_aspect_and_give_their_own_token_counts(mixed_chat):
 def test_the_profile_weighs_the_familys_shapes(mixed_chat):
     """``example_batches`` is a distribution: times are its weighted mean, bytes its largest."""
     import mmpipe
-    from mmpipe.planning.measure import resolve_for_plan
+    from mmpipe.planning.offline import resolve_for_plan
     from mmpipe.planning.profiler import LayerCost, mixed_costs
     cfg, fam = resolve_for_plan(mmpipe.load_config(mixed_chat["config"]))
     assert [w for w, _ in fam.example_batches(2, 64, "cpu")] == [3.0, 1.0]

@@ -174,7 +174,7 @@ def test_plan_run_of_three_steps_prints_memory_rows_and_says_why_no_timing(capsy
     """Item 10: `mmpipe plan --run` of a run with 3 steps or fewer: the memory rows, and one line
     saying the timing rows need more than 3 steps (not a traceback)."""
     from mmpipe.config.schema import load_config
-    from mmpipe.planning.measure import resolve_for_plan
+    from mmpipe.planning.offline import resolve_for_plan
     sets = ["model.text.vocab_size=300"]
     n = len(resolve_for_plan(load_config(TINY, sets))[1].layer_names())
     run = tmp_path / "run"

@@ -311,7 +311,7 @@ def test_plan_world_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
 def test_medians_of_several_profiles_and_collective_measurements():
     """``bench`` samples the profile and the collectives once per round: each layer time and each
     collective figure is its median over the samples (one slow sample moves nothing)."""
-    from mmpipe.planning.measure import median_profile
+    from mmpipe.planning.offline import median_profile
     profs = [_prof([_layer("a", f, 2 * f, 10, opt=f / 10), _layer("b", 3.0, 6.0, 10)]) for f in (1.0, 9.0, 2.0)]
     med = median_profile(profs)
     assert [(c["fwd_ms"], c["bwd_ms"], c["opt_ms"]) for c in med["layers"]] == [(2.0, 4.0, 0.2), (3.0, 6.0, 0.0)]

@@ -10,7 +10,7 @@ import pytest
 from helpers import TINY, TINY_VLM, Runs
 
 import mmpipe
-from mmpipe.planning.measure import run_memory
+from mmpipe.planning.offline import run_memory
 from mmpipe.train.memory_meter import read_memory
 
 # activations large enough to matter next to the weights (65 image tokens, micro-batch 8)
@@ -98,7 +98,8 @@ def test_a_model_sized_on_the_meta_device_has_the_bytes_of_the_real_one(config):
     parameters) from shapes alone equals the one measured on real tensors."""
     from helpers import ROOT
 
-    from mmpipe.planning.measure import get_profile, meta_profile, resolve_for_plan
+    from mmpipe.planning.measure import get_profile, meta_profile
+    from mmpipe.planning.offline import resolve_for_plan
     from mmpipe.planning.place import layer_costs
     cfg, family = resolve_for_plan(mmpipe.load_config(f"{ROOT}/configs/{config}"))
     prof = meta_profile(cfg, family, 4)

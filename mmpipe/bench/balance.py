@@ -12,7 +12,7 @@ from mmpipe.config.schema import family_of, load_config
 from mmpipe.data.cache import prepare
 from mmpipe.data.synth import synth, synth_vlm
 from mmpipe.planning.charts import write_plan_png
-from mmpipe.planning.measure import median_profile, plan_all, single_process_time
+from mmpipe.planning.offline import median_profile, plan_all, single_process_time
 from mmpipe.planning.place import layer_costs, predict
 from mmpipe.train.metrics import measured_from_run
 from mmpipe.config.registry import get_family

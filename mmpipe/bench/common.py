@@ -91,42 +91,57 @@ def pooled(outs: list, warmup: int) -> tuple:
 HISTORY = os.path.join("docs", "benchmarks", "history.md")
 INTRO = """# mmpipe benchmarks
 
-The latest result of each bench, newest first; every run, oldest first, is in
-[docs/benchmarks/history.md](docs/benchmarks/history.md). Each section was written by a `mmpipe bench ...`
-command: the exact command, the machine, and ratios against a baseline measured **in the same run**.
-Absolute times on a shared 2-core CPU machine are noise; read the ratios. CPU runs are
-multi-process (`deepspeed --num_gpus N` on the CPU accelerator with gloo); GPU sections say so.
+One section per bench. `mmpipe bench NAME` files its result at the end of the `NAME` section (a bench
+without one gets a new section at the end), in place of that section's earlier result of the same title
+and subject (the command without its how-long flags): each section holds the latest result of each
+variant, oldest first. Every run, oldest first, is in
+[docs/benchmarks/history.md](docs/benchmarks/history.md). Each entry names the command that wrote it,
+the machine, and ratios against a baseline measured **in the same run**. Absolute times on a shared
+2-core CPU machine are noise; read the ratios. CPU runs are multi-process (`deepspeed --num_gpus N` on
+the CPU accelerator with gloo); GPU entries say so.
 """
 HISTORY_INTRO = "# Benchmark history\n\nEvery `mmpipe bench` result, oldest first (the latest of each: BENCHMARKS.md).\n"
-_HEADING = re.compile(r"^## (.*?) \((\d{4}-\d{2}-\d{2}[^)]*)\)\s*$")
+_SECTION = re.compile(r"^## (\S.*?)\s*$")  # a bench's section in BENCHMARKS.md
+_ENTRY = re.compile(r"^### (.*?) \((\d{4}-\d{2}-\d{2}[^)]*)\)\s*$")  # one result in it
 
 
 def append_benchmarks(title: str, command: str, table: str, notes: str, root: str = None) -> None:
-    """Append a result to the history and rewrite BENCHMARKS.md as the latest result of each bench."""
+    """Append a result to the history and file it at the end of its bench's section of BENCHMARKS.md."""
     root = root or os.getcwd()
     history = os.path.join(root, HISTORY)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    entry = f"{title} ({stamp})\n\n`{command}`\n\nMachine: {machine()}\n\n{table}\n\n{notes}\n"
     os.makedirs(os.path.dirname(history), exist_ok=True)
     if not os.path.isfile(history):
         with open(history, "w") as fh:
             fh.write(HISTORY_INTRO)
     with open(history, "a") as fh:
-        fh.write(f"\n## {title} ({stamp})\n\n`{command}`\n\nMachine: {machine()}\n\n{table}\n\n{notes}\n")
-    write_latest(root)
-    print(f"appended to {history}; BENCHMARKS.md shows the latest of each bench")
+        fh.write(f"\n## {entry}")
+    bench = bench_name(command)
+    file_result(os.path.join(root, "BENCHMARKS.md"), bench, "### " + entry)
+    print(f"appended to {history}; BENCHMARKS.md: at the end of its section '{bench}'")
 
 
-def sections(text: str) -> list:
-    """(title, stamp, section text) of every ``## title (stamp)`` section, in order."""
-    out, current = [], None
+def bench_name(command: str) -> str:
+    """The bench a result belongs to, read from the command that wrote it:
+    ``mmpipe bench overhead --rounds 3`` -> ``overhead``."""
+    m = re.search(r"\bmmpipe bench (\S+)", command)
+    return m.group(1) if m else "other"
+
+
+def bench_sections(text: str) -> dict:
+    """BENCHMARKS.md's ``## bench`` sections in order: {bench: its blocks}, each block a ``### title
+    (stamp)`` result (or the text before the first one); what precedes the first section is dropped."""
+    out, blocks = {}, None
     for line in text.splitlines(keepends=True):
-        m = _HEADING.match(line)
+        m = _SECTION.match(line)
         if m:
-            current = [m.group(1), m.group(2), line]
-            out.append(current)
-        elif current is not None:
-            current[2] += line
-    return [tuple(c) for c in out]
+            blocks = out.setdefault(m.group(1), [""])
+        elif blocks is not None:
+            if _ENTRY.match(line):
+                blocks.append("")
+            blocks[-1] += line
+    return out
 
 
 _HOW_LONG = re.compile(r"\s--(steps|warmup|rounds|repeats|n)\s+\d+|\s--refresh\b")
@@ -138,13 +153,28 @@ def _subject(section: str) -> str:
     return _HOW_LONG.sub("", m.group(1)).strip() if m else ""
 
 
-def write_latest(root: str) -> None:
-    """BENCHMARKS.md: the latest section of each bench and subject, newest first."""
-    with open(os.path.join(root, HISTORY)) as fh:
-        latest = {(title, _subject(text)): (stamp, text) for title, stamp, text in sections(fh.read())}
-    ordered = sorted(latest.values(), key=lambda st: st[0], reverse=True)
-    with open(os.path.join(root, "BENCHMARKS.md"), "w") as fh:
-        fh.write(INTRO + "".join("\n" + text.strip("\n") + "\n" for _, text in ordered))
+def _variant(block: str):
+    """(title, subject) of a result block; None for text that is no result."""
+    m = _ENTRY.match(block.split("\n", 1)[0])
+    return (m.group(1), _subject(block)) if m else None
+
+
+def file_result(path: str, bench: str, entry: str) -> None:
+    """Rewrite BENCHMARKS.md with ``entry`` last in the ``## bench`` section (a new section goes last),
+    the same variant's earlier result in that section dropped, and the contents list redrawn."""
+    benches = {}
+    if os.path.isfile(path):
+        with open(path) as fh:
+            benches = bench_sections(fh.read())
+    blocks = benches.setdefault(bench, [""])
+    blocks[:] = [b for b in blocks if _variant(b) != _variant(entry)] + [entry]
+    contents = "".join(f"- [{name}](#{re.sub(r'[^a-z0-9_ -]', '', name.lower()).replace(' ', '-')}): "
+                       + "; ".join(dict.fromkeys(v[0] for v in map(_variant, blocks) if v)) + "\n"
+                       for name, blocks in benches.items())
+    body = "".join(f"\n## {name}\n" + "".join("\n" + b.strip("\n") + "\n" for b in blocks if b.strip())
+                   for name, blocks in benches.items())
+    with open(path, "w") as fh:
+        fh.write(INTRO + "\nContents:\n\n" + contents + body)
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository

@@ -7,7 +7,7 @@ import shlex
 import sys
 
 from mmpipe.bench.common import append_benchmarks, with_scratch
-from mmpipe.data import loader
+from mmpipe.data import decode
 from mmpipe.data.cache import CachedDataset, prepare
 from mmpipe.data.pixels import SquarePixels
 from mmpipe.data.loader import Collate, ImageTextDataset
@@ -120,4 +120,4 @@ def bench_data(args, tmp: str) -> int:
 
 
 def _has_simplejpeg() -> bool:
-    return loader.simplejpeg is not None
+    return decode.simplejpeg is not None

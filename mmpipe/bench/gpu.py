@@ -98,7 +98,7 @@ def _data(tmp: str, job: str, cfg, n: int) -> list:
 def run_mmpipe(name: str, spec: dict, data: list, args, tmp: str) -> dict:
     """One mmpipe run (the deepspeed launcher, one rank): samples/s, TFLOP/s, MFU, memory."""
     from mmpipe.config.schema import load_config
-    from mmpipe.planning.measure import run_memory
+    from mmpipe.planning.offline import run_memory
     out = os.path.join(tmp, f"mmpipe_{name}")
     t0 = time.time()
     log = launch(1, spec["config"], spec["sets"] + data + list(args.sets), out)

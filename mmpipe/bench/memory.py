@@ -10,7 +10,7 @@ import sys
 from mmpipe.bench.common import ROOT, append_benchmarks, launch, with_scratch
 from mmpipe.config.schema import family_of, load_config
 from mmpipe.data.synth import synth, synth_vlm
-from mmpipe.planning.measure import run_memory
+from mmpipe.planning.offline import run_memory
 from mmpipe.train.memory_meter import read_memory
 
 MODELS = {"clip": "bench_image_heavy.yaml", "vlm": "bench_vlm.yaml"}

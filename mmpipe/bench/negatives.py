@@ -13,7 +13,7 @@ from mmpipe.bench.common import ROOT, append_benchmarks, launch, pooled, with_sc
 from mmpipe.config.schema import family_of, load_config
 from mmpipe.data.cache import prepare
 from mmpipe.data.synth import synth
-from mmpipe.planning.measure import plan_all
+from mmpipe.planning.offline import plan_all
 from mmpipe.planning.place import predict
 
 VARIANTS = [("micro_batch", ["model.negatives=micro_batch"]), ("global", ["model.negatives=global"]),

@@ -8,7 +8,7 @@ import os
 from mmpipe.errors import ConfigError
 from mmpipe.planning.charts import write_memory_png, write_plan_png, write_png
 from mmpipe.planning.layouts import format_table, layouts_json, plan_layouts
-from mmpipe.planning.measure import _profile_for, format_plan, plan_all
+from mmpipe.planning.offline import _profile_for, format_plan, plan_all
 
 
 def cmd_plan_world(args) -> int:
@@ -75,7 +75,7 @@ def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> st
         note = (f"(no timing rows: the run has {steps} step(s); step times are compared after the first "
                 f"{TIMING_SKIP}, so a run of more than {TIMING_SKIP} steps is needed)")
     if os.path.isdir(os.path.join(run_dir, "memory")):  # a run with log.memory: its peaks per stage
-        from mmpipe.planning.measure import run_memory
+        from mmpipe.planning.offline import run_memory
         from mmpipe.train.memory_meter import read_memory
         recs = read_memory(run_dir)
         pred = run_memory(cfg, run_dir, len(recs), use_cache=use_cache)

@@ -1,7 +1,7 @@
 """The one path from a config to its family: ``resolve_family`` fills the ``model:`` fields left to
 the tokenizer (the family's ``resolve``; the config itself is never changed) and builds the family
 with the run's seed and, for ``optim.train_type: lora``, its adapters. A training run, ``mmpipe
-plan`` / the benches (``planning.measure.resolve_for_plan``) and ``mmpipe.build_model`` all come
+plan`` / the benches (``planning.offline.resolve_for_plan``) and ``mmpipe.build_model`` all come
 through here."""
 from __future__ import annotations
 

@@ -40,7 +40,8 @@ from mmpipe.config.groups import frozen_layout, resolve_groups
 from mmpipe.errors import ConfigError
 from mmpipe.parallel.topology import threads_per_rank
 from mmpipe.planning.collectives import CommModel, comm_group_sizes, get_comm_model
-from mmpipe.planning.measure import META_PARAMS, get_profile, meta_profile, parameter_count, resolve_for_plan
+from mmpipe.planning.measure import META_PARAMS, get_profile, meta_profile, parameter_count
+from mmpipe.planning.offline import resolve_for_plan
 from mmpipe.planning.memory import (
     device_memory_bytes,
     schedule_of,
