@@ -25,140 +25,8 @@ from mmpipe.families.towers.common import (
 from mmpipe.families.vlm import model as m
 from mmpipe.families.vlm.adapter import LLM_RULES, LOAD_RULES, VISION_RULES
 from mmpipe.families.vlm.config import VlmConfig
-
-_VISION_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "image_size",
-                  "patch_size")
-_LLM_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-               "vocab_size", "max_position_embeddings", "tie_word_embeddings")
-FEATURE_DEFAULTS = {"vision_feature_layer": -2, "vision_feature_select_strategy": "default"}
-
-
-def _feature_choice(model_cfg):
-    """A copy with ``vision_feature_layer`` / ``vision_feature_select_strategy`` decided: unset, a
-    LLaVA directory's own (``model.pretrained``), else LLaVA's -2 / default; set, it must agree with
-    the directory's (one line if not)."""
-    from mmpipe.config.fields import thawed_copy
-    out = thawed_copy(model_cfg)
-    top = _llava_config(out) if out.pretrained else None
-    for key, default in FEATURE_DEFAULTS.items():
-        theirs, mine = getattr(top, key, None), getattr(out, key)
-        if isinstance(theirs, (list, tuple)):
-            raise ConfigError(f"model.pretrained: {out.pretrained} reads several vision layers ({key}={theirs}); mmpipe's "
-                              "VLM reads one")
-        if mine is not None and theirs is not None and mine != theirs:
-            raise ConfigError(f"model.{key}={mine!r} but model.pretrained ({out.pretrained}) was trained with {theirs!r}: "
-                              f"unset model.{key} to use the directory's")
-        setattr(out, key, mine if mine is not None else theirs if theirs is not None else default)
-    return out
-
-
-def _llava_config(cfg):
-    top = hf.load_hf_config(cfg.pretrained, "model.pretrained")
-    if not hasattr(top, "text_config") or not hasattr(top, "vision_config"):
-        raise ConfigError(f"model.pretrained: {cfg.pretrained} is not a LlavaForConditionalGeneration directory")
-    return top
-
-
-def _vision_config(cfg):
-    if cfg.pretrained:
-        return _llava_config(cfg).vision_config
-    if cfg.vision.pretrained:
-        c = hf.load_hf_config(cfg.vision.pretrained, "model.vision.pretrained")
-        c = getattr(c, "vision_config", c)
-        if c.model_type != "clip_vision_model":
-            raise ConfigError(f"model.vision.pretrained: {cfg.vision.pretrained} holds a {c.model_type}, not a CLIP "
-                              "vision model (CLIPVisionModel or CLIPModel)")
-        return c
-    from transformers import CLIPVisionConfig
-    return CLIPVisionConfig(**{f: getattr(cfg.vision, f) for f in _VISION_FIELDS if getattr(cfg.vision, f) is not None})
-
-
-def _hf_configs(cfg):
-    """(vision config, text config, image token id) from ``model.pretrained`` or the config fields."""
-    if cfg.pretrained:
-        top = _llava_config(cfg)
-        text = top.text_config
-        if cfg.llm.vocab_size and cfg.llm.vocab_size > text.vocab_size:  # tokens the tokenizer added
-            text.vocab_size = cfg.llm.vocab_size
-        return top.vision_config, text, top.image_token_id
-    from transformers import LlamaConfig, Qwen2Config
-    vision = _vision_config(cfg)
-    if cfg.llm.pretrained:
-        text = hf.load_hf_config(cfg.llm.pretrained, "model.llm.pretrained")
-        text = getattr(text, "text_config", text)
-        if text.model_type not in ("llama", "qwen2"):
-            raise ConfigError(f"model.llm.pretrained: {cfg.llm.pretrained} holds a {text.model_type} model; "
-                              "model.type=vlm takes llama or qwen2 decoders")
-        if cfg.llm.vocab_size and cfg.llm.vocab_size > text.vocab_size:
-            text.vocab_size = cfg.llm.vocab_size
-        if cfg.image_token_id is None:
-            raise ConfigError("model.image_token_id is unset: set it (or data.tokenizer with an <image> token)")
-        return vision, text, cfg.image_token_id
-    if cfg.llm.vocab_size is None:
-        raise ConfigError("model.llm.vocab_size is unset and no tokenizer fixed it: set data.tokenizer, "
-                          "model.llm.vocab_size or model.pretrained")
-    text_cls = LlamaConfig if cfg.llm.arch == "llama" else Qwen2Config
-    text = text_cls(**{f: getattr(cfg.llm, f) for f in _LLM_FIELDS if getattr(cfg.llm, f) is not None})
-    if cfg.image_token_id is None:
-        raise ConfigError("model.image_token_id is unset: set it (or data.tokenizer with an <image> token)")
-    return vision, text, cfg.image_token_id
-
-
-GENERATE_MAX_NEW_TOKENS = 32  # mmpipe generate's --max-new-tokens default, and the exported generation config's
-
-# mmpipe's plain chat template as a jinja chat_template (exported with the tokenizer)
-# (content as a string, or transformers' list form: an image item renders as "<image>\n", as training
-# data writes it, a text item as its text)
-PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n"
-                  "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
-                  "{% if c['type'] == 'image' %}<image>\n{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
-                  "{% endfor %}{% endif %}<|end|>\n{% endfor %}"
-                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
-
-def _no_added_special_tokens(tokenizer) -> None:
-    """Make the exported tokenizer add nothing by default ([CLS]/[SEP] of mmpipe's WordPiece, a BOS):
-    the run tokenized every piece with ``add_special_tokens=False``, and a processor call through
-    transformers must give the same ids."""
-    from tokenizers.processors import TemplateProcessing
-    for attr in ("add_bos_token", "add_eos_token"):
-        if getattr(tokenizer, attr, False):
-            setattr(tokenizer, attr, False)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        backend.post_processor = TemplateProcessing(single="$A", pair="$A $B", special_tokens=[])
-
-
-def _check_shapes(cfg) -> None:
-    """The shape mistakes transformers' configs and layers would stop at (a traceback, or one at the
-    first step), in one line each; unset sizes are transformers' defaults, a pretrained directory's
-    own sizes are its own."""
-    if cfg.pretrained:
-        return
-    from transformers import CLIPVisionConfig, LlamaConfig, Qwen2Config
-    dv = CLIPVisionConfig()
-    v = {f: getattr(cfg.vision, f) or getattr(dv, f) for f in ("hidden_size", "num_attention_heads", "image_size",
-                                                                 "patch_size")}
-    if not cfg.vision.pretrained:
-        if v["hidden_size"] % v["num_attention_heads"]:
-            raise ConfigError(f"model.vision.hidden_size={v['hidden_size']} is not divisible by "
-                              f"model.vision.num_attention_heads={v['num_attention_heads']}")
-        if v["patch_size"] > v["image_size"]:
-            raise ConfigError(f"model.vision.patch_size={v['patch_size']} is larger than model.vision.image_size="
-                              f"{v['image_size']}: no patch fits the image")
-    if cfg.llm.pretrained:
-        return
-    dt = (Qwen2Config if cfg.llm.arch == "qwen2" else LlamaConfig)()
-    hidden, heads = cfg.llm.hidden_size or dt.hidden_size, cfg.llm.num_attention_heads or dt.num_attention_heads
-    kv = cfg.llm.num_key_value_heads or heads
-    if heads % kv:
-        raise ConfigError(f"model.llm.num_key_value_heads={kv} does not divide model.llm.num_attention_heads={heads}")
-    if hidden % heads:
-        raise ConfigError(f"model.llm.hidden_size={hidden} is not divisible by model.llm.num_attention_heads={heads}")
-    if (hidden // heads) % 2:
-        raise ConfigError(f"model.llm: head size {hidden // heads} (hidden_size / num_attention_heads) is odd; the "
-                          "rotary embedding rotates pairs of dimensions: make it even")
-
+from mmpipe.families.vlm.export_format import GENERATE_MAX_NEW_TOKENS, PLAIN_TEMPLATE, no_added_special_tokens
+from mmpipe.families.vlm.hf_configs import check_shapes, feature_choice, hf_configs, vision_config
 
 @register_family
 class VlmFamily(ChatFamily):
@@ -189,7 +57,7 @@ class VlmFamily(ChatFamily):
         out = thawed_copy(model_cfg)
         n = len(tokenizer)
         cls.resolve_image_token(out, tokenizer)
-        out = _feature_choice(out)
+        out = feature_choice(out)
         key, weights = cls.tokenizer_weights(model_cfg)
         if weights:
             c = hf.load_hf_config(weights, key)
@@ -212,7 +80,7 @@ class VlmFamily(ChatFamily):
             if v not in choices:
                 raise ConfigError(f"{where}: {key}={v!r} is not one of {', '.join(c for c in choices if c)}")
         try:
-            _check_shapes(model_cfg)
+            check_shapes(model_cfg)
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}") from None
 
@@ -220,13 +88,13 @@ class VlmFamily(ChatFamily):
     def pixels(cls, model_cfg, data_cfg, seed=None):
         """Square images at the CLIP tower's size (``data.decode_size`` / ``data.augment`` apply)."""
         from mmpipe.data.pixels import square_pixels
-        return square_pixels(_vision_config(model_cfg).image_size, data_cfg, seed)
+        return square_pixels(vision_config(model_cfg).image_size, data_cfg, seed)
 
     def __init__(self, model_cfg, seed: int = 0):
-        model_cfg = _feature_choice(model_cfg)  # unset: the directory's, else -2 / default (resolve records it)
+        model_cfg = feature_choice(model_cfg)  # unset: the directory's, else -2 / default (resolve records it)
         super().__init__(model_cfg, seed)
-        _check_shapes(model_cfg)
-        self.vision_cfg, self.text_cfg, self.image_token_id = _hf_configs(model_cfg)
+        check_shapes(model_cfg)
+        self.vision_cfg, self.text_cfg, self.image_token_id = hf_configs(model_cfg)
         self.vision_cfg._attn_implementation = self.text_cfg._attn_implementation = "sdpa"
         L, k = self.vision_cfg.num_hidden_layers, model_cfg.vision_feature_layer
         self.vision_blocks = L + 1 + k if k < 0 else k  # hidden_states[i] = output after i blocks
@@ -350,7 +218,7 @@ class VlmFamily(ChatFamily):
         stop = self.encoder(tokenizer, 1).end_of_turn_ids()  # before the template is set: as training rendered
         if not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = PLAIN_TEMPLATE
-        _no_added_special_tokens(tokenizer)  # training tokenized with add_special_tokens=False
+        no_added_special_tokens(tokenizer)  # training tokenized with add_special_tokens=False
         proc = LlavaProcessor(self.preprocessor(), tokenizer,
                               patch_size=self.vision_cfg.patch_size,
                               vision_feature_select_strategy=self.cfg.vision_feature_select_strategy,

@@ -1,0 +1,28 @@
+"""What an exported VLM carries besides its weights: mmpipe's plain chat template as a jinja
+``chat_template``, a tokenizer that adds no special tokens (as training tokenized), and the
+generation default."""
+from __future__ import annotations
+
+GENERATE_MAX_NEW_TOKENS = 32  # mmpipe generate's --max-new-tokens default, and the exported generation config's
+
+# mmpipe's plain chat template as a jinja chat_template (exported with the tokenizer)
+# (content as a string, or transformers' list form: an image item renders as "<image>\n", as training
+# data writes it, a text item as its text)
+PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n"
+                  "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+                  "{% if c['type'] == 'image' %}<image>\n{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+                  "{% endfor %}{% endif %}<|end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def no_added_special_tokens(tokenizer) -> None:
+    """Make the exported tokenizer add nothing by default ([CLS]/[SEP] of mmpipe's WordPiece, a BOS):
+    the run tokenized every piece with ``add_special_tokens=False``, and a processor call through
+    transformers must give the same ids."""
+    from tokenizers.processors import TemplateProcessing
+    for attr in ("add_bos_token", "add_eos_token"):
+        if getattr(tokenizer, attr, False):
+            setattr(tokenizer, attr, False)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        backend.post_processor = TemplateProcessing(single="$A", pair="$A $B", special_tokens=[])
