@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import TINY_VLM, Runs
+from helpers import TINY_CONFIGS, Runs
 
 
 @pytest.fixture(scope="session")
@@ -48,8 +48,8 @@ def runs(tmp_path_factory, tiny_data):
 # Model families the shared grouped-clipping tests run on: name -> the module that registers it
 # (None: built in). A plugin module defines its family and ``FAMILY_CONFIG`` (a tiny run config).
 FAMILIES = {"clip": None, "toy": "test_toy_family"}
-# ... and the layout-parity and resume tests (the VLM: its tiny config, on chat data)
-PARITY_FAMILIES = {**FAMILIES, "vlm": None}
+# ... and the layout-parity and resume tests: every built-in and the plugin families
+PARITY_FAMILIES = {**FAMILIES, **{name: None for name in TINY_CONFIGS}}
 
 
 @pytest.fixture(scope="session")
@@ -60,8 +60,10 @@ def family_runs_of(tmp_path_factory, tiny_data, tiny_chat_data, runs):
     def get(name: str) -> Runs:
         if name not in cache:
             d = tmp_path_factory.mktemp(f"runs_{name}")
-            if name == "vlm":
-                cache[name] = Runs(d, tiny_chat_data, TINY_VLM)
+            if name in TINY_CONFIGS:  # a built-in, on the tiny data of its format
+                from mmpipe.config.registry import get_family
+                data = tiny_chat_data if get_family(name).data_format == "chat" else tiny_data
+                cache[name] = Runs(d, data, TINY_CONFIGS[name])
                 return cache[name]
             import importlib
             module = FAMILIES[name]

@@ -8,7 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import launch
+from helpers import TINY_CONFIGS, launch
 from test_parity import assert_weights_close, reference
 
 from mmpipe.train.checkpoint_weights import load_model_weights
@@ -27,7 +27,7 @@ def _from_step4(ref: str, out: str) -> None:
         (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, os.path.join(out, f))
 
 
-@pytest.mark.parametrize("family", ["clip", "vlm"])  # (the toy family's layouts: covered by these two)
+@pytest.mark.parametrize("family", list(TINY_CONFIGS))  # every built-in (the toy family's layouts: covered by them)
 @pytest.mark.parametrize("key,nprocs,launcher,sets", [
     ("el_p1", 1, "python", ["parallel.pipeline_stages=1"]),
     ("el_p3", 3, "deepspeed", ["parallel.pipeline_stages=3"]),

@@ -197,3 +197,10 @@ def test_no_family_name_is_tested_outside_families():
     planted = {"mmpipe.train.x": 'if cfg.model.type == "vlm":\n    pass\nKINDS = ("clip", "vlm")\n'}
     assert family_name_tests(planted, names) == ["mmpipe.train.x:1", "mmpipe.train.x:3"]
     assert family_name_tests({m: open(p).read() for m, p in _modules().items()}, names) == []
+
+
+def test_every_built_in_family_has_a_tiny_config_for_the_shared_tests():
+    from helpers import TINY_CONFIGS
+
+    from mmpipe.config.registry import BUILTIN
+    assert set(TINY_CONFIGS) == set(BUILTIN) and all(os.path.isfile(p) for p in TINY_CONFIGS.values())
