@@ -132,3 +132,184 @@ def test_the_chooser_weighs_checkpointing_and_never_picks_what_does_not_fit():
     assert best.checkpointing and best.peak <= tight and "not fitting" in why
     with pytest.raises(mmpipe.ConfigError, match="no layout fits"):
         choose(predict_layouts(_prof(layers), CommModel(), memory_budget=1000, **kw))
+
+
+# ---- the optimizer's bytes per parameter (``optimizer_split``) against what DeepSpeed allocates -----------
+# (precision, ZeRO stage, pipelined): (the wrapper DeepSpeed 0.19.8 builds for mmpipe's DeepSpeed config, bytes per
+# trainable parameter it holds from step to step beyond the weights, bytes per parameter it makes for the step:
+# the fp32 gradients it hands torch's AdamW when they are not a view of what it holds). One rank: at DP = N the
+# ``optimizer_split`` parts it divides are a partition (``test_the_optimizer_rule_divides_what_deepspeed_partitions``)
+DEEPSPEED_OPTIMIZER = {
+    ("fp32", 0, False): ("AdamW", 8, 0),  # Adam's m and v
+    ("fp32", 1, False): ("DeepSpeedZeroOptimizer", 12, 4),  # + an fp32 copy of the partition, and its gradient
+    ("fp32", 2, False): ("DeepSpeedZeroOptimizer", 12, 4),
+    ("bf16", 0, False): ("FP16_UnfusedOptimizer", 12, 4),  # fp32 master, m, v; fp32 gradients made in its step
+    ("bf16", 1, False): ("DeepSpeedZeroOptimizer", 12, 4),
+    ("bf16", 2, False): ("DeepSpeedZeroOptimizer", 12, 4),
+    ("fp32", 0, True): ("AdamW", 8, 0),
+    ("fp32", 1, True): ("DeepSpeedZeroOptimizer", 12, 4),
+    ("bf16", 0, True): ("BF16_Optimizer", 14, 4),  # fp32 master, m, v + the bf16 accumulator; its fp32 copy in step
+    ("bf16", 1, True): ("BF16_Optimizer", 16, 0),  # ... the fp32 accumulator, whose partition is the step's gradient
+}
+# what the memory model leaves out of the above (bytes per parameter at DP = 1), each priced elsewhere or not at all:
+NOT_IN_THE_RULE = {
+    # DeepSpeed's ZeRO optimizer keeps an fp32 copy of the partition and an fp32 gradient partition for its step
+    # even for fp32 weights; the model counts Adam's m and v (tests/test_layout.py pins 8 / DP)
+    ("fp32", 1, False): 8, ("fp32", 2, False): 8, ("fp32", 1, True): 8,
+    # BF16_Optimizer's fp32 copy of the accumulator's partition lives inside its step only: the rule counts what
+    # the optimizer holds, as ``log.memory`` measures it (vlm_p2 above: within 2%)
+    ("bf16", 0, True): 4,
+}
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """torch.distributed over gloo with this process as its only rank (what DeepSpeed's engines need)."""
+    import socket
+
+    import deepspeed
+    import torch.distributed as dist
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.MonkeyPatch.context() as mp:
+        env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        for k, v in env.items():
+            mp.setenv(k, v)
+        deepspeed.init_distributed(dist_backend="gloo")
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _engine(precision: str, zero: int, pipelined: bool):
+    """A two-layer engine (2080 parameters) from the DeepSpeed config mmpipe writes for this case."""
+    import types
+
+    import deepspeed
+    import torch
+    from deepspeed.pipe import PipelineModule
+    from helpers import ROOT
+
+    from mmpipe.config.deepspeed import _fill
+    cfg = mmpipe.load_config(f"{ROOT}/configs/tiny.yaml", [
+        f"train.precision={precision}", f"parallel.zero_stage={zero}", f"parallel.pipeline_stages={2 if pipelined else 1}"])
+    ds = {}
+    _fill(ds, cfg, types.SimpleNamespace(accumulation_steps=1))
+    ds.update(train_batch_size=2, train_micro_batch_size_per_gpu=2)
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(32, 32), torch.nn.Linear(32, 32, bias=False)]
+    model = (PipelineModule(layers, num_stages=1, loss_fn=lambda out, y: out.float().pow(2).mean()) if pipelined
+             else torch.nn.Sequential(*layers))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
+    return engine
+
+
+def _optimizer_bytes(engine) -> tuple:
+    """(bytes the optimizer holds, bytes of the fp32 gradients it makes for the step), per parameter, seen as
+    the inner AdamW's second step begins (its m and v exist): every tensor storage reachable from DeepSpeed's
+    wrapper, the inner optimizer's state and its parameters' gradients, less the model's weights and
+    gradients (one-element scalars and ZeRO's meta tensors left out)."""
+    import torch
+
+    from mmpipe.train.memory_meter import held_tensors
+    module, wrapper = engine.module, engine.optimizer
+    inner = getattr(wrapper, "optimizer", wrapper)
+    n = sum(p.numel() for p in module.parameters())
+    seen, real_step = [], inner.step
+
+    def storages(tensors, skip):
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                if t.device.type != "meta" and t.numel() > 1 and t.untyped_storage().data_ptr() not in skip}
+
+    def step(*args, **kwargs):
+        model = {t.untyped_storage().data_ptr() for p in module.parameters() for t in (p, p.grad) if t is not None}
+        held = storages(held_tensors(wrapper) + held_tensors(inner.state)
+                        + [p for g in inner.param_groups for p in g["params"]], model)
+        made = storages([p.grad for g in inner.param_groups for p in g["params"] if p.grad is not None],
+                        model | set(held))
+        seen.append((sum(held.values()) / n, sum(made.values()) / n))
+        return real_step(*args, **kwargs)
+
+    inner.step = step
+    x = torch.randn(2, 32, dtype=torch.bfloat16 if engine.bfloat16_enabled() else torch.float32)
+    for _ in range(2):
+        if hasattr(engine, "train_batch"):
+            engine.train_batch(iter([(x, x)]))
+        else:
+            engine.backward(engine(x).float().pow(2).mean())
+            engine.step()
+    return seen[-1]
+
+
+@pytest.mark.parametrize("case", list(DEEPSPEED_OPTIMIZER),
+                         ids=lambda c: f"{c[0]}-zero{c[1]}-{'pipe' if c[2] else 'p1'}")
+def test_the_optimizer_rule_is_what_deepspeed_allocates(one_rank, case):
+    """One real engine per (precision, ZeRO stage, pipeline or not), one rank on the CPU: the wrapper DeepSpeed
+    picks and the bytes it allocates per parameter, and ``optimizer_split``'s bytes beside them."""
+    from mmpipe.planning.memory import optimizer_bytes
+    precision, zero, pipelined = case
+    wrapper, held, made = DEEPSPEED_OPTIMIZER[case]
+    engine = _engine(precision, zero, pipelined)
+    assert type(engine.optimizer).__name__ == wrapper
+    assert _optimizer_bytes(engine) == (pytest.approx(held, abs=0.02), pytest.approx(made, abs=0.02)), case
+    assert optimizer_bytes(precision, zero, 1, pipelined) == held + made - NOT_IN_THE_RULE.get(case, 0)
+
+
+def test_the_optimizer_rule_divides_what_deepspeed_partitions():
+    """Over N data-parallel ranks: ZeRO partitions everything it holds; ``BF16_Optimizer`` (the pipeline's bf16)
+    partitions the fp32 master and Adam's moments at any ZeRO stage and keeps the flat accumulator whole (its
+    source below); the client AdamW and ``FP16_UnfusedOptimizer`` (ZeRO-0 without a pipeline) hold it all."""
+    import inspect
+
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    from mmpipe.planning.memory import bytes_per_param, optimizer_bytes, optimizer_split, optimizer_state_bytes
+    from mmpipe.planning.place import layer_costs
+    setup = inspect.getsource(BF16_Optimizer._setup_for_real_optimizer)
+    assert "partition_size = self.bf16_groups_flat[i].numel() // real_dp_world_size" in setup
+    assert "torch.zeros_like(self.bf16_groups_flat[i], dtype=self.grad_acc_dtype)" in setup
+    for (precision, zero, pipelined), (wrapper, _, _) in DEEPSPEED_OPTIMIZER.items():
+        split, whole = optimizer_split(precision, zero, pipelined)
+        if wrapper == "BF16_Optimizer":
+            assert (split, whole) == (12, 4 if zero else 2)
+        elif wrapper == "DeepSpeedZeroOptimizer":
+            assert whole == 0 and split > 0
+        else:
+            assert split == 0 and whole > 0
+        for n in (1, 2, 8):
+            assert optimizer_bytes(precision, zero, n, pipelined) == split / n + whole
+    # measured with log.memory (P = 2, DP = 2, bf16): 14 bytes per parameter at ZeRO-0, 10 at ZeRO-1
+    assert optimizer_bytes("bf16", 0, 1, True) == 14 and optimizer_bytes("bf16", 1, 2, True) == 10
+    # every caller takes the rule: placement (a pipeline rank), the stage model and the bench's column
+    assert bytes_per_param("bf16", 1, 2) == (2 + 2 + 10, 2)
+    costs = layer_costs({"layers": [dict(name=n, fwd_ms=1.0, bwd_ms=1.0, act_bytes=0, out_bytes=0, param_bytes=0,
+                                         params=1000, trainable=1000) for n in ("a", "b")]})
+    assert optimizer_state_bytes(costs, "bf16", 0, 2, [0, 1, 2]) == 1000 * (12 / 2 + 2)
+    assert optimizer_state_bytes(costs, "bf16", 0, 2) == 2000 * 16
+
+
+def test_every_ranks_memory_is_a_record_of_metrics_jsonl(one_rank, tmp_path):
+    """``log_memory``'s figures per rank (what ``mmpipe bench strategies`` reads back), beside its human line."""
+    import re
+
+    from mmpipe.train.metrics import MetricsWriter, read_memory_record, read_metrics
+    from mmpipe.train.step_stats import memory_line, memory_record
+    engine = _engine("fp32", 0, False)
+    _optimizer_bytes(engine)  # two steps: Adam's m and v exist
+    rec = memory_record(engine, engine.optimizer, 0, 1)
+    assert rec["params"] == rec["trainable"] == 2080 and rec["peak_of"] == "max_rss" and rec["peak_mb"] > 0
+    assert rec["optimizer_state_mb"] == pytest.approx(8 * 2080 / 2**20, rel=0.01)
+    assert re.fullmatch(r"rank 0 stage 1: params 0\.00M \(trainable 0\.00M\), optimizer state 0\.0 MB, max RSS \d+ MB"
+                        r"(, .*)?", memory_line(rec))
+    writer = MetricsWriter(str(tmp_path), 1, progress=False)
+    writer.log_step({"step": 1, "loss": 1.0, "lr": 1e-3, "samples_per_sec": 1.0})
+    writer.log_memory([rec, {**rec, "rank": 1, "stage": 0}])
+    writer.close()
+    assert read_memory_record(str(tmp_path)) == [rec, {**rec, "rank": 1, "stage": 0}]
+    assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"), kind=None)] == [1, 1]
+    assert len(read_metrics(str(tmp_path / "metrics.jsonl"))) == 1  # the train records alone, as before

@@ -178,8 +178,3 @@ def file_result(path: str, bench: str, entry: str) -> None:
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-
-
-# ---- mmpipe bench strategies ---------------------------------------------------------------------------
-_MEM_LINE = re.compile(r"rank (\d+) stage \d+: params [\d.]+M \(trainable [\d.]+M\), optimizer state ([\d.]+) MB, "
-                       r"max RSS (\d+) MB")

@@ -30,10 +30,9 @@ import sys
 import time
 
 from mmpipe.bench.common import ROOT, _steps, append_benchmarks, free_port, launch, with_scratch
+from mmpipe.train.metrics import read_memory_record
 
 JOBS = ("clip", "vlm_lora", "vlm_full")
-_PEAK_LINE = re.compile(r"rank 0 stage 0: params ([\d.]+)M \(trainable ([\d.]+)M\).*?peak device memory "
-                        r"(\d+) MB")
 _OC_STEP = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/\d+.*?Batch \(t\): ([\d.]+), ([\d.]+)/s,")
 
 
@@ -101,7 +100,7 @@ def run_mmpipe(name: str, spec: dict, data: list, args, tmp: str) -> dict:
     from mmpipe.planning.offline import run_memory
     out = os.path.join(tmp, f"mmpipe_{name}")
     t0 = time.time()
-    log = launch(1, spec["config"], spec["sets"] + data + list(args.sets), out)
+    launch(1, spec["config"], spec["sets"] + data + list(args.sets), out)
     wall = time.time() - t0
     if args.out:  # the steps and (VLM) each micro-batch's samples, for reading the run afterwards
         import shutil
@@ -125,8 +124,9 @@ def run_mmpipe(name: str, spec: dict, data: list, args, tmp: str) -> dict:
     cfg = load_config(os.path.join(out, "config.yaml"))
     if not samples:  # packs: the samples a step trained; pairs: the batch
         samples = cfg.train.batch_size
-    m = _PEAK_LINE.search(log)
-    params, trainable, peak_mb = (float(m.group(1)), float(m.group(2)), float(m.group(3))) if m else (None, None, None)
+    mem = next((r for r in read_memory_record(out) if r["rank"] == 0), None)  # metrics.jsonl's memory record
+    params, trainable = (mem["params"] / 1e6, mem["trainable"] / 1e6) if mem else (None, None)
+    peak_mb = mem["peak_mb"] if mem and mem["peak_of"] == "device" else None
     predicted = run_memory(cfg, out, 1, meta=True)[0].to_dict()["total"] / 2**20
     tflops = [r["tflops"] for r in recs if r.get("tflops") is not None]
     mfu = [r["mfu"] for r in recs if r.get("mfu") is not None]

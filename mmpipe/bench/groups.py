@@ -8,6 +8,7 @@ import statistics
 import sys
 
 from mmpipe.bench.common import _steps, append_benchmarks, launch, with_scratch
+from mmpipe.train.metrics import read_memory_record
 
 
 @with_scratch("groups")
@@ -22,13 +23,12 @@ def bench_groups(args, tmp: str) -> int:
     for name, sets in variants:
         out = os.path.join(tmp, re.sub(r"\W+", "_", name))
         print(f"[bench] {name} ...", flush=True)
-        log = launch(args.nproc, config, base + sets, out)
+        launch(args.nproc, config, base + sets, out)
         recs = _steps(out, args.warmup)
         step_t = statistics.median(r["step_time"] for r in recs)
         clip_t = statistics.median(r.get("clip_time", 0.0) for r in recs)
         wait_t = statistics.median(r.get("clip_wait", 0.0) for r in recs)
-        mem = {int(m.group(1)): (float(m.group(2)), float(m.group(3)))
-               for m in re.finditer(r"rank (\d+) stage \d+: .*optimizer state ([\d.]+) MB, max RSS ([\d.]+) MB", log)}
+        mem = {r["rank"]: (r["optimizer_state_mb"], r["peak_mb"]) for r in read_memory_record(out)}
         rows.append((name, step_t, clip_t, wait_t, mem))
     b = rows[0][1]
     lines = ["| variant | median step (s) | step time vs baseline | norms + scaling (s) | share of step "

@@ -6,7 +6,7 @@ import re
 import shlex
 import sys
 
-from mmpipe.bench.common import _MEM_LINE, ROOT, append_benchmarks, launch, pooled, with_scratch
+from mmpipe.bench.common import ROOT, append_benchmarks, launch, pooled, with_scratch
 from mmpipe.config.schema import load_config
 from mmpipe.data.cache import prepare
 from mmpipe.data.synth import synth
@@ -17,7 +17,7 @@ from mmpipe.planning.layouts import plan_layouts
 from mmpipe.planning.offline import median_profile
 from mmpipe.planning.memory import optimizer_state_bytes
 from mmpipe.planning.place import layer_costs
-from mmpipe.train.metrics import measured_from_run
+from mmpipe.train.metrics import measured_from_run, read_memory_record
 
 
 def _layout_sets(row) -> list:
@@ -91,7 +91,7 @@ def bench_strategies(args, tmp: str) -> int:
                            refresh_comm=args.refresh and sizes not in refreshed)
         refreshed |= {threads, sizes}
         rows = [r for r in res["rows"] if r.micro_batches and r.fits]
-        runs, texts, samples = {}, {}, [res]
+        runs, samples = {}, [res]
         for rnd in range(args.rounds):
             if rnd:  # the profile and the collectives sampled again beside every round's runs
                 log(f"{world} rank(s): profile{'' if world == 1 else ' and collectives'} again (round {rnd + 1}/{args.rounds}) ...")
@@ -100,7 +100,7 @@ def bench_strategies(args, tmp: str) -> int:
             for r in rows:
                 log(f"{world} rank(s): {r.name} (round {rnd + 1}/{args.rounds}) ...")
                 out = os.path.join(tmp, f"w{world}_{re.sub(r'[^A-Za-z0-9]+', '_', r.name)}_{rnd}")
-                texts[out] = launch(world, config, common + _layout_sets(r), out)
+                launch(world, config, common + _layout_sets(r), out)
                 runs.setdefault(r.name, []).append(out)
         if len(samples) > 1:  # predictions from the medians of the rounds' profiles and collectives
             res = plan_layouts(cfg, world, log=log, profile=median_profile([x["profile"] for x in samples]),
@@ -111,9 +111,9 @@ def bench_strategies(args, tmp: str) -> int:
         for r in rows:
             st, out, rounds[r.name] = pooled(runs[r.name], args.warmup)
             measured[r.name] = {**measured_from_run(out, skip=args.warmup), "step_time": st}
-            found = _MEM_LINE.findall(texts[out])
-            mem[r.name] = (max((float(o) for _, o, _ in found), default=float("nan")),
-                           max((int(x) for _, _, x in found), default=0))
+            ranks = read_memory_record(out)  # every rank's figures after the first step (metrics.jsonl)
+            mem[r.name] = (max((x["optimizer_state_mb"] for x in ranks), default=float("nan")),
+                           max((round(x["peak_mb"]) for x in ranks if x["peak_of"] == "max_rss"), default=0))
         if world == 1:
             single = measured[rows[0].name]["step_time"]
         lines = _strategies_table(world, res, rows, measured, mem, batch, single, art, summary, rounds)

@@ -10,20 +10,52 @@ from mmpipe.errors import ConfigError
 
 
 # ---- memory model --------------------------------------------------------------------------------
+def optimizer_split(precision: str, zero_stage: int, pipelined: bool) -> tuple[int, int]:
+    """The one rule for optimizer bytes per trainable parameter (DeepSpeed 0.19.8, torch AdamW):
+    (bytes divided over the data-parallel ranks, bytes every rank holds whole). Every optimizer term
+    of this module (``optimizer_bytes``, ``bytes_per_param``, ``_states``, ``optimizer_state_bytes``)
+    and the step's sharding come from it; ``tests/test_memory_model.py`` pins it against the tensors
+    a real engine allocates.
+
+    - bf16 with a pipeline: DeepSpeed's ``BF16_Optimizer`` at ZeRO-0 and ZeRO-1 alike: the fp32
+      master and Adam's m and v (12 bytes) over the data-parallel ranks, the flat gradient
+      accumulator whole: fp32 under ZeRO-1 (``data_types.grad_accum_dtype: fp32``, which
+      ``config.deepspeed`` sets), bf16 under ZeRO-0. Measured: 14 bytes at ZeRO-0, 10 at ZeRO-1 over
+      2 ranks. (At ZeRO-0 its step also makes an fp32 copy of the accumulator's partition, 4 bytes
+      over the data-parallel ranks, not counted here.)
+    - fp32: Adam's m and v (8 bytes), over the data-parallel ranks from ZeRO-1 on. (DeepSpeed's
+      ZeRO optimizer also keeps an fp32 copy of the partition and an fp32 gradient partition for its
+      step, 8 bytes over the data-parallel ranks, not counted here.)
+    - bf16 / fp16 otherwise (``FP16_UnfusedOptimizer`` at ZeRO-0, DeepSpeed's ZeRO optimizer from
+      ZeRO-1 on): the fp32 master, m, v and the fp32 gradient the step reads (16 bytes), over the
+      data-parallel ranks from ZeRO-1 on."""
+    if precision == "bf16" and pipelined:
+        return 12, (4 if zero_stage >= 1 else 2)
+    per = 8 if precision == "fp32" else 16
+    return (per, 0) if zero_stage >= 1 else (0, per)
+
+
+def optimizer_bytes(precision: str, zero_stage: int, data_parallel: int, pipelined: bool,
+                    trainable: float = 1) -> float:
+    """Optimizer bytes of ``trainable`` parameters on one rank (``optimizer_split``)."""
+    split, whole = optimizer_split(precision, zero_stage, pipelined)
+    return trainable * split / data_parallel + trainable * whole
+
+
 def state_bytes(precision: str) -> tuple[int, int, int]:
-    """(weight, gradient, optimizer-state) bytes per trainable parameter: fp32 = 4, 4, 8 (Adam m, v);
-    bf16/fp16 = 2, 2, 16 (fp32 master, m, v and the fp32 gradient accumulator)."""
-    return (4, 4, 8) if precision == "fp32" else (2, 2, 16)
+    """(weight, gradient, optimizer-state) bytes per trainable parameter: weights and gradients 4
+    (fp32) or 2 (bf16/fp16); the optimizer's as ``optimizer_split`` gives it to one rank without
+    ZeRO or a pipeline (8 fp32, 16 bf16/fp16)."""
+    w = 4 if precision == "fp32" else 2
+    return w, w, int(optimizer_bytes(precision, 0, 1, pipelined=False))
 
 
-def bytes_per_param(precision: str, zero_stage: int, data_parallel: int) -> tuple[float, float]:
+def bytes_per_param(precision: str, zero_stage: int, data_parallel: int,
+                    pipelined: bool = True) -> tuple[float, float]:
     """(bytes per trainable parameter, bytes per frozen parameter) held by one pipeline rank: weights,
-    gradients and optimizer state, the optimizer part divided over data-parallel ranks from ZeRO-1 on
-    (bf16: DeepSpeed's ``BF16_Optimizer``, see ``_states``)."""
-    w, g, o = state_bytes(precision)
-    if precision == "bf16":
-        return w + g + 12 / data_parallel + (4 if zero_stage >= 1 else 2), w
-    return w + g + o / (data_parallel if zero_stage >= 1 else 1), w
+    gradients and optimizer state (``optimizer_bytes``)."""
+    w, g, _ = state_bytes(precision)
+    return w + g + optimizer_bytes(precision, zero_stage, data_parallel, pipelined), w
 
 
 def in_flight(stage: int, stages: int, micro_batches: int) -> int:
@@ -108,11 +140,8 @@ def activation_bytes(costs: list, a: int, b: int, k: int, sch: Schedule) -> floa
 def _states(costs: list, a: int, b: int, precision: str, zero: int, dp: int, ties: tuple = (),
             pipelined: bool = False) -> tuple:
     """(weights, gradients, optimizer state) bytes of layers ``a..b-1`` on one rank; a parameter tied
-    between two of them (``Schedule.ties``) counted once. A bf16 pipeline runs DeepSpeed's
-    ``BF16_Optimizer``: the fp32 master and Adam's moments (12 bytes) split over the data-parallel
-    ranks at any ZeRO stage, the gradient accumulator whole (fp32 under ZeRO-1, bf16 under ZeRO-0)
-    - measured: 14 bytes per parameter at ZeRO-0, 10 at ZeRO-1 over 2 ranks."""
-    w, g, o = state_bytes(precision)
+    between two of them (``Schedule.ties``) counted once; the optimizer's per ``optimizer_bytes``."""
+    w, g, _ = state_bytes(precision)
     trainable = sum(c.trainable for c in costs[a:b])
     frozen = sum(c.params - c.trainable for c in costs[a:b])
     names = {c.name: c for c in costs[a:b]}
@@ -123,15 +152,14 @@ def _states(costs: list, a: int, b: int, precision: str, zero: int, dp: int, tie
             else:
                 frozen -= n
     n = dp if zero >= 1 else 1
-    if pipelined and precision == "bf16":
-        return trainable * w + frozen * w, trainable * g, trainable * (12 / dp + (4 if zero >= 1 else 2))
-    if zero <= 1:
-        return trainable * w + frozen * w, trainable * g, trainable * o / n
+    opt = optimizer_bytes(precision, zero, dp, pipelined, trainable)
+    if zero <= 1:  # (DeepSpeed's pipeline runs ZeRO 0 and 1 only)
+        return trainable * w + frozen * w, trainable * g, opt
     if zero == 2:
-        return trainable * w + frozen * w, trainable * g / n, trainable * o / n
+        return trainable * w + frozen * w, trainable * g / n, opt
     # ZeRO-3: everything sharded; the largest layer is gathered whole (weights, and gradients in backward)
     gathered = max(c.params * w + c.trainable * g for c in costs[a:b])
-    return (trainable + frozen) * w / n + gathered, trainable * g / n, trainable * o / n
+    return (trainable + frozen) * w / n + gathered, trainable * g / n, opt
 
 
 def _features(costs: list, stage: int, stages: int, micro_batches: int, dp: int, sch: Schedule) -> float:
@@ -175,7 +203,8 @@ def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str
             workspace += last.out_bytes
         # torch's multi-tensor AdamW makes one fp32 temporary per (sharded) parameter in its step
         trainable = sum(c.trainable for c in costs[a:b])
-        step = 4 * trainable / (data_parallel if zero_stage >= 1 or (P > 1 and precision == "bf16") else 1)
+        sharded = optimizer_split(precision, zero_stage, P > 1)[0] > 0
+        step = 4 * trainable / (data_parallel if sharded else 1)
         out.append(MemoryBreakdown(w, g, o, activation_bytes(costs, a, b, k, schedule), buffers, workspace, step,
                                    _features(costs, s, P, micro_batches, data_parallel, schedule),
                                    _step_loss(s, P, micro_batches, data_parallel, schedule),
@@ -249,12 +278,11 @@ def pick_micro_batch(per_rank_batch: int, peak_of: Callable[[int], int], budget:
 
 def optimizer_state_bytes(costs: list, precision: str, zero: int, dp: int, parts: Optional[list] = None) -> float:
     """Optimizer state on the fullest rank: the largest stage's (or, without ``parts``, the whole
-    model's) trainable parameters times the state bytes per parameter, sharded over ``dp`` ranks
-    from ZeRO-1 on (the term ``dp_memory`` and ``stage_memory`` count)."""
-    o = state_bytes(precision)[2]
+    model's) trainable parameters times ``optimizer_bytes`` (a pipeline when ``parts`` has more than
+    one stage): the term ``dp_memory`` and ``stage_memory`` count."""
     spans = list(zip(parts, parts[1:])) if parts else [(0, len(costs))]
     trainable = max(sum(c.trainable for c in costs[a:b]) for a, b in spans)
-    return trainable * o / (dp if zero >= 1 else 1)
+    return optimizer_bytes(precision, zero, dp, len(spans) > 1, trainable)
 
 
 def device_memory_bytes(world: int) -> int:

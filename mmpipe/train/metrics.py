@@ -1,6 +1,6 @@
 """Run outputs on the reporting rank: ``metrics.jsonl`` (one object per optimizer step, plus eval
-lines), optional TensorBoard, a progress bar, and ``print0``-style logging. Other ranks get a
-null writer, so the training loop has no rank checks."""
+lines and every rank's memory after a launch's first step), optional TensorBoard, a progress bar,
+and ``print0``-style logging. Other ranks get a null writer, so the training loop has no rank checks."""
 from __future__ import annotations
 
 import json
@@ -14,6 +14,7 @@ class NullWriter:
 
     def log_step(self, record: dict) -> None: ...
     def log_eval(self, record: dict, line: str = None) -> None: ...
+    def log_memory(self, ranks: list) -> None: ...
     def info(self, msg: str) -> None: ...
     def progress(self, step: int, record: dict) -> None: ...
     def close(self) -> None: ...
@@ -29,6 +30,7 @@ class MetricsWriter(NullWriter):
         _truncate_after(self.path, start_step)
         self.fh = open(self.path, "a")
         self.every = max(1, every)
+        self.step = start_step  # the last step logged
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -49,6 +51,7 @@ class MetricsWriter(NullWriter):
 
     def log_step(self, record: dict) -> None:
         self._write(dict(kind="train", **record))
+        self.step = record["step"]
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_sec']:.1f}")
@@ -63,6 +66,12 @@ class MetricsWriter(NullWriter):
         self._write(dict(kind="eval", **record))
         self.info(line or f"eval step {record['step']}: " + " ".join(
             f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items() if k != "step"))
+
+    def log_memory(self, ranks: list) -> None:
+        """``{"kind": "memory", "step": S, "ranks": [...]}``: every rank's ``step_stats.memory_record``
+        (rank, stage, params, trainable, optimizer_state_mb, peak_mb, peak_of, cpu_threads) after
+        step S, the launch's first (``read_memory_record``)."""
+        self._write({"kind": "memory", "step": self.step, "ranks": ranks})
 
     def info(self, msg: str) -> None:
         if self.bar is not None:
@@ -100,6 +109,13 @@ def read_metrics(path: str, kind: Optional[str] = "train") -> list[dict]:
                 if kind is None or r.get("kind") == kind:
                     out.append(r)
     return out
+
+
+def read_memory_record(run_dir: str) -> list[dict]:
+    """Every rank's memory figures from the run's latest memory record in ``metrics.jsonl``
+    (``MetricsWriter.log_memory``); empty without one."""
+    recs = read_metrics(os.path.join(run_dir, "metrics.jsonl"), kind="memory")
+    return recs[-1]["ranks"] if recs else []
 
 
 def measured_from_run(run_dir: str, skip: int = 3) -> dict:

@@ -1,5 +1,5 @@
 """What a step reports: every rank's counters gathered once into a typed ``StepStats``, the lr of
-every group wherever it lives, the memory line per rank, the stage trace, and DeepSpeed's monitors."""
+every group wherever it lives, the memory line and record per rank, the stage trace, and DeepSpeed's monitors."""
 from __future__ import annotations
 
 import math
@@ -15,24 +15,32 @@ from mmpipe.parallel.stage_clock import FIELDS, write_timeline_png
 from mmpipe.parallel.stage_clock import write_trace as write_trace_json
 
 
-def memory_summary(engine, inner_optimizer, rank: int, stage: int) -> str:
-    """One line per rank after the first step: what this rank holds (frozen groups show here)."""
+def memory_record(engine, inner_optimizer, rank: int, stage: int) -> dict:
+    """What this rank holds after the first step (frozen groups show here): its parameters, the
+    trainable ones, the inner optimizer's state in MB and its peak memory in MB (``peak_of``:
+    ``max_rss`` on the CPU, ``device`` the accelerator's allocator peak). One entry of the run's
+    ``metrics.jsonl`` memory record (``log_memory``)."""
     import resource
 
     from deepspeed.accelerator import get_accelerator
     params = list(engine.module.parameters())
     numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731 - ZeRO-3 partitions parameters
-    total = sum(numel(p) for p in params)
-    trainable = sum(numel(p) for p in params if p.requires_grad)
     state = sum(t.numel() * t.element_size() for s in inner_optimizer.state.values() for t in s.values()
                 if torch.is_tensor(t))
     acc = get_accelerator()
-    if acc.device_name() == "cpu":
-        peak = f"max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB"
-    else:
-        peak = f"peak device memory {acc.max_memory_allocated() / 2**20:.0f} MB"
-    return (f"rank {rank} stage {stage}: params {total / 1e6:.2f}M (trainable {trainable / 1e6:.2f}M), "
-            f"optimizer state {state / 2**20:.1f} MB, {peak}" + (f", {startup.CPU_THREADS}" if startup.CPU_THREADS else ""))
+    cpu = acc.device_name() == "cpu"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if cpu else acc.max_memory_allocated() / 2**20
+    return {"rank": rank, "stage": stage, "params": sum(numel(p) for p in params),
+            "trainable": sum(numel(p) for p in params if p.requires_grad), "optimizer_state_mb": state / 2**20,
+            "peak_mb": peak, "peak_of": "max_rss" if cpu else "device", "cpu_threads": startup.CPU_THREADS}
+
+
+def memory_line(rec: dict) -> str:
+    """The human line of one rank's ``memory_record``."""
+    peak = f"{'max RSS' if rec['peak_of'] == 'max_rss' else 'peak device memory'} {rec['peak_mb']:.0f} MB"
+    return (f"rank {rec['rank']} stage {rec['stage']}: params {rec['params'] / 1e6:.2f}M (trainable "
+            f"{rec['trainable'] / 1e6:.2f}M), optimizer state {rec['optimizer_state_mb']:.1f} MB, {peak}"
+            + (f", {rec['cpu_threads']}" if rec["cpu_threads"] else ""))
 
 
 def eval_due(step: int, eval_every: int, total_steps: int) -> bool:
@@ -173,8 +181,10 @@ def write_trace(run, eng, writer, trace_offset: float) -> None:
 
 
 def log_memory(run, eng, writer) -> None:
-    """What each rank holds (frozen groups show here), printed by the reporter after the first step."""
-    lines = [None] * run.world
-    dist.all_gather_object(lines, memory_summary(eng.engine, eng.clipper.inner, run.rank, run.where.stage))
-    for line in lines:
-        writer.info(line)
+    """What each rank holds (frozen groups show here), after the first step: a line per rank printed
+    by the reporter, and one ``kind: memory`` record of every rank's figures in ``metrics.jsonl``."""
+    recs = [None] * run.world
+    dist.all_gather_object(recs, memory_record(eng.engine, eng.clipper.inner, run.rank, run.where.stage))
+    for rec in recs:
+        writer.info(memory_line(rec))
+    writer.log_memory(recs)
