@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mmpipe.parallel.ds_compat import is_zero3_param
+
 
 class StepLossCache:
     """The last stage's cache of one step's features and the surrogate of each micro-batch."""
@@ -72,7 +74,7 @@ class StepLossCache:
         first = self.k == 0
         self.k += 1
         s = self.A * self.D * (outputs.float() * self.grad[start:start + self.rows]).sum()
-        if first and self.params and not any(hasattr(p, "ds_id") for p in self.params):
+        if first and self.params and not any(is_zero3_param(p) for p in self.params):
             # A dL/dp through <p, A dL/dp>: no B x B graph kept until this micro-batch's backward
             s = s + self.A * sum((p.float() * g).sum() for p, g in zip(self.params, self.param_grads))
         elif first and self.params:  # ZeRO-3 partitions p: the loss module's forward gathers it
