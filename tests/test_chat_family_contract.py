@@ -10,6 +10,7 @@ Runs import it through ``MMPIPE_PLUGINS=test_chat_family_contract``."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -246,8 +247,9 @@ LAYOUTS = {"p1": (1, ["parallel.pipeline_stages=1"], "python"), "p2": (2, ["para
 @pytest.mark.parametrize("packing", [False, True])
 def test_mixed_sizes_train_alike_in_every_layout(mixed_chat, tmp_path, packing):
     """P = 1, P = 2 and P2 x DP2 on chat data whose images differ in token count within a
-    micro-batch: the same losses (rtol 1e-5), with packing off and on."""
-    losses = {}
+    micro-batch: the same losses (rtol 1e-5), with packing off and on (and packing really packs)."""
+    from mmpipe.train.metrics import read_metrics
+    losses, seen = {}, {}
     for name, (n, sets, launcher) in LAYOUTS.items():
         out = str(tmp_path / name)
         args = ["--config", mixed_chat["config"], "--set", f"data.train={mixed_chat['train']}",
@@ -255,6 +257,9 @@ def test_mixed_sizes_train_alike_in_every_layout(mixed_chat, tmp_path, packing):
         launch(n, args + [a for s in sets for a in ("--set", s)], launcher,
                env={"MMPIPE_PLUGINS": "test_chat_family_contract"})
         losses[name] = train_losses(out)
+        seen[name] = [r["samples_seen"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))]
     assert len(losses["p1"]) == 3 and all(np.isfinite(losses["p1"]))
+    # packing is on where asked: 8 rows a step hold more than 8 conversations (the same in every layout)
+    assert seen["p2"] == seen["p2dp2"] == seen["p1"] and (seen["p1"][-1] > 24 if packing else seen["p1"][-1] == 24)
     for name in ("p2", "p2dp2"):
         np.testing.assert_allclose(losses[name], losses["p1"], rtol=1e-5, err_msg=name)
