@@ -55,7 +55,7 @@ VARIANTS = {
 
 def _batch(family, name: str) -> dict:
     batch = family.example_batch(4, 24, "cpu")
-    if name == "vlm-text-only":  # no images: the vision blocks run on one zero row (model._through)
+    if name == "vlm-text-only":  # no images: the vision blocks run on one zero row (chat.layers.through)
         ids = batch["input_ids"]
         ids[ids == family.image_token_id] = 0
         batch["pixel_values"] = batch["pixel_values"][:0]

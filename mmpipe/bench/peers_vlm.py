@@ -56,7 +56,7 @@ def check_same_tokens(cfg, train: str, llava: str, order: list, n: int) -> int:
     tok = fam_cls.prepare_tokenizer(load_tokenizer(llava))
     family = fam_cls(replace(cfg, model=fam_cls.resolve(cfg.model, tok, cfg.data)).model, cfg.train.seed)
     samples = read_chat(train)
-    enc = family.encoder(tok, cfg.data.max_length)
+    enc = family.encoder(tok, cfg.data.max_length, cfg.data)
     rows = [json.loads(line) for line in open(train)]
     for i in order[:n]:
         ours = enc.encode(samples[i])

@@ -174,7 +174,7 @@ def _encoded_samples(run: str, count: int):
     cfg = load_config(os.path.join(run, "config.yaml"))
     fam_cls = family_of(cfg)
     family = fam_cls(cfg.model, cfg.train.seed)
-    enc = family.encoder(fam_cls.prepare_tokenizer(load_tokenizer(os.path.join(run, "tokenizer"))), cfg.data.max_length)
+    enc = family.encoder(fam_cls.prepare_tokenizer(load_tokenizer(os.path.join(run, "tokenizer"))), cfg.data.max_length, cfg.data)
     size = fam_cls.pixels(cfg.model, cfg.data).size
     mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
     out = []

@@ -11,7 +11,7 @@ import os
 
 from mmpipe.errors import ConfigError
 
-BUILTIN = {"clip": "mmpipe.families.clip", "vlm": "mmpipe.families.vlm"}
+BUILTIN = {"clip": "mmpipe.families.clip", "vlm": "mmpipe.families.vlm", "qwen2_5_vl": "mmpipe.families.qwen_vl"}
 _REGISTRY: dict = {}
 _plugins_loaded = [False]
 

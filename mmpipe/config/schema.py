@@ -50,6 +50,10 @@ class DataConfig(Section):
                               "replaces decoding data.train")
     decode_size: Optional[int] = _f(None, "square size images are decoded (or cached) at before augmentation; unset = "
                                     "the model's image size", ge=1)
+    min_pixels: Optional[int] = _f(None, "native-resolution families (qwen2_5_vl): the fewest pixels an image is resized to "
+                                   "(ms-swift's MIN_PIXELS); unset = the model directory's processor", ge=1)
+    max_pixels: Optional[int] = _f(None, "native-resolution families: the most pixels an image is resized to (ms-swift's "
+                                   "MAX_PIXELS; sets the largest image-token count); unset = the directory's processor", ge=1)
     augment: str = _f("none", "none, crop (RandomResizedCrop) or crop_flip (+ RandomHorizontalFlip); applied after "
                       "decode or cache, seeded by (seed, epoch, sample)")
     crop_scale: list = _f([0.9, 1.0], "RandomResizedCrop scale range (open_clip's default)")

@@ -1,7 +1,8 @@
 """Chat samples -> token ids and labels, by the tokenizer's chat template or mmpipe's plain one.
 
 ``<image>`` expands to the image's own number of image tokens: the family's ``image_tokens(path)``
-(a fixed count for a square tower, ``(h/p)(w/p)`` for a native-resolution one), so truncation,
+(a fixed count for a square tower, ``(h/p)(w/p)`` for a native-resolution one; wrapped in the
+family's ``image_wrap`` tokens, e.g. Qwen-VL's ``<|vision_start|>`` / ``<|vision_end|>``), so truncation,
 packing lengths and length grouping use real counts. Labels: every assistant turn (its text and
 the end-of-turn token) is learned; system text, prompts, role markers, image tokens and padding are
 -100. A sample longer than ``max_length`` is cut after its last complete image; if an image itself
@@ -34,11 +35,12 @@ class ChatEncoder:
     """Token ids and labels of a chat sample: each piece is tokenized on its own (no special tokens
     added), so label boundaries are exact whatever the tokenizer merges."""
 
-    def __init__(self, tokenizer, image_token_id: int, image_tokens: Callable, max_length: int):
+    def __init__(self, tokenizer, image_token_id: int, image_tokens: Callable, max_length: int, wrap: tuple = ((), ())):
         """``image_tokens(image)``: the number of image tokens an image (a path) becomes, the family's
-        (``ChatFamily.image_tokens``)."""
+        (``ChatFamily.image_tokens``); ``wrap``: token ids around each image's run (``image_wrap``)."""
         self.tok, self.image_id, self.max_length = tokenizer, image_token_id, max_length
         self.image_tokens = image_tokens
+        self.before, self.after = list(wrap[0]), list(wrap[1])
 
     def _ids(self, text: str, counts=None) -> list:
         """Token ids of ``text``; its ``<image>`` markers take the next counts of ``counts`` (an
@@ -46,7 +48,7 @@ class ChatEncoder:
         out = []
         for k, part in enumerate(text.split(IMAGE)):
             if k:
-                out += [self.image_id] * next(counts)
+                out += self.before + [self.image_id] * next(counts) + self.after
             if part:
                 out += self.tok(part, add_special_tokens=False)["input_ids"]
         return out
@@ -133,8 +135,8 @@ class ChatEncoder:
         firsts = [sum(counts[:k]) for k in range(len(counts))]
         starts = [positions[f] for f in firsts if f < len(positions)]
         for k, s in enumerate(starts):
-            if s + counts[k] > cut:  # this image would be cut through: end the sample before it
-                cut, keep_images = s, k
+            if s + counts[k] + len(self.after) > cut:  # this image would be cut through: end the sample before it
+                cut, keep_images = s - len(self.before), k
                 break
         if keep_images < len(enc.images) and keep_images == 0 and starts:
             return Encoded([], [], (), True, f"its first image ends at token {starts[0] + counts[0]}, "

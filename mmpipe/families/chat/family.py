@@ -69,17 +69,27 @@ class ChatFamily(Family):
             raise ConfigError(f"model.image_token_id={model_cfg.image_token_id} but the tokenizer's {IMAGE} is "
                               f"{image_id}: unset model.image_token_id, or use the tokenizer the model was trained with")
 
-    def image_tokens(self, image) -> int:
-        """How many image tokens the image (a path) becomes in the token sequence."""
+    def image_tokens(self, image, data_cfg=None) -> int:
+        """How many image tokens the image (a path) becomes in the token sequence (``data_cfg``: the
+        run's data section, whose image bounds a native-resolution family resizes within)."""
         raise NotImplementedError
 
-    def encoder(self, tokenizer, max_length: int):
+    def image_wrap(self, tokenizer) -> tuple:
+        """(token ids before, token ids after) each image's run of image tokens (Qwen-VL:
+        ``<|vision_start|>`` and ``<|vision_end|>``); none by default."""
+        return (), ()
+
+    def encoder(self, tokenizer, max_length: int, data_cfg=None):
+        from functools import partial
+
         from mmpipe.families.chat.encoder import ChatEncoder
-        return ChatEncoder(tokenizer, self.image_token_id, self.image_tokens, max_length)
+        return ChatEncoder(tokenizer, self.image_token_id, partial(self.image_tokens, data_cfg=data_cfg), max_length,
+                           self.image_wrap(tokenizer))
 
     def dataset(self, records, tokenizer, data_cfg, seed=None):
         from mmpipe.families.chat.dataset import ChatDataset, PackedChatDataset
-        chat = ChatDataset(records, self.encoder(tokenizer, data_cfg.max_length), self.pixels(self.cfg, data_cfg, seed))
+        chat = ChatDataset(records, self.encoder(tokenizer, data_cfg.max_length, data_cfg),
+                           self.pixels(self.cfg, data_cfg, seed))
         return PackedChatDataset(chat, data_cfg.max_length) if getattr(data_cfg, "packing", False) else chat
 
     def collate(self, tokenizer, data_cfg):
@@ -109,7 +119,12 @@ class ChatFamily(Family):
                 f"({record['val_tokens']} tokens)")
 
     # ---- generation --------------------------------------------------------------------------------
-    def generation_inputs(self, images: list) -> dict:
+    def generation_inputs(self, images: list, data_cfg=None) -> dict:
         """The transformers model's image inputs for ``images`` (paths) at generation, prepared as
         training prepared them."""
         raise NotImplementedError
+
+    def generation_kwargs(self, input_ids, image_inputs: dict) -> dict:
+        """What the transformers model's ``generate`` takes besides the ids and mask: the image
+        inputs, and whatever the family derives from the prompt (Qwen-VL's ``mm_token_type_ids``)."""
+        return image_inputs

@@ -20,7 +20,7 @@ class ChatGenerator:
 
     def __init__(self, cfg, family, tok, state: dict, device: str = "cpu"):
         self.cfg, self.family, self.tok, self.device = cfg, family, tok, device
-        self.encoder = family.encoder(tok, cfg.data.max_length)
+        self.encoder = family.encoder(tok, cfg.data.max_length, cfg.data)
         self.model = family.hf.hf_model(state).to(device)
         self.stop = self.encoder.end_of_turn_ids()  # the end of the assistant's turn, as training learned it
 
@@ -62,7 +62,7 @@ class ChatGenerator:
         if max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens {max_new_tokens}: give 1 or more (the most tokens an answer gets)")
         ids, extra = self.prompt(prompt, image, history, what)
-        extra = extra or {}
+        extra = self.family.generation_kwargs(ids, extra or {})
         out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra,
                                   max_new_tokens=max_new_tokens, min_new_tokens=0 if stop else max_new_tokens,
                                   do_sample=False, use_cache=True, eos_token_id=self.stop if stop else None,

@@ -145,7 +145,7 @@ class VlmFamily(ChatFamily):
 
     def matmuls(self, name: str, mb) -> list:
         """The vision tower's products on the micro-batch's images (a block given none runs on one
-        zero row: ``model._through``), the projector's on their image tokens, the decoder blocks'
+        zero row: ``chat.layers.through``), the projector's on their image tokens, the decoder blocks'
         and the LM head's on every (padded) token position."""
         v, t = self.vision_cfg, self.text_cfg
         if name == "vision.embed":
@@ -250,7 +250,7 @@ class VlmFamily(ChatFamily):
         s, p = self.vision_cfg.image_size, self.vision_cfg.patch_size
         return (s // p) ** 2 + (self.cfg.vision_feature_select_strategy == "full")
 
-    def image_tokens(self, image) -> int:
+    def image_tokens(self, image, data_cfg=None) -> int:
         return self.n_image_tokens()  # every image is the tower's square: one count
 
     def generation_inputs(self, images: list, data_cfg=None) -> dict:

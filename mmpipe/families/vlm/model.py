@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from mmpipe.families.chat.layers import LmHead, TokenEmbed, through  # noqa: F401 - LmHead, TokenEmbed: the VLM's layers
 from mmpipe.families.chat.masks import attention_inputs
 
 
@@ -32,25 +33,6 @@ class Projector(nn.Module):
     def forward(self, vision_hidden):
         h = vision_hidden[:, 1:] if self.drop_cls else vision_hidden
         return self.linear_2(self.act(self.linear_1(h)))
-
-
-class TokenEmbed(nn.Module):
-    """The LM's token embedding; image features replace the image-token positions (in order)."""
-
-    def __init__(self, vocab: int, width: int, pad_id, image_token_id: int):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, width, pad_id)
-        self.image_token_id = image_token_id
-
-    def forward(self, input_ids, image_features=None):
-        h = self.embed_tokens(input_ids)
-        if image_features is None:  # (an empty tensor still merges: a pipeline stage sends its gradient back)
-            return h
-        where = (input_ids == self.image_token_id).unsqueeze(-1)
-        feats = image_features.reshape(-1, h.shape[-1]).to(h.dtype)
-        if not where.is_meta and int(where.sum()) != feats.shape[0]:  # (meta: shapes only, for planning)
-            raise ValueError(f"{int(where.sum())} image tokens but {feats.shape[0]} image features")
-        return h.masked_scatter(where, feats)
 
 
 def decoder_block_cls(arch: str):
@@ -80,37 +62,17 @@ def decoder_block_cls(arch: str):
     return DecoderBlock
 
 
-class LmHead(nn.Module):
-    def __init__(self, norm: nn.Module, width: int, vocab: int):
-        super().__init__()
-        self.norm = norm
-        self.lm_head = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, hidden):
-        return self.lm_head(self.norm(hidden))
-
-
 # ---- layer steps ---------------------------------------------------------------------------------
 def vision_embed_step(part, acts):
     pixels, ids, mask = acts
     return (part(pixels) if pixels is not None else None), ids, mask
 
 
-def _through(part, h):
-    """``h`` (holding no images) passed on, with a zero-weight path through ``part`` run on one zero
-    row: every layout gives its parameters a zero gradient (not none) for a micro-batch without
-    images, the tensor a pipeline stage sends keeps a gradient of its own, and under ZeRO-3 every
-    data-parallel rank runs the block's forward (its parameter gathers) whether its micro-batch
-    holds images or not (DeepSpeed #7170: ranks on different paths hang)."""
-    out = part(h.new_zeros((1,) + tuple(h.shape[1:])))
-    return h + out.sum() * 0.0
-
-
 def vision_block_step(part, acts):
     h, ids, mask = acts
     if h is None:
         return None, ids, mask
-    return (part(h) if h.shape[0] else _through(part, h)), ids, mask
+    return (part(h) if h.shape[0] else through(part, h)), ids, mask
 
 
 def projector_step(part, acts):

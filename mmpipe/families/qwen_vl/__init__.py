@@ -1,0 +1,289 @@
+"""Qwen2.5-VL at native resolution (``model.type: qwen2_5_vl``): every image keeps its aspect ratio and
+becomes its own number of tokens (the model's image processor: ``data.min_pixels`` /
+``data.max_pixels``), its patches run through the window-attention ViT, the 2x2 merger (ms-swift's
+"aligner") and into the Qwen2 decoder at the ``<|image_pad|>`` positions, with multimodal rotary
+positions computed per batch in the collate (``positions``: restarting per sample in packed rows).
+Arithmetic, weights (``model.pretrained``: a local ``Qwen2_5_VLForConditionalGeneration`` directory with
+its processor) and export are transformers'. Chat data, packing, the token-mean loss and generation
+come from the chat home (``mmpipe.families.chat``)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmpipe.config.registry import register_family
+from mmpipe.errors import ConfigError
+from mmpipe.families.base import Layer
+from mmpipe.families.chat.family import ChatFamily
+from mmpipe.families.chat.masks import mark_mask
+from mmpipe.families.qwen_vl import model as m
+from mmpipe.families.qwen_vl.config import Qwen25VLConfig
+from mmpipe.families.towers import hf
+from mmpipe.families.towers.common import init_transformer_part
+
+IMAGE_PAD, VISION_START, VISION_END, VIDEO_PAD = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"
+_VISION_FIELDS = ("depth", "hidden_size", "num_heads", "intermediate_size", "patch_size", "temporal_patch_size",
+                  "spatial_merge_size", "window_size", "fullatt_block_indexes")
+_TEXT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                "max_position_embeddings")
+
+
+def qwen_config(cfg):
+    """The ``Qwen2_5_VLConfig`` of a ``model:`` section: ``model.pretrained``'s (fields set beside it must
+    agree), else built from the fields (transformers' defaults for the rest)."""
+    from transformers import Qwen2_5_VLConfig
+    if cfg.pretrained:
+        top = hf.load_hf_config(cfg.pretrained, "model.pretrained")
+        if getattr(top, "model_type", None) != "qwen2_5_vl":
+            raise ConfigError(f"model.pretrained: {cfg.pretrained} holds a {getattr(top, 'model_type', '?')}, not a "
+                              "Qwen2_5_VLForConditionalGeneration directory")
+        hf.check_fields_agree(cfg.vision, [f for f in _VISION_FIELDS if getattr(cfg.vision, f) is not None],
+                              top.vision_config, "model.vision", "model.pretrained")
+        hf.check_fields_agree(cfg.llm, [f for f in _TEXT_FIELDS if getattr(cfg.llm, f) is not None],
+                              top.text_config, "model.llm", "model.pretrained")
+        if cfg.llm.vocab_size and cfg.llm.vocab_size > top.text_config.vocab_size:  # tokens the tokenizer added
+            top.text_config.vocab_size = cfg.llm.vocab_size
+    else:
+        v, t = cfg.vision, cfg.llm
+        vision = {f: getattr(v, f) for f in _VISION_FIELDS if getattr(v, f) is not None}
+        text = {f: getattr(t, f) for f in _TEXT_FIELDS if getattr(t, f) is not None}
+        text.update(vocab_size=t.vocab_size, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        if t.hidden_size:
+            vision["out_hidden_size"] = t.hidden_size
+        rope = {"rope_type": "default", "rope_theta": float(t.rope_theta or 1_000_000.0)}
+        if t.mrope_section:
+            rope["mrope_section"] = list(t.mrope_section)
+        text["rope_parameters"] = rope
+        top = Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=cfg.image_token_id,
+                               tie_word_embeddings=bool(t.tie_word_embeddings), bos_token_id=None, eos_token_id=None)
+    t = top.text_config
+    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    section = t.rope_parameters.get("mrope_section", [16, 24, 24])
+    if sum(section) * 2 != head_dim:
+        raise ConfigError(f"model.llm.mrope_section={section} sums to {sum(section)}, but the rotary half of a "
+                          f"{head_dim}-wide head is {head_dim // 2}: give sections that sum to {head_dim // 2}")
+    if cfg.image_token_id is not None:
+        top.image_token_id = cfg.image_token_id
+    top.vision_config._attn_implementation = top.text_config._attn_implementation = "sdpa"
+    return top
+
+
+@register_family
+class Qwen25VLFamily(ChatFamily):
+    name = "qwen2_5_vl"
+    config_class = Qwen25VLConfig
+    inputs = ("pixel_values", "image_grid_thw", "input_ids", "attention_mask", "position_ids")
+    special_tokens = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)  # Qwen2-VL's; a directory's tokenizer has them
+    default_groups = {"vision": [r"^vision\."], "merger": [r"^merger\."], "llm": [r"^llm\."]}
+    # ms-swift's names (the aligner is the merger), and mmpipe's own
+    freeze_shortcuts = {"freeze_vit": "vision", "freeze_aligner": "merger", "freeze_llm": "llm",
+                        "freeze_vision": "vision", "freeze_projector": "merger", "freeze_text": "llm"}
+    lr_shortcuts = {"vit_lr": "vision", "aligner_lr": "merger"}
+    decay_split = 2  # embedding tables undecayed, as the VLM's
+
+    # ---- config ------------------------------------------------------------------------------------
+    @classmethod
+    def tokenizer_weights(cls, model_cfg):
+        return ("model.pretrained", model_cfg.pretrained) if model_cfg.pretrained else (None, None)
+
+    @classmethod
+    def prepare_tokenizer(cls, tokenizer):
+        """Qwen2-VL's vision tokens as special tokens (a directory's tokenizer holds them already)."""
+        return super(ChatFamily, cls).prepare_tokenizer(tokenizer)
+
+    @classmethod
+    def resolve(cls, model_cfg, tokenizer, data_cfg):
+        """``model.image_token_id`` (the tokenizer's ``<|image_pad|>``) and ``model.llm.vocab_size`` (at
+        least the tokenizer's size), when left unset."""
+        from mmpipe.config.fields import thawed_copy
+        out = thawed_copy(model_cfg)
+        image_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        if out.image_token_id is None:
+            out.image_token_id = image_id
+        elif out.image_token_id != image_id:
+            raise ConfigError(f"model.image_token_id={out.image_token_id} but the tokenizer's {IMAGE_PAD} is {image_id}: "
+                              "unset model.image_token_id, or use the model's tokenizer")
+        n = len(tokenizer)
+        if out.pretrained:
+            size = hf.load_hf_config(out.pretrained, "model.pretrained").text_config.vocab_size
+            if n > size:
+                out.llm.vocab_size = n
+        elif out.llm.vocab_size is None:
+            out.llm.vocab_size = n
+        elif out.llm.vocab_size < n:
+            raise ConfigError(f"model.llm.vocab_size={out.llm.vocab_size} is smaller than the tokenizer's {n} tokens")
+        return out
+
+    @classmethod
+    def validate(cls, model_cfg, where: str) -> None:
+        if not model_cfg.pretrained and (model_cfg.llm.hidden_size is None or model_cfg.llm.num_hidden_layers is None):
+            raise ConfigError(f"{where}: model.type=qwen2_5_vl needs model.pretrained (a local directory) or the sizes "
+                              "model.llm.hidden_size and model.llm.num_hidden_layers (see configs/qwen2_5_vl_7b.yaml)")
+
+    @classmethod
+    def pixels(cls, model_cfg, data_cfg, seed=None):
+        """Native-resolution images through the model's image processor (no augmentation: the
+        processor's arithmetic is what an exported model is fed)."""
+        from mmpipe.families.qwen_vl.pixels import NativePixels, image_processor
+        return NativePixels(image_processor(model_cfg.pretrained, data_cfg))
+
+    def __init__(self, model_cfg, seed: int = 0):
+        super().__init__(model_cfg, seed)
+        self.hf_cfg = qwen_config(model_cfg)
+        self.vision_cfg, self.text_cfg = self.hf_cfg.vision_config, self.hf_cfg.text_config
+        self.image_token_id = self.hf_cfg.image_token_id
+        self.tied = bool(getattr(self.hf_cfg, "tie_word_embeddings", False))
+        self._source = hf.WeightSource(model_cfg.pretrained, "model.pretrained") if model_cfg.pretrained else None
+        self._native = {}
+        D, L = self.vision_cfg.depth, self.text_cfg.num_hidden_layers
+        self._layers = ([Layer("vision.embed", "vision", m.vision_embed_step)]
+                        + [Layer(f"vision.blocks.{i}", "vision", m.vision_block_step) for i in range(D)]
+                        + [Layer("merger", "merger", m.merger_step, takes=("vision",)),
+                           Layer("llm.embed", "llm", m.llm_embed_step, takes=("merger",))]
+                        + [Layer(f"llm.blocks.{i}", "llm", m.llm_block_step) for i in range(L)]
+                        + [Layer("llm.head", "llm", m.llm_head_step)])
+
+    # ---- structure -------------------------------------------------------------------------------------
+    def layers(self) -> list:
+        return self._layers
+
+    def build_unseeded(self, name: str) -> nn.Module:
+        from mmpipe.families.chat.layers import LmHead, TokenEmbed
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
+        v, t = self.vision_cfg, self.text_cfg
+        PatchEmbed, VisionBlock, Merger = m.vision_classes()
+        if name == "vision.embed":
+            module = PatchEmbed(v)
+        elif name.startswith("vision.blocks."):
+            module = VisionBlock(v, int(name.rsplit(".", 1)[1]))
+        elif name == "merger":
+            module = Merger(v)
+        elif name == "llm.embed":
+            module = TokenEmbed(t.vocab_size, t.hidden_size, getattr(t, "pad_token_id", None), self.image_token_id)
+        elif name.startswith("llm.blocks."):
+            module = m.decoder_block_cls()(t, int(name.rsplit(".", 1)[1]))
+        elif name == "llm.head":
+            module = LmHead(Qwen2_5_VLRMSNorm(t.hidden_size, eps=t.rms_norm_eps), t.hidden_size, t.vocab_size)
+        else:
+            raise KeyError(name)
+        init_transformer_part(module, std=getattr(t, "initializer_range", 0.02))
+        for sub in module.modules():  # (init_transformer_part knows Conv2d; the patch embedding is 3-D)
+            if isinstance(sub, nn.Conv3d):
+                nn.init.normal_(sub.weight, std=getattr(t, "initializer_range", 0.02))
+        return module
+
+    def load_pretrained(self, module: nn.Module, name: str) -> None:
+        from mmpipe.families.qwen_vl.adapter import LOAD_RULES
+        if self._source is None:
+            return
+        src, sd = self._source, {}
+        for k, v in module.state_dict().items():
+            mine = f"{name}.{k}"
+            if self.tied and mine == "llm.head.lm_head.weight":
+                mine = "llm.embed.embed_tokens.weight"
+            theirs = next((p + mine[len(prefix):] for prefix, names in LOAD_RULES if mine.startswith(prefix)
+                           for p in names if p + mine[len(prefix):] in src), None)
+            if theirs is None:
+                raise ConfigError(f"model.pretrained: {src.path} has no weight for {name}.{k}")
+            w = src.get(theirs)
+            if k in ("embed_tokens.weight", "lm_head.weight") and w.shape[0] < v.shape[0] and w.shape[1:] == v.shape[1:]:
+                w = torch.cat([w.to(v.dtype), v[w.shape[0]:]])  # tokens the tokenizer added keep their seeded rows
+            if w.shape != v.shape:
+                raise ConfigError(f"model.pretrained: weight '{theirs}' in {src.path} has shape {tuple(w.shape)}, the "
+                                  f"model expects {tuple(v.shape)} for {name}.{k}")
+            sd[k] = w
+        module.load_state_dict(sd, strict=True)
+
+    def tied_weights(self) -> list:
+        return [("llm.embed.embed_tokens.weight", "llm.head.lm_head.weight")] if self.tied else []
+
+    @property
+    def hf(self):
+        from mmpipe.families.qwen_vl.adapter import QwenVLHF
+        return QwenVLHF(self)
+
+    # ---- data ------------------------------------------------------------------------------------------
+    def native(self, data_cfg=None):
+        """The image input for ``data_cfg``'s bounds (kept: ``image_tokens`` asks per image)."""
+        key = (getattr(data_cfg, "min_pixels", None), getattr(data_cfg, "max_pixels", None))
+        if key not in self._native:
+            self._native[key] = self.pixels(self.cfg, data_cfg)
+        return self._native[key]
+
+    def image_tokens(self, image, data_cfg=None) -> int:
+        return self.native(data_cfg).tokens(image)
+
+    def image_wrap(self, tokenizer) -> tuple:
+        return [tokenizer.convert_tokens_to_ids(VISION_START)], [tokenizer.convert_tokens_to_ids(VISION_END)]
+
+    def collate(self, tokenizer, data_cfg):
+        from mmpipe.families.qwen_vl.data import RopeCollate
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        return RopeCollate(pad, self.pixels(self.cfg, data_cfg), data_cfg.pad_multiple,
+                           data_cfg.max_length if data_cfg.padding == "max_length" else None,
+                           image_id=self.image_token_id, merge=self.vision_cfg.spatial_merge_size)
+
+    def example_batch(self, micro_batch_size: int, max_length: int, device, packed: bool = False, grid=None) -> dict:
+        """Rows of ``max_length`` tokens, each with one image of ``grid`` (default: the largest
+        ``max_pixels`` allows, capped to fit the row) wrapped in its vision tokens."""
+        from mmpipe.families.qwen_vl.positions import rope_positions
+        px = self.native()
+        merge = self.vision_cfg.spatial_merge_size
+        if grid is None:
+            _, gh, gw = px.example(1, torch.Generator())["image_grid_thw"][0].tolist()
+            while gh * gw // merge ** 2 > max(max_length - 3, 1) and gh > merge:
+                gh, gw = max(gh - merge, merge), max(gw - merge, merge)
+            grid = (1, gh, gw)
+        n_img = grid[0] * grid[1] * grid[2] // merge ** 2
+        g = torch.Generator().manual_seed(0)
+        T = max(max_length, n_img + 3)
+        ids = torch.randint(0, self.text_cfg.vocab_size, (micro_batch_size, T), generator=g)
+        ids[ids == self.image_token_id] = 0
+        ids[:, 1:1 + n_img] = self.image_token_id
+        mask = torch.ones_like(ids)
+        if packed:
+            mask[:, T // 2:] = 2
+        pix = px.example(micro_batch_size, g, grid)
+        pos = rope_positions(ids, pix["image_grid_thw"], mask, self.image_token_id, merge)
+        mask = mask.to(device)
+        mark_mask(mask, "packed" if packed else "causal")
+        return {"pixel_values": pix["pixel_values"].to(device), "image_grid_thw": pix["image_grid_thw"].to(device),
+                "input_ids": ids.to(device), "attention_mask": mask, "position_ids": pos.to(device),
+                "labels": ids.to(device)}
+
+    # ---- generation and export ------------------------------------------------------------------------
+    def generation_inputs(self, images: list, data_cfg=None) -> dict:
+        px, done = self.native(data_cfg), []
+        for path in images:
+            pixels, why = px.load(path, "image", 0, 0)
+            if pixels is None:
+                raise ConfigError(f"{path}: {why}")
+            done.append(pixels)
+        return px.batch(done)
+
+    def generation_kwargs(self, input_ids, image_inputs: dict) -> dict:
+        """transformers' Qwen2.5-VL derives its 3-D positions from ``mm_token_type_ids`` (1 = image)."""
+        if not image_inputs:
+            return {}
+        return {**image_inputs, "mm_token_type_ids": (input_ids == self.image_token_id).to(torch.int32)}
+
+    def hf_export(self, state, tokenizer):
+        """``Qwen2_5_VLForConditionalGeneration`` + ``Qwen2_5_VLProcessor`` (the run's image processor,
+        tokenizer and chat template)."""
+        from transformers import Qwen2_5_VLProcessor
+
+        from mmpipe.families.vlm.export_format import GENERATE_MAX_NEW_TOKENS, no_added_special_tokens
+        stop = self.encoder(tokenizer, 1).end_of_turn_ids()
+        cfg = self.hf_cfg
+        for key, tok in (("vision_start_token_id", VISION_START), ("vision_end_token_id", VISION_END),
+                         ("video_token_id", VIDEO_PAD)):
+            setattr(cfg, key, tokenizer.convert_tokens_to_ids(tok))
+        no_added_special_tokens(tokenizer)
+        proc = Qwen2_5_VLProcessor(image_processor=self.native().processor, tokenizer=tokenizer,
+                                   chat_template=getattr(tokenizer, "chat_template", None))
+        model = self.hf.hf_model(state)
+        if stop:
+            model.generation_config.eos_token_id = stop if len(stop) > 1 else stop[0]
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.max_new_tokens = GENERATE_MAX_NEW_TOKENS
+        return model, proc

@@ -1,0 +1,59 @@
+"""Qwen2.5-VL's transformers weight names, one home: plain weights <-> ``Qwen2_5_VLForConditionalGeneration``
+(the names ``save_pretrained`` writes, as the hub's checkpoints hold them, and the in-memory ones),
+the transformers config of a family, and the transformers model holding a plain state dict."""
+from __future__ import annotations
+
+# mmpipe prefix -> transformers prefixes tried in order (the saved layout, then the in-memory one)
+LOAD_RULES = [("vision.embed.", ["visual.patch_embed.", "model.visual.patch_embed."]),
+              ("vision.blocks.", ["visual.blocks.", "model.visual.blocks."]),
+              ("merger.", ["visual.merger.", "model.visual.merger."]),
+              ("llm.embed.", ["model.", "model.language_model."]),
+              ("llm.blocks.", ["model.layers.", "model.language_model.layers."]),
+              ("llm.head.norm.", ["model.norm.", "model.language_model.norm."]),
+              ("llm.head.lm_head.", ["lm_head."])]
+RULES = [(mine, names[-1]) for mine, names in LOAD_RULES]  # -> the in-memory names
+
+
+def _translate(name: str, rules) -> str:
+    for mine, theirs in rules:
+        if name.startswith(mine):
+            return theirs + name[len(mine):]
+    raise KeyError(f"no transformers name for {name}")
+
+
+class QwenVLHF:
+    """``hf_config()``, ``to_hf`` / ``from_hf`` (in-memory names), ``adapter_name`` (peft's), ``hf_model``."""
+
+    def __init__(self, family):
+        self.family = family
+
+    def hf_config(self):
+        return self.family.hf_cfg
+
+    def to_hf(self, state: dict) -> dict:
+        return {_translate(k, RULES): v for k, v in state.items()}
+
+    def from_hf(self, hf_state: dict) -> dict:
+        inverse = sorted(((theirs, mine) for mine, theirs in RULES), key=lambda r: -len(r[0]))
+        return {_translate(k, inverse): v for k, v in hf_state.items()}
+
+    def adapter_name(self, plain: str) -> str:
+        """A plain LoRA parameter name -> its name inside the transformers model as peft wraps it."""
+        stem, rest = plain.split(".lora_", 1)
+        return _translate(stem + ".weight", RULES)[:-len(".weight")] + ".lora_" + rest
+
+    def unused_hf_keys(self, hf_keys) -> list:
+        return []
+
+    def hf_model(self, state: dict):
+        """A ``Qwen2_5_VLForConditionalGeneration`` holding ``state`` (eval mode)."""
+        from transformers import Qwen2_5_VLForConditionalGeneration
+        model = Qwen2_5_VLForConditionalGeneration(self.hf_config())
+        theirs = self.to_hf(state)
+        missing = [k for k in model.state_dict() if k not in theirs and not (self.family.tied and k == "lm_head.weight")]
+        if missing:
+            raise KeyError(f"weights missing for {missing[:3]}")
+        model.load_state_dict(theirs, strict=False)
+        if self.family.tied:
+            model.tie_weights()
+        return model.eval()
