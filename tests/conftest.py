@@ -3,6 +3,7 @@ config, and the multi-process runs, each launched once per session and shared by
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from helpers import TINY_CONFIGS, Runs
@@ -30,13 +31,39 @@ def tiny_chat_data(tmp_path_factory):
     from mmpipe.data.synth import synth_vlm
     out = tmp_path_factory.mktemp("tinychat")
     info = synth_vlm(str(out), 70, val_fraction=0.1, size=32, seed=1, text_only=0.3, progress=False)
+    _add_unusable_chat_lines(out, info["train"])
+    return {"dir": str(out), "train": info["train"], "val": info["val"]}
+
+
+def _add_unusable_chat_lines(out, train: str) -> None:
+    """A missing image, a corrupt JPEG and an <image> count that does not match the images."""
     with open(out / "images" / "corrupt.jpg", "wb") as fh:
         fh.write(b"\xff\xd8\xff\xe0 this is not a jpeg at all" * 3)
     turn = [{"role": "user", "content": "<image>\nwhat colour is the shape?"}, {"role": "assistant", "content": "red"}]
-    with open(info["train"], "a") as fh:
+    with open(train, "a") as fh:
         fh.write(json.dumps({"messages": turn, "images": ["images/does_not_exist.jpg"]}) + "\n")
         fh.write(json.dumps({"messages": turn, "images": ["images/corrupt.jpg"]}) + "\n")
         fh.write(json.dumps({"messages": turn, "images": []}) + "\n")
+
+
+# image sizes (w, h) of the native-resolution chat data: 4 to 16 image tokens each at the tiny
+# Qwen2.5-VL's pixel bounds, several sizes in most micro-batches
+MIXED_SIZES = [(32, 32), (80, 32), (32, 96), (120, 60), (56, 140), (100, 100), (200, 40)]
+
+
+@pytest.fixture(scope="session")
+def tiny_native_chat_data(tmp_path_factory):
+    """``tiny_chat_data``'s samples and unusable lines, its images resized to ``MIXED_SIZES`` (in turn):
+    what a native-resolution family trains on."""
+    from PIL import Image
+
+    from mmpipe.data.synth import synth_vlm
+    out = tmp_path_factory.mktemp("tinynative")
+    info = synth_vlm(str(out), 70, val_fraction=0.1, size=32, seed=1, text_only=0.3, progress=False)
+    for k, name in enumerate(sorted(os.listdir(out / "images"))):
+        with Image.open(out / "images" / name) as im:
+            im.resize(MIXED_SIZES[k % len(MIXED_SIZES)]).save(out / "images" / name, quality=90)
+    _add_unusable_chat_lines(out, info["train"])
     return {"dir": str(out), "train": info["train"], "val": info["val"]}
 
 
@@ -53,7 +80,7 @@ PARITY_FAMILIES = {**FAMILIES, **{name: None for name in TINY_CONFIGS}}
 
 
 @pytest.fixture(scope="session")
-def family_runs_of(tmp_path_factory, tiny_data, tiny_chat_data, runs):
+def family_runs_of(tmp_path_factory, tiny_data, tiny_chat_data, tiny_native_chat_data, runs):
     """family name -> its Runs (CLIP's are the shared ``runs``)."""
     cache = {"clip": runs}
 
@@ -62,7 +89,9 @@ def family_runs_of(tmp_path_factory, tiny_data, tiny_chat_data, runs):
             d = tmp_path_factory.mktemp(f"runs_{name}")
             if name in TINY_CONFIGS:  # a built-in, on the tiny data of its format
                 from mmpipe.config.registry import get_family
-                data = tiny_chat_data if get_family(name).data_format == "chat" else tiny_data
+                fam = get_family(name)
+                native = fam.data_format == "chat" and fam.pixels(fam.config_class(), None).cache_size is None
+                data = tiny_native_chat_data if native else tiny_chat_data if fam.data_format == "chat" else tiny_data
                 cache[name] = Runs(d, data, TINY_CONFIGS[name])
                 return cache[name]
             import importlib

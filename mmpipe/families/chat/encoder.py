@@ -54,8 +54,15 @@ class ChatEncoder:
         return out
 
     def counts(self, images) -> list:
-        """Image-token count of each image, in order."""
-        return [int(self.image_tokens(im)) for im in images]
+        """Image-token count of each image, in order (a native-resolution family reads each file's
+        header: one that cannot be read raises ``DataError`` naming it)."""
+        out = []
+        for im in images:
+            try:
+                out.append(int(self.image_tokens(im)))
+            except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for a missing or corrupt file
+                raise DataError(f"{im}: cannot read the image's size ({type(e).__name__})") from None
+        return out
 
     def pieces(self, messages) -> list:
         """[(text, learned)]: the tokenizer's chat template, else the plain one."""
@@ -115,7 +122,10 @@ class ChatEncoder:
 
     def encode(self, sample: ChatSample) -> Encoded:
         ids, labels = [], []
-        counts = self.counts(sample.images)
+        try:
+            counts = self.counts(sample.images)
+        except DataError as e:
+            return Encoded([], [], (), False, str(e))
         it = iter(counts)
         for text, learned in self.pieces(sample.messages):
             piece = self._ids(text, it)
