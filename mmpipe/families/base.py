@@ -214,8 +214,9 @@ class Family:
         not describe its arithmetic (its runs then log no TFLOP/s)."""
         raise NotImplementedError
 
-    def hf_export(self, state: dict, tokenizer) -> tuple:
-        """(transformers model holding ``state``, processor) for ``mmpipe export``; raises
+    def hf_export(self, state: dict, tokenizer, data_cfg=None) -> tuple:
+        """(transformers model holding ``state``, processor) for ``mmpipe export`` (``data_cfg``: the run's
+        data section, e.g. the image bounds a native-resolution processor keeps); raises
         ``mmpipe.errors.NoHFFormat`` (saying why) when no transformers class computes the same outputs,
         and ``mmpipe export`` writes mmpipe's own format instead."""
         raise NoHFFormat(f"model.type={self.name} has no transformers format")

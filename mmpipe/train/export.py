@@ -109,7 +109,7 @@ def _written_by_export(path: str) -> bool:
 def _write(cfg, family, state: dict, tok, out: str, fmt: str, dtype: str) -> tuple:
     if fmt != "mmpipe":
         try:
-            model, processor = family.hf_export(state, tok)
+            model, processor = family.hf_export(state, tok, cfg.data)
         except NoHFFormat as e:
             if fmt == "hf":
                 raise ConfigError(f"--format hf: {e}; export with --format mmpipe") from None
@@ -136,7 +136,7 @@ def _write_adapter(cfg, family, spec, base: dict, adapters: dict, tok, out: str,
     the base model in ``OUT/base``."""
     from peft import LoraConfig, get_peft_model
     try:
-        model, processor = family.hf_export(base, tok)
+        model, processor = family.hf_export(base, tok, cfg.data)
     except NoHFFormat as e:
         raise ConfigError(f"a LoRA run of model.type={cfg.model.type} has no transformers base class ({e}); "
                           "export with --merge --format mmpipe") from None

@@ -190,7 +190,7 @@ class ClipFamily(ImageTextFamily):
         return {"pixel_values": pix.to(device), "input_ids": ids.to(device),
                 "attention_mask": torch.ones_like(ids).to(device)}
 
-    def hf_export(self, state, tokenizer):
+    def hf_export(self, state, tokenizer, data_cfg=None):
         """``CLIPModel`` + ``CLIPProcessor`` (CLIP ViT + CLIP text) or ``VisionTextDualEncoderModel`` +
         its processor (CLIP ViT + BERT with its pooler); other towers raise ``NoHFFormat``."""
         from mmpipe.errors import NoHFFormat

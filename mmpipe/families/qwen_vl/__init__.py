@@ -267,19 +267,23 @@ class Qwen25VLFamily(ChatFamily):
             return {}
         return {**image_inputs, "mm_token_type_ids": (input_ids == self.image_token_id).to(torch.int32)}
 
-    def hf_export(self, state, tokenizer):
+    def hf_export(self, state, tokenizer, data_cfg=None):
         """``Qwen2_5_VLForConditionalGeneration`` + ``Qwen2_5_VLProcessor`` (the run's image processor,
         tokenizer and chat template)."""
         from transformers import Qwen2_5_VLProcessor
 
-        from mmpipe.families.vlm.export_format import GENERATE_MAX_NEW_TOKENS, no_added_special_tokens
-        stop = self.encoder(tokenizer, 1).end_of_turn_ids()
+        from mmpipe.families.chat.export_format import GENERATE_MAX_NEW_TOKENS, no_added_special_tokens, plain_template
+        stop = self.encoder(tokenizer, 1).end_of_turn_ids()  # before the template is set: as training rendered
+        if not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = plain_template(VISION_START + IMAGE_PAD + VISION_END)
         cfg = self.hf_cfg
         for key, tok in (("vision_start_token_id", VISION_START), ("vision_end_token_id", VISION_END),
                          ("video_token_id", VIDEO_PAD)):
             setattr(cfg, key, tokenizer.convert_tokens_to_ids(tok))
         no_added_special_tokens(tokenizer)
-        proc = Qwen2_5_VLProcessor(image_processor=self.native().processor, tokenizer=tokenizer,
+        from transformers import Qwen2VLVideoProcessor
+        proc = Qwen2_5_VLProcessor(image_processor=self.native(data_cfg).processor, tokenizer=tokenizer,
+                                   video_processor=Qwen2VLVideoProcessor(),  # (required; mmpipe trains no video yet)
                                    chat_template=getattr(tokenizer, "chat_template", None))
         model = self.hf.hf_model(state)
         if stop:

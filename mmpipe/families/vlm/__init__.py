@@ -25,7 +25,7 @@ from mmpipe.families.towers.common import (
 from mmpipe.families.vlm import model as m
 from mmpipe.families.vlm.adapter import LLM_RULES, LOAD_RULES, VISION_RULES
 from mmpipe.families.vlm.config import VlmConfig
-from mmpipe.families.vlm.export_format import GENERATE_MAX_NEW_TOKENS, PLAIN_TEMPLATE, no_added_special_tokens
+from mmpipe.families.chat.export_format import GENERATE_MAX_NEW_TOKENS, PLAIN_TEMPLATE, no_added_special_tokens
 from mmpipe.families.vlm.hf_configs import check_shapes, feature_choice, hf_configs, vision_config
 
 @register_family
@@ -211,7 +211,7 @@ class VlmFamily(ChatFamily):
             sd[k] = t
         module.load_state_dict(sd, strict=True)
 
-    def hf_export(self, state, tokenizer):
+    def hf_export(self, state, tokenizer, data_cfg=None):
         """``LlavaForConditionalGeneration`` + ``LlavaProcessor`` (with the run's chat template)."""
         from transformers import LlavaProcessor
 

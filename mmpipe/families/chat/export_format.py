@@ -5,14 +5,21 @@ from __future__ import annotations
 
 GENERATE_MAX_NEW_TOKENS = 32  # mmpipe generate's --max-new-tokens default, and the exported generation config's
 
-# mmpipe's plain chat template as a jinja chat_template (exported with the tokenizer)
-# (content as a string, or transformers' list form: an image item renders as "<image>\n", as training
-# data writes it, a text item as its text)
-PLAIN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n"
-                  "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
-                  "{% if c['type'] == 'image' %}<image>\n{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
-                  "{% endfor %}{% endif %}<|end|>\n{% endfor %}"
-                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def plain_template(image: str = "<image>") -> str:
+    """mmpipe's plain chat template as a jinja chat_template (exported with the tokenizer): content as a
+    string, or transformers' list form, where an image item renders as ``image`` + newline (the
+    processor's placeholder: LLaVA's ``<image>``, Qwen-VL's ``<|vision_start|><|image_pad|><|vision_end|>``),
+    as training data writes ``<image>\\n``, and a text item as its text."""
+    return ("{% for m in messages %}<|{{ m['role'] }}|>\n"
+            "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+            "{% if c['type'] == 'image' %}" + image + "\n{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+            "{% endfor %}{% endif %}<|end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+PLAIN_TEMPLATE = plain_template()  # LLaVA's
 
 
 def no_added_special_tokens(tokenizer) -> None:

@@ -1,0 +1,155 @@
+"""Qwen2.5-VL at native resolution (``model.type: qwen2_5_vl``): transformers' arithmetic, multimodal
+rotary positions (packed rows restart per sample in all three sections), cuts inside the ViT and
+the decoder, export back to ``Qwen2_5_VLForConditionalGeneration`` answering as ``mmpipe generate``.
+Layout parity and resume on the mixed-size chat data: tests/test_parity.py, test_elastic.py
+(``TINY_CONFIGS``)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from helpers import TINY_CONFIGS, train_losses
+from PIL import Image
+from test_parity import _weights, assert_weights_close, reference
+
+import mmpipe
+
+TINY_QWEN = TINY_CONFIGS["qwen2_5_vl"]
+
+
+def _family(**sets):
+    from mmpipe.config.resolve import build_family
+    cfg = mmpipe.load_config(TINY_QWEN)
+    model = cfg.model
+    from mmpipe.config.fields import thawed_copy
+    model = thawed_copy(model)
+    model.llm.vocab_size, model.image_token_id = 120, 119
+    return build_family(model, 0), cfg
+
+
+def _rows(image_id: int, counts: list, text=(5, 6, 7)) -> list:
+    """Token rows: each image's run wrapped in vision start (117) / end (118) between text."""
+    rows = []
+    for row in counts:
+        ids = [3, 4]
+        for n in row:
+            ids += [117] + [image_id] * n + [118] + list(text)
+        rows.append(ids)
+    return rows
+
+
+def _grids(sizes) -> torch.Tensor:
+    return torch.tensor([[1, h, w] for h, w in sizes], dtype=torch.int64)
+
+
+def test_rope_positions_are_transformers_and_restart_per_packed_sample():
+    from transformers import Qwen2_5_VLModel
+
+    from mmpipe.families.qwen_vl.positions import rope_positions
+    fam, _ = _family()
+    hf = Qwen2_5_VLModel(fam.hf_cfg)
+    grids = _grids([(4, 6), (10, 4), (2, 8)])  # 6, 10, 4 merged tokens: wide, tall, flat
+    counts = [int(g.prod()) // 4 for g in grids]
+    rows = _rows(119, [counts[:2], counts[2:]])
+    T = max(map(len, rows))
+    ids, mask = torch.zeros(2, T, dtype=torch.int64), torch.zeros(2, T, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+    ours = rope_positions(ids, grids, mask, 119, 2)
+    want, _ = hf.get_rope_index(ids, mm_token_type_ids=(ids == 119).int(), image_grid_thw=grids, attention_mask=mask)
+    assert torch.equal(ours[:, mask.bool()], want[:, mask.bool()])
+    assert not torch.equal(ours[0], ours[1]) and not torch.equal(ours[1], ours[2])  # three sections, not one line
+    # the two rows packed into one: each sample gets exactly its positions alone (all three sections)
+    n0, n1 = len(rows[0]), len(rows[1])
+    packed = torch.tensor([rows[0] + rows[1]])
+    segments = torch.tensor([[1] * n0 + [2] * n1])
+    got = rope_positions(packed, grids, segments, 119, 2)
+    assert torch.equal(got[:, 0, :n0], ours[:, 0, :n0]) and torch.equal(got[:, 0, n0:], ours[:, 1, :n1])
+
+
+def test_packed_rows_give_the_unpacked_loss_and_gradients():
+    from mmpipe.families.qwen_vl.positions import rope_positions
+    from mmpipe.parallel.plain import plain_model
+    fam, _ = _family()
+    model = plain_model(fam).train()
+    g = torch.Generator().manual_seed(0)
+    grids = _grids([(4, 6), (6, 6), (4, 4)])
+    pixels = torch.randn(int(grids.prod(1).sum()), 1176, generator=g)
+    counts = [int(x.prod()) // 4 for x in grids]
+    rows = _rows(119, [counts[:2], counts[2:]])
+
+    def grads(ids, mask, labels):
+        model.zero_grad()
+        pos = rope_positions(ids, grids, mask, 119, 2)
+        loss = model(pixels, grids, ids, mask, pos, labels)
+        loss.backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    T = max(map(len, rows))
+    ids, mask = torch.zeros(2, T, dtype=torch.int64), torch.zeros(2, T, dtype=torch.int64)
+    labels = torch.full((2, T), -100)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+        labels[i, :len(r)] = torch.tensor([t if t < 117 else -100 for t in r])
+    flat = [t for r in rows for t in r]
+    pids = torch.tensor([flat])
+    seg = torch.tensor([[1] * len(rows[0]) + [2] * len(rows[1])])
+    plabels = torch.tensor([[t if t < 117 else -100 for t in flat]])
+    plabels[0, len(rows[0])] = -100  # packing hides each sample's first label (nothing predicts across samples)
+    a, ga = grads(ids, mask, labels)
+    b, gb = grads(pids, seg, plabels)
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    for k in ga:
+        torch.testing.assert_close(gb[k], ga[k], rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    assert ga["vision.blocks.0.attn.qkv.weight"].abs().sum() > 0  # the images train
+
+
+def test_p3_with_cuts_inside_the_vit_and_inside_the_decoder(family_runs_of, tmp_path):
+    """Stage 0 ends inside the ViT's blocks, stage 1 inside the decoder: variable patch and token
+    counts cross both cuts; losses and weights equal the reference run's."""
+    runs = family_runs_of("qwen2_5_vl")
+    ref = reference(runs)
+    plan = tmp_path / "cuts.json"
+    stages = [["vision.embed", "vision.blocks.0", "vision.blocks.1"],
+              ["vision.blocks.2", "vision.blocks.3", "merger", "llm.embed", "llm.blocks.0"],
+              ["llm.blocks.1", "llm.blocks.2", "llm.head"]]
+    plan.write_text(json.dumps({"stages": stages}))
+    out, _ = runs.get("p3_cuts", 3, ["parallel.pipeline_stages=3", f"parallel.plan={plan}"], flags=["--stop-at", "4"])
+    with open(os.path.join(out, "plan.json")) as fh:
+        assert json.load(fh)["stages"] == stages
+    np.testing.assert_allclose(train_losses(out), train_losses(ref)[:4], rtol=1e-5)
+    assert_weights_close(_weights(out, 4), _weights(ref, 4), rtol=1e-5)
+
+
+def test_exported_run_answers_through_transformers_as_mmpipe_generate(family_runs_of, tiny_native_chat_data,
+                                                                      tmp_path):
+    """Export -> ``Qwen2_5_VLForConditionalGeneration`` + ``AutoProcessor``: the processor's prompt
+    (``apply_chat_template`` with image items) is training's ids, and greedy ``generate`` gives
+    ``mmpipe generate``'s tokens, on held-out images of sizes no training image had."""
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    from mmpipe.cli.generate import Generator
+    from mmpipe.data.synth import make_vlm_sample
+    from mmpipe.train.export import export
+    ref = reference(family_runs_of("qwen2_5_vl"))
+    out, _, _ = export(ref, str(tmp_path / "qwen_hf"))
+    hf, proc = Qwen2_5_VLForConditionalGeneration.from_pretrained(out).eval(), AutoProcessor.from_pretrained(out)
+    g = Generator(ref)
+    import random
+    for k, size in enumerate([(150, 50), (44, 44), (64, 170)]):
+        im, qa = make_vlm_sample(random.Random(k), 48)
+        path = str(tmp_path / f"held_out_{k}.png")
+        im.resize(size).save(path)
+        question = qa[0][0]
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        enc = proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        enc = proc(text=enc, images=[Image.open(path).convert("RGB")], return_tensors="pt")
+        ids, _ = g.prompt(question, path)
+        assert enc["input_ids"].tolist() == ids.tolist()
+        with torch.no_grad():
+            got = hf.generate(**enc, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
+        want = g.generate_ids(question, path, max_new_tokens=8)
+        assert got[:len(want)] == want and (len(want) == 8 or want[-1] in g.stop)
