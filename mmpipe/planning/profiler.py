@@ -72,8 +72,15 @@ def _detach(acts, grad_flags=None):
     that made them was a forward-only layer's sink (then, as in a run, nothing upstream trains)."""
     ts = [acts] if torch.is_tensor(acts) else list(acts)
     flags = grad_flags or [t.is_floating_point() for t in ts]
-    out = [t.detach().requires_grad_(bool(f) and t.is_floating_point()) for t, f in zip(ts, flags)]
+    out = [_marked(t, t.detach().requires_grad_(bool(f) and t.is_floating_point())) for t, f in zip(ts, flags)]
     return out[0] if torch.is_tensor(acts) else tuple(out)
+
+
+def _marked(src: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``new`` with what mmpipe recorded on ``src`` (``_mmpipe_*`` attributes: a mask's kind, a meta
+    tensor's host values), as a stage keeps them on the tensors it passes on."""
+    new.__dict__.update({k: v for k, v in src.__dict__.items() if k.startswith("_mmpipe_")})
+    return new
 
 
 class _SavedBytes:
@@ -206,7 +213,7 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
             workspace=backward_workspace(run, _detach(x, flags), layer) if workspace else 0))
         ys = [y] if torch.is_tensor(y) else list(y)
         flags = [wants_grad(t) for t in ys]
-        x = ys[0].detach() if torch.is_tensor(y) else tuple(t.detach() for t in ys)
+        x = _marked(ys[0], ys[0].detach()) if torch.is_tensor(y) else tuple(_marked(t, t.detach()) for t in ys)
         del layer, y, ys, params
     return costs
 

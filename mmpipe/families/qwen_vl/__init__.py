@@ -247,7 +247,8 @@ class Qwen25VLFamily(ChatFamily):
         pos = rope_positions(ids, pix["image_grid_thw"], mask, self.image_token_id, merge)
         mask = mask.to(device)
         mark_mask(mask, "packed" if packed else "causal")
-        return {"pixel_values": pix["pixel_values"].to(device), "image_grid_thw": pix["image_grid_thw"].to(device),
+        grid = m.mark_grid(pix["image_grid_thw"].to(device), pix["image_grid_thw"])  # (values kept for meta)
+        return {"pixel_values": pix["pixel_values"].to(device), "image_grid_thw": grid,
                 "input_ids": ids.to(device), "attention_mask": mask, "position_ids": pos.to(device),
                 "labels": ids.to(device)}
 

@@ -43,21 +43,33 @@ def vision_meta(grid: torch.Tensor, cfg) -> VisionMeta:
     if memo is not None:
         return memo
     from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
+    values = grid
+    if grid.is_meta:  # shapes only (planning): the values ride on the tensor (``mark_grid``); the spans stay on
+        values = getattr(grid, "_mmpipe_grid", None)  # the host, where attention reads their lengths
+        if values is None:
+            raise ValueError("a meta image_grid_thw without its values (mmpipe.families.qwen_vl.model.mark_grid)")
     merge = cfg.spatial_merge_size
     unit = merge * merge
-    window_index, cu_window = get_vision_window_index(grid, spatial_merge_size=merge, window_size=cfg.window_size,
+    window_index, cu_window = get_vision_window_index(values, spatial_merge_size=merge, window_size=cfg.window_size,
                                                       patch_size=cfg.patch_size)
-    window_index = window_index.to(grid.device)
-    pos = get_vision_position_ids(grid, merge)
+    window_index = window_index.to(values.device)
+    pos = get_vision_position_ids(values, merge)
     n = pos.shape[0]
     pos = pos.reshape(n // unit, unit, -1)[window_index].reshape(n, -1)
-    meta = VisionMeta(window_index, torch.argsort(window_index), get_vision_cu_seqlens(grid).to(grid.device),
-                      cu_window, pos)
+    dev = grid.device
+    meta = VisionMeta(window_index.to(dev), torch.argsort(window_index).to(dev), get_vision_cu_seqlens(values),
+                      cu_window, pos.to(dev))
     try:
         grid._mmpipe_vision_meta = meta
     except AttributeError:  # pragma: no cover
         pass
     return meta
+
+
+def mark_grid(grid: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """A meta ``image_grid_thw`` carrying its host ``values`` (what ``vision_meta`` reads)."""
+    grid._mmpipe_grid = values
+    return grid
 
 
 def _dummy_grid(cfg, device) -> torch.Tensor:
