@@ -47,19 +47,28 @@ def _run(lora_runs, key):
 
 
 def hf_name(family, plain: str) -> str:
-    """A plain LoRA parameter name -> peft's name on LlavaForConditionalGeneration."""
-    from mmpipe.families.vlm.adapter import RULES, _translate
-    stem, rest = plain.split(".lora_", 1)
-    return "base_model.model." + _translate(stem + ".weight", RULES)[:-len(".weight")] + ".lora_" + rest
+    """A plain LoRA parameter name -> peft's name on the family's transformers model."""
+    return "base_model.model." + family.hf.adapter_name(plain)
 
 
-def peft_reference(run_dir: str, data: dict):
+def hf_image_inputs(family, b: dict) -> dict:
+    """The transformers model's image inputs of a collated batch: LLaVA's normalised pixels (None
+    without images); Qwen2.5-VL's patches, grids and ``mm_token_type_ids`` (its positions)."""
+    from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, normalize_pixels
+    if "image_grid_thw" in b:
+        return family.generation_kwargs(b["input_ids"], {"pixel_values": b["pixel_values"],
+                                                         "image_grid_thw": b["image_grid_thw"]}
+                                        if b["pixel_values"].shape[0] else {})
+    pix = normalize_pixels(b["pixel_values"], OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, torch.float32)
+    return {"pixel_values": pix if pix.shape[0] else None}
+
+
+def peft_reference(run_dir: str, data: dict, steps: int = REF_STEPS):
     """(losses, final adapter weights by plain name, initial adapters) of the plain peft loop."""
     from peft import LoraConfig, get_peft_model
 
     from mmpipe.data.tokenizer import load_tokenizer
     from mmpipe.families.lora import adapter_state, merged
-    from mmpipe.families.towers.common import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, normalize_pixels
     from mmpipe.families.chat import read_chat
     from mmpipe.families.chat.loss import label_tokens
     cfg = mmpipe.load_config(os.path.join(run_dir, "config.yaml"))
@@ -87,14 +96,13 @@ def peft_reference(run_dir: str, data: dict):
     perm = torch.randperm(len(samples), generator=torch.Generator().manual_seed(cfg.train.seed * 100003)).tolist()
     micro = [perm[i:i + mb] for i in range(0, len(perm) - mb + 1, mb)]
     losses = []
-    for step in range(REF_STEPS):
+    for step in range(steps):
         batches = [collate([ds[i] for i in m]) for m in micro[acc * step:acc * step + acc]]
         n = sum(label_tokens(b["labels"]) for b in batches)
         total = 0.0
         for b in batches:
-            pix = normalize_pixels(b["pixel_values"], OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, torch.float32)
             out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"],
-                        pixel_values=pix if pix.shape[0] else None, num_items_in_batch=torch.tensor(n))
+                        **hf_image_inputs(family, b), num_items_in_batch=torch.tensor(n))
             out.loss.backward()
             total += float(out.loss.detach())
         losses.append(total)

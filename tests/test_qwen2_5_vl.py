@@ -153,3 +153,38 @@ def test_exported_run_answers_through_transformers_as_mmpipe_generate(family_run
             got = hf.generate(**enc, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
         want = g.generate_ids(question, path, max_new_tokens=8)
         assert got[:len(want)] == want and (len(want) == 8 or want[-1] in g.stop)
+
+
+@pytest.fixture(scope="module")
+def clean_native_chat(tmp_path_factory):
+    """Mixed-size chat data without unusable lines (the peft loop reads every row as it is)."""
+    from conftest import MIXED_SIZES
+
+    from mmpipe.data.synth import synth_vlm
+    d = tmp_path_factory.mktemp("qwen_lora_chat")
+    info = synth_vlm(str(d), 60, val_fraction=0.1, size=32, seed=3, text_only=0.3, progress=False)
+    for k, name in enumerate(sorted(os.listdir(d / "images"))):
+        with Image.open(d / "images" / name) as im:
+            im.resize(MIXED_SIZES[k % len(MIXED_SIZES)]).save(d / "images" / name, quality=90)
+    return {"dir": str(d), "train": info["train"], "val": info["val"]}
+
+
+def test_lora_on_two_stages_equals_a_peft_loop_on_transformers(clean_native_chat, tmp_path_factory):
+    """``optim.train_type: lora`` (ms-swift's defaults: all-linear on the decoder, the ViT and merger
+    frozen) at P = 2 against ``peft.get_peft_model`` on ``Qwen2_5_VLForConditionalGeneration``: the
+    same initial weights and adapters, data, token-mean loss, clipping and AdamW give the same losses
+    and adapters."""
+    from helpers import Runs
+    from test_lora import LORA_SETS, STEPS, peft_reference
+
+    from mmpipe.families.lora import adapter_state
+    runs = Runs(tmp_path_factory.mktemp("qwen_lora_runs"), clean_native_chat, TINY_QWEN)
+    out, _ = runs.get("lora_p2", 2, LORA_SETS + ["parallel.pipeline_stages=2"], flags=["--stop-at", str(STEPS)])
+    ref_losses, at_stop, init, _ = peft_reference(out, clean_native_chat, steps=STEPS)
+    np.testing.assert_allclose(train_losses(out), ref_losses, rtol=1e-5, atol=1e-6)
+    got = adapter_state(mmpipe.load_weights(out, STEPS))
+    assert got.keys() == at_stop.keys() and len(got) == 42  # q k v o gate up down x 3 decoder blocks x (A, B)
+    assert all(k.startswith("llm.blocks.") for k in got)
+    for k in got:
+        torch.testing.assert_close(got[k], at_stop[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+    assert any(not torch.equal(got[k], init[k]) for k in got if ".lora_B." in k)
