@@ -6,8 +6,10 @@ Shapes are fixed (``data.padding=max_length``; chat samples each with one image)
 predicts the configured shape, the worst case a run must fit."""
 from __future__ import annotations
 
+import os
+
 import pytest
-from helpers import TINY, TINY_VLM, Runs
+from helpers import TINY, TINY_CONFIGS, TINY_VLM, Runs
 
 import mmpipe
 from mmpipe.planning.offline import run_memory
@@ -22,7 +24,11 @@ CASES = {  # name: (family, stages, checkpointing); vlm_p2 in bf16 (DeepSpeed's 
     # optimizer state and accumulator per parameter, not 16). `mmpipe bench memory` runs the whole matrix.
     "clip_p2": ("clip", 2, False), "clip_p2_ckpt": ("clip", 2, True), "clip_p3_ckpt": ("clip", 3, True),
     "vlm_p2": ("vlm", 2, False), "vlm_p3_ckpt": ("vlm", 3, True),
+    "qwen_p3": ("qwen2_5_vl", 3, False),
 }
+# Qwen2.5-VL's images: three aspect ratios (square, tall, wide), each at data.max_pixels (16 image tokens):
+# the memory model prices every image at the largest grid the bounds allow, which these reach
+QWEN_SIZES = [(112, 112), (56, 224), (224, 56)]
 BF16 = {"vlm_p2"}
 
 
@@ -32,13 +38,21 @@ def memory_runs(tmp_path_factory, runs):
     d = tmp_path_factory.mktemp("imagechat")
     chat = synth_vlm(str(d), 40, val_fraction=0.1, size=32, seed=2, text_only=0.0, progress=False)
     vlm = Runs(tmp_path_factory.mktemp("memory_vlm"), chat, TINY_VLM)
+    from PIL import Image
+    d = tmp_path_factory.mktemp("nativechat")
+    chat = synth_vlm(str(d), 40, val_fraction=0.1, size=32, seed=2, text_only=0.0, progress=False)
+    for k, f in enumerate(sorted(os.listdir(d / "images"))):
+        with Image.open(d / "images" / f) as im:
+            im.resize(QWEN_SIZES[k % 3]).save(d / "images" / f)
+    qwen = Runs(tmp_path_factory.mktemp("memory_qwen"), chat, TINY_CONFIGS["qwen2_5_vl"])
 
     def get(name: str) -> tuple:
         family, P, ckpt = CASES[name]
         sets = (CLIP if family == "clip" else VLM) + COMMON + [f"parallel.pipeline_stages={P}"]
         sets += ["parallel.activation_checkpointing=all"] if ckpt else []
         sets += ["train.precision=bf16"] if name in BF16 else []
-        out = (runs if family == "clip" else vlm).get(f"mem_{name}", P, sets, flags=["--stop-at", "2"])[0]
+        out = {"clip": runs, "vlm": vlm, "qwen2_5_vl": qwen}[family].get(f"mem_{name}", P, sets,
+                                                                        flags=["--stop-at", "2"])[0]
         cfg = mmpipe.load_config(f"{out}/config.yaml")
         measured = read_memory(out)
         predicted = run_memory(cfg, out, len(measured))

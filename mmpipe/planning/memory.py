@@ -164,11 +164,15 @@ def _states(costs: list, a: int, b: int, precision: str, zero: int, dp: int, tie
 
 def _features(costs: list, stage: int, stages: int, micro_batches: int, dp: int, sch: Schedule) -> float:
     """A step loss's feature cache (last stage) and frozen-prefix memo (first stage), and the step's
-    micro-batches, which the first and last stage read before the step (``TrainData.step_batches``
-    and the step loss's first pass take them all up front)."""
+    micro-batches on the first stage (``in_flight`` of them: the engine's input buffers); the last stage
+    keeps their labels only."""
     out = 0.0
-    if stage == 0 or (stage == stages - 1 and sch.last_reads):
-        out += micro_batches * sch.batch_bytes
+    if stage == 0:  # handed out as the engine takes them (``TrainData.step_batches``); a pipeline's input
+        # buffers keep those in flight; one process, or a step loss's first pass, holds the step's all
+        held = micro_batches if stages == 1 or sch.features_bytes else in_flight(stage, stages, micro_batches)
+        out += held * sch.batch_bytes
+    elif stage == stages - 1 and sch.last_reads:  # it keeps the labels only; a batch is whole while the
+        out += sch.batch_bytes  # loader makes it (its pieces too, but at the step's start: not the peak)
     if sch.features_bytes and stage == stages - 1:  # the global batch's features and their gradients
         out += 2 * micro_batches * dp * sch.features_bytes
     if sch.frozen_prefix and stage == 0 and micro_batches > 1:  # the prefix's output per micro-batch

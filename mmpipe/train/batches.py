@@ -108,11 +108,24 @@ class TrainData:
         if not family.token_mean:
             return self.stream
         A, D = topo.accumulation_steps, topo.data_parallel
-        batches = [next(self.stream) for _ in range(A)] if self.stream is not None else None
+        # a stage past the first reads only the labels: the inputs (a native-resolution family's patches) go
+        # as each micro-batch is read
+        first = topo.is_first_stage(run.rank)
+        batches = ([(b[0] if first else None, b[1]) for b in (next(self.stream) for _ in range(A))]
+                   if self.stream is not None else None)
         units = 0
         if batches is not None and topo.is_last_stage(run.rank):
             units = sum(family.loss_units(*labels) for _, labels in batches)
         t = torch.tensor([float(units)], dtype=torch.float64, device=device)
         dist.all_reduce(t)
         norm = torch.tensor(max(float(t.item()), 1.0) / (A * D), dtype=torch.float32)
-        return iter([(inputs, tuple(labels) + (norm,)) for inputs, labels in batches]) if batches else None
+        if not batches:
+            return None
+        return _handed_out([(inputs, tuple(labels) + (norm,)) for inputs, labels in batches])
+
+
+def _handed_out(batches: list):
+    """The step's micro-batches, each let go as the engine takes it: the engine keeps the iterator until
+    the next step, and a list behind it would hold this step's batches while the next step's are read."""
+    while batches:
+        yield batches.pop(0)

@@ -103,6 +103,9 @@ class Qwen25VLFamily(ChatFamily):
         elif out.image_token_id != image_id:
             raise ConfigError(f"model.image_token_id={out.image_token_id} but the tokenizer's {IMAGE_PAD} is {image_id}: "
                               "unset model.image_token_id, or use the model's tokenizer")
+        for key in ("min_pixels", "max_pixels"):  # recorded for what reads no data section (plan, export, generate)
+            if getattr(data_cfg, key, None):
+                setattr(out, key, getattr(data_cfg, key))
         n = len(tokenizer)
         if out.pretrained:
             size = hf.load_hf_config(out.pretrained, "model.pretrained").text_config.vocab_size
@@ -125,7 +128,8 @@ class Qwen25VLFamily(ChatFamily):
         """Native-resolution images through the model's image processor (no augmentation: the
         processor's arithmetic is what an exported model is fed)."""
         from mmpipe.families.qwen_vl.pixels import NativePixels, image_processor
-        return NativePixels(image_processor(model_cfg.pretrained, data_cfg))
+        bounds = [getattr(data_cfg, k, None) or getattr(model_cfg, k, None) for k in ("min_pixels", "max_pixels")]
+        return NativePixels(image_processor(model_cfg.pretrained, *bounds))
 
     def __init__(self, model_cfg, seed: int = 0):
         super().__init__(model_cfg, seed)

@@ -45,5 +45,8 @@ class Qwen25VLConfig(Section):
     pretrained: Optional[str] = option(None, "local Qwen2_5_VLForConditionalGeneration save_pretrained directory "
                                        "(with its processor and tokenizer)")
     image_token_id: Optional[int] = option(None, "id of <|image_pad|>; unset = the tokenizer's")
+    min_pixels: Optional[int] = option(None, "recorded by the run from data.min_pixels (leave unset): the bounds the "
+                                       "planner, generation and an export resize images within", ge=1)
+    max_pixels: Optional[int] = option(None, "recorded by the run from data.max_pixels (leave unset)", ge=1)
     vision: QwenVisionConfig = field(default_factory=QwenVisionConfig, metadata={"help": "vision tower"})
     llm: QwenTextConfig = field(default_factory=QwenTextConfig, metadata={"help": "language model"})

@@ -73,16 +73,16 @@ class NativePixels:
                 "image_grid_thw": torch.tensor([list(grid)] * n, dtype=torch.int64)}
 
 
-def image_processor(pretrained: Optional[str], data_cfg=None):
+def image_processor(pretrained: Optional[str], lo: Optional[int] = None, hi: Optional[int] = None):
     """The directory's image processor (``model.pretrained``), else transformers' Qwen2-VL defaults;
-    ``data.min_pixels`` / ``data.max_pixels`` override its bounds (ms-swift's MIN_PIXELS / MAX_PIXELS)."""
+    ``lo`` / ``hi`` (``data.min_pixels`` / ``data.max_pixels``: ms-swift's MIN_PIXELS / MAX_PIXELS)
+    override its bounds."""
     if pretrained:
         from transformers import AutoImageProcessor
         proc = AutoImageProcessor.from_pretrained(pretrained, local_files_only=True)
     else:
         from transformers import Qwen2VLImageProcessor
         proc = Qwen2VLImageProcessor()
-    lo, hi = getattr(data_cfg, "min_pixels", None), getattr(data_cfg, "max_pixels", None)
     if lo or hi:
         size = dict(proc.size)
         size["shortest_edge"] = int(lo or size["shortest_edge"])

@@ -1,0 +1,111 @@
+"""A tiny Qwen2.5-VL written offline, laid out as ``save_pretrained`` writes Qwen/Qwen2.5-VL-*-Instruct
+(model, Qwen2 tokenizer with Qwen2-VL's special tokens and chat template, image and video processors),
+with random weights: a stand-in for a downloaded checkpoint in tests and parity checks."""
+from __future__ import annotations
+
+import os
+import random
+from typing import Optional
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|image_pad|>", "<|video_pad|>"]  # in Qwen2-VL's id order
+
+# Qwen2-VL-7B-Instruct's chat_template.json
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def default_texts(n: int = 400, seed: int = 0) -> list:
+    """English-ish sentences in the words of mmpipe's synthetic data (colours, shapes, places,
+    questions), so the BPE merges cover what tests feed it."""
+    from mmpipe.data import synth
+    rng = random.Random(seed)
+    out = ["You are a helpful assistant.", "system user assistant"] + [f"{q} {a}" for q, a in synth.TEXT_QA]
+    for _ in range(n):
+        color, shape, number = rng.choice(list(synth.COLORS)), rng.choice(synth.SHAPES), rng.choice(synth.NUMBERS)
+        where = synth._position_words(rng.choice(list(synth.ROWS)), rng.choice(list(synth.COLS)))
+        out.append(rng.choice([f"what colour are the shapes? {color}", f"what kind of shape is shown? {shape}",
+                               f"how many shapes are there? {number}", f"where is the shape? {where}",
+                               f"a {rng.choice(list(synth.SIZES))} {color} {shape} {where}.",
+                               f"Is there a {color} {shape}? Yes, {number} of them, {where}."]))
+    return out
+
+
+def _tokenizer(texts, vocab_size: int):
+    """Byte-level BPE over ``texts`` with Qwen2's normalizer and pre-tokenizer, the special tokens
+    appended after it (as Qwen2's are), wrapped as transformers' Qwen2 tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import Qwen2TokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = Qwen2TokenizerFast(tokenizer_object=tok, unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                              extra_special_tokens=SPECIAL_TOKENS[1:], model_max_length=32768)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _perturb(model, seed: int) -> None:
+    """Weights far from transformers' init (norms at 1, biases at 0), so parity checks see every
+    parameter: matrices ~ N(0, 0.02), norm weights 1 + N(0, 0.1), biases ~ N(0, 0.02)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            p.copy_(1 + 0.1 * noise if p.ndim == 1 and not name.endswith("bias") else 0.02 * noise)
+
+
+def write_tiny_qwen2_5_vl(out_dir: str, seed: int = 0, texts=None, vocab_size: int = 400,
+                          min_pixels: int = 28 * 28 * 4, max_pixels: int = 28 * 28 * 64,
+                          vision: Optional[dict] = None, text: Optional[dict] = None) -> str:
+    """Write a random tiny ``Qwen2_5_VLForConditionalGeneration`` with its processor to ``out_dir``
+    (a 4-block ViT with windows of 2x2 merged tokens and full attention at blocks 1 and 3, a 3-block
+    decoder); ``vision`` / ``text`` override config fields. Returns ``out_dir``."""
+    import torch
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
+                              Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
+    tok = _tokenizer(texts or default_texts(seed=seed), vocab_size)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vis = {"depth": 4, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "patch_size": 14,
+           "temporal_patch_size": 2, "spatial_merge_size": 2, "window_size": 56, "fullatt_block_indexes": [1, 3],
+           "in_channels": 3, **(vision or {})}
+    txt = {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 64, "max_position_embeddings": 512, "vocab_size": len(tok),
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+           "bos_token_id": None, "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"},
+           **(text or {})}
+    vis.setdefault("out_hidden_size", txt["hidden_size"])
+    config = Qwen2_5_VLConfig(vision_config=vis, text_config=txt, tie_word_embeddings=False,
+                              image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                              vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    _perturb(model, seed)
+    model.save_pretrained(out_dir)
+    geometry = {"patch_size": vis["patch_size"], "temporal_patch_size": vis["temporal_patch_size"],
+                "merge_size": vis["spatial_merge_size"],
+                "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}
+    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(**geometry),
+                                    video_processor=Qwen2VLVideoProcessor(**geometry),
+                                    tokenizer=tok, chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(out_dir)
+    return out_dir
