@@ -188,3 +188,70 @@ def test_lora_on_two_stages_equals_a_peft_loop_on_transformers(clean_native_chat
     for k in got:
         torch.testing.assert_close(got[k], at_stop[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
     assert any(not torch.equal(got[k], init[k]) for k in got if ".lora_B." in k)
+
+
+SIZES = [(60, 40), (100, 130), (200, 90), (48, 180), (150, 150)]  # five sizes: 4 to 16 image tokens each
+
+
+def test_loss_and_logits_are_transformers_fed_by_its_own_processor(tmp_path):
+    """A Qwen2.5-VL directory written offline (random weights, byte-level BPE with Qwen2-VL's special
+    tokens and ChatML template, Qwen2-VL's processor with small pixel bounds): mmpipe's encoder and
+    collate give the processor's ids, patches and grids, and the model its loss and logits, on a
+    batch of multi-image, single-image and text-only samples over five image sizes."""
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    from mmpipe.config.resolve import resolve_family
+    from mmpipe.data.tokenizer import load_tokenizer
+    from mmpipe.families.chat import read_chat
+    from mmpipe.families.qwen_vl.tiny import write_tiny_qwen2_5_vl
+    from mmpipe.parallel.plain import plain_model
+    d = write_tiny_qwen2_5_vl(str(tmp_path / "qwen"), seed=1)
+    rng = np.random.default_rng(0)
+    paths = []
+    for k, (w, h) in enumerate(SIZES):
+        paths.append(str(tmp_path / f"im{k}.png"))
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1])
+    rows = [(["<image>", "<image>"], "what colour are the shapes?", "red", paths[:2]),
+            ([], "what is two plus two?", "four", []),
+            (["<image>"], "how many shapes are there?", "three", paths[2:3]),
+            (["<image>", "<image>"], "where is the shape?", "at the top left", paths[3:])]
+    with open(tmp_path / "chat.jsonl", "w") as fh:
+        for marks, q, a, ims in rows:
+            fh.write(json.dumps({"messages": [{"role": "user", "content": "".join(marks) + "\n" + q},
+                                              {"role": "assistant", "content": a}], "images": ims}) + "\n")
+    (tmp_path / "run.yaml").write_text(
+        f"model: {{type: qwen2_5_vl, pretrained: {d}}}\n"
+        "data: {max_length: 256, min_pixels: 3136, max_pixels: 50176, num_workers: 0}\n")
+    cfg = mmpipe.load_config(str(tmp_path / "run.yaml"))
+    fam_cls = __import__("mmpipe.config.registry", fromlist=["get_family"]).get_family("qwen2_5_vl")
+    tok = fam_cls.prepare_tokenizer(load_tokenizer(d))
+    cfg, fam = resolve_family(cfg, tok)
+    ds, collate = fam.dataset(read_chat(str(tmp_path / "chat.jsonl")), tok, cfg.data), fam.collate(tok, cfg.data)
+    b = collate([ds[i] for i in range(len(rows))])
+    assert len({tuple(g.tolist()) for g in b["image_grid_thw"]}) == 5
+    # transformers' own path: the processor renders list content and expands each image
+    proc = AutoProcessor.from_pretrained(d)
+    proc.image_processor.size = {"shortest_edge": 3136, "longest_edge": 50176}
+    texts = [proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}] * len(marks) +
+                                        [{"type": "text", "text": "\n" + q}]},
+                                       {"role": "assistant", "content": [{"type": "text", "text": a}]}])
+             for marks, q, a, _ in rows]
+    enc = proc(text=texts, images=[Image.open(p).convert("RGB") for p in paths], return_tensors="pt", padding=True)
+    mask = b["attention_mask"].bool()
+    for i in range(len(rows)):  # the same ids (each side padded its own way)
+        theirs = enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist()
+        assert b["input_ids"][i][mask[i]].tolist() == theirs
+    torch.testing.assert_close(b["pixel_values"], enc["pixel_values"], rtol=0, atol=0)
+    assert torch.equal(b["image_grid_thw"], enc["image_grid_thw"])
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(d).eval()
+    ours = plain_model(fam).eval()
+    with torch.no_grad():
+        inputs = [b[k] for k in fam.inputs]
+        logits = ours.eval_outputs(*inputs)
+        loss = ours(*inputs, b["labels"])
+        out = hf(input_ids=b["input_ids"], attention_mask=b["attention_mask"], pixel_values=b["pixel_values"],
+                 image_grid_thw=b["image_grid_thw"], mm_token_type_ids=(b["input_ids"] == fam.image_token_id).int(),
+                 labels=b["labels"])
+    torch.testing.assert_close(loss, out.loss, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits[mask], out.logits[mask], rtol=0, atol=1e-5)
+    assert (b["labels"] != -100).sum() > 10 and out.loss > 1.0  # a real loss over the answers

@@ -34,7 +34,7 @@ def default_texts(n: int = 400, seed: int = 0) -> list:
     out = ["You are a helpful assistant.", "system user assistant"] + [f"{q} {a}" for q, a in synth.TEXT_QA]
     for _ in range(n):
         color, shape, number = rng.choice(list(synth.COLORS)), rng.choice(synth.SHAPES), rng.choice(synth.NUMBERS)
-        where = synth._position_words(rng.choice(list(synth.ROWS)), rng.choice(list(synth.COLS)))
+        where = f"at the {rng.choice(list(synth.ROWS))} {rng.choice(list(synth.COLS))}"
         out.append(rng.choice([f"what colour are the shapes? {color}", f"what kind of shape is shown? {shape}",
                                f"how many shapes are there? {number}", f"where is the shape? {where}",
                                f"a {rng.choice(list(synth.SIZES))} {color} {shape} {where}.",
@@ -63,15 +63,22 @@ def _tokenizer(texts, vocab_size: int):
     return fast
 
 
-def _perturb(model, seed: int) -> None:
-    """Weights far from transformers' init (norms at 1, biases at 0), so parity checks see every
+def _randomize(model) -> None:
+    """Weights away from transformers' init (norms at 1, biases at 0), so a parity check sees every
     parameter: matrices ~ N(0, 0.02), norm weights 1 + N(0, 0.1), biases ~ N(0, 0.02)."""
     import torch
-    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+        for name, p in model.named_parameters():
+            noise = torch.randn_like(p)
             p.copy_(1 + 0.1 * noise if p.ndim == 1 and not name.endswith("bias") else 0.02 * noise)
+
+
+def _mrope_section(head_dim: int) -> list:
+    """Qwen2.5-VL's split of the rotary half of a head over (time, height, width): 1/4, 3/8, 3/8
+    ([16, 24, 24] at head_dim 128; [1, 1, 2] at 8)."""
+    half = head_dim // 2
+    t = half // 4
+    return [t, (half - t) // 2, half - t - (half - t) // 2]
 
 
 def write_tiny_qwen2_5_vl(out_dir: str, seed: int = 0, texts=None, vocab_size: int = 400,
@@ -90,16 +97,17 @@ def write_tiny_qwen2_5_vl(out_dir: str, seed: int = 0, texts=None, vocab_size: i
            "in_channels": 3, **(vision or {})}
     txt = {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
            "intermediate_size": 64, "max_position_embeddings": 512, "vocab_size": len(tok),
-           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
-           "bos_token_id": None, "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"},
+           "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"],
            **(text or {})}
+    txt.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0,
+                                       "mrope_section": _mrope_section(txt["hidden_size"] // txt["num_attention_heads"])})
     vis.setdefault("out_hidden_size", txt["hidden_size"])
     config = Qwen2_5_VLConfig(vision_config=vis, text_config=txt, tie_word_embeddings=False,
                               image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                               vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config)
-    _perturb(model, seed)
+    _randomize(model)
     model.save_pretrained(out_dir)
     geometry = {"patch_size": vis["patch_size"], "temporal_patch_size": vis["temporal_patch_size"],
                 "merge_size": vis["spatial_merge_size"],
