@@ -3,7 +3,6 @@ config, and the multi-process runs, each launched once per session and shared by
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from helpers import TINY_CONFIGS, Runs
@@ -53,16 +52,11 @@ MIXED_SIZES = [(32, 32), (80, 32), (32, 96), (120, 60), (56, 140), (100, 100), (
 
 @pytest.fixture(scope="session")
 def tiny_native_chat_data(tmp_path_factory):
-    """``tiny_chat_data``'s samples and unusable lines, its images resized to ``MIXED_SIZES`` (in turn):
-    what a native-resolution family trains on."""
-    from PIL import Image
-
+    """``tiny_chat_data``'s kind of samples and unusable lines, its images of ``MIXED_SIZES``: what a
+    native-resolution family trains on."""
     from mmpipe.data.synth import synth_vlm
     out = tmp_path_factory.mktemp("tinynative")
-    info = synth_vlm(str(out), 70, val_fraction=0.1, size=32, seed=1, text_only=0.3, progress=False)
-    for k, name in enumerate(sorted(os.listdir(out / "images"))):
-        with Image.open(out / "images" / name) as im:
-            im.resize(MIXED_SIZES[k % len(MIXED_SIZES)]).save(out / "images" / name, quality=90)
+    info = synth_vlm(str(out), 70, val_fraction=0.1, seed=1, text_only=0.3, progress=False, sizes=MIXED_SIZES)
     _add_unusable_chat_lines(out, info["train"])
     return {"dir": str(out), "train": info["train"], "val": info["val"]}
 

@@ -140,7 +140,7 @@ class PatchChatFamily(ChatFamily):
         super().__init__(model_cfg, seed)
         self.image_token_id, self._pixels = model_cfg.image_token_id, self.pixels(model_cfg, None)
 
-    def image_tokens(self, image) -> int:
+    def image_tokens(self, image, data_cfg=None) -> int:
         return self._pixels.tokens(image)
 
     def layers(self):

@@ -6,8 +6,6 @@ Shapes are fixed (``data.padding=max_length``; chat samples each with one image)
 predicts the configured shape, the worst case a run must fit."""
 from __future__ import annotations
 
-import os
-
 import pytest
 from helpers import TINY, TINY_CONFIGS, TINY_VLM, Runs
 
@@ -38,12 +36,8 @@ def memory_runs(tmp_path_factory, runs):
     d = tmp_path_factory.mktemp("imagechat")
     chat = synth_vlm(str(d), 40, val_fraction=0.1, size=32, seed=2, text_only=0.0, progress=False)
     vlm = Runs(tmp_path_factory.mktemp("memory_vlm"), chat, TINY_VLM)
-    from PIL import Image
     d = tmp_path_factory.mktemp("nativechat")
-    chat = synth_vlm(str(d), 40, val_fraction=0.1, size=32, seed=2, text_only=0.0, progress=False)
-    for k, f in enumerate(sorted(os.listdir(d / "images"))):
-        with Image.open(d / "images" / f) as im:
-            im.resize(QWEN_SIZES[k % 3]).save(d / "images" / f)
+    chat = synth_vlm(str(d), 40, val_fraction=0.1, seed=2, text_only=0.0, progress=False, sizes=QWEN_SIZES)
     qwen = Runs(tmp_path_factory.mktemp("memory_qwen"), chat, TINY_CONFIGS["qwen2_5_vl"])
 
     def get(name: str) -> tuple:

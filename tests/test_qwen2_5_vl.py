@@ -162,10 +162,7 @@ def clean_native_chat(tmp_path_factory):
 
     from mmpipe.data.synth import synth_vlm
     d = tmp_path_factory.mktemp("qwen_lora_chat")
-    info = synth_vlm(str(d), 60, val_fraction=0.1, size=32, seed=3, text_only=0.3, progress=False)
-    for k, name in enumerate(sorted(os.listdir(d / "images"))):
-        with Image.open(d / "images" / name) as im:
-            im.resize(MIXED_SIZES[k % len(MIXED_SIZES)]).save(d / "images" / name, quality=90)
+    info = synth_vlm(str(d), 60, val_fraction=0.1, seed=3, text_only=0.3, progress=False, sizes=MIXED_SIZES)
     return {"dir": str(d), "train": info["train"], "val": info["val"]}
 
 

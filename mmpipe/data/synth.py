@@ -70,19 +70,21 @@ TEXT_QA = [(f"what number comes after {a}?", b) for a, b in zip(("one", "two", "
                                                             ("snow", "white"), ("a banana", "yellow"))]
 
 
-def make_vlm_sample(rng: random.Random, size: int, width: Optional[int] = None) -> tuple[Image.Image, list]:
+def make_vlm_sample(rng: random.Random, size: int, width: Optional[int] = None,
+                    height: Optional[int] = None) -> tuple[Image.Image, list]:
     """An image of 1-3 shapes of one colour and kind, and its (question, answer) turns: colour,
-    shape, count, and position when there is one shape. ``width`` (default ``size``): a wider
-    photo-like frame, the shapes placed in its centre square (what a centre crop keeps)."""
+    shape, count, and position when there is one shape. ``width`` / ``height`` (default ``size``): a
+    larger photo-like frame, the shapes placed in its centre ``size`` square (what a centre crop keeps)."""
     color, shape = rng.choice(list(COLORS)), rng.choice(SHAPES)
     k = rng.randint(1, 3)
     cells = rng.sample(CELLS, k)
-    im = _background(rng, size, width)
+    w, h = width or size, height or size
+    im = _background(rng, h, w)
     d = ImageDraw.Draw(im)
-    r, x0 = 0.12 * size, ((width or size) - size) / 2
+    r, x0, y0 = 0.12 * size, (w - size) / 2, (h - size) / 2
     for row, col in cells:
         fill = tuple(int(np.clip(c + rng.randint(-20, 20), 0, 255)) for c in COLORS[color])
-        _draw_shape(d, shape, x0 + COLS[col] * size, ROWS[row] * size, r, fill)
+        _draw_shape(d, shape, x0 + COLS[col] * size, y0 + ROWS[row] * size, r, fill)
     qa = [("what colour are the shapes?", color), ("what kind of shape is shown?", shape),
           ("how many shapes are there?", NUMBERS[k - 1])]
     if k == 1:
@@ -91,11 +93,14 @@ def make_vlm_sample(rng: random.Random, size: int, width: Optional[int] = None) 
 
 
 def synth_vlm(out: str, n: int, val_fraction: float = 0.1, size: int = 64, seed: int = 0, text_only: float = 0.15,
-              progress: bool = True, width: Optional[int] = None, questions: Optional[tuple] = None) -> dict:
+              progress: bool = True, width: Optional[int] = None, questions: Optional[tuple] = None,
+              sizes: Optional[list] = None) -> dict:
     """ms-swift JSONL chat (``train.jsonl``, ``val.jsonl``) over ``images/``: each image sample asks
     one or two questions (the first turn carries ``<image>``); a ``text_only`` fraction are text
     questions without an image. Answers are short and exact (for exact-match evaluation).
-    ``width``: wider frames (see ``make_vlm_sample``); ``questions``: ask only these."""
+    ``width``: wider frames (see ``make_vlm_sample``); ``questions``: ask only these; ``sizes``: (width,
+    height) frames, each image one of them at random (mixed sizes for native-resolution models; in place
+    of ``size`` / ``width``), its shapes in its centre square."""
     os.makedirs(os.path.join(out, "images"), exist_ok=True)
     rng = random.Random(seed)
     rows = []
@@ -108,7 +113,11 @@ def synth_vlm(out: str, n: int, val_fraction: float = 0.1, size: int = 64, seed:
             q, a = rng.choice(TEXT_QA)
             rows.append({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
             continue
-        im, qa = make_vlm_sample(rng, size, width)
+        if sizes:
+            w, h = rng.choice(sizes)
+            im, qa = make_vlm_sample(rng, min(w, h), w, h)
+        else:
+            im, qa = make_vlm_sample(rng, size, width)
         qa = [x for x in qa if x[0] in questions] if questions else qa
         rel = f"images/{i:06d}.jpg"
         im.save(os.path.join(out, rel), quality=90)

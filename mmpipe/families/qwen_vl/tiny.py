@@ -3,7 +3,6 @@
 with random weights: a stand-in for a downloaded checkpoint in tests and parity checks."""
 from __future__ import annotations
 
-import os
 import random
 from typing import Optional
 
@@ -44,9 +43,10 @@ def default_texts(n: int = 400, seed: int = 0) -> list:
 
 def _tokenizer(texts, vocab_size: int):
     """Byte-level BPE over ``texts`` with Qwen2's normalizer and pre-tokenizer, the special tokens
-    appended after it (as Qwen2's are), wrapped as transformers' Qwen2 tokenizer."""
+    appended after it (as Qwen2's are), wrapped as transformers' Qwen2 tokenizer (in transformers 5 the
+    tokenizers-backed class; ``Qwen2TokenizerFast`` is an alias), which keeps the trained backend."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import Qwen2TokenizerFast
+    from transformers import Qwen2Tokenizer
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
@@ -57,8 +57,8 @@ def _tokenizer(texts, vocab_size: int):
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.add_special_tokens(SPECIAL_TOKENS)
-    fast = Qwen2TokenizerFast(tokenizer_object=tok, unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                              extra_special_tokens=SPECIAL_TOKENS[1:], model_max_length=32768)
+    fast = Qwen2Tokenizer(tokenizer_object=tok, unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                          extra_special_tokens=SPECIAL_TOKENS[1:], model_max_length=32768)
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -86,21 +86,23 @@ def write_tiny_qwen2_5_vl(out_dir: str, seed: int = 0, texts=None, vocab_size: i
                           vision: Optional[dict] = None, text: Optional[dict] = None) -> str:
     """Write a random tiny ``Qwen2_5_VLForConditionalGeneration`` with its processor to ``out_dir``
     (a 4-block ViT with windows of 2x2 merged tokens and full attention at blocks 1 and 3, a 3-block
-    decoder); ``vision`` / ``text`` override config fields. Returns ``out_dir``."""
+    decoder); ``vision`` / ``text`` override config fields. ``seed`` sets the weights only: every seed
+    gets the same tokenizer (trained on ``texts``, default ``default_texts()``). Returns ``out_dir``."""
     import torch
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
                               Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
-    tok = _tokenizer(texts or default_texts(seed=seed), vocab_size)
+    tok = _tokenizer(texts or default_texts(), vocab_size)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vis = {"depth": 4, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "patch_size": 14,
            "temporal_patch_size": 2, "spatial_merge_size": 2, "window_size": 56, "fullatt_block_indexes": [1, 3],
            "in_channels": 3, **(vision or {})}
     txt = {"hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
            "intermediate_size": 64, "max_position_embeddings": 512, "vocab_size": len(tok),
-           "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"],
-           **(text or {})}
+           "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+           "pad_token_id": ids["<|endoftext|>"], **(text or {})}
+    head_dim = txt["hidden_size"] // txt["num_attention_heads"]
     txt.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0,
-                                       "mrope_section": _mrope_section(txt["hidden_size"] // txt["num_attention_heads"])})
+                                       "mrope_section": _mrope_section(head_dim)})
     vis.setdefault("out_hidden_size", txt["hidden_size"])
     config = Qwen2_5_VLConfig(vision_config=vis, text_config=txt, tie_word_embeddings=False,
                               image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
