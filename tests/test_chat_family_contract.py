@@ -161,7 +161,7 @@ class PatchChatFamily(ChatFamily):
         return {"pixel_values": torch.zeros((tokens * m, 3 * self.cfg.patch ** 2), dtype=torch.uint8).to(device),
                 "input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device), "labels": ids.to(device)}
 
-    def example_batches(self, m, max_length, device, packed=False):  # what its data holds: 3 small, 1 large
+    def example_batches(self, m, max_length, device, packed=False, data_cfg=None):  # its data: 3 small, 1 large
         return [(3.0, self.example_batch(m, max_length, device, tokens=4)),
                 (1.0, self.example_batch(m, max_length, device, tokens=16))]
 

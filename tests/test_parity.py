@@ -73,6 +73,9 @@ def test_layout_parity(parity_family, family_runs_of, key, nprocs, launcher, set
     family = parity_family
     if family == "toy" and key != "p2dp2":
         pytest.skip(TOY_COVERED)
+    if family == "qwen2_5_vl" and key == "p2_parameters":
+        pytest.skip("DeepSpeed's partition methods are the same code for every family (CLIP and the VLM run it); "
+                    "Qwen2.5-VL's cuts inside the ViT and the decoder: tests/test_qwen2_5_vl.py")
     runs = family_runs_of(family)
     ref = reference(runs)
     out, _ = runs.get(key, nprocs, sets, launcher, flags=["--stop-at", "4"])

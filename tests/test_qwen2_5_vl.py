@@ -252,3 +252,19 @@ def test_loss_and_logits_are_transformers_fed_by_its_own_processor(tmp_path):
     torch.testing.assert_close(loss, out.loss, rtol=0, atol=1e-5)
     torch.testing.assert_close(logits[mask], out.logits[mask], rtol=0, atol=1e-5)
     assert (b["labels"] != -100).sum() > 10 and out.loss > 1.0  # a real loss over the answers
+
+
+@pytest.mark.parametrize("key,nprocs,sets", [
+    # checkpointing recomputes each block from its inputs: the grid's derived spans and rotary table
+    # are found again on the same tensor
+    ("p2_ckpt", 2, ["parallel.pipeline_stages=2", "parallel.activation_checkpointing=all"]),
+    # ZeRO-3 over two ranks whose micro-batches differ in images (some none: every rank still runs every
+    # vision block, on a zero merge unit, so the parameter gathers match)
+    ("dp2_zero3", 2, ["parallel.pipeline_stages=1", "parallel.zero_stage=3"]),
+])
+def test_checkpointing_and_zero3_train_as_the_reference(family_runs_of, key, nprocs, sets):
+    runs = family_runs_of("qwen2_5_vl")
+    ref = reference(runs)
+    out, _ = runs.get(key, nprocs, sets, flags=["--stop-at", "4"])
+    np.testing.assert_allclose(train_losses(out), train_losses(ref)[:4], rtol=1e-5)
+    assert_weights_close(_weights(out, 4), _weights(ref, 4), rtol=1e-5)

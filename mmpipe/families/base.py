@@ -289,8 +289,10 @@ class Family:
         depend on the values."""
         raise NotImplementedError
 
-    def example_batches(self, micro_batch_size: int, max_length: int, device, packed: bool = False) -> list:
+    def example_batches(self, micro_batch_size: int, max_length: int, device, packed: bool = False,
+                        data_cfg=None) -> list:
         """``[(weight, batch)]``: the distribution of micro-batch shapes the family's data gives (a
-        variable-resolution family: several image sizes); the profiler weighs each layer's times by it
-        and keeps the largest memory. One shape (``example_batch``) by default."""
+        variable-resolution family: several image sizes, read from ``data_cfg``'s records); the profiler
+        weighs each layer's times by it and keeps the largest memory (a weight-0 shape: priced for memory
+        only). One shape (``example_batch``) by default."""
         return [(1.0, self.example_batch(micro_batch_size, max_length, device, **({"packed": True} if packed else {})))]

@@ -60,8 +60,15 @@ def profile_key(cfg, family, micro_batch_size: int, threads: int, device: str, f
             "device": device, "threads": threads, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "forward_only": sorted(forward_only),
             "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 12,
+            # a chat family's example shapes may come from its data (``example_batches``: image sizes)
+            "data": _data_key(cfg.data.train) if family.data_format == "chat" else None,
             # a CPU profile is timed as a rank computes, with or without mmpipe's malloc settings
             "cpu_malloc": device != "cpu" or os.environ.get("MMPIPE_CPU_MALLOC", "").lower() != "default"}
+
+
+def _data_key(path) -> Optional[list]:
+    """A data file as a profile depends on it: its path and modification time."""
+    return [path, os.path.getmtime(path)] if path and os.path.isfile(path) else None
 
 
 def synthetic_batch(family, m: int, max_length: int, device, with_loss: bool = False, packed: bool = False,
@@ -116,7 +123,8 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
     torch.set_num_threads(threads)
     try:
         shapes = []  # the family's distribution of micro-batch shapes, each profiled
-        for weight, b in family.example_batches(micro_batch_size, cfg.data.max_length, device, packed=cfg.data.packing):
+        for weight, b in family.example_batches(micro_batch_size, cfg.data.max_length, device, packed=cfg.data.packing,
+                                                data_cfg=cfg.data):
             batch, loss_fn = synthetic_batch(family, micro_batch_size, cfg.data.max_length, device, with_loss=True, b=b)
             runs = [profile_layers(iter_layers(family, forward_only, frozen, device,  # one layer alive at a time
                                                precision_dtype(cfg.train.precision)), batch, repeats=repeats,

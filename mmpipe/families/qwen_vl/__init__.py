@@ -256,6 +256,38 @@ class Qwen25VLFamily(ChatFamily):
                 "input_ids": ids.to(device), "attention_mask": mask, "position_ids": pos.to(device),
                 "labels": ids.to(device)}
 
+    def example_batches(self, micro_batch_size: int, max_length: int, device, packed: bool = False,
+                        data_cfg=None) -> list:
+        """Times at the image sizes the training data holds: its first records' images (headers only)
+        in four groups by token count, each profiled at its middle image's grid and weighted by its
+        share (text-only samples are not counted: the tower is priced as if every row held an image);
+        memory at the largest grid ``max_pixels`` allows (weight 0: the worst case a stage must hold)."""
+        worst = self.example_batch(micro_batch_size, max_length, device, packed)
+        grids = self.data_grids(data_cfg) if getattr(data_cfg, "train", None) else []
+        if not grids:
+            return [(1.0, worst)]
+        merge = self.vision_cfg.spatial_merge_size
+        grids.sort(key=lambda g: g[1] * g[2])
+        k = max(1, len(grids) // 4)
+        groups = [grids[i:i + k] for i in range(0, len(grids), k)]
+        return [(0.0, worst)] + [(len(g) / len(grids),
+                                  self.example_batch(micro_batch_size, max_length, device, packed, grid=g[len(g) // 2]))
+                                 for g in groups if g[len(g) // 2][1] * g[len(g) // 2][2] // merge ** 2 < max_length - 2]
+
+    def data_grids(self, data_cfg, limit: int = 256) -> list:
+        """The ``(t, h, w)`` grids of the images of ``data.train``'s first ``limit`` records (headers only;
+        an unreadable image is left out)."""
+        from PIL import Image
+        px, out = self.native(data_cfg), []
+        for rec in self.read_records(data_cfg.train, data_cfg, "data.train")[:limit]:
+            for path in rec.images:
+                try:
+                    with Image.open(path) as im:
+                        out.append(px.grid(*im.size))
+                except (OSError, ValueError, SyntaxError):
+                    continue
+        return out
+
     # ---- generation and export ------------------------------------------------------------------------
     def generation_inputs(self, images: list, data_cfg=None) -> dict:
         px, done = self.native(data_cfg), []
