@@ -187,9 +187,8 @@ def _balance_native(args, tmp: str, art: str) -> int:
              f"{args.warmup}, pooled over {args.rounds} interleaved rounds per variant; micro-batch 4 x 8 per step; "
              f"chat data read as is, every sample one image of {len(NATIVE_SIZES)} sizes "
              f"({', '.join(f'{w}x{h}' for w, h in NATIVE_SIZES)} px: 4 to 64 image tokens), padded to "
-             f"data.max_length; the profile prices every image at data.max_pixels (the worst case), so the "
-             f"vision stage is cheaper than planned on the smaller images. auto vs modality "
-             f"{s['modality'] / s['auto']:.2f}x.")
+             f"data.max_length; the profile times the data's own image sizes (four groups by token count), "
+             f"memory at data.max_pixels. auto vs modality {s['modality'] / s['auto']:.2f}x.")
     return _report_balance(args, f"Stage balance: {args.model} at native resolution, modality vs auto", table, notes)
 
 

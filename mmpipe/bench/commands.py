@@ -66,7 +66,8 @@ def add_parser(sub) -> None:
     bb.add_argument("--n", type=int, default=400, help="synthetic training pairs")
     bb.add_argument("--no-frozen", action="store_true", help="skip the frozen-vision variant")
     bb.add_argument("--model", choices=tuple(BUILTIN), default="clip",
-                    help="clip: image- and text-heavy dual encoders; qwen2_5_vl: native resolution, mixed image sizes; vlm: an image-heavy LLaVA-style VLM")
+                    help="clip: image- and text-heavy dual encoders; qwen2_5_vl: native resolution, mixed image "
+                         "sizes; vlm: an image-heavy LLaVA-style VLM")
     bb.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; steps pooled, median kept")
     bb.add_argument("--no-append", action="store_true")
     bb.set_defaults(func=bench_balance)
