@@ -229,7 +229,8 @@ def test_the_profile_weighs_the_familys_shapes(mixed_chat):
 
     def only(tokens):  # the family with one shape of its distribution
         f = type(fam)(cfg.model)
-        f.example_batches = lambda m, n, device, packed=False: [(1.0, fam.example_batch(m, n, device, tokens=tokens))]
+        f.example_batches = lambda m, n, device, packed=False, data_cfg=None: [
+            (1.0, fam.example_batch(m, n, device, tokens=tokens))]
         return f
 
     def act_bytes(f):
