@@ -34,9 +34,11 @@ def _from_step4(ref: str, out: str) -> None:
     ("el_p2dp2_z1", 4, "deepspeed", ["parallel.pipeline_stages=2", "parallel.zero_stage=1"]),
 ])
 def test_resume_on_another_layout(family, family_runs_of, tmp_path, key, nprocs, launcher, sets):
+    if family == "qwen2_5_vl" and not os.environ.get("MMPIPE_ALL_LAYOUTS"):
+        pytest.skip("by hand with MMPIPE_ALL_LAYOUTS=1 (CI's time; the layout-free resume path is the same code as "
+                    "CLIP's and the VLM's, and Qwen2.5-VL's own resume runs in test_parity.py)")
     if family == "qwen2_5_vl" and key != "el_p2dp2_z1":
-        pytest.skip("Qwen2.5-VL's move onto data parallel with ZeRO-1 here (CI's time); P = 3 with cuts in the ViT "
-                    "and the decoder: tests/test_qwen2_5_vl.py")
+        pytest.skip("Qwen2.5-VL's move onto data parallel with ZeRO-1 (by hand)")
     if family == "vlm" and key != "el_p2dp2_z1":
         pytest.skip("the VLM's moves to P = 1 and P = 3: tests/test_resume_matrix.py (P2 -> P1) and "
                     "tests/test_lora.py (P1 -> P2); here its move onto data parallel with ZeRO-1 (CI's time)")

@@ -263,6 +263,9 @@ def test_loss_and_logits_are_transformers_fed_by_its_own_processor(tmp_path):
     ("dp2_zero3", 2, ["parallel.pipeline_stages=1", "parallel.zero_stage=3"]),
 ])
 def test_checkpointing_and_zero3_train_as_the_reference(family_runs_of, key, nprocs, sets):
+    if key == "p2_ckpt" and not os.environ.get("MMPIPE_ALL_LAYOUTS"):
+        pytest.skip("by hand with MMPIPE_ALL_LAYOUTS=1 (CI's time; the VLM's pipelined checkpointing runs in "
+                    "test_activation_checkpointing.py)")
     runs = family_runs_of("qwen2_5_vl")
     ref = reference(runs)
     out, _ = runs.get(key, nprocs, sets, flags=["--stop-at", "4"])
