@@ -88,8 +88,15 @@ class Qwen25VLFamily(ChatFamily):
 
     @classmethod
     def prepare_tokenizer(cls, tokenizer):
-        """Qwen2-VL's vision tokens as special tokens (a directory's tokenizer holds them already)."""
-        return super(ChatFamily, cls).prepare_tokenizer(tokenizer)
+        """Qwen2-VL's vision tokens as special tokens (a directory's tokenizer holds them already), and,
+        for a tokenizer without a chat template, the plain template's role markers (``<image>`` itself
+        never reaches the tokenizer: the encoder expands it)."""
+        from mmpipe.families.chat.records import ROLE_TOKENS
+        tokens = cls.special_tokens + (() if getattr(tokenizer, "chat_template", None) else ROLE_TOKENS)
+        missing = [t for t in tokens if t not in tokenizer.get_vocab()]
+        if missing:
+            tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
+        return tokenizer
 
     @classmethod
     def resolve(cls, model_cfg, tokenizer, data_cfg):
