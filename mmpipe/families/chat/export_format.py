@@ -33,3 +33,14 @@ def no_added_special_tokens(tokenizer) -> None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         backend.post_processor = TemplateProcessing(single="$A", pair="$A $B", special_tokens=[])
+
+
+def set_generation_defaults(model, tokenizer, stop: list) -> None:
+    """The exported generation config: transformers' ``generate`` stops where training's turns ended
+    (``stop``: the end-of-turn ids, not the config class's default EOS), pads with the tokenizer's pad,
+    and answers up to ``GENERATE_MAX_NEW_TOKENS`` (its own default, max_length=20 with the prompt,
+    cuts an image prompt's answer to nothing)."""
+    if stop:
+        model.generation_config.eos_token_id = stop if len(stop) > 1 else stop[0]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.max_new_tokens = GENERATE_MAX_NEW_TOKENS

@@ -316,7 +316,7 @@ class Qwen25VLFamily(ChatFamily):
         tokenizer and chat template)."""
         from transformers import Qwen2_5_VLProcessor
 
-        from mmpipe.families.chat.export_format import GENERATE_MAX_NEW_TOKENS, no_added_special_tokens, plain_template
+        from mmpipe.families.chat.export_format import no_added_special_tokens, plain_template, set_generation_defaults
         stop = self.encoder(tokenizer, 1).end_of_turn_ids()  # before the template is set: as training rendered
         if not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = plain_template(VISION_START + IMAGE_PAD + VISION_END)
@@ -330,8 +330,5 @@ class Qwen25VLFamily(ChatFamily):
                                    video_processor=Qwen2VLVideoProcessor(),  # (required; mmpipe trains no video yet)
                                    chat_template=getattr(tokenizer, "chat_template", None))
         model = self.hf.hf_model(state)
-        if stop:
-            model.generation_config.eos_token_id = stop if len(stop) > 1 else stop[0]
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.generation_config.max_new_tokens = GENERATE_MAX_NEW_TOKENS
+        set_generation_defaults(model, tokenizer, stop)
         return model, proc

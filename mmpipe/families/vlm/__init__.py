@@ -25,7 +25,7 @@ from mmpipe.families.towers.common import (
 from mmpipe.families.vlm import model as m
 from mmpipe.families.vlm.adapter import LLM_RULES, LOAD_RULES, VISION_RULES
 from mmpipe.families.vlm.config import VlmConfig
-from mmpipe.families.chat.export_format import GENERATE_MAX_NEW_TOKENS, PLAIN_TEMPLATE, no_added_special_tokens
+from mmpipe.families.chat.export_format import PLAIN_TEMPLATE, no_added_special_tokens, set_generation_defaults
 from mmpipe.families.vlm.hf_configs import check_shapes, feature_choice, hf_configs, vision_config
 
 @register_family
@@ -225,12 +225,7 @@ class VlmFamily(ChatFamily):
                               chat_template=tokenizer.chat_template, image_token=IMAGE,
                               num_additional_image_tokens=1)
         model = self.hf.hf_model(state)
-        # transformers' generate stops where training's turns ended (not at the config class's default EOS)
-        if stop:
-            model.generation_config.eos_token_id = stop if len(stop) > 1 else stop[0]
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        # generate()'s own default (max_length=20, prompt included) cuts a LLaVA prompt's answer to nothing
-        model.generation_config.max_new_tokens = GENERATE_MAX_NEW_TOKENS
+        set_generation_defaults(model, tokenizer, stop)
         return model, proc
 
     def preprocessor(self):
