@@ -27,6 +27,6 @@ setup(
     ],
     # open_clip: the loss and format parity tests; with what open_clip_train imports (pandas, webdataset), mmpipe
     # bench peers --family clip and mmpipe bench gpu (test_bench.py runs it at tiny size)
-    extras_require={"test": ["pytest>=8", "open-clip-torch>=2.20", "pandas", "webdataset", "braceexpand"], "peers": ["open-clip-torch>=2.20", "pandas", "webdataset", "braceexpand"]},
+    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5", "open-clip-torch>=2.20", "pandas", "webdataset", "braceexpand"], "peers": ["open-clip-torch>=2.20", "pandas", "webdataset", "braceexpand"]},
     entry_points={"console_scripts": ["mmpipe=mmpipe.cli.main:main"]},
 )

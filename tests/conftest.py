@@ -124,6 +124,11 @@ def pytest_configure(config):
                                        "`make test-fast` leaves these out")
 
 
+# ---- two pytest-xdist workers (`make test`: -n 2 --dist loadfile): a module's tests stay on one
+# worker (its module-scoped runs are made once); session-scoped runs are made per worker; every launch
+# takes a free rendezvous port (helpers.launch), never the launchers' default.
+
+
 def pytest_collection_modifyitems(config, items):
     import inspect
     for item in items:

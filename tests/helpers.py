@@ -41,13 +41,14 @@ def _env(extra=None):
 def launch(nprocs: int, args: list, launcher: str = "deepspeed", timeout: int = 600,
            env: dict = None) -> subprocess.CompletedProcess:
     """Run launch/train.py under the given launcher; return the completed process (output kept)."""
+    from mmpipe.bench.common import free_port
+    port = str(free_port())  # (tests run on two workers: never the launchers' default port)
     if launcher == "python":
         cmd = [sys.executable, TRAIN_PY] + args
     elif launcher == "accelerate":
         cmd = [shutil.which("accelerate") or "accelerate", "launch", "--config_file", ACCEL_YAML,
-               "--num_processes", str(nprocs), TRAIN_PY] + args
+               "--num_processes", str(nprocs), "--main_process_port", port, TRAIN_PY] + args
     else:
-        port = str(29500 + (os.getpid() % 1000) + nprocs * 7)
         cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(nprocs), "--master_port", port,
                TRAIN_PY] + args
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout)

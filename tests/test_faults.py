@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 import pytest
+
+from mmpipe.bench.common import free_port
 import torch
 from helpers import ROOT, TRAIN_PY, _env, launch
 from test_parity import REF, assert_weights_close, reference
@@ -53,7 +55,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_a_step_boundary(runs, tmp_path)
     out = str(tmp_path / "preempted")
     steps = 2000  # far more than the test waits for: the signal arrives mid-training
     args = runs.base(out) + ["--set", "parallel.pipeline_stages=2", "--set", f"train.steps={steps}"]
-    port = str(29500 + (os.getpid() % 1000) + 31)
+    port = str(free_port())
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", port, TRAIN_PY] + args
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait_for_step(proc, out, 3)
@@ -85,7 +87,7 @@ def test_ctrl_c_under_a_launcher_stops_with_a_complete_checkpoint(runs, tmp_path
     Ctrl-C is theirs: DeepSpeed's launch.py exits 1 from its signal handler)."""
     out = str(tmp_path / f"ctrl_c_{launcher}")
     args = runs.base(out) + ["--set", "parallel.pipeline_stages=2", "--set", "train.steps=2000"]
-    port = str(29500 + (os.getpid() % 1000) + (37 if launcher == "deepspeed" else 43))
+    port = str(free_port())
     head = (["deepspeed", "--num_gpus", "2", "--master_port", port] if launcher == "deepspeed" else
             ["torchrun", "--nproc_per_node", "2", "--master_port", port])
     proc = subprocess.Popen(head + [TRAIN_PY] + args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,

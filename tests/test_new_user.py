@@ -10,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+
+from mmpipe.bench.common import free_port
 import torch
 from helpers import ROOT, TINY, TRAIN_PY, _env
 
@@ -359,7 +361,7 @@ def test_an_error_raised_on_one_rank_is_printed_once(tiny_data, tmp_path):
     good = [(s.image, s.text) for s in read_manifest(tiny_data["train"]) if os.path.isfile(s.image)][:16]
     write_shards(str(tmp_path / "shards"), good, 16)  # all 16 in one shard
     shards = f"{tmp_path}/shards/00000.tar"
-    port = str(29500 + (os.getpid() % 1000) + 301)
+    port = str(free_port())
     proc = subprocess.run([shutil.which("deepspeed") or "deepspeed", "--num_gpus", "2", "--master_port", port, TRAIN_PY,
                            *_train_argv(tiny_data, tmp_path / "run", f"data.train={shards}")],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)

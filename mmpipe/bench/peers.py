@@ -209,7 +209,7 @@ def bench_peers(args, tmp: str) -> int:
 def bench_peers_any(args) -> int:
     if get_family(args.family, "--family").data_format == "chat":
         from mmpipe.bench.peers_vlm import bench_peers_vlm
-        args.config = args.config or os.path.join(ROOT, "configs", "bench_vlm.yaml")
+        args.config = args.config or os.path.join(ROOT, "configs", f"bench_{args.family}.yaml")
         args.n = args.n or 400
         args.steps = args.steps or 12
         args.warmup = 3 if args.warmup is None else args.warmup
@@ -222,9 +222,9 @@ def bench_peers_any(args) -> int:
 
 def add_arguments(p) -> None:
     p.add_argument("--family", choices=tuple(BUILTIN), default="clip",
-                   help="clip: against open_clip_train; vlm: against transformers' Trainer + DeepSpeed ZeRO-2, "
-                        "full weights and LoRA")
-    p.add_argument("--config", default=None, help="default: configs/demo.yaml (clip), configs/bench_vlm.yaml (vlm)")
+                   help="clip: against open_clip_train; vlm, qwen2_5_vl: against transformers' Trainer + DeepSpeed "
+                        "ZeRO-2, full weights and LoRA")
+    p.add_argument("--config", default=None, help="default: configs/demo.yaml (clip), configs/bench_FAMILY.yaml (a chat family)")
     p.add_argument("--n", type=int, default=None, help="synthetic pairs (clip: 4200) or chat samples (vlm: 400)")
     p.add_argument("--micro-batch", type=int, default=4, help="vlm: micro-batch of both systems")
     p.add_argument("--lora-rank", type=int, default=8, help="vlm: LoRA r")

@@ -19,7 +19,7 @@ from mmpipe.bench.trainer_worker import encode
 from mmpipe.config.schema import family_of, load_config, replace
 from mmpipe.data.synth import synth_vlm
 from mmpipe.data.tokenizer import load_tokenizer, train_tokenizer
-from mmpipe.families.chat import add_chat_tokens, chat_texts, read_chat
+from mmpipe.families.chat import chat_texts, read_chat
 from mmpipe.train.metrics import read_metrics
 from mmpipe.parallel.plain import plain_model
 
@@ -28,20 +28,24 @@ def _log(msg: str) -> None:
     print(f"[bench] {msg}", flush=True)
 
 
-def make_llava_dir(args, tmp: str) -> tuple:
-    """(config, chat file, LLaVA directory): synthetic chat data, a tokenizer trained on it, and the
-    model's initial weights as a ``LlavaForConditionalGeneration`` directory with its processor."""
+def make_hf_dir(args, tmp: str) -> tuple:
+    """(config, chat file, model directory): synthetic chat data, a tokenizer trained on it, and the
+    model's initial weights as the family's transformers directory (``LlavaForConditionalGeneration``,
+    ``Qwen2_5_VLForConditionalGeneration``) with its processor."""
+    from mmpipe.bench.balance import NATIVE_SIZES
     cfg = load_config(args.config)
     fam_cls = family_of(cfg)
-    size = fam_cls.pixels(cfg.model, cfg.data).size
-    info = synth_vlm(os.path.join(tmp, "data"), args.n, val_fraction=0.0, size=size, seed=0, text_only=0.15,
-                     progress=False)
+    size = getattr(fam_cls.pixels(cfg.model, cfg.data), "size", None)
+    # a native-resolution family (no fixed size) gets images of mixed sizes
+    info = synth_vlm(os.path.join(tmp, "data"), args.n, val_fraction=0.0, size=size or 64, seed=0, text_only=0.15,
+                     progress=False, sizes=None if size else NATIVE_SIZES)
     tok_dir = os.path.join(tmp, "tokenizer")
-    tok = add_chat_tokens(train_tokenizer(chat_texts(read_chat(info["train"])), cfg.data.tokenizer_vocab_size, tok_dir))
+    tok = fam_cls.prepare_tokenizer(train_tokenizer(chat_texts(read_chat(info["train"])), cfg.data.tokenizer_vocab_size,
+                                                    tok_dir))
     cfg = replace(cfg, model=fam_cls.resolve(cfg.model, tok, cfg.data))
     family = fam_cls(cfg.model, cfg.train.seed)
-    model, processor = family.hf_export(plain_model(family).state_dict(), tok)
-    llava = os.path.join(tmp, "llava")
+    model, processor = family.hf_export(plain_model(family).state_dict(), tok, cfg.data)
+    llava = os.path.join(tmp, "hf_model")
     model.save_pretrained(llava)
     processor.save_pretrained(llava)
     return cfg, info["train"], llava
@@ -100,7 +104,7 @@ def run_trainer(cfg, train: str, llava: str, order: list, args, tmp: str, lora: 
 def bench_peers_vlm(args, tmp: str) -> int:
     from mmpipe.data.sampler import MicroBatchSampler
     _log(f"synthetic chat data ({args.n} samples), a tokenizer, the initial weights as a LLaVA directory ...")
-    cfg, train, llava = make_llava_dir(args, tmp)
+    cfg, train, llava = make_hf_dir(args, tmp)
     batch = cfg.train.batch_size
     n = len(read_chat(train))
     sampler = MicroBatchSampler(n, args.micro_batch, batch // args.micro_batch, 1, 0, cfg.train.seed,
@@ -138,7 +142,11 @@ def bench_peers_vlm(args, tmp: str) -> int:
         diff = abs(rows[k][3] - rows[k + 1][3])
         print(f"first-step loss |Trainer - mmpipe| ({rows[k][0]}): {diff:.2e} ({rows[k][3]!r} vs {rows[k + 1][3]!r})" + ("" if diff < 1e-5 else "  NOT within 1e-5"))
     import transformers
-    notes = (f"{os.path.basename(args.config)}'s model, {n} synthetic chat samples (15% text-only), global batch {batch}, "
+    from transformers import AutoConfig
+    arch = AutoConfig.from_pretrained(llava).architectures[0]
+    images = "images of mixed sizes, " if getattr(cfg.data, "max_pixels", None) else ""
+    notes = (f"{os.path.basename(args.config)}'s model ({arch}), {n} synthetic chat samples ({images}15% text-only), "
+             f"global batch {batch}, "
              f"micro-batch {args.micro_batch}, {args.steps} steps, fp32, 2 ranks on this machine's cores, constant lr "
              f"{cfg.optim.lr}, no clipping; LoRA r={args.lora_rank}, alpha={args.lora_alpha}, dropout 0 on the decoder's "
              f"linears. samples/s from the median step after the first {args.warmup} (Trainer: a callback around each "
@@ -146,12 +154,13 @@ def bench_peers_vlm(args, tmp: str) -> int:
              "same LLaVA directory and see the same samples in the same order: the Trainer's collator (transformers "
              f"{transformers.__version__} processor, apply_chat_template, assistant-only labels) was checked to give "
              "mmpipe's ids and labels on the first step's samples. Trainer's logged loss is the token mean over the "
-             "global batch (num_items_in_batch across devices), as mmpipe's. Differences left: transformers' LLaVA runs "
-             "the whole ViT and reads hidden_states[-2] (mmpipe builds only the blocks up to the feature layer, so "
-             "its tower does less work), Trainer weight-decays the token embedding (mmpipe does not), and ZeRO-2 "
-             "partitions optimizer state that mmpipe's chosen layout may hold whole.")
+             "global batch (num_items_in_batch across devices), as mmpipe's. Differences left: Trainer weight-decays the "
+             "token embedding (mmpipe does not), ZeRO-2 partitions optimizer state that mmpipe's chosen layout may hold "
+             "whole, and (LLaVA) transformers runs the whole ViT and reads hidden_states[-2] where mmpipe builds only "
+             "the blocks up to the feature layer.")
     if not args.no_append:
         given = sys.argv[3:]
-        cmd = "mmpipe bench peers " + " ".join(shlex.quote(a) for a in given)
-        append_benchmarks("Peers: mmpipe vs transformers Trainer + DeepSpeed ZeRO-2 (VLM)", cmd, table, notes)
+        cmd = "mmpipe bench peers " + " ".join(shlex.quote(a) for a in
+                                               (given if "--family" in given else ["--family", args.family] + given))
+        append_benchmarks(f"Peers: mmpipe vs transformers Trainer + DeepSpeed ZeRO-2 ({arch})", cmd, table, notes)
     return 0

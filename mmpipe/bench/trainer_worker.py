@@ -1,7 +1,8 @@
-"""One rank of the plain route a LLaVA user takes: transformers' ``Trainer`` with a DeepSpeed ZeRO-2
-JSON on ``LlavaForConditionalGeneration`` (optionally wrapped by ``peft.get_peft_model``), fed by a
+"""One rank of the plain route a LLaVA or Qwen2.5-VL user takes: transformers' ``Trainer`` with a
+DeepSpeed ZeRO-2 JSON on ``AutoModelForImageTextToText`` (``LlavaForConditionalGeneration``,
+``Qwen2_5_VLForConditionalGeneration``; optionally wrapped by ``peft.get_peft_model``), fed by a
 minimal chat collator built on the directory's own processor (``apply_chat_template``, assistant-only
-labels). Run by ``mmpipe bench peers --family vlm`` under the ``deepspeed`` launcher:
+labels). Run by ``mmpipe bench peers --family vlm|qwen2_5_vl`` under the ``deepspeed`` launcher:
 
     deepspeed --num_gpus 2 mmpipe/bench/trainer_worker.py SPEC.json
 
@@ -17,31 +18,54 @@ def render(processor, messages, generation_prompt=False) -> str:
     return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
+# what a processor returns beside input_ids: one value per token (padded with 0 in a batch), or per image
+TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")
+
+
+def image_items(content: str) -> list:
+    """ms-swift's ``<image>`` marks in a message's text -> transformers' list content (image items and text
+    items in order), as ms-swift's template does for a model whose processor has its own image token."""
+    items = []
+    for k, part in enumerate(content.split("<image>")):
+        if k:
+            items.append({"type": "image"})
+        if part:
+            items.append({"type": "text", "text": part})
+    return items
+
+
 def encode(processor, row: dict, image_root: str, max_length: int) -> dict:
     """One ms-swift JSONL row -> input_ids (image tokens expanded by the processor), labels (the
-    assistant turns and what closes them; everything else -100), pixel values."""
+    assistant turns and what closes them; everything else -100), the processor's per-token ids and its
+    image tensors (pixels; Qwen2.5-VL's patch grids)."""
     import os
 
     import torch
     from PIL import Image
-    messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+    as_items = getattr(processor, "image_token", "<image>") != "<image>"  # e.g. Qwen2.5-VL's <|image_pad|>
+    messages = [{"role": m["role"], "content": image_items(m["content"]) if as_items else m["content"]}
+                for m in row["messages"]]
     images = [Image.open(os.path.join(image_root, p)).convert("RGB") for p in row.get("images") or []]
 
-    def ids_of(text):
-        enc = processor(text=text, images=images[:text.count("<image>")] or None, return_tensors="pt")
-        return enc
-    full = ids_of(render(processor, messages))
+    def ids_of(msgs, generation_prompt=False):
+        text = render(processor, msgs, generation_prompt)
+        n = sum(isinstance(c, dict) and c.get("type") == "image" for m in msgs for c in m["content"]) if as_items \
+            else text.count("<image>")
+        return processor(text=text, images=images[:n] or None, return_tensors="pt")
+    full = ids_of(messages)
     ids = full["input_ids"][0]
     labels = torch.full_like(ids, -100)
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = ids_of(render(processor, messages[:i], generation_prompt=True))["input_ids"].shape[1]
-        end = ids_of(render(processor, messages[:i + 1]))["input_ids"].shape[1]
+        start = ids_of(messages[:i], generation_prompt=True)["input_ids"].shape[1]
+        end = ids_of(messages[:i + 1])["input_ids"].shape[1]
         labels[start:end] = ids[start:end]
     out = {"input_ids": ids[:max_length], "labels": labels[:max_length]}
+    out.update({k: full[k][0][:max_length] for k in TOKEN_KEYS if k in full})
     if images:
-        out["pixel_values"] = full["pixel_values"]
+        out.update({k: full[k] for k in IMAGE_KEYS if k in full})
     return out
 
 
@@ -55,13 +79,20 @@ class Collate:
         ids = torch.full((len(items), n), self.pad_id, dtype=torch.long)
         labels = torch.full((len(items), n), -100, dtype=torch.long)
         mask = torch.zeros((len(items), n), dtype=torch.long)
+        out = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        for k in TOKEN_KEYS:
+            if k in items[0]:
+                out[k] = torch.zeros((len(items), n), dtype=items[0][k].dtype)
         for i, it in enumerate(items):
             k = len(it["input_ids"])
             ids[i, :k], labels[i, :k], mask[i, :k] = it["input_ids"], it["labels"], 1
-        out = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-        pix = [it["pixel_values"] for it in items if "pixel_values" in it]
-        if pix:
-            out["pixel_values"] = torch.cat(pix)
+            for key in TOKEN_KEYS:
+                if key in out:
+                    out[key][i, :k] = it[key]
+        for key in IMAGE_KEYS:
+            parts = [it[key] for it in items if key in it]
+            if parts:
+                out[key] = torch.cat(parts)
         return out
 
 
@@ -96,7 +127,7 @@ def main(spec_path: str) -> None:
 
     import torch
     from torch.utils.data import Dataset
-    from transformers import AutoProcessor, LlavaForConditionalGeneration, TrainingArguments
+    from transformers import AutoModelForImageTextToText, AutoProcessor, TrainingArguments
     with open(spec_path) as fh:
         spec = json.load(fh)
     torch.set_num_threads(spec["threads"])
@@ -114,7 +145,7 @@ def main(spec_path: str) -> None:
 
     InOrder, Clock = trainer_parts()
 
-    model = LlavaForConditionalGeneration.from_pretrained(spec["llava"], torch_dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(spec["llava"], dtype=torch.float32)  # LLaVA, Qwen2.5-VL
     if spec.get("lora"):
         from peft import LoraConfig, get_peft_model
         lo = spec["lora"]
