@@ -187,6 +187,44 @@ def test_lora_on_two_stages_equals_a_peft_loop_on_transformers(clean_native_chat
     assert any(not torch.equal(got[k], init[k]) for k in got if ".lora_B." in k)
 
 
+def test_the_trainer_peers_collator_gives_mmpipes_tokens_and_loss(clean_native_chat, tmp_path):
+    """``mmpipe bench peers --family qwen2_5_vl``'s Trainer side: its collator (the directory's processor,
+    ``<image>`` marks as image items, assistant-only labels) gives mmpipe's ids and labels, and the
+    Trainer's loss (a token mean over the batch; Qwen2.5-VL declines ``num_items_in_batch``) on a padded
+    batch of mixed sizes and a text-only sample is mmpipe's."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from mmpipe.bench.peers_vlm import check_same_tokens
+    from mmpipe.bench.trainer_worker import Collate, dummy_vision, encode, token_mean_loss
+    from mmpipe.config.registry import get_family
+    from mmpipe.config.resolve import resolve_family
+    from mmpipe.data.tokenizer import load_tokenizer
+    from mmpipe.families.chat import read_chat
+    from mmpipe.families.qwen_vl.tiny import write_tiny_qwen2_5_vl
+    from mmpipe.parallel.plain import plain_model
+    d = write_tiny_qwen2_5_vl(str(tmp_path / "qwen"), seed=2)
+    (tmp_path / "run.yaml").write_text(f"model: {{type: qwen2_5_vl, pretrained: {d}}}\n"
+                                       "data: {max_length: 256, num_workers: 0, padding: batch, pad_multiple: 1}\n")
+    cfg = mmpipe.load_config(str(tmp_path / "run.yaml"))
+    train = clean_native_chat["train"]
+    rows = [json.loads(line) for line in open(train)]
+    assert check_same_tokens(cfg, train, d, list(range(len(rows))), len(rows)) == len(rows)
+    pick = [next(i for i, r in enumerate(rows) if not r.get("images"))] + [i for i, r in enumerate(rows) if r.get("images")][:3]
+    proc = AutoProcessor.from_pretrained(d)
+    batch = Collate(proc.tokenizer.pad_token_id)([encode(proc, rows[i], os.path.dirname(train), 256) for i in pick])
+    hf = AutoModelForImageTextToText.from_pretrained(d).eval()
+    tok = get_family("qwen2_5_vl").prepare_tokenizer(load_tokenizer(d))
+    cfg, fam = resolve_family(cfg, tok)
+    ds = fam.dataset([read_chat(train)[i] for i in pick], tok, cfg.data)
+    ours = fam.collate(tok, cfg.data)([ds[i] for i in range(len(pick))])
+    with torch.no_grad():
+        labels = batch.pop("labels")
+        theirs = token_mean_loss(hf)(hf(**batch), labels, num_items_in_batch=(labels[:, 1:] != -100).sum())
+        want = plain_model(fam).eval()(*[ours[k] for k in fam.inputs], ours["labels"])
+        assert dummy_vision(hf) == 0
+    torch.testing.assert_close(theirs, want, rtol=0, atol=1e-5)
+
+
 SIZES = [(60, 40), (100, 130), (200, 90), (48, 180), (150, 150)]  # five sizes: 4 to 16 image tokens each
 
 

@@ -10,7 +10,7 @@ import sys
 from mmpipe.bench.common import ROOT, append_benchmarks, launch, pooled, with_scratch
 from mmpipe.config.schema import family_of, load_config
 from mmpipe.data.cache import prepare
-from mmpipe.data.synth import synth, synth_vlm
+from mmpipe.data.synth import MIXED_SIZES, synth, synth_vlm
 from mmpipe.planning.charts import write_plan_png
 from mmpipe.planning.offline import median_profile, plan_all, single_process_time
 from mmpipe.planning.place import layer_costs, predict
@@ -172,21 +172,17 @@ def bench_balance(args, tmp: str) -> int:
     return _report_balance(args, "Stage balance: placements vs single process", table, notes)
 
 
-# the native-resolution bench's image sizes (w, h): 4 to 64 image tokens at its pixel bounds
-NATIVE_SIZES = [(56, 56), (224, 224), (112, 56), (56, 224), (168, 112), (224, 84)]
-
-
 def _balance_native(args, tmp: str, art: str) -> int:
     """A native-resolution chat family (``--model qwen2_5_vl``) on chat data of mixed image sizes, one
     image per sample: modality vs the balanced and auto placements, against the single process."""
     info = synth_vlm(os.path.join(tmp, "chat"), args.n, val_fraction=0.0, size=56, seed=0, text_only=0.0,
-                     progress=False, sizes=NATIVE_SIZES)
+                     progress=False, sizes=MIXED_SIZES)
     table, s = _balance_model(args, f"{args.model}, mixed image sizes",
                               os.path.join(ROOT, "configs", f"bench_{args.model}.yaml"), [], info, tmp, art)
     notes = (f"2 ranks x 1 thread (OMP_NUM_THREADS=1), {args.steps} steps per run, median step after the first "
              f"{args.warmup}, pooled over {args.rounds} interleaved rounds per variant; micro-batch 4 x 8 per step; "
-             f"chat data read as is, every sample one image of {len(NATIVE_SIZES)} sizes "
-             f"({', '.join(f'{w}x{h}' for w, h in NATIVE_SIZES)} px: 4 to 64 image tokens), padded to "
+             f"chat data read as is, every sample one image of {len(MIXED_SIZES)} sizes "
+             f"({', '.join(f'{w}x{h}' for w, h in MIXED_SIZES)} px: 4 to 64 image tokens), padded to "
              f"data.max_length; the profile times the data's own image sizes (four groups by token count), "
              f"memory at data.max_pixels. auto vs modality {s['modality'] / s['auto']:.2f}x.")
     return _report_balance(args, f"Stage balance: {args.model} at native resolution, modality vs auto", table, notes)

@@ -32,13 +32,13 @@ def make_hf_dir(args, tmp: str) -> tuple:
     """(config, chat file, model directory): synthetic chat data, a tokenizer trained on it, and the
     model's initial weights as the family's transformers directory (``LlavaForConditionalGeneration``,
     ``Qwen2_5_VLForConditionalGeneration``) with its processor."""
-    from mmpipe.bench.balance import NATIVE_SIZES
+    from mmpipe.data.synth import MIXED_SIZES
     cfg = load_config(args.config)
     fam_cls = family_of(cfg)
     size = getattr(fam_cls.pixels(cfg.model, cfg.data), "size", None)
     # a native-resolution family (no fixed size) gets images of mixed sizes
     info = synth_vlm(os.path.join(tmp, "data"), args.n, val_fraction=0.0, size=size or 64, seed=0, text_only=0.15,
-                     progress=False, sizes=None if size else NATIVE_SIZES)
+                     progress=False, sizes=None if size else MIXED_SIZES)
     tok_dir = os.path.join(tmp, "tokenizer")
     tok = fam_cls.prepare_tokenizer(train_tokenizer(chat_texts(read_chat(info["train"])), cfg.data.tokenizer_vocab_size,
                                                     tok_dir))
@@ -94,7 +94,9 @@ def run_trainer(cfg, train: str, llava: str, order: list, args, tmp: str, lora: 
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
+        lines = (proc.stdout + proc.stderr).splitlines()
+        first = next((k for k, line in enumerate(lines) if "Traceback" in line), max(0, len(lines) - 25))
+        tail = "\n".join(lines[first:first + 40])  # the first rank's error, not the others' broken connections
         raise SystemExit(f"mmpipe bench peers: Trainer failed: {' '.join(cmd)}\n{tail}")
     with open(spec["out"]) as fh:
         return json.load(fh)
@@ -103,7 +105,7 @@ def run_trainer(cfg, train: str, llava: str, order: list, args, tmp: str, lora: 
 @with_scratch("peers-vlm")
 def bench_peers_vlm(args, tmp: str) -> int:
     from mmpipe.data.sampler import MicroBatchSampler
-    _log(f"synthetic chat data ({args.n} samples), a tokenizer, the initial weights as a LLaVA directory ...")
+    _log(f"synthetic chat data ({args.n} samples), a tokenizer, the initial weights as a transformers directory ...")
     cfg, train, llava = make_hf_dir(args, tmp)
     batch = cfg.train.batch_size
     n = len(read_chat(train))
@@ -151,10 +153,13 @@ def bench_peers_vlm(args, tmp: str) -> int:
              f"{cfg.optim.lr}, no clipping; LoRA r={args.lora_rank}, alpha={args.lora_alpha}, dropout 0 on the decoder's "
              f"linears. samples/s from the median step after the first {args.warmup} (Trainer: a callback around each "
              "optimizer step; mmpipe: its metrics), DeepSpeed's CPU-op build outside both windows. Both start from the "
-             "same LLaVA directory and see the same samples in the same order: the Trainer's collator (transformers "
+             "same transformers directory and see the same samples in the same order: the Trainer's collator (transformers "
              f"{transformers.__version__} processor, apply_chat_template, assistant-only labels) was checked to give "
              "mmpipe's ids and labels on the first step's samples. Trainer's logged loss is the token mean over the "
-             "global batch (num_items_in_batch across devices), as mmpipe's. Differences left: Trainer weight-decays the "
+             "global batch (num_items_in_batch across devices), as mmpipe's; for a model that declines the count "
+             "(Qwen2.5-VL's accepts_loss_kwargs = False: the Trainer would weigh micro-batches, not tokens, equally) the "
+             "worker passes the Trainer a token-mean compute_loss_func, and a micro-batch without images sends a zero "
+             "2x2 image through the ViT times 0 (ms-swift's fix; without it the ZeRO-2 ranks deadlock). Differences left: Trainer weight-decays the "
              "token embedding (mmpipe does not), ZeRO-2 partitions optimizer state that mmpipe's chosen layout may hold "
              "whole, and (LLaVA) transformers runs the whole ViT and reads hidden_states[-2] where mmpipe builds only "
              "the blocks up to the feature layer.")

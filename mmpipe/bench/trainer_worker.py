@@ -96,6 +96,39 @@ class Collate:
         return out
 
 
+def dummy_vision(model):
+    """ms-swift's fix for a micro-batch without images on a model whose forward then skips the vision
+    tower (Qwen2.5-VL): a 2x2-patch zero image through the tower and merger, times 0, added to the loss,
+    so every rank's backward reaches the same parameters and ZeRO's gradient reductions stay in step
+    (without it ranks deadlock on the first text-only micro-batch). None for other models."""
+    import torch
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    visual = getattr(getattr(base, "model", None), "visual", None)
+    if visual is None:
+        return None
+    w = visual.patch_embed.proj.weight
+    m = int(visual.spatial_merge_size)
+    dummy = torch.zeros(m * m, w[0].numel(), dtype=w.dtype, device=w.device)
+    out = visual(dummy, grid_thw=torch.tensor([[1, m, m]], device=w.device))
+    return out.pooler_output.sum() * 0.0
+
+
+def token_mean_loss(model):
+    """For a model that declines the Trainer's ``num_items_in_batch`` (Qwen2.5-VL: ``accepts_loss_kwargs =
+    False``, so each micro-batch's loss is its own token mean and the step weighs micro-batches, not
+    tokens, equally) the causal-LM loss over the global batch's tokens, as ms-swift computes it; None
+    (the model's own loss) for a model that takes the count."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base, "accepts_loss_kwargs", True):
+        return None
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    vocab = base.config.get_text_config().vocab_size
+
+    def loss(outputs, labels, num_items_in_batch=None):
+        return ForCausalLMLoss(outputs.logits, labels, vocab, num_items_in_batch=num_items_in_batch)
+    return loss
+
+
 def trainer_parts(synchronize=None) -> tuple:
     """(a ``Trainer`` that keeps the dataset's order, a callback timing each optimizer step; with
     ``synchronize``, the device's queue is drained at both ends of the step)."""
@@ -105,6 +138,15 @@ def trainer_parts(synchronize=None) -> tuple:
     class InOrder(Trainer):
         def _get_train_sampler(self, *a, **k):
             return SequentialSampler(self.train_dataset)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if "pixel_values" in inputs:
+                return result
+            zero = dummy_vision(self.accelerator.unwrap_model(model))
+            if zero is None:
+                return result
+            return (result[0] + zero, result[1]) if return_outputs else result + zero
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -162,7 +204,7 @@ def main(spec_path: str) -> None:
                              remove_unused_columns=False, seed=spec["seed"], disable_tqdm=True)
     clock = Clock()
     trainer = InOrder(model=model, args=args, train_dataset=Chat(), data_collator=Collate(processor.tokenizer.pad_token_id),
-                      callbacks=[clock])
+                      callbacks=[clock], compute_loss_func=token_mean_loss(model))
     trainer.train()
     if trainer.is_world_process_zero():
         losses = [float(r["loss"]) for r in trainer.state.log_history if "loss" in r]

@@ -4,11 +4,25 @@ from __future__ import annotations
 from mmpipe.errors import ConfigError
 
 
+def _sizes(text):
+    """``--sizes``: None, ``mixed`` (MIXED_SIZES) or ``WxH,WxH,...``."""
+    from mmpipe.data.synth import MIXED_SIZES
+    if not text:
+        return None
+    if text == "mixed":
+        return MIXED_SIZES
+    try:
+        return [tuple(int(v) for v in part.lower().split("x")) for part in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--sizes {text}: give mixed or WIDTHxHEIGHT pairs separated by commas (56x56,224x84)") from None
+
+
 def cmd_data_synth(args) -> int:
     from mmpipe.config.registry import get_family
     from mmpipe.data.synth import synth, synth_vlm
     if get_family(args.kind, "--kind").data_format == "chat":
-        info = synth_vlm(args.out, args.n, val_fraction=args.val_fraction, size=args.size or 64, seed=args.seed)
+        info = synth_vlm(args.out, args.n, val_fraction=args.val_fraction, size=args.size or 64, seed=args.seed,
+                         sizes=_sizes(args.sizes))
         print(f"wrote {info['n_train']} train and {info['n_val']} val chat samples (ms-swift JSONL): "
               f"{info['train']} {info['val']}")
         return 0

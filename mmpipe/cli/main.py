@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--n", type=int, default=2000, help="total samples (train + val)")
     s.add_argument("--val-fraction", type=float, default=0.1)
     s.add_argument("--size", type=int, default=None, help="image side in pixels (default 96; vlm 64)")
+    s.add_argument("--sizes", default=None, help="chat kinds: images of mixed sizes, each one of these: mixed (4 to "
+                   "64 tokens at Qwen2.5-VL's pixel bounds) or WxH,WxH,...; in place of --size")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=cmd_data_synth)
     pr = d.add_parser("prepare", help="preprocess a manifest into a cache (uint8 images + token ids) for data.cache")

@@ -92,6 +92,12 @@ def make_vlm_sample(rng: random.Random, size: int, width: Optional[int] = None,
     return im, qa
 
 
+# mixed image sizes (w, h) for native-resolution models: 4 to 64 image tokens each at Qwen2.5-VL's
+# 14 px patches merged 2x2 between min_pixels 3136 and max_pixels 50176 (`mmpipe data synth --sizes
+# mixed`, the benches, the native-resolution demo)
+MIXED_SIZES = [(56, 56), (224, 224), (112, 56), (56, 224), (168, 112), (224, 84)]
+
+
 def synth_vlm(out: str, n: int, val_fraction: float = 0.1, size: int = 64, seed: int = 0, text_only: float = 0.15,
               progress: bool = True, width: Optional[int] = None, questions: Optional[tuple] = None,
               sizes: Optional[list] = None) -> dict:
