@@ -39,7 +39,7 @@ demo-qwen: install
 	@test -f data/synth_qwen/train.jsonl || mmpipe data synth --kind qwen2_5_vl --out data/synth_qwen --n 4000 --sizes mixed
 	deepspeed --num_gpus $(NPROC) launch/train.py --config configs/demo_qwen.yaml --overwrite
 	mmpipe generate --run runs/demo_qwen --eval data/synth_qwen/val.jsonl --limit 200
-	mmpipe generate --run runs/demo_qwen --image data/synth_qwen/images/000001.jpg --prompt "what colour are the shapes?"
+	mmpipe generate --run runs/demo_qwen --image data/synth_qwen/images/000000.jpg --prompt "what colour are the shapes?"
 
 clean:
 	rm -rf runs build *.egg-info .pytest_cache

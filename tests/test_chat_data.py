@@ -87,8 +87,11 @@ def test_marker_count_mismatch_and_bad_lines_name_the_place(tmp_path):
                     "images": ["a.jpg"]}),
         "{not json",
         json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "<video>what happens?"},
+                                 {"role": "assistant", "content": "x"}], "videos": ["v.mp4"]}),
     ]) + "\n")
     rows = read_chat(str(p))
+    assert "does not train video yet" in rows[3].error and rows[3].where == f"{p} line 4"  # skipped, not trained blind
     assert rows[0].error == "2 <image> marker(s) but 1 image(s)" and rows[0].where == f"{p} line 1"
     assert rows[1].error.startswith("not JSON") and rows[1].where == f"{p} line 2"
     assert rows[2].error is None and rows[2].images == ()  # text-only samples are fine

@@ -114,8 +114,16 @@ def read_swift_jsonl(path: str) -> list:
             msgs = tuple(zip(roles, (str(m["content"]) for m in msgs)))
             images, bad = _image_paths(row.get("images"), folder)
             msgs = _add_default_tags(msgs, len(images))
-            out.append(ChatSample(msgs, images, where, error or bad or _check(msgs, images)))
+            out.append(ChatSample(msgs, images, where, error or bad or _no_video(row, msgs) or _check(msgs, images)))
     return out
+
+
+def _no_video(row: dict, messages: tuple) -> Optional[str]:
+    """A sample with ms-swift's ``videos`` or a ``<video>`` mark is unusable (counted, named, skipped)
+    rather than trained as if it had none."""
+    if row.get("videos") or any("<video>" in text for _, text in messages):
+        return "has a video (ms-swift videos / <video>): mmpipe does not train video yet; the sample is skipped"
+    return None
 
 
 def _add_default_tags(messages: tuple, n_images: int) -> tuple:
