@@ -100,6 +100,9 @@ def test_marker_count_mismatch_and_bad_lines_name_the_place(tmp_path):
                                                                                  {"from": "gpt", "value": "yo"}]}]))
     row = read_chat(str(llava))[0]
     assert row.error == "0 <image> marker(s) but 1 image(s)" and row.where == f"{llava} entry 0 (id q7)"
+    llava.write_text(json.dumps([{"id": "v1", "video": "v.mp4", "conversations": [
+        {"from": "human", "value": "<video>what happens?"}, {"from": "gpt", "value": "yo"}]}]))
+    assert "does not train video yet" in read_chat(str(llava))[0].error
 
 
 def test_swift_rows_without_image_tags_get_them_as_ms_swift_adds_them(tok, tmp_path):

@@ -54,8 +54,8 @@ def with_scratch(name: str):
 
 
 def launch(nprocs: int, config: str, sets: list, out: str) -> str:
-    cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(nprocs), os.path.join(ROOT, "launch", "train.py"),
-           "--config", config, "--set", f"train.output_dir={out}", "--set", "log.progress=false", "--overwrite"]
+    cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(nprocs), "--master_port", str(free_port()),
+           os.path.join(ROOT, "launch", "train.py"), "--config", config, "--set", f"train.output_dir={out}", "--set", "log.progress=false", "--overwrite"]
     for s in sets:
         cmd += ["--set", s]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

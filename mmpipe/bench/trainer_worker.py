@@ -62,6 +62,9 @@ def encode(processor, row: dict, image_root: str, max_length: int) -> dict:
         start = ids_of(messages[:i], generation_prompt=True)["input_ids"].shape[1]
         end = ids_of(messages[:i + 1])["input_ids"].shape[1]
         labels[start:end] = ids[start:end]
+    if images and len(ids) > max_length:  # (mmpipe would cut before the image or drop the sample)
+        raise ValueError(f"mmpipe bench peers: a sample with images is {len(ids)} tokens, over max_length {max_length}: "
+                         "give the bench a larger data.max_length")
     out = {"input_ids": ids[:max_length], "labels": labels[:max_length]}
     out.update({k: full[k][0][:max_length] for k in TOKEN_KEYS if k in full})
     if images:

@@ -12,9 +12,12 @@ def _sizes(text):
     if text == "mixed":
         return MIXED_SIZES
     try:
-        return [tuple(int(v) for v in part.lower().split("x")) for part in text.split(",")]
+        sizes = [tuple(int(v) for v in part.lower().split("x")) for part in text.split(",")]
     except ValueError:
-        raise ConfigError(f"--sizes {text}: give mixed or WIDTHxHEIGHT pairs separated by commas (56x56,224x84)") from None
+        sizes = []
+    if not sizes or any(len(wh) != 2 or min(wh) < 1 for wh in sizes):
+        raise ConfigError(f"--sizes {text}: give mixed or WIDTHxHEIGHT pairs separated by commas (56x56,224x84)")
+    return sizes
 
 
 def cmd_data_synth(args) -> int:

@@ -59,7 +59,7 @@ def profile_key(cfg, family, micro_batch_size: int, threads: int, device: str, f
             "precision": cfg.train.precision,
             "device": device, "threads": threads, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "forward_only": sorted(forward_only),
-            "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 12,
+            "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 13,
             # a chat family's example shapes may come from its data (``example_batches``: image sizes)
             "data": _data_key(cfg.data.train) if family.data_format == "chat" else None,
             # a CPU profile is timed as a rank computes, with or without mmpipe's malloc settings

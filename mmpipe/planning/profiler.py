@@ -170,13 +170,13 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
     keep = slice(warmup, None) if timed else slice(0, None)
     costs = []
     x = inputs
-    # which float inputs want a gradient: for the timed passes none of the model's inputs (data: a
-    # patch embedding's gradient for the pixels is a backward no stage runs - 300 ms of the 318 ms a
-    # Qwen2.5-VL patch embedding was priced on a CPU), then what the previous layer's outputs want.
-    # The working set is still measured with the inputs' gradient (None: all), as the memory model
-    # was fitted: without it qwen_p3's stage 0 is predicted 10.8% low, a term not yet found.
-    flags = [False] * (1 if torch.is_tensor(inputs) else len(inputs))
-    work_flags = None
+    # which float inputs want a gradient: all of the model's inputs, then what the previous layer's
+    # outputs want (round 0 measures bytes, what a stage boundary sends back and the working set so).
+    # Except in the first layer's later (timed) rounds: the engine never computes the model inputs'
+    # gradient (DeepSpeed's first stage loads them without one), and a patch embedding's pixel
+    # gradient was 300 of the 318 ms a Qwen2.5-VL patch embedding was priced on a CPU.
+    flags = None
+    no_grad_inputs = [False] * (1 if torch.is_tensor(inputs) else len(inputs))
     for i, layer in enumerate(layers):
         ptrs = {p.untyped_storage()._cdata for p in layer.parameters()}
         fwd, bwd = [], []
@@ -184,7 +184,7 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
         y = None
         for r in range(rounds):
             y = None  # free the previous round's graph first
-            x_in = _detach(x, flags)
+            x_in = _detach(x, no_grad_inputs if (i == 0 and r > 0) else flags)
             in_ptrs = {t.untyped_storage()._cdata for t in ([x_in] if torch.is_tensor(x_in) else x_in)}
             evict()
             t0 = time.perf_counter()
@@ -198,6 +198,7 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
                 act, out_b = saved.total + in_b, run.out_bytes or _nbytes(y)
                 sent = [t for t in ([y] if torch.is_tensor(y) else y) if torch.is_tensor(t)]
                 back = [t for t in sent if wants_grad(t)]
+                next_flags = [wants_grad(t) for t in ([y] if torch.is_tensor(y) else list(y))]
             outs = [o for o in ([y] if torch.is_tensor(y) else y)
                     if torch.is_tensor(o) and o.is_floating_point() and o.grad_fn is not None]
             evict()
@@ -216,9 +217,9 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
             params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
             opt_ms=optimizer_ms(layer, repeats if timed else 0, evict),
             out_tensors=len(sent), grad_tensors=len(back), grad_bytes=_nbytes(back), in_bytes=in_b,
-            workspace=backward_workspace(run, _detach(x, work_flags), layer) if workspace else 0))
+            workspace=backward_workspace(run, _detach(x, flags), layer) if workspace else 0))
         ys = [y] if torch.is_tensor(y) else list(y)
-        flags = work_flags = [wants_grad(t) for t in ys]
+        flags = next_flags
         x = _marked(ys[0], ys[0].detach()) if torch.is_tensor(y) else tuple(_marked(t, t.detach()) for t in ys)
         del layer, y, ys, params
     return costs

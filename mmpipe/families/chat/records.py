@@ -88,7 +88,7 @@ def read_llava_json(path: str, image_folder: Optional[str] = None) -> list:
         roles, error = _roles([t.get("from", "user") for t in conv])
         msgs = tuple(zip(roles, (str(t["value"]) for t in conv)))
         images, bad = _image_paths(row.get("image"), folder)
-        out.append(ChatSample(msgs, images, where, error or bad or _check(msgs, images)))
+        out.append(ChatSample(msgs, images, where, error or bad or _no_video(row, msgs) or _check(msgs, images)))
     return out
 
 
@@ -119,9 +119,9 @@ def read_swift_jsonl(path: str) -> list:
 
 
 def _no_video(row: dict, messages: tuple) -> Optional[str]:
-    """A sample with ms-swift's ``videos`` or a ``<video>`` mark is unusable (counted, named, skipped)
-    rather than trained as if it had none."""
-    if row.get("videos") or any("<video>" in text for _, text in messages):
+    """A sample with ms-swift's ``videos`` (LLaVA-Video's ``video``) or a ``<video>`` mark is unusable
+    (counted, named, skipped) rather than trained as if it had none."""
+    if row.get("videos") or row.get("video") or any("<video>" in text for _, text in messages):
         return "has a video (ms-swift videos / <video>): mmpipe does not train video yet; the sample is skipped"
     return None
 
