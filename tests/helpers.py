@@ -42,16 +42,20 @@ def launch(nprocs: int, args: list, launcher: str = "deepspeed", timeout: int = 
            env: dict = None) -> subprocess.CompletedProcess:
     """Run launch/train.py under the given launcher; return the completed process (output kept)."""
     from mmpipe.bench.common import free_port
-    port = str(free_port())  # (tests run on two workers: never the launchers' default port)
-    if launcher == "python":
-        cmd = [sys.executable, TRAIN_PY] + args
-    elif launcher == "accelerate":
-        cmd = [shutil.which("accelerate") or "accelerate", "launch", "--config_file", ACCEL_YAML,
-               "--num_processes", str(nprocs), "--main_process_port", port, TRAIN_PY] + args
-    else:
-        cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(nprocs), "--master_port", port,
-               TRAIN_PY] + args
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout)
+    for attempt in range(3):
+        port = str(free_port())  # (tests run on two workers: never the launchers' default port)
+        if launcher == "python":
+            cmd = [sys.executable, TRAIN_PY] + args
+        elif launcher == "accelerate":
+            cmd = [shutil.which("accelerate") or "accelerate", "launch", "--config_file", ACCEL_YAML,
+                   "--num_processes", str(nprocs), "--main_process_port", port, TRAIN_PY] + args
+        else:
+            cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(nprocs), "--master_port", port,
+                   TRAIN_PY] + args
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout)
+        # the port was free when drawn; the other worker's launch may bind it first: draw again
+        if not (proc.returncode == 2 and "(MASTER_PORT) is already in use" in proc.stderr):
+            break
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
         raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")

@@ -18,17 +18,12 @@ import yaml
 from helpers import ACCEL_YAML, ROOT, TINY, TRAIN_PY, _env, train_losses
 from test_parity import REF
 
+from mmpipe.bench.common import free_port
 from mmpipe.config.deepspeed import resolve
 from mmpipe.config.schema import load_config
 from mmpipe.errors import ConfigError
 
 RUN_DS = os.path.join(ROOT, "launch", "run_deepspeed.sh")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ref_args(runs, out: str, stop: int) -> list:
@@ -52,7 +47,7 @@ def test_two_nodes_without_ssh_and_torchrun_reproduce_single_node(runs, tmp_path
     a plain single-node torchrun."""
     ref = runs.get(*REF)[0]
     out = str(tmp_path / "two_nodes")
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for node in (0, 1):
         env = _env()
@@ -79,7 +74,7 @@ def test_two_nodes_without_ssh_and_torchrun_reproduce_single_node(runs, tmp_path
     out = str(tmp_path / "torchrun")
     torchrun = shutil.which("torchrun")
     cmd = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    cmd += ["--nproc_per_node", "2", "--master_port", str(_free_port()), TRAIN_PY] + _ref_args(runs, out, 2)
+    cmd += ["--nproc_per_node", "2", "--master_port", str(free_port()), TRAIN_PY] + _ref_args(runs, out, 2)
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
     np.testing.assert_allclose(train_losses(out), train_losses(ref)[:2], rtol=1e-6)
@@ -220,7 +215,7 @@ def test_accelerate_launch_honours_mixed_precision_and_zero_stage(tiny_data, tmp
     args = ["--config", TINY, "--set", f"data.train={tiny_data['train']}", "--set", f"data.val={tiny_data['val']}",
             "--set", f"train.output_dir={out}", "--set", "train.keep_checkpoints=0", "--stop-at", "1"]
     cmd = [shutil.which("accelerate") or "accelerate", "launch", "--config_file", str(acc_yaml),
-           "--num_processes", "2", "--main_process_port", str(_free_port()), TRAIN_PY] + args
+           "--num_processes", "2", "--main_process_port", str(free_port()), TRAIN_PY] + args
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
     with open(os.path.join(out, "ds_config.json")) as fh:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 
+from mmpipe.parallel.startup import free_port  # noqa: F401 (the benches and tests take their ports here)
 from mmpipe.train.metrics import read_metrics
 
 
@@ -64,14 +65,6 @@ def launch(nprocs: int, config: str, sets: list, out: str) -> str:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
         raise SystemExit(f"mmpipe bench: run failed: {' '.join(cmd)}\n{tail}")
     return proc.stdout + proc.stderr
-
-
-def free_port() -> int:
-    """A free local TCP port for a launcher's rendezvous (the benches start several in one run)."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _steps(out: str, warmup: int) -> list:

@@ -19,7 +19,32 @@ from mmpipe.parallel.topology import cpu_threads
 # --------------------------------------------------------------------------------------------
 # process setup
 # --------------------------------------------------------------------------------------------
-def _free_port() -> int:
+def _ephemeral_floor() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port() -> int:
+    """A free local TCP port for a rendezvous, drawn from *below* the kernel's ephemeral range.
+
+    Port 0 hands out an ephemeral port, the same range every outgoing connection (gloo's, the
+    TCPStore clients') takes its source port from: a run started beside another could find its
+    port taken by the other's connections between choosing and binding it. Below that range only
+    listeners live, so a random free one there stays free."""
+    import random
+    hi = max(_ephemeral_floor(), 12000)
+    rng = random.Random()  # (seeded from the OS: two processes choosing at once draw apart)
+    for _ in range(200):
+        port = rng.randrange(10000, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -29,7 +54,7 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> tuple[int, int]
     """Join (or, under plain ``python``, create) the process group with the accelerator's backend."""
     if "RANK" not in os.environ:  # plain `python launch/train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     os.environ.setdefault("LOCAL_RANK", "0")
     import deepspeed
     from deepspeed.accelerator import get_accelerator
