@@ -259,15 +259,29 @@ class Family:
         surrogate with the same gradients (``mmpipe.parallel.step_loss``)."""
         return False
 
-    # bytes per pair of the global batch that ``batch_loss`` and its backward hold at once (the memory
-    # model's B x B term): CLIP's softmax loss holds 5 fp32 B x B matrices at its peak (logits, a
-    # log-softmax per direction and their gradients; measured by LiveBytes: 20.0 bytes per pair)
+    # bytes per pair of the global batch that ``batch_loss_grads`` holds at once (the memory model's
+    # B x B term, or block x B): autograd through CLIP's whole softmax loss holds 5 fp32 B x B matrices
+    # (LiveBytes: 20.0 bytes per pair); the dual encoders' blocked losses (softmax and sigmoid) 6 fp32
+    # block x B matrices (24.0, ``ClipFamily``)
     step_loss_pair_bytes = 20
 
     def batch_loss(self, loss_module: nn.Module, features: torch.Tensor) -> torch.Tensor:
         """With ``step_loss``: the loss of a whole batch's features (rows = samples), computed by
         calling ``loss_module`` (the last layer's module, which holds the loss's parameters)."""
         raise NotImplementedError
+
+    # rows of the B x B term ``batch_loss_grads`` holds at once (0: all B; the memory model's block)
+    step_loss_block_rows = 0
+
+    def batch_loss_grads(self, loss_module: nn.Module, features: torch.Tensor, params: list) -> tuple:
+        """``batch_loss`` with its gradient for ``features`` and for each of ``params`` (the loss
+        module's trainable parameters; None where unused): (loss, feature grad, [param grads]).
+        Here by autograd through the whole loss; a family may compute it in blocks."""
+        with torch.enable_grad():
+            feats = features.detach().clone().requires_grad_(True)
+            loss = self.batch_loss(loss_module, feats)
+            grads = torch.autograd.grad(loss, [feats] + list(params), allow_unused=True)
+        return loss, grads[0], list(grads[1:])
 
     # ---- data ---------------------------------------------------------------------------------
     def dataset(self, records: list, tokenizer, data_cfg, seed: Optional[int] = None):

@@ -56,13 +56,9 @@ class StepLossCache:
             local = torch.cat(parts)
         self.features = local
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        with torch.enable_grad():
-            feats = local.clone().requires_grad_(True)
-            loss = self.family.batch_loss(self.module, feats)
-            grads = torch.autograd.grad(loss, [feats] + self.params, allow_unused=True)
-        self.grad = grads[0]
+        loss, self.grad, param_grads = self.family.batch_loss_grads(self.module, local, self.params)
         self.param_grads = [torch.zeros_like(p, dtype=torch.float32) if g is None else g.detach().float()
-                            for p, g in zip(self.params, grads[1:])]
+                            for p, g in zip(self.params, param_grads)]
         self.loss = loss.detach().float()
         self.k = 0
 

@@ -267,7 +267,8 @@ def _with_step_loss(prof: dict, family) -> dict:
                              "frozen_prefix": len(frozen_prefix(family.layer_names(), set(forward_only))),
                              # the batch loss's B x B transient: rows per micro-batch, bytes per pair
                              "rows": int(prof.get("key", {}).get("micro_batch_size") or 0),
-                             "pair_bytes": int(getattr(family, "step_loss_pair_bytes", 0))}
+                             "pair_bytes": int(getattr(family, "step_loss_pair_bytes", 0)),
+                             "block_rows": int(getattr(family, "step_loss_block_rows", 0))}
     return prof
 
 

@@ -4,6 +4,7 @@ learnable temperature; zero-shot retrieval as its evaluation; transformers' ``CL
 HF format."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -21,7 +22,9 @@ from mmpipe.families.towers.text import TextSpec
 from mmpipe.families.towers.vision import VisionSpec
 
 _CHOICES = {"vision.arch": ("clip_vit", "resnet"), "vision.variant": ("resnet18", "resnet34", "resnet50"),
-            "text.arch": ("clip_text", "bert"), "text.pooling": ("auto", "eos", "cls", "mean", "pooler")}
+            "text.arch": ("clip_text", "bert"), "text.pooling": ("auto", "eos", "cls", "mean", "pooler"),
+            ".loss": ("softmax", "sigmoid"), ".negatives": ("global", "micro_batch")}
+_SCALE_INIT = {"softmax": 2.6592, "sigmoid": math.log(10.0)}  # CLIP's log(1/0.07); SigLIP's log 10
 
 
 @register_family
@@ -32,7 +35,7 @@ class ClipFamily(ImageTextFamily):
     min_micro_batch = 2
     min_micro_batch_why = "its contrastive loss has no negatives with 1 and is identically 0"
     default_groups = {"vision": [r"^vision\."], "projector": [r"^visual_projection\.", r"^text_projection\."],
-                      "text": [r"^text\."], "logit_scale": [r"^loss\.logit_scale$"]}
+                      "text": [r"^text\."], "logit_scale": [r"^loss\.logit_scale$", r"^loss\.logit_bias$"]}
     freeze_shortcuts = {"freeze_vision": "vision", "freeze_projector": "projector", "freeze_text": "text"}
     plain_api = m.DualEncoder  # encode_image / encode_text on the plain model, as open_clip's
 
@@ -41,11 +44,9 @@ class ClipFamily(ImageTextFamily):
     def validate(cls, model_cfg, where: str) -> None:
         for key, choices in _CHOICES.items():
             section, field = key.split(".")
-            v = getattr(getattr(model_cfg, section), field)
+            v = getattr(getattr(model_cfg, section) if section else model_cfg, field)
             if v not in choices:
-                raise ConfigError(f"{where}: model.{key}={v!r} is not one of {', '.join(choices)}")
-        if model_cfg.negatives not in ("global", "micro_batch"):
-            raise ConfigError(f"{where}: model.negatives={model_cfg.negatives!r} is not one of global, micro_batch")
+                raise ConfigError(f"{where}: model.{key.lstrip('.')}={v!r} is not one of {', '.join(choices)}")
 
     @classmethod
     def image_size(cls, model_cfg) -> int:
@@ -95,10 +96,24 @@ class ClipFamily(ImageTextFamily):
         return self.cfg.negatives == "global"
 
     def batch_loss(self, loss_module, features):
-        """Symmetric InfoNCE over every pair of ``features`` (image and text features side by side,
-        as the loss layer's ``eval_step`` gives them), with the loss module's ``logit_scale``."""
+        """The loss (``model.loss``) over every pair of ``features`` (image and text features side by
+        side, as the loss layer's ``eval_step`` gives them), with the loss module's parameters."""
         img, txt = features.split(features.shape[-1] // 2, dim=-1)
         return loss_module(img, txt)
+
+    def batch_loss_grads(self, loss_module, features, params: list) -> tuple:
+        """``batch_loss`` and its gradients for ``features`` and ``params``, ``model.loss_block`` rows
+        of the B x B logits at a time (``losses.loss_and_grads``): (loss, feature grad, param grads)."""
+        from mmpipe.families.clip.losses import loss_and_grads
+        img, txt = features.split(features.shape[-1] // 2, dim=-1)
+        loss, gi, gt, gp = loss_and_grads(loss_module, img, txt, params, self.cfg.loss_block)
+        return loss, torch.cat([gi, gt], dim=-1), gp
+
+    step_loss_pair_bytes = 24  # the blocked loss's 6 fp32 block x B matrices (LiveBytes, both losses)
+
+    @property
+    def step_loss_block_rows(self) -> int:
+        return self.cfg.loss_block
 
     # ---- structure ------------------------------------------------------------------------------
     def __init__(self, model_cfg, seed: int = 0):
@@ -112,6 +127,9 @@ class ClipFamily(ImageTextFamily):
             self.projection_dim, self.logit_scale_init = top.projection_dim, top.logit_scale_init_value
         else:
             self.projection_dim, self.logit_scale_init = model_cfg.projection_dim, model_cfg.logit_scale_init
+        if self.logit_scale_init is None or (model_cfg.loss == "sigmoid" and clip_dir):
+            # (a CLIPModel's softmax temperature is no start for the sigmoid loss)
+            self.logit_scale_init = _SCALE_INIT[model_cfg.loss]
         self.vision = VisionSpec(model_cfg.vision, clip_dir)
         self.text = TextSpec(model_cfg.text, clip_dir, eos_token_id=getattr(model_cfg.text, "eos_token_id", None))
         self._top_weights = hf.WeightSource(clip_dir, "model.pretrained") if clip_dir else None
@@ -137,6 +155,8 @@ class ClipFamily(ImageTextFamily):
         if name.startswith("text."):
             return self.text.build_part(name[len("text."):])
         if name == "loss":
+            if self.cfg.loss == "sigmoid":
+                return m.SigmoidLoss(self.logit_scale_init, self.cfg.logit_bias_init)
             return m.ClipLoss(self.logit_scale_init)
         if name not in ("visual_projection", "text_projection"):
             raise KeyError(name)
@@ -162,6 +182,8 @@ class ClipFamily(ImageTextFamily):
             source, rules = self.vision.weight_source(), self.vision.rules
         elif name.startswith("text."):
             source, rules = self.text.weight_source(), self.text.rules
+        elif self.cfg.loss == "sigmoid":
+            return  # a CLIPModel's softmax temperature is no start for the sigmoid loss: SigLIP's init
         else:
             source, rules = self._top_weights, hf.CLIP_TOP_RULES
         if source is not None:

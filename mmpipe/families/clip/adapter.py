@@ -26,6 +26,9 @@ VTDE_RULES = [("vision.embed.", "vision_model."),
 def format_of(family) -> tuple[Optional[str], str]:
     """(transformers class name or None, why) for this family's towers."""
     v, t = family.vision, family.text
+    if family.cfg.loss == "sigmoid":
+        return None, ("CLIPModel and VisionTextDualEncoderModel have no logit_bias for the sigmoid loss; the "
+                      "checkpoint keeps it (transformers' SiglipModel has SigLIP's own towers)")
     if v.arch == "clip_vit" and t.arch == "clip_text":
         return "CLIPModel", "CLIP ViT + CLIP text"
     if v.arch == "clip_vit" and t.arch == "bert":

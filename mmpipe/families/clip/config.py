@@ -45,7 +45,14 @@ class ClipConfig(Section):
     type: str = option("clip", "model family; clip = dual encoder with symmetric contrastive loss")
     pretrained: Optional[str] = option(None, "local transformers CLIPModel directory: loads both towers, projections, temperature")
     projection_dim: int = option(512, "width of the shared image-text embedding space", ge=1)
-    logit_scale_init: float = option(2.6592, "initial log temperature (CLIP: log(1/0.07))")
+    loss: str = option("softmax", "softmax: CLIP's symmetric InfoNCE; sigmoid: SigLIP's pairwise sigmoid loss with a "
+                                  "learnable bias (open_clip's --siglip)")
+    logit_scale_init: Optional[float] = option(None, "initial log temperature; unset = the loss's (softmax: CLIP's "
+                                                     "log(1/0.07) = 2.6592, sigmoid: SigLIP's log 10)")
+    logit_bias_init: float = option(-10.0, "initial logit bias of the sigmoid loss (SigLIP: -10)")
+    loss_block: int = option(1024, "rows of the global batch's B x B logits its loss holds at once (a step loss is "
+                                   "computed, with its gradients, in blocks of this many rows: memory O(block x B))",
+                             ge=1)
     negatives: str = option("global", "global: the contrastive loss of a step spans its whole global batch (every "
                                       "micro-batch of every data-parallel rank), as open_clip; micro_batch: only the "
                                       "pairs of the same micro-batch are negatives")

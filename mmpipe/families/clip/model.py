@@ -19,36 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-
-def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    # same arithmetic as transformers' CLIPModel (x / sqrt(sum(x^2)))
-    return x / torch.pow(torch.sum(torch.pow(x, 2), dim=-1, keepdim=True), 0.5)
-
-
-class ClipLoss(nn.Module):
-    """Symmetric InfoNCE over the pairs it is given, with a learnable temperature (``logit_scale``):
-    open_clip's ``ClipLoss`` on one process. With ``model.negatives: global`` it is given the features
-    of the whole global batch (``ClipFamily.batch_loss``); with ``micro_batch``, the loss layer calls
-    it on one micro-batch and a step's loss is the mean over its micro-batches."""
-
-    def __init__(self, logit_scale_init: float):
-        super().__init__()
-        # shape (1,), not 0-dim: DeepSpeed's parameter broadcast cannot view a 0-dim tensor as bytes.
-        # transformers' 0-dim ``logit_scale`` is reshaped on load (models/hf.py).
-        self.logit_scale = nn.Parameter(torch.tensor([float(logit_scale_init)]))
-
-    def logits_per_text(self, image_features, text_features):
-        img = l2_normalize(image_features.float())
-        txt = l2_normalize(text_features.float())
-        scale = self.logit_scale.float().exp().clamp(max=100.0).squeeze()
-        return torch.matmul(txt, img.t()) * scale
-
-    def forward(self, image_features, text_features):
-        logits = self.logits_per_text(image_features, text_features)
-        target = torch.arange(logits.shape[0], device=logits.device)
-        return (nn.functional.cross_entropy(logits, target) + nn.functional.cross_entropy(logits.t(), target)) / 2.0
-
+from mmpipe.families.clip.losses import ClipLoss, SigmoidLoss, l2_normalize  # noqa: F401 (the loss layer's modules)
 
 
 # ---- layer steps on the activation tuple ---------------------------------------------------------
