@@ -17,7 +17,8 @@ TINY_VLM = os.path.join(ROOT, "configs", "tiny_vlm.yaml")
 # Every built-in family's tiny run config: a new built-in adds its line, and the layout-parity and
 # resume tests (conftest's PARITY_FAMILIES) run on it, on the tiny data of its ``data_format``
 # (test_structure holds the table to the registry's built-ins)
-TINY_CONFIGS = {"clip": TINY, "vlm": TINY_VLM, "qwen2_5_vl": os.path.join(ROOT, "configs", "tiny_qwen2_5_vl.yaml")}
+TINY_CONFIGS = {"clip": TINY, "vlm": TINY_VLM, "qwen2_5_vl": os.path.join(ROOT, "configs", "tiny_qwen2_5_vl.yaml"),
+                "siglip": os.path.join(ROOT, "configs", "tiny_siglip.yaml")}
 
 
 TRAIN_PY = os.path.join(ROOT, "launch", "train.py")

@@ -11,7 +11,8 @@ import os
 
 from mmpipe.errors import ConfigError
 
-BUILTIN = {"clip": "mmpipe.families.clip", "vlm": "mmpipe.families.vlm", "qwen2_5_vl": "mmpipe.families.qwen_vl"}
+BUILTIN = {"clip": "mmpipe.families.clip", "vlm": "mmpipe.families.vlm", "qwen2_5_vl": "mmpipe.families.qwen_vl",
+           "siglip": "mmpipe.families.siglip"}
 _REGISTRY: dict = {}
 _plugins_loaded = [False]
 

@@ -21,7 +21,8 @@ class MicroBatch(NamedTuple):
 class Matmul(NamedTuple):
     """One matrix product of a layer's forward, (m x k) @ (k x n): 2·m·k·n FLOPs. ``weight``: the
     module path, inside the layer, of the Linear or convolution whose weight is the (k x n) operand
-    ("" for a layer that is itself a Linear); None for a product of two activations (attention's
+    ("" for a layer that is itself a Linear; the parameter's own path when it is no module's ``weight``: an
+    ``nn.MultiheadAttention``'s ``in_proj_weight``); None for a product of two activations (attention's
     QK^T and AV, contrastive logits). ``depth``: what the product reads: 0 the layer's input as it
     came, 1 the input through a norm (whose weights may train), 2 the output of another product.
     ``recomputed``: activation checkpointing runs it again in backward; False for a layer's last

@@ -101,6 +101,8 @@ def product_flops(p: Matmul, layer: str, role: Role, t: Training) -> tuple:
     adapted = weight in t.params
     if not adapted:
         weight = _param(layer, p.weight, "weight")
+    if weight not in t.params and _param(layer, p.weight, "") in t.params:
+        weight = _param(layer, p.weight, "")  # a parameter named itself (nn.MultiheadAttention's in_proj_weight)
     if weight not in t.params:
         raise KeyError(f"{layer}: no parameter {weight} for the product {p} (Family.matmuls names the module)")
     back = f * (int(grad_in) + int(weight not in t.frozen))

@@ -104,6 +104,8 @@ class ClipFamily(ImageTextFamily):
     def batch_loss_grads(self, loss_module, features, params: list) -> tuple:
         """``batch_loss`` and its gradients for ``features`` and ``params``, ``model.loss_block`` rows
         of the B x B logits at a time (``losses.loss_and_grads``): (loss, feature grad, param grads)."""
+        if features.shape[0] <= self.cfg.loss_block:  # one block: autograd through the whole loss, as the loss layer
+            return super().batch_loss_grads(loss_module, features, params)
         from mmpipe.families.clip.losses import loss_and_grads
         img, txt = features.split(features.shape[-1] // 2, dim=-1)
         loss, gi, gt, gp = loss_and_grads(loss_module, img, txt, params, self.cfg.loss_block)
