@@ -1,0 +1,102 @@
+"""SigLIP (``model.type: siglip``): a ``SiglipModel`` directory gives transformers' features and loss
+through ``mmpipe.build_model``; a run exports to a directory ``SiglipModel`` and ``SiglipProcessor``
+load with the run's features and tokens; every layout trains like one process on one micro-batch of
+the whole global batch (the layout parity against the P = 2 reference runs in test_parity.py)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from helpers import TINY_CONFIGS, assert_same_training
+from PIL import Image
+from test_parity import reference
+
+import mmpipe
+
+TINY_SIGLIP = TINY_CONFIGS["siglip"]
+
+
+def _siglip_dir(tmp_path) -> str:
+    """A SiglipModel of the tiny config's shape, random weights, a temperature and bias away from init."""
+    from transformers import SiglipConfig, SiglipModel
+    torch.manual_seed(0)
+    tower = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    model = SiglipModel(SiglipConfig(text_config=dict(tower, vocab_size=300, max_position_embeddings=16),
+                                     vision_config=dict(tower, image_size=32, patch_size=8)))
+    with torch.no_grad():
+        model.logit_scale.fill_(1.7)
+        model.logit_bias.fill_(-3.2)
+    out = str(tmp_path / "siglip")
+    model.save_pretrained(out)
+    return out
+
+
+def test_a_siglipmodel_directory_gives_transformers_features_and_loss(tmp_path):
+    from transformers import SiglipModel
+    d = _siglip_dir(tmp_path)
+    theirs = SiglipModel.from_pretrained(d).eval()
+    cfg = mmpipe.load_config(TINY_SIGLIP, [f"model.pretrained={d}"])
+    ours = mmpipe.build_model(cfg).eval()
+    assert ours.loss.logit_scale.item() == pytest.approx(1.7) and ours.loss.logit_bias.item() == pytest.approx(-3.2)
+    g = torch.Generator().manual_seed(1)
+    pixels, ids = torch.randn(6, 3, 32, 32, generator=g), torch.randint(3, 300, (6, 16), generator=g)
+    with torch.no_grad():
+        want = theirs(pixel_values=pixels, input_ids=ids, return_loss=True)
+        img, txt = ours.encode_image(pixels), ours.encode_text(ids, torch.ones_like(ids))
+        loss = ours.family.batch_loss(ours.loss, torch.cat([img, txt], dim=-1))
+    torch.testing.assert_close(img / img.norm(dim=-1, keepdim=True), want.image_embeds, atol=1e-5, rtol=0)
+    torch.testing.assert_close(txt / txt.norm(dim=-1, keepdim=True), want.text_embeds, atol=1e-5, rtol=0)
+    assert abs(loss.item() - want.loss.item()) < 1e-5
+    # the state dict maps back to transformers' names, every one of them
+    assert set(ours.family.hf.to_hf(ours.state_dict())) == {k for k in theirs.state_dict() if "position_ids" not in k}
+
+
+def test_a_siglip_run_exports_to_siglipmodel_and_its_processor(family_runs_of, tmp_path):
+    from transformers import SiglipModel, SiglipProcessor
+
+    from mmpipe.cli.main import main
+    from mmpipe.data.decode import load_image
+    from mmpipe.data.synth import make_image
+    import random
+    ref = reference(family_runs_of("siglip"))
+    out = str(tmp_path / "siglip_hf")
+    assert main(["export", "--run", ref, "--out", out]) == 0
+    hf, proc = SiglipModel.from_pretrained(out).eval(), SiglipProcessor.from_pretrained(out)
+    cfg = mmpipe.load_config(os.path.join(ref, "config.yaml"))
+    ours = mmpipe.build_model(cfg).eval()
+    ours.load_state_dict(mmpipe.load_weights(ref))
+    png = str(tmp_path / "shape.png")
+    make_image(random.Random(3), 32)[0].save(png)  # at the tower's size: the resize is the identity
+    caption = "a small red circle at the top left"
+    enc = proc(text=[caption], images=[Image.open(png)], return_tensors="pt", padding="max_length")
+    assert enc["input_ids"].shape[1] == 16  # padded to the tower's length, as training
+    with torch.no_grad():
+        want_img = ours.encode_image(load_image(png, 32).unsqueeze(0))
+        want_txt = ours.encode_text(enc["input_ids"], torch.ones_like(enc["input_ids"]))
+        got_img = hf.get_image_features(pixel_values=enc["pixel_values"]).pooler_output
+        got_txt = hf.get_text_features(input_ids=enc["input_ids"]).pooler_output
+    torch.testing.assert_close(got_img, want_img, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_txt, want_txt, atol=1e-5, rtol=0)
+    from mmpipe.data.tokenizer import load_tokenizer
+    tok = load_tokenizer(os.path.join(ref, "tokenizer"))
+    assert enc["input_ids"][0].tolist() == tok(caption, padding="max_length", max_length=16)["input_ids"]
+
+
+ONE = ["parallel.pipeline_stages=1", "parallel.micro_batch_size=16"]  # tiny: batch 16
+
+
+@pytest.mark.parametrize("key,nprocs,launcher,sets", [
+    ("sl_p1x4", 1, "python", ["parallel.pipeline_stages=1"]),
+    ("sl_dp2", 2, "deepspeed", ["parallel.pipeline_stages=1", "parallel.micro_batch_size=8"]),
+    ("sl_p2_frozen_vision", 2, "deepspeed", ["parallel.pipeline_stages=2", "optim.freeze_vision=true"]),
+])
+def test_siglip_trains_like_one_micro_batch_of_the_global_batch(family_runs_of, key, nprocs, launcher, sets):
+    """P = 1 with 4 micro-batches, DP2 (one pass) and lock-image tuning at P = 2 against one process
+    on one micro-batch of 16 (the loss layer in the graph); P = 2, P = 3 and P2 x DP2 against the
+    P = 2 reference in test_parity.py; with ``loss_block=5`` the blocked loss runs in these layouts."""
+    runs = family_runs_of("siglip")
+    frozen = ["optim.freeze_vision=true"] if "frozen" in key else []
+    one = runs.get("sl_one" + ("_frozen" if frozen else ""), 1, ONE + frozen, "python", flags=["--stop-at", "4"])[0]
+    run = runs.get(key, nprocs, sets + ["model.loss_block=5"], launcher, flags=["--stop-at", "4"])[0]
+    assert_same_training(run, one)
