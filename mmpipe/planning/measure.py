@@ -268,7 +268,8 @@ def _with_step_loss(prof: dict, family) -> dict:
                              # the batch loss's B x B transient: rows per micro-batch, bytes per pair
                              "rows": int(prof.get("key", {}).get("micro_batch_size") or 0),
                              "pair_bytes": int(getattr(family, "step_loss_pair_bytes", 0)),
-                             "block_rows": int(getattr(family, "step_loss_block_rows", 0))}
+                             "block_rows": int(getattr(family, "step_loss_block_rows", 0)),
+                             "block_pair_bytes": int(getattr(family, "step_loss_block_pair_bytes", 0))}
     return prof
 
 

@@ -81,6 +81,7 @@ class Schedule:
     loss_rows: int = 0  # a step loss: the rows of one micro-batch (the global batch B = rows x micro-batches x DP)
     loss_pair_bytes: int = 0  # a step loss: bytes per pair of the global batch its loss holds at once (B x B)
     loss_block: int = 0  # a step loss computed in blocks of this many rows (0: all B at once): block x B pairs held
+    loss_block_pair_bytes: int = 0  # ... and the bytes per pair the blocked computation holds
 
 
 def schedule_of(prof: dict, checkpointing: Optional[bool] = None) -> Schedule:
@@ -92,7 +93,7 @@ def schedule_of(prof: dict, checkpointing: Optional[bool] = None) -> Schedule:
                     int(sl.get("features_bytes", 0)), int(sl.get("frozen_prefix", 0)),
                     tuple(tuple(t) for t in prof.get("ties", ())), int(prof.get("batch_bytes", 0)),
                     bool(prof.get("last_reads", False)), int(sl.get("rows", 0)), int(sl.get("pair_bytes", 0)),
-                    int(sl.get("block_rows", 0)))
+                    int(sl.get("block_rows", 0)), int(sl.get("block_pair_bytes", 0)))
 
 
 @dataclass
@@ -223,13 +224,16 @@ def _step_loss(stage: int, stages: int, micro_batches: int, dp: int, sch: Schedu
     """A loss over the global batch (``parallel.step_loss.StepLossCache.fill``), on the last stage of
     every data-parallel rank: ``loss_pair_bytes`` per pair of the rows it holds at once (CLIP's softmax: 5
     fp32 matrices at the peak: the logits, a log-softmax per direction, their gradients), ``loss_block``
-    rows x B when it is computed in blocks (B x B otherwise), and a copy of the gathered features.
+    rows x B (at ``loss_block_pair_bytes``) when it is computed in blocks (B x B otherwise), and a copy of the gathered features.
     None when the step is one micro-batch on one rank (the loss layer then runs in the graph: profiled)."""
     if not sch.loss_pair_bytes or stage != stages - 1 or micro_batches * dp == 1:
         return 0.0
     rows = sch.loss_rows * micro_batches * dp
-    held = min(rows, sch.loss_block) if sch.loss_block else rows
-    return float(sch.loss_pair_bytes) * held * rows + micro_batches * dp * sch.features_bytes
+    if sch.loss_block and rows > sch.loss_block:  # in blocks (``Family.batch_loss_grads``)
+        held = float(sch.loss_block_pair_bytes or sch.loss_pair_bytes) * sch.loss_block * rows
+    else:  # autograd through the whole B x B loss
+        held = float(sch.loss_pair_bytes) * rows * rows
+    return held + micro_batches * dp * sch.features_bytes
 
 
 def stage_memory(costs: list, parts: list, micro_batches: int, precision: str, zero_stage: int = 0,
