@@ -58,3 +58,39 @@ def test_other_towers_have_no_open_clip_format():
     family = build_family(mmpipe.load_config(TINY, SETS + ["model.text.arch=bert"]).model)
     with pytest.raises(ConfigError, match="CLIP ViT \\+ CLIP text"):
         open_clip_config(family)
+
+
+def test_the_sigmoid_loss_model_loads_into_open_clips_siglip_clip(tmp_path):
+    """``bench peers --family siglip``'s start: CLIP towers with ``model.loss: sigmoid`` load strictly into
+    open_clip's ``CLIP`` built as ``--siglip`` builds it (with a ``logit_bias``), and open_clip's model and
+    its ``SigLipLoss`` give mmpipe's loss on the same batch."""
+    import json
+
+    import open_clip
+    from open_clip.loss import SigLipLoss
+
+    from helpers import TINY
+    from mmpipe.families.clip.open_clip_format import open_clip_state
+    family = build_family(mmpipe.load_config(TINY, SETS + ["model.loss=sigmoid"]).model)
+    ours = plain_model(family).eval()
+    with torch.no_grad():
+        ours.loss.logit_bias.fill_(-2.0)
+    with open(os.path.join(tmp_path, "mmpipe-test-siglip.json"), "w") as fh:
+        json.dump(open_clip_config(family), fh)
+    open_clip.add_model_config(str(tmp_path))
+    theirs = open_clip.create_model("mmpipe-test-siglip", init_logit_scale=float(torch.log(torch.tensor(10.0))),
+                                    init_logit_bias=-10).eval()
+    theirs.load_state_dict(open_clip_state(family, ours.state_dict()), strict=True)
+    g = torch.Generator().manual_seed(0)
+    size = family.vision.image_size
+    pixels = torch.randint(0, 256, (6, 3, size, size), dtype=torch.uint8, generator=g)
+    ids = torch.randint(5, 300, (6, 16), generator=g)
+    ids[:, -1] = 2
+    from mmpipe.families.towers.common import normalize_pixels
+    with torch.no_grad():
+        want = family.batch_loss(ours.loss, torch.cat([ours.encode_image(pixels), ours.encode_text(ids, torch.ones_like(ids))], -1))
+        x = normalize_pixels(pixels, family.vision.mean, family.vision.std, torch.float32)
+        img, txt, scale, bias = theirs(x, ids)  # (normalized features, exp(logit_scale), logit_bias)
+        got = SigLipLoss()(img, txt, scale, bias)
+    assert float(theirs.logit_bias) == -2.0
+    assert abs(got.item() - want.item()) < 1e-4

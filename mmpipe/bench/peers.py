@@ -23,7 +23,7 @@ from mmpipe.data.decode import load_image
 from mmpipe.data.manifest import read_manifest
 from mmpipe.data.synth import synth
 from mmpipe.data.tokenizer import load_tokenizer, train_tokenizer
-from mmpipe.families.clip.open_clip_format import open_clip_config, to_open_clip
+from mmpipe.families.clip.open_clip_format import open_clip_config, open_clip_state
 from mmpipe.families.clip.retrieval import retrieval_metrics
 from mmpipe.families.towers.common import normalize_pixels
 from mmpipe.train.metrics import read_metrics
@@ -43,7 +43,8 @@ class Job:
     family, the data and the initial weights."""
 
     def __init__(self, args, tmp: str):
-        cfg = load_config(args.config)
+        self.sigmoid = args.family == "siglip"  # open_clip's --siglip: CLIP towers, SigLIP's sigmoid loss
+        cfg = load_config(args.config, ["model.loss=sigmoid"] if self.sigmoid else [])
         self.family_cls = family_of(cfg)
         size = self.family_cls.pixels(cfg.model, cfg.data).size
         _log(f"synthetic data: {args.n} pairs ...")
@@ -54,7 +55,7 @@ class Job:
         self.tok_dir, self.tokenizer = tok_dir, self.family_cls.prepare_tokenizer(load_tokenizer(tok_dir))
         self.sets = [f"data.train={info['train']}", f"data.val={info['val']}", f"data.tokenizer={tok_dir}",
                      f"train.steps={args.steps}", f"train.eval_every={args.steps}", f"train.save_every={args.steps}",
-                     "parallel.layout=auto", "log.progress=false"]
+                     "parallel.layout=auto", "log.progress=false"] + (["model.loss=sigmoid"] if self.sigmoid else [])
         # open_clip runs each rank's share of the batch as one batch: mmpipe gets the same micro-batch
         self.sets.append(f"parallel.micro_batch_size={load_config(args.config).train.batch_size // 2}")
         cfg = load_config(args.config, self.sets)
@@ -116,7 +117,7 @@ def run_open_clip(job: Job, args, tmp: str) -> str:
     with open(os.path.join(cfg_dir, MODEL_NAME + ".json"), "w") as fh:
         json.dump(open_clip_config(job.family), fh)
     start = os.path.join(tmp, "open_clip_start.pt")
-    torch.save(to_open_clip(job.family.hf.to_hf(job.model.state_dict())), start)
+    torch.save(open_clip_state(job.family, job.model.state_dict()), start)
     check = job.train[:32]  # the same start: open_clip's model computes mmpipe's features
     (a, b), (c, d) = job.features(_open_clip_model(cfg_dir, start), check), job.features(None, check)
     err = max(float((a - c).abs().max()), float((b - d).abs().max()))
@@ -133,7 +134,7 @@ def run_open_clip(job: Job, args, tmp: str) -> str:
                "--epochs", "1", "--lr", str(o.lr), "--wd", str(o.weight_decay), "--warmup", str(o.warmup_steps),
                "--beta1", str(o.betas[0]), "--beta2", str(o.betas[1]), "--eps", str(o.eps), "--precision", "fp32",
                "--workers", str(cfg.data.num_workers), "--device", "cpu", "--dist-backend", "gloo",
-               "--gather-with-grad", "--log-every-n-steps", "1", "--logs", logs, "--name", "peer",
+               *(["--siglip"] if job.sigmoid else ["--gather-with-grad"]), "--log-every-n-steps", "1", "--logs", logs, "--name", "peer",
                "--save-frequency", "1", "--report-to", "", "--seed", str(cfg.train.seed)]
     spec = os.path.join(tmp, "open_clip_spec.json")
     v = job.family.vision
@@ -192,17 +193,24 @@ def bench_peers(args, tmp: str) -> int:
              "mmpipe's initial weights, converted to open_clip's names and checked equal on a batch, and read the "
              "same token ids (mmpipe's tokenizer) and pixels (mmpipe's decode and resize): open_clip_train "
              f"{open_clip.__version__} runs its own `main` under torchrun with those two functions swapped in and "
-             "`device_ids` dropped from its DDP wrapper (torch refuses it for a CPU module), `--gather-with-grad` "
-             "(the exact gradient of the global-batch loss, as mmpipe's `negatives: global`). Differences left: "
-             "open_clip weight-decays the position and token embeddings (mmpipe does not), clamps `logit_scale` at "
-             "ln 100 after each step (mmpipe clamps the scale in the loss), pads every caption to "
-             f"{job.cfg.data.max_length} tokens (mmpipe pads to the batch's longest) and samples with its "
+             "`device_ids` dropped from its DDP wrapper (torch refuses it for a CPU module), "
+             + ("`--siglip` (SigLIP's sigmoid loss over the global batch, its features exchanged between the ranks "
+                "in a ring, as mmpipe's `model.loss: sigmoid` with `negatives: global`; scale log 10 and bias -10 "
+                "at the start in both). Differences left: open_clip weight-decays the position and token embeddings "
+                "(mmpipe does not), clamps `logit_scale` at ln 100 after each step (mmpipe does not clamp the "
+                "sigmoid loss's scale, as transformers), pads every caption to " if job.sigmoid else
+                "`--gather-with-grad` (the exact gradient of the global-batch loss, as mmpipe's `negatives: global`). "
+                "Differences left: open_clip weight-decays the position and token embeddings (mmpipe does not), "
+                "clamps `logit_scale` at ln 100 after each step (mmpipe clamps the scale in the loss), pads every "
+                "caption to ")
+             + f"{job.cfg.data.max_length} tokens (mmpipe pads to the batch's longest) and samples with its "
              "DistributedSampler (mmpipe with its own seeded sampler), so recall agrees within noise, not exactly.")
     if not args.no_append:
         given = sys.argv[3:]
         cmd = "mmpipe bench peers " + " ".join(shlex.quote(a) for a in
                                                (given if "--family" in given else ["--family", args.family] + given))
-        append_benchmarks("Peers: mmpipe vs open_clip_train (CLIP)", cmd, table, notes)
+        append_benchmarks("Peers: mmpipe vs open_clip_train (" + ("SigLIP loss" if job.sigmoid else "CLIP") + ")",
+                          cmd, table, notes)
     return 0
 
 
@@ -222,8 +230,9 @@ def bench_peers_any(args) -> int:
 
 def add_arguments(p) -> None:
     p.add_argument("--family", choices=tuple(BUILTIN), default="clip",
-                   help="clip: against open_clip_train; vlm, qwen2_5_vl: against transformers' Trainer + DeepSpeed "
-                        "ZeRO-2, full weights and LoRA")
+                   help="clip: against open_clip_train; siglip: against open_clip_train --siglip (CLIP towers, "
+                        "SigLIP's sigmoid loss); vlm, qwen2_5_vl: against transformers' Trainer + DeepSpeed ZeRO-2, "
+                        "full weights and LoRA")
     p.add_argument("--config", default=None, help="default: configs/demo.yaml (clip), configs/bench_FAMILY.yaml (a chat family)")
     p.add_argument("--n", type=int, default=None, help="synthetic pairs (clip: 4200) or chat samples (vlm: 400)")
     p.add_argument("--micro-batch", type=int, default=4, help="vlm: micro-batch of both systems")

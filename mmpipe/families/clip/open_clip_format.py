@@ -20,7 +20,7 @@ _TOP = {"vision_model.embeddings.class_embedding": "visual.class_embedding",
         "vision_model.embeddings.position_embedding.weight": "visual.positional_embedding",
         "text_model.embeddings.token_embedding.weight": "token_embedding.weight",
         "text_model.embeddings.position_embedding.weight": "positional_embedding",
-        "logit_scale": "logit_scale"}
+        "logit_scale": "logit_scale", "logit_bias": "logit_bias"}
 _NORMS = {"vision_model.pre_layrnorm.": "visual.ln_pre.", "vision_model.post_layernorm.": "visual.ln_post.",
           "text_model.final_layer_norm.": "ln_final."}
 _LAYER = re.compile(r"^(vision|text)_model\.encoder\.layers\.(\d+)\.(.*)$")
@@ -76,3 +76,17 @@ def to_open_clip(hf_state: dict) -> dict:
     for (prefix, kind), parts in qkv.items():
         out[f"{prefix}attn.in_proj_{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]])
     return out
+
+
+def open_clip_state(family, state: dict) -> dict:
+    """mmpipe's plain state dict of a CLIP ViT + CLIP text model, softmax or sigmoid loss (whose
+    ``logit_bias`` CLIPModel lacks) -> open_clip's ``CLIP`` state dict (0-dim scale and bias)."""
+    from mmpipe.families.towers import hf
+    rules = hf.CLIP_VISION_RULES + hf.CLIP_TEXT_RULES + hf.CLIP_TOP_RULES + [("loss.logit_bias", "logit_bias")]
+    theirs = {}
+    for k, v in state.items():
+        name = hf.translate(k, rules)
+        if name is None:
+            raise KeyError(f"no transformers name for {k}")
+        theirs[name] = v.reshape(()) if name in ("logit_scale", "logit_bias") else v
+    return to_open_clip(theirs)
