@@ -243,3 +243,42 @@ def test_a_llava_directory_brings_its_feature_layer_and_strategy(tmp_path):
     with pytest.raises(ConfigError, match="vision_feature_layer=-3 but model.pretrained .* was trained with -1"):
         mmpipe.build_model(mmpipe.load_config(None, ["model.type=vlm", f"model.pretrained={d}",
                                                      "model.vision_feature_layer=-3"]))
+
+
+@pytest.fixture(scope="module")
+def siglip_llava_dir(tmp_path_factory):
+    """LLaVA with SigLIP's ViT as the OneVision / PaliGemma-era models ship it: the last layer's
+    hidden states, every patch (strategy ``full``; SigLIP has no class token)."""
+    from transformers import LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, SiglipVisionConfig
+    torch.manual_seed(0)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                image_size=32, patch_size=8)
+    text = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=100, max_position_embeddings=64)
+    model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
+                                                      vision_feature_layer=-1,
+                                                      vision_feature_select_strategy="full")).eval()
+    d = tmp_path_factory.mktemp("siglip_llava") / "llava"
+    model.save_pretrained(str(d))
+    return {"dir": str(d), "model": model}
+
+
+def test_a_siglip_tower_llava_gives_transformers_loss_on_a_mixed_batch(siglip_llava_dir, tmp_path):
+    """One row with an image (16 patch tokens, no class token), one text-only: transformers' loss; the
+    plain weights go back to a LlavaForConditionalGeneration that gives it too."""
+    cfg = mmpipe.load_config(None, ["model.type=vlm", f"model.pretrained={siglip_llava_dir['dir']}"])
+    ours = mmpipe.build_model(cfg).eval()
+    assert ours.family.siglip_tower and ours.family.n_image_tokens() == 16
+    assert [n for n in ours.family.layer_names() if n.startswith("vision.blocks")] == [f"vision.blocks.{i}"
+                                                                                        for i in range(3)]
+    ref = siglip_llava_dir["model"]
+    _, ids, mask, labels = _batch(with_images=False)
+    ids[0, 2:2 + N_PATCHES] = IMAGE_TOKEN
+    pix = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref(input_ids=ids, pixel_values=pix, attention_mask=mask, labels=labels).loss
+        got = ours(pix, ids, mask, labels)
+        again = ours.family.hf.hf_model(ours.state_dict())(input_ids=ids, pixel_values=pix, attention_mask=mask,
+                                                           labels=labels).loss
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(again, want, atol=1e-5, rtol=0)

@@ -151,3 +151,42 @@ def test_generate_and_eval_read_chat_data_as_training_does(family_runs_of, tiny_
     r = exact_match(run, str(tmp_path / "eval.json"), progress=False)
     assert r["n"] == 1 and r["examples"][0]["question"] == "what colour is it?" and r["examples"][0]["want"] == "red"
     assert len(r["skipped"]) == 1 and "(id b)" in r["skipped"][0] and "missing.jpg" in r["skipped"][0]
+
+
+SIGLIP_TOWER = ["model.vision.arch=siglip_vit", "model.vision_feature_layer=-1",
+                "model.vision_feature_select_strategy=full"]
+
+
+def test_a_siglip_tower_vlm_trains_alike_on_p2_x_dp2_and_exports(family_runs_of, tmp_path):
+    """LLaVA with SigLIP's ViT (last layer, every patch): P2 x DP2 trains like one process, and the run
+    exports to a LlavaForConditionalGeneration + processor that give its logits on an image prompt
+    (16 image tokens: SigLIP has no class token)."""
+    from PIL import Image
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from helpers import assert_same_training
+    from mmpipe.data.synth import make_image
+    from mmpipe.train.export import export
+    runs = family_runs_of("vlm")
+    one = runs.get("siglip_p1", 1, SIGLIP_TOWER + ["parallel.pipeline_stages=1"], "python",
+                   flags=["--stop-at", "4"])[0]
+    p2dp2 = runs.get("siglip_p2dp2", 4, SIGLIP_TOWER + ["parallel.pipeline_stages=2", "parallel.zero_stage=1"],
+                     flags=["--stop-at", "4"])[0]
+    assert_same_training(p2dp2, one)
+    out, kind, _ = export(one, str(tmp_path / "llava_siglip"))
+    assert kind == "LlavaForConditionalGeneration"
+    hf, proc = LlavaForConditionalGeneration.from_pretrained(out).eval(), AutoProcessor.from_pretrained(out)
+    assert hf.config.vision_config.model_type == "siglip_vision_model"
+    ours = mmpipe.build_model(mmpipe.load_config(os.path.join(one, "config.yaml"))).eval()
+    ours.load_state_dict(mmpipe.load_weights(one))
+    png = str(tmp_path / "shape.png")
+    import random
+    make_image(random.Random(3), 32)[0].save(png)
+    text = proc.apply_chat_template([{"role": "user", "content": "<image>\nwhat colour are the shapes?"}],
+                                    add_generation_prompt=True)
+    enc = proc(text=text, images=Image.open(png), return_tensors="pt")
+    assert int((enc["input_ids"] == ours.family.image_token_id).sum()) == ours.family.n_image_tokens() == 16
+    with torch.no_grad():
+        got = hf(**enc).logits
+        want = ours.eval_outputs(enc["pixel_values"], enc["input_ids"], enc["attention_mask"])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

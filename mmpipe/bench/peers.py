@@ -43,8 +43,10 @@ class Job:
     family, the data and the initial weights."""
 
     def __init__(self, args, tmp: str):
-        self.sigmoid = args.family == "siglip"  # open_clip's --siglip: CLIP towers, SigLIP's sigmoid loss
-        cfg = load_config(args.config, ["model.loss=sigmoid"] if self.sigmoid else [])
+        # a family whose open_clip job is CLIP towers with other settings (siglip: the sigmoid loss, --siglip)
+        self.peer_sets = list(getattr(get_family(args.family, "--family"), "open_clip_peer_sets", ()))
+        self.sigmoid = "model.loss=sigmoid" in self.peer_sets
+        cfg = load_config(args.config, self.peer_sets)
         self.family_cls = family_of(cfg)
         size = self.family_cls.pixels(cfg.model, cfg.data).size
         _log(f"synthetic data: {args.n} pairs ...")
@@ -55,7 +57,7 @@ class Job:
         self.tok_dir, self.tokenizer = tok_dir, self.family_cls.prepare_tokenizer(load_tokenizer(tok_dir))
         self.sets = [f"data.train={info['train']}", f"data.val={info['val']}", f"data.tokenizer={tok_dir}",
                      f"train.steps={args.steps}", f"train.eval_every={args.steps}", f"train.save_every={args.steps}",
-                     "parallel.layout=auto", "log.progress=false"] + (["model.loss=sigmoid"] if self.sigmoid else [])
+                     "parallel.layout=auto", "log.progress=false"] + self.peer_sets
         # open_clip runs each rank's share of the batch as one batch: mmpipe gets the same micro-batch
         self.sets.append(f"parallel.micro_batch_size={load_config(args.config).train.batch_size // 2}")
         cfg = load_config(args.config, self.sets)

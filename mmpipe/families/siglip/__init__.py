@@ -17,7 +17,7 @@ from mmpipe.families.clip import ClipFamily
 from mmpipe.families.clip import model as m
 from mmpipe.families.image_text import ImageTextFamily
 from mmpipe.families.products import Matmul
-from mmpipe.families.siglip import parts
+from mmpipe.families.towers import siglip as parts
 from mmpipe.families.siglip.config import SiglipConfig
 from mmpipe.families.towers import hf
 
@@ -66,6 +66,9 @@ class SiglipFamily(ClipFamily):
     default_groups = {"vision": [r"^vision\."], "text": [r"^text\."],
                       "logit_scale": [r"^loss\.logit_scale$", r"^loss\.logit_bias$"]}
     freeze_shortcuts = {"freeze_vision": "vision", "freeze_text": "text"}
+    # ``mmpipe bench peers --family siglip``: open_clip_train's --siglip trains SigLIP's loss on CLIP towers
+    # (its SigLIP towers are timm's, not installed here), so both systems train that job
+    open_clip_peer_sets = ("model.loss=sigmoid",)
 
     # ---- config ---------------------------------------------------------------------------------
     @classmethod

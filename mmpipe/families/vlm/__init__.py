@@ -123,12 +123,13 @@ class VlmFamily(ChatFamily):
         return self._layers
 
     def build_unseeded(self, name: str) -> nn.Module:
+        from mmpipe.families.towers import siglip
         from mmpipe.families.towers.vision import ClipVisionEmbed, _clip_block_cls
         v, t = self.vision_cfg, self.text_cfg
         if name == "vision.embed":
-            module = ClipVisionEmbed(v, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
+            module = (siglip.VisionEmbed if self.siglip_tower else ClipVisionEmbed)(v, *self.pixel_stats())
         elif name.startswith("vision.blocks."):
-            module = _clip_block_cls()(v)
+            module = siglip.block(v) if self.siglip_tower else _clip_block_cls()(v)
         elif name == "projector":
             module = m.Projector(v.hidden_size, t.hidden_size, self.cfg.vision_feature_select_strategy)
         elif name == "llm.embed":
@@ -148,6 +149,11 @@ class VlmFamily(ChatFamily):
         zero row: ``chat.layers.through``), the projector's on their image tokens, the decoder blocks'
         and the LM head's on every (padded) token position."""
         v, t = self.vision_cfg, self.text_cfg
+        if self.siglip_tower and name.startswith("vision."):
+            from mmpipe.families.towers.siglip import products
+            part = "embed" if name == "vision.embed" else "blocks"
+            return products("vision", part, v, mb.images if part == "embed" else max(mb.images, 1),
+                            (v.image_size // v.patch_size) ** 2)
         if name == "vision.embed":
             return vit_products(v, "embed", mb.images)
         if name.startswith("vision.blocks."):
@@ -223,14 +229,14 @@ class VlmFamily(ChatFamily):
                               patch_size=self.vision_cfg.patch_size,
                               vision_feature_select_strategy=self.cfg.vision_feature_select_strategy,
                               chat_template=tokenizer.chat_template, image_token=IMAGE,
-                              num_additional_image_tokens=1)
+                              num_additional_image_tokens=0 if self.siglip_tower else 1)
         model = self.hf.hf_model(state)
         set_generation_defaults(model, tokenizer, stop)
         return model, proc
 
     def preprocessor(self):
         from mmpipe.families.towers.hf import image_processor
-        return image_processor(self.vision_cfg.image_size, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
+        return image_processor(self.vision_cfg.image_size, *self.pixel_stats())
 
     @property
     def hf(self):
@@ -241,9 +247,20 @@ class VlmFamily(ChatFamily):
     def tied_weights(self) -> list:
         return [("llm.embed.embed_tokens.weight", "llm.head.lm_head.weight")] if self.tied else []
 
+    @property
+    def siglip_tower(self) -> bool:
+        """SigLIP's ViT (no class token; 0.5 pixel mean and std) rather than CLIP's."""
+        return self.vision_cfg.model_type == "siglip_vision_model"
+
+    def pixel_stats(self) -> tuple:
+        from mmpipe.families.towers.siglip import SIGLIP_MEAN, SIGLIP_STD
+        return (SIGLIP_MEAN, SIGLIP_STD) if self.siglip_tower else (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
+
     def n_image_tokens(self) -> int:
+        """The tower's positions (patches, and CLIP's class token), less the first under the ``default``
+        strategy (transformers' LLaVA drops it, whatever it is)."""
         s, p = self.vision_cfg.image_size, self.vision_cfg.patch_size
-        return (s // p) ** 2 + (self.cfg.vision_feature_select_strategy == "full")
+        return (s // p) ** 2 + (not self.siglip_tower) - (self.cfg.vision_feature_select_strategy == "default")
 
     def image_tokens(self, image, data_cfg=None) -> int:
         return self.n_image_tokens()  # every image is the tower's square: one count
@@ -260,7 +277,7 @@ class VlmFamily(ChatFamily):
             if pixels is None:
                 raise ConfigError(f"{path}: {why}")
             out.append(pixels)
-        return {"pixel_values": normalize_pixels(torch.stack(out), OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, torch.float32)}
+        return {"pixel_values": normalize_pixels(torch.stack(out), *self.pixel_stats(), torch.float32)}
 
     def example_batch(self, micro_batch_size: int, max_length: int, device, packed: bool = False) -> dict:
         """Rows of ``max_length`` tokens, one image each; ``packed``: each row two samples (segment

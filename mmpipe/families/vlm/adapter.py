@@ -47,7 +47,7 @@ class VlmHF:
 
     def to_hf(self, state: dict) -> dict:
         """Plain state dict -> transformers' (the vision blocks past the feature layer, which LLaVA
-        never runs, and the unused post-layernorm are not in it: ``unused_hf_keys``)."""
+        never runs, and the unused post-layernorm and SigLIP pooling head are not in it: ``unused_hf_keys``)."""
         return {_translate(k, RULES): v for k, v in state.items()}
 
     def adapter_name(self, plain: str) -> str:
@@ -58,7 +58,7 @@ class VlmHF:
 
     def unused_hf_keys(self, hf_keys) -> list:
         k = self.family.vision_blocks
-        return [n for n in hf_keys if n.startswith("model.vision_tower.post_layernorm.") or
+        return [n for n in hf_keys if n.startswith(("model.vision_tower.post_layernorm.", "model.vision_tower.head.")) or
                 (n.startswith("model.vision_tower.encoder.layers.") and int(n.split(".")[4]) >= k)]
 
     def from_hf(self, hf_state: dict) -> dict:

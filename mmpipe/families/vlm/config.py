@@ -9,8 +9,12 @@ from mmpipe.config.fields import Section, option
 
 @dataclass
 class VlmVisionConfig(Section):
-    """Vision tower: transformers' CLIP ViT, from config fields or a local directory."""
-    pretrained: Optional[str] = option(None, "local CLIPVisionModel / CLIPModel save_pretrained dir")
+    """Vision tower: transformers' CLIP ViT or SigLIP ViT, from config fields or a local directory."""
+    arch: str = option("clip_vit", "clip_vit (CLIP's ViT, LLaVA-1.5) or siglip_vit (SigLIP's, as LLaVA-OneVision and "
+                                   "PaliGemma ship: no class token; use vision_feature_layer -1, strategy full); a "
+                                   "pretrained directory's own type decides")
+    pretrained: Optional[str] = option(None, "local CLIPVisionModel / CLIPModel / SiglipVisionModel / SiglipModel "
+                                             "save_pretrained dir")
     hidden_size: Optional[int] = option(None, "transformer width; unset = transformers default", ge=1)
     num_hidden_layers: Optional[int] = option(None, "transformer blocks", ge=1)
     num_attention_heads: Optional[int] = option(None, "attention heads", ge=1)

@@ -11,6 +11,7 @@ _VISION_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "in
                   "patch_size")
 _LLM_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                "vocab_size", "max_position_embeddings", "tie_word_embeddings")
+VISION_TYPES = ("clip_vision_model", "siglip_vision_model")  # transformers' model_type of the towers it takes
 FEATURE_DEFAULTS = {"vision_feature_layer": -2, "vision_feature_select_strategy": "default"}
 
 
@@ -46,12 +47,15 @@ def vision_config(cfg):
     if cfg.vision.pretrained:
         c = hf.load_hf_config(cfg.vision.pretrained, "model.vision.pretrained")
         c = getattr(c, "vision_config", c)
-        if c.model_type != "clip_vision_model":
+        if c.model_type not in VISION_TYPES:
             raise ConfigError(f"model.vision.pretrained: {cfg.vision.pretrained} holds a {c.model_type}, not a CLIP "
-                              "vision model (CLIPVisionModel or CLIPModel)")
+                              "or SigLIP vision model (CLIPVisionModel, CLIPModel, SiglipVisionModel, SiglipModel)")
         return c
-    from transformers import CLIPVisionConfig
-    return CLIPVisionConfig(**{f: getattr(cfg.vision, f) for f in _VISION_FIELDS if getattr(cfg.vision, f) is not None})
+    from transformers import CLIPVisionConfig, SiglipVisionConfig
+    if cfg.vision.arch not in ("clip_vit", "siglip_vit"):
+        raise ConfigError(f"model.vision.arch={cfg.vision.arch!r} is not one of clip_vit, siglip_vit")
+    cls = SiglipVisionConfig if cfg.vision.arch == "siglip_vit" else CLIPVisionConfig
+    return cls(**{f: getattr(cfg.vision, f) for f in _VISION_FIELDS if getattr(cfg.vision, f) is not None})
 
 
 def hf_configs(cfg):

@@ -1,4 +1,5 @@
-"""SigLIP's towers as named parts, with transformers' modules and arithmetic (``SiglipModel``):
+"""SigLIP's towers as named parts, with transformers' modules and arithmetic (``SiglipModel``; the
+siglip family's towers, and a LLaVA-style VLM's image tower):
 
     vision: embed (patches + positions, no class token), blocks.i, head (post layer norm, then the
             attention-pooling head: a learned probe attends over the patches)
