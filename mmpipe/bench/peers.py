@@ -95,10 +95,14 @@ class Job:
         return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
 
-def _open_clip_model(cfg_dir: str, weights: str):
+def _open_clip_model(cfg_dir: str, weights: str, sigmoid: bool = False):
+    """open_clip's model (built as ``--siglip`` builds it, with a ``logit_bias``, for the sigmoid loss)."""
+    import math
+
     import open_clip
     open_clip.add_model_config(cfg_dir)
-    return open_clip.create_model(MODEL_NAME, pretrained=weights).eval()  # its loader: checkpoints and state dicts
+    kw = {"init_logit_scale": math.log(10), "init_logit_bias": -10} if sigmoid else {}
+    return open_clip.create_model(MODEL_NAME, pretrained=weights, **kw).eval()  # its loader: checkpoints, state dicts
 
 
 def _write_csv(job: Job, path: str, rows: int) -> None:
@@ -121,7 +125,7 @@ def run_open_clip(job: Job, args, tmp: str) -> str:
     start = os.path.join(tmp, "open_clip_start.pt")
     torch.save(open_clip_state(job.family, job.model.state_dict()), start)
     check = job.train[:32]  # the same start: open_clip's model computes mmpipe's features
-    (a, b), (c, d) = job.features(_open_clip_model(cfg_dir, start), check), job.features(None, check)
+    (a, b), (c, d) = job.features(_open_clip_model(cfg_dir, start, job.sigmoid), check), job.features(None, check)
     err = max(float((a - c).abs().max()), float((b - d).abs().max()))
     if err > 1e-4:
         raise SystemExit(f"mmpipe bench peers: open_clip's model differs from mmpipe's at the start (max |diff| {err:.2e})")
@@ -168,7 +172,7 @@ def bench_peers(args, tmp: str) -> int:
     oc_dir = run_open_clip(job, args, tmp)
     oc_steps = open_clip_step_times(oc_dir, batch)[args.warmup:]
     oc_model = _open_clip_model(os.path.join(tmp, "open_clip_config"),
-                                os.path.join(oc_dir, "checkpoints", "epoch_1.pt"))
+                                os.path.join(oc_dir, "checkpoints", "epoch_1.pt"), job.sigmoid)
     oc_recall = retrieval_metrics(*job.features(oc_model, job.val), captions=[s.text for s in job.val])
     _log(f"mmpipe: 2 ranks (deepspeed launcher, parallel.layout=auto), {args.steps} steps of {batch} ...")
     out = os.path.join(tmp, "mmpipe_run")
