@@ -90,9 +90,12 @@ ONE = ["parallel.pipeline_stages=1", "parallel.micro_batch_size=16"]  # tiny: ba
     ("sl_p1x4", 1, "python", ["parallel.pipeline_stages=1"]),
     ("sl_dp2", 2, "deepspeed", ["parallel.pipeline_stages=1", "parallel.micro_batch_size=8"]),
     ("sl_p2_frozen_vision", 2, "deepspeed", ["parallel.pipeline_stages=2", "optim.freeze_vision=true"]),
+    # ZeRO-3 partitions the loss's scale and bias: the blocked loss gathers them (2 micro-batches per rank)
+    ("sl_dp2x2_z3", 2, "deepspeed", ["parallel.pipeline_stages=1", "parallel.zero_stage=3"]),
 ])
 def test_siglip_trains_like_one_micro_batch_of_the_global_batch(family_runs_of, key, nprocs, launcher, sets):
-    """P = 1 with 4 micro-batches, DP2 (one pass) and lock-image tuning at P = 2 against one process
+    """P = 1 with 4 micro-batches, DP2 (one pass), DP2 x 2 micro-batches under ZeRO-3 and lock-image
+    tuning at P = 2 against one process
     on one micro-batch of 16 (the loss layer in the graph); P = 2, P = 3 and P2 x DP2 against the
     P = 2 reference in test_parity.py; with ``loss_block=5`` the blocked loss runs in these layouts."""
     runs = family_runs_of("siglip")

@@ -56,7 +56,12 @@ class StepLossCache:
             local = torch.cat(parts)
         self.features = local
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        loss, self.grad, param_grads = self.family.batch_loss_grads(self.module, local, self.params)
+        gather = contextlib.nullcontext()
+        if any(is_zero3_param(p) for p in self.module.parameters()):  # ZeRO-3 partitions them: whole for the loss
+            import deepspeed                                          # (computed in blocks, not through forward)
+            gather = deepspeed.zero.GatheredParameters(list(self.module.parameters()))
+        with gather:
+            loss, self.grad, param_grads = self.family.batch_loss_grads(self.module, local, self.params)
         self.param_grads = [torch.zeros_like(p, dtype=torch.float32) if g is None else g.detach().float()
                             for p, g in zip(self.params, param_grads)]
         self.loss = loss.detach().float()
