@@ -39,9 +39,9 @@ def test_resume_on_another_layout(family, family_runs_of, tmp_path, key, nprocs,
                     "CLIP's and the VLM's, and Qwen2.5-VL's own resume runs in test_parity.py)")
     if family == "qwen2_5_vl" and key != "el_p2dp2_z1":
         pytest.skip("Qwen2.5-VL's move onto data parallel with ZeRO-1 (by hand)")
-    if family == "siglip" and key != "el_p2dp2_z1":
-        pytest.skip("SigLIP's layout-free resume is the clip family's code (its moves run here); its move onto "
-                    "data parallel with ZeRO-1 runs (CI's time)")
+    if family == "siglip":
+        pytest.skip("SigLIP's layout-free resume is the clip family's code (its moves run here); its resume at P = 2 "
+                    "runs in test_parity.py (CI's time: the suite is over its 45-minute target)")
     if family == "vlm" and key != "el_p2dp2_z1":
         pytest.skip("the VLM's moves to P = 1 and P = 3: tests/test_resume_matrix.py (P2 -> P1) and "
                     "tests/test_lora.py (P1 -> P2); here its move onto data parallel with ZeRO-1 (CI's time)")
