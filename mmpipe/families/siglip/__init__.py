@@ -171,12 +171,9 @@ class SiglipFamily(ClipFamily):
         from mmpipe.errors import NoHFFormat
         if self.cfg.loss != "sigmoid":
             raise NoHFFormat("SiglipModel's loss is the sigmoid loss; this model trained the softmax loss")
-        from transformers import SiglipImageProcessor, SiglipProcessor
-        size = self.vision_config.image_size
-        proc = SiglipImageProcessor(size={"height": size, "width": size}, image_mean=list(self.mean),
-                                    image_std=list(self.std))
+        from transformers import SiglipProcessor
         tokenizer.model_max_length = self.text_length
-        return self.hf.hf_model(state), SiglipProcessor(proc, tokenizer)
+        return self.hf.hf_model(state), SiglipProcessor(self.preprocessor(), tokenizer)
 
     def preprocessor(self):
         from transformers import SiglipImageProcessor
