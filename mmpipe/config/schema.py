@@ -65,6 +65,10 @@ class DataConfig(Section):
                        "micro-batch then holds packs, and train.batch_size counts packs (ms-swift --packing)")
     group_by_length: bool = _f(False, "sort captions by token length within windows of data.group_window micro-batches "
                                "(less padding; batches then share caption lengths, which changes the negatives)")
+    balance: str = _f("none", "none: each step's micro-batches as the sampler cuts them; cost: each step's samples "
+                      "regrouped among its micro-batches and data-parallel ranks so every slot costs about the same "
+                      "on every stage (priced from the measured layer profile; the same samples per step, so the "
+                      "same loss; see docs/balancing.md)")
     group_window: int = _f(64, "micro-batches per length-grouping window (or, for shards, samples per window / micro-batch)", ge=1)
     shuffle_buffer: int = _f(1000, "shards: samples in the streaming shuffle buffer of each loader worker", ge=1)
     log_samples: bool = _f(False, "write the sample keys each data-reading rank trains on to OUTPUT/samples/rank*.jsonl (one JSON object per micro-batch: rank, step, stage, keys)")
@@ -372,6 +376,7 @@ _CHOICES = {
     "optim.schedule": ("cosine", "constant"),
     "optim.train_type": ("full", "lora"),
     "parallel.activation_checkpointing": ("none", "all", "auto"),
+    "data.balance": ("none", "cost"),
 }
 
 

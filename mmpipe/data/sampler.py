@@ -41,7 +41,10 @@ class MicroBatchSampler(Sampler):
 
     def __init__(self, num_samples: int, micro_batch_size: int, accumulation: int, dp_size: int, dp_rank: int,
                  seed: int, start_step: int = 0, shuffle: bool = True, max_steps: Optional[int] = None,
-                 lengths=None, group_window: int = 64, start_at: Optional[dict] = None):
+                 lengths=None, group_window: int = 64, start_at: Optional[dict] = None, balancer=None):
+        self.balancer = balancer  # data.balance=cost: ``mmpipe.data.balance.StepBalancer`` regroups each step
+        self.balanced: dict = {}  # step -> its regrouped micro-batches (the two last)
+        self.balance_log: dict = {}  # step -> predicted spread before / after (the last 64 steps)
         self.n, self.mb, self.acc, self.dp, self.rank = num_samples, micro_batch_size, accumulation, dp_size, dp_rank
         self.seed, self.start_step, self.shuffle, self.max_steps = seed, start_step, shuffle, max_steps
         self.lengths = None if lengths is None else np.asarray(lengths)
@@ -121,6 +124,13 @@ class MicroBatchSampler(Sampler):
     def micro_batches(self, step: int, all_ranks: bool = False) -> list[list[int]]:
         epoch, offset, pos = self._locate(step)
         mbs = self.epoch_micro_batches(epoch, offset)[pos:pos + self.per_step]
+        if self.balancer is not None:  # the same samples, regrouped among the step's micro-batches and ranks
+            if step not in self.balanced:
+                self.balanced = {k: v for k, v in self.balanced.items() if k == step - 1}
+                self.balanced[step] = self.balancer.regroup(mbs)
+                self.balance_log[step] = dict(self.balancer.last)
+                self.balance_log.pop(step - 64, None)
+            mbs = self.balanced[step]
         return mbs if all_ranks else mbs[self.rank * self.acc:(self.rank + 1) * self.acc]
 
     def __iter__(self) -> Iterator[list]:

@@ -115,14 +115,31 @@ def train_lengths(source: TrainSource, tok, max_length: int) -> list[int]:
     return [len(x) for x in enc]
 
 
+def sample_units(dataset, source: TrainSource, tok, max_length: int):
+    """``data.balance: cost``'s per-item ``SampleUnits``: the dataset's own (chat data: image tokens and
+    tokens), else one image per item and its caption's tokens."""
+    import numpy as np
+
+    from mmpipe.data.balance import SampleUnits
+    if hasattr(dataset, "units"):
+        return dataset.units
+    lengths = dataset.lengths if hasattr(dataset, "lengths") else train_lengths(source, tok, max_length)
+    return SampleUnits(np.ones(len(lengths)), lengths)
+
+
 def build_train_loader(cfg, source: TrainSource, tok, collate, topo, dp_rank: int, start_step: int,
-                       device_is_cpu: bool, family, start_at: Optional[dict] = None):
+                       device_is_cpu: bool, family, start_at: Optional[dict] = None, prices=None):
     """The training loader from global step ``start_step``; ``start_at``: the stream position a
     checkpoint saved (``MicroBatchSampler.position``), so a resume with another batch size continues
-    at the next unseen sample. The loader's ``batch_sampler`` (indexable sources) tells positions."""
+    at the next unseen sample. The loader's ``batch_sampler`` (indexable sources) tells positions.
+    ``prices`` (``data.balance: cost``): the plan's ``StagePrices``, with which every step is regrouped."""
     from torch.utils.data import DataLoader
 
     d = cfg.data
+    if source.kind == "shards" and d.balance == "cost":
+        raise ConfigError(f"data.balance=cost regroups each step's samples by their cost, and data.train={d.train} is "
+                          "a stream of shards (read in order, never indexed): use a manifest or data.cache, or "
+                          "data.balance=none")
     if source.kind == "shards":
         stream = ShardStream(source.shard_urls, topo.data_parallel, dp_rank, d.num_workers, topo.micro_batch_size,
                              collate, family.pixels(cfg.model, d, cfg.train.seed), cfg.train.seed, start_step,
@@ -135,7 +152,11 @@ def build_train_loader(cfg, source: TrainSource, tok, collate, topo, dp_rank: in
     lengths = None
     if d.group_by_length:  # the cache and chat data count their tokens; a manifest's are counted here
         lengths = dataset.lengths if hasattr(dataset, "lengths") else train_lengths(source, tok, d.max_length)
+    balancer = None
+    if d.balance == "cost" and prices is not None:
+        from mmpipe.data.balance import StepBalancer
+        balancer = StepBalancer(sample_units(dataset, source, tok, d.max_length), prices, topo.data_parallel)
     sampler = MicroBatchSampler(len(dataset), topo.micro_batch_size, topo.accumulation_steps, topo.data_parallel,
                                 dp_rank, cfg.train.seed, start_step=start_step, max_steps=cfg.train.steps,
-                                lengths=lengths, group_window=d.group_window, start_at=start_at)
+                                lengths=lengths, group_window=d.group_window, start_at=start_at, balancer=balancer)
     return make_loader(dataset, sampler, collate, d, device_is_cpu)

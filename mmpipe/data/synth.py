@@ -140,6 +140,38 @@ def synth_vlm(out: str, n: int, val_fraction: float = 0.1, size: int = 64, seed:
             "n_train": n - n_val, "n_val": n_val}
 
 
+def synth_skewed_chat(out: str, n: int, size: int = 64, seed: int = 0) -> dict:
+    """A skewed chat mix (``mmpipe bench balance --mix skewed``): text-only single questions (10%),
+    long text-only conversations of 6-10 turns (30%), one image with one question (35%), and several
+    images (2-4) with one question (25%): micro-batches cut from it load the vision tower and the
+    decoder very differently. ms-swift JSONL over ``images/``."""
+    os.makedirs(os.path.join(out, "images"), exist_ok=True)
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        r = rng.random()
+        if r < 0.4:
+            turns = [rng.choice(TEXT_QA) for _ in range(1 if r < 0.1 else rng.randint(6, 10))]
+            rows.append({"messages": [m for q, a in turns for m in ({"role": "user", "content": q},
+                                                                    {"role": "assistant", "content": a})]})
+            continue
+        k = 1 if r < 0.75 else rng.randint(2, 4)
+        rels, qa = [], None
+        for j in range(k):
+            im, qa_j = make_vlm_sample(rng, size)
+            qa = qa or qa_j
+            rel = f"images/{i:06d}_{j}.jpg"
+            im.save(os.path.join(out, rel), quality=90)
+            rels.append(rel)
+        q, a = rng.choice(qa)
+        rows.append({"messages": [{"role": "user", "content": "<image>\n" * k + q},
+                                  {"role": "assistant", "content": a}], "images": rels})
+    path = os.path.join(out, "train.jsonl")
+    with open(path, "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
+    return {"train": path, "n_train": n}
+
+
 def synth(out: str, n: int, val_fraction: float = 0.1, size: int = 96, seed: int = 0, progress: bool = True) -> dict:
     os.makedirs(os.path.join(out, "images"), exist_ok=True)
     rng = random.Random(seed)

@@ -200,6 +200,18 @@ class Family:
             out[name] = {f"{name}.{k}": p.numel() for k, p in m.named_parameters()}
         return out
 
+    # ---- what a sample costs (``data.balance: cost``: ``mmpipe.data.balance``) ---------------------
+    # segments whose layers compute on image tokens (their time scales with a micro-batch's vision units);
+    # every other layer's with its token slots (rows x padded length)
+    vision_segments: tuple = ("vision",)
+
+    def batch_units(self, batch: dict) -> tuple:
+        """(vision units, token slots) of a batch dict: one unit per image (a dual encoder's fixed-size
+        images), ``input_ids``' rows x length. A family with image tokens counts those."""
+        ids, pixels = batch.get("input_ids"), batch.get("pixel_values")
+        return (float(pixels.shape[0]) if torch.is_tensor(pixels) else 0.0,
+                float(ids.numel()) if torch.is_tensor(ids) else 0.0)
+
     # ---- arithmetic (analytic FLOPs: ``mmpipe.planning.flops``) ----------------------------------
     def micro_batch(self, batch: dict) -> MicroBatch:
         """The shape of a micro-batch of ``collate``'s batch dict, from its tensors' shapes only

@@ -33,6 +33,7 @@ class DataStats:
     def reset(self) -> None:
         self.reports, self.wait, self.drawn, self.tokens, self.real_tokens, self.samples = [], 0.0, 0, 0, 0, 0
         self.flops = self.hw_flops = 0.0
+        self.balance = {}  # data.balance=cost: the step's prediction (``TrainData.balance_fields``)
 
     def add(self, batch) -> None:
         self.drawn += len(batch["keys"]) + len(batch["bad"])
@@ -86,12 +87,18 @@ class TrainData:
             loader = agree(rank, lambda: build_train_loader(cfg, run.source, run.tok, self.collate, run.topo,
                                                             where.dp_rank, start_step,
                                                             run.device_name == "cpu", run.family,
-                                                            start_at=data_position))
+                                                            start_at=data_position,
+                                                            prices=run.plan.stage_prices()))
             self.sampler = getattr(loader, "batch_sampler", None)
             self.stream = _as_pipe_batches(loader, self.stats, run.family, count=where.reads_inputs)
         else:
             agree(rank, lambda: None)  # the data-reading ranks' loader errors reach every rank
             self.stream = (itertools.repeat((None, LABEL_PLACEHOLDER)) if run.topo.is_last_stage(rank) else None)
+
+    def balance_fields(self, step: int) -> dict:
+        """``data.balance: cost``: the sampler's prediction for step ``step`` (its spread and step times
+        before and after the regrouping), on a rank that reads data; else {}."""
+        return dict(getattr(self.sampler, "balance_log", {}).get(step - 1, {}))  # the sampler counts from 0
 
     def position(self, step: int) -> Optional[dict]:
         return self.sampler.position(step) if hasattr(self.sampler, "position") else None

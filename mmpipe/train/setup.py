@@ -323,9 +323,13 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
     p = cfg.parallel
     measured = measure and P > 1 and p.profile and not p.plan and p.placement in ("modality", "balanced", "auto")
     stages = (saved or {}).get("stages")
+    balance = measure and cfg.data.balance == "cost"
     if measured and stages and len(stages) == P and [n for s in stages for n in s] == names:
         if "parts" in saved:
-            return Plan.from_json(saved)
+            plan = Plan.from_json(saved)
+            if balance and not plan.prices:
+                plan.prices = _prices(cfg, family, mbs, forward_only, frozen, None)
+            return plan
         return Plan(names, segments, parts_from_lists(names, stages), p.placement, M, mbs, "checkpoint")
     # (a different model: the layout check says what the checkpoint holds)
     params = family.meta_params()
@@ -341,7 +345,18 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
                  data_parallel=topo.data_parallel, trains=[any(n not in frozen for n in v) for v in params.values()])
     if plan.why and "moved onto the stage before" in plan.why and not plan.chosen:
         print(f"[mmpipe] parallel.placement={p.placement}: {plan.why}; stage boundaries {plan.parts}", flush=True)
+    if balance:  # a resume keeps the saved prices: its steps are regrouped as the first run's were
+        plan.prices = (saved or {}).get("prices") or _prices(cfg, family, mbs, forward_only, frozen, prof)
     return plan
+
+
+def _prices(cfg, family, mbs: int, forward_only, frozen, prof) -> dict:
+    """``data.balance: cost``'s per-layer prices, from ``prof`` or a profile taken (or read from the cache) now."""
+    from mmpipe.planning.prices import layer_prices
+    if prof is None:
+        prof = get_profile(cfg, family, mbs, forward_only, frozen, threads=torch.get_num_threads(),
+                           measure_comm=False, log=lambda s: print(f"[mmpipe] {s}", flush=True))
+    return layer_prices(prof, family, cfg, mbs)
 
 
 def probe_micro_batch(cfg, family, source, tok, topo, forward_only, frozen) -> int:

@@ -70,8 +70,9 @@ def lr_record(per_group: list, groups, base_lr: float, ds_scheduler: bool = Fals
 
 
 
+BALANCE = ("before", "after", "step_before", "step_after", "ideal")  # data.balance=cost: a reading rank's prediction
 FIXED = ("new_reports", "loader_wait", "drawn", "stop", "timed_save", "tokens", "real_tokens", "samples", "flops",
-         "hw_flops")
+         "hw_flops") + tuple(f"balance_{k}" for k in BALANCE)
 
 
 @dataclass
@@ -91,6 +92,11 @@ class StepStats:
     samples: np.ndarray  # usable samples trained on (packed rows hold several)
     flops: np.ndarray  # analytic model FLOPs of the micro-batches the rank read (planning.flops)
     hw_flops: np.ndarray  # ... and hardware FLOPs (recomputed forwards included)
+    balance_before: np.ndarray  # data.balance=cost: the step's predicted slot spread before regrouping (0: none)
+    balance_after: np.ndarray  # ... after it
+    balance_step_before: np.ndarray  # ... its predicted step seconds before
+    balance_step_after: np.ndarray  # ... and after
+    balance_ideal: np.ndarray  # ... and the balanced ideal (the busiest stage's total per rank)
     loss: np.ndarray  # the step's loss on each rank (the reporting rank's is the run's)
     lrs: np.ndarray  # world x groups (NaN where a group is not on that rank)
     timings: np.ndarray  # world x stage-clock fields
@@ -108,6 +114,17 @@ class StepStats:
         s, n = torch.stack(everyone).cpu().numpy(), len(FIXED)  # the step's one host read
         loss, s = s[:, 0], s[:, 1:]
         return cls(*(s[:, i] for i in range(n)), loss, s[:, n:n + len(lrs)], s[:, n + len(lrs):])
+
+    def balance_record(self) -> dict:
+        """``data.balance: cost``'s predicted slot spread before / after the step's regrouping, the
+        predicted gain and the step over the balanced ideal (from a rank that reads data; {} without)."""
+        if self.balance_step_after.max() <= 0:
+            return {}
+        r = int(np.argmax(self.balance_step_after > 0))
+        return {"spread_before": round(float(self.balance_before[r]), 4),
+                "spread_after": round(float(self.balance_after[r]), 4),
+                "predicted_gain": round(float(self.balance_step_before[r] / self.balance_step_after[r]), 4),
+                "over_ideal": round(float(self.balance_step_after[r] / max(self.balance_ideal[r], 1e-30)), 4)}
 
     @property
     def stop_rank(self) -> Optional[int]:
@@ -137,7 +154,8 @@ def gather_step(run, eng, ledger, data_stats, loss: torch.Tensor, lrs: list, sto
     fixed = {"new_reports": len(reports), "loader_wait": data_stats.wait, "drawn": data_stats.drawn,
              "stop": 1.0 + run.rank if stop_requested else 0.0, "timed_save": timed_save,
              "tokens": data_stats.tokens, "real_tokens": data_stats.real_tokens, "samples": data_stats.samples,
-             "flops": data_stats.flops, "hw_flops": data_stats.hw_flops}
+             "flops": data_stats.flops, "hw_flops": data_stats.hw_flops,
+             **{f"balance_{k}": float(data_stats.balance.get(k, 0.0)) for k in BALANCE}}
     stats = StepStats.gather(fixed, loss, lrs, timings, run.world, eng.engine.device)
     if stats.new_reports.sum() > 0:  # new bad files somewhere: merge every rank's, in rank order
         per_rank = [None] * run.world

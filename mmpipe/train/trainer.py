@@ -131,6 +131,7 @@ class Trainer:
         with self.meter or contextlib.nullcontext():
             loss = eng.runner.train_step(self.data.step_batches(run, eng.engine.device), step, tracing)
         dt = time.perf_counter() - t0
+        self.data.stats.balance = self.data.balance_fields(step)
         stats, reports = gather_step(run, eng, self.ledger, self.data.stats, loss, lrs, bool(self.guard.requested),
                                      self.ckpt.clock_due())
         loss = float(stats.loss[run.rank])
@@ -156,7 +157,7 @@ class Trainer:
         return {"step": step, "loss": loss, **lr, "skipped_steps": self.skipped_total,
                 "samples_per_sec": samples / dt, **pad, **clip, "step_time": dt, **flops,
                 "loader_wait": wait, "loader_wait_frac": wait / dt, "bad_samples": self.ledger.count,
-                "samples_seen": self.ledger.drawn, **stage_fields}
+                "samples_seen": self.ledger.drawn, **stage_fields, **stats.balance_record()}
 
     def save(self, step: int) -> None:
         self.ckpt.save(step, self.ledger, self.skipped_total, self.data.position(step))

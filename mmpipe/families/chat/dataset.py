@@ -32,6 +32,19 @@ class ChatDataset:
             return 0 if enc.dropped else len(enc.input_ids)
         return [n(s) for s in self.samples]
 
+    @property
+    def units(self):
+        """``SampleUnits`` per sample (``data.balance: cost``): its image tokens and its encoded tokens (an
+        unusable sample: 0 and 0; the loader replaces it by the next usable one)."""
+        from mmpipe.data.balance import SampleUnits
+        vision, tokens = [], []
+        for s in self.samples:
+            enc = None if s.error is not None else self.encoder.encode(s)
+            ok = enc is not None and not enc.dropped
+            vision.append(sum(1 for x in enc.input_ids if x == self.encoder.image_id) if ok else 0)
+            tokens.append(len(enc.input_ids) if ok else 0)
+        return SampleUnits(vision, tokens)
+
     def first_unusable(self) -> tuple:
         """(where, why) of the first sample that cannot be used as it stands (no image decoded)."""
         for s in self.samples:
@@ -121,6 +134,14 @@ class PackedChatDataset:
     @property
     def lengths(self) -> list:
         return [sum(self.sample_lengths[i] for i in p) for p in self.packs]
+
+    @property
+    def units(self):
+        """``SampleUnits`` per pack: its samples' image tokens and tokens summed."""
+        from mmpipe.data.balance import SampleUnits
+        u = self.chat.units
+        return SampleUnits([sum(u.vision[i] for i in p) for p in self.packs],
+                           [sum(int(u.tokens[i]) for i in p) for p in self.packs])
 
     def __getitem__(self, item) -> dict:
         idx, epoch = _item_key(item)

@@ -31,6 +31,7 @@ class ChatFamily(Family):
     generates: ClassVar[bool] = True  # mmpipe generate / --eval answer with it
     data_format: ClassVar[str] = "chat"
     image_token_id: Optional[int] = None
+    vision_segments = ("vision", "projector", "merger")  # the tower and what maps its tokens (LLaVA, Qwen)
 
     # ---- data ----------------------------------------------------------------------------------
     @classmethod
@@ -85,6 +86,12 @@ class ChatFamily(Family):
         from mmpipe.families.chat.encoder import ChatEncoder
         return ChatEncoder(tokenizer, self.image_token_id, partial(self.image_tokens, data_cfg=data_cfg), max_length,
                            self.image_wrap(tokenizer))
+
+    def batch_units(self, batch: dict) -> tuple:
+        """(image tokens, token slots): the vision tower's and projector's work scales with the images'
+        tokens (a native-resolution image its own count; a text-only row none)."""
+        ids = batch["input_ids"]
+        return float((ids == self.image_token_id).sum()), float(ids.numel())
 
     def dataset(self, records, tokenizer, data_cfg, seed=None):
         from mmpipe.families.chat.dataset import ChatDataset, PackedChatDataset

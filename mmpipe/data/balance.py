@@ -1,0 +1,184 @@
+"""``data.balance: cost``: each optimizer step's samples regrouped so that every (data-parallel rank,
+micro-batch) slot costs about the same on every pipeline stage.
+
+A sample is two numbers (``SampleUnits``): its vision units (image tokens: what the vision tower and
+projector compute on; 1 per image for a dual encoder) and its tokens (what the text side computes on).
+``StagePrices`` holds, per pipeline stage, the seconds per vision unit and per token slot (forward +
+backward, from the measured layer profile: ``mmpipe.planning.balance_prices``). A micro-batch's cost on
+stage s is ``vision[s] x its vision units + tokens[s] x rows x padded length`` (padding as the collate
+pads: to the longest row, rounded up to ``pad_multiple``, at most ``max_length``; or always
+``max_length``), so grouping similar lengths (less padding) and spreading the heavy samples are one
+objective. A slot's pace is its slowest stage (1F1B); a rank's step is the sum of its slots' paces and
+the step the slowest rank's. ``regroup`` searches swaps of samples between micro-batches of the step
+(the same sizes, the same set of samples: the step's loss and gradients are the same sums) that
+lower (slowest rank, mean rank, sum of squared stage costs), deterministically, and reports the
+predicted spread (max / mean slot pace) before and after."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+
+@dataclass
+class SampleUnits:
+    """Per dataset item: ``vision`` units (image tokens; 1 per image for a dual encoder) and text
+    ``tokens`` (image tokens included where the language model reads them)."""
+    vision: np.ndarray
+    tokens: np.ndarray
+
+    def __post_init__(self):
+        self.vision = np.asarray(self.vision, dtype=np.float64)
+        self.tokens = np.asarray(self.tokens, dtype=np.int64)
+
+
+@dataclass
+class StagePrices:
+    """Seconds per vision unit and per token slot (a row's padded position), per stage; ``max_length``,
+    ``pad_multiple`` and ``fixed_length`` say how the collate pads a micro-batch's rows."""
+    vision: list
+    tokens: list
+    max_length: int
+    pad_multiple: int = 1
+    fixed_length: bool = False
+
+    def to_dict(self) -> dict:
+        return {"vision": list(self.vision), "tokens": list(self.tokens), "max_length": self.max_length,
+                "pad_multiple": self.pad_multiple, "fixed_length": self.fixed_length}
+
+
+class StepBalancer:
+    """Regroups a step's micro-batches (``regroup``); keeps the last step's predicted spreads."""
+
+    def __init__(self, units: SampleUnits, prices: StagePrices, ranks: int, max_swaps: Optional[int] = None):
+        self.units, self.prices, self.ranks = units, prices, ranks
+        self.pv = np.asarray(prices.vision, dtype=np.float64)
+        self.pt = np.asarray(prices.tokens, dtype=np.float64)
+        self.max_swaps = max_swaps
+        self.last: dict = {}
+
+    # ---- costs -------------------------------------------------------------------------------
+    def padded(self, longest: int) -> int:
+        p = self.prices
+        if p.fixed_length:
+            return p.max_length
+        return min(p.max_length, -(-int(longest) // p.pad_multiple) * p.pad_multiple)
+
+    def group_cost(self, group) -> np.ndarray:
+        """Predicted seconds of one micro-batch on each stage."""
+        idx = np.asarray(group, dtype=np.int64)
+        v = float(self.units.vision[idx].sum())
+        slots = len(idx) * self.padded(self.units.tokens[idx].max()) if len(idx) else 0
+        return self.pv * v + self.pt * slots
+
+    def slot_costs(self, groups: list) -> np.ndarray:
+        """[micro-batches, stages] predicted seconds."""
+        return np.stack([self.group_cost(g) for g in groups])
+
+    def spread(self, groups: list) -> float:
+        """Max over mean of the slots' paces (a slot's pace: its slowest stage)."""
+        pace = self.slot_costs(groups).max(axis=1)
+        return float(pace.max() / pace.mean()) if pace.mean() > 0 else 1.0
+
+    def step_time(self, groups: list) -> float:
+        """Predicted step: the slowest rank's sum of slot paces (rank r holds micro-batches r*A..)."""
+        pace = self.slot_costs(groups).max(axis=1)
+        return float(pace.reshape(self.ranks, -1).sum(axis=1).max())
+
+    # ---- search ------------------------------------------------------------------------------
+    def _objective(self, C: np.ndarray) -> float:
+        """Slowest rank + half the mean rank + a small sum of squared stage costs (ties: even stages)."""
+        T = C.max(axis=1).reshape(self.ranks, -1).sum(axis=1)
+        return float(T.max() + 0.5 * T.mean() + self._kappa * (C * C).sum())
+
+    def regroup(self, groups: list) -> list:
+        """The step's micro-batches (rank-major, each a list of dataset indices) regrouped: the same
+        count, sizes and set of samples; each group keeps its samples in ascending index order."""
+        groups = [list(g) for g in groups]
+        if not groups:
+            return groups
+        C0 = self.slot_costs(groups)
+        self._kappa = 1e-3 / max(float(C0.mean()), 1e-30)
+        before = {"before": self.spread(groups), "step_before": self.step_time(groups)}
+        best = groups
+        if len(groups) > 1:
+            cands = [self._search(groups)]
+            # a second start: lengths sorted into groups, dealt to ranks in a snake (little padding)
+            order = sorted((i for g in groups for i in g), key=lambda i: (-int(self.units.tokens[i]), i))
+            A, start, k = len(groups) // self.ranks, [], 0
+            snake = [None] * len(groups)
+            for j, g in enumerate(groups):
+                rnd, pos = divmod(j, self.ranks)
+                r = pos if rnd % 2 == 0 else self.ranks - 1 - pos
+                snake[r * A + rnd] = order[k:k + len(g)]
+                k += len(g)
+            if [len(g) for g in snake] == [len(g) for g in groups]:
+                cands.append(self._search(snake))
+            for c in cands:
+                if self._objective(self.slot_costs(c)) < self._objective(self.slot_costs(best)) * (1 - 1e-9):
+                    best = c
+        best = [sorted(g) for g in best]
+        ideal = float(self.slot_costs(best).sum(axis=0).max()) / self.ranks  # every stage busy, every rank equal
+        self.last = {**before, "after": self.spread(best), "step_after": self.step_time(best),
+                     "ideal": ideal}
+        return best
+
+    def _padded(self, longest: np.ndarray) -> np.ndarray:
+        p = self.prices
+        if p.fixed_length:
+            return np.full_like(longest, p.max_length)
+        return np.minimum(p.max_length, -(-longest // p.pad_multiple) * p.pad_multiple)
+
+    def _search(self, groups: list) -> list:
+        """Best-improvement swaps of one sample of a slowest-paced group with any sample of another
+        group (all candidates of a sample priced at once), until none lowers the objective."""
+        groups = [list(g) for g in groups]
+        G, R = len(groups), self.ranks
+        A = G // R
+        ids = np.array([i for g in groups for i in g], dtype=np.int64)
+        owner = np.array([h for h, g in enumerate(groups) for _ in g], dtype=np.int64)
+        rows = np.array([len(g) for g in groups], dtype=np.int64)
+        v, t = self.units.vision[ids].copy(), self.units.tokens[ids].copy()
+        pv, pt = self.pv[None, :], self.pt[None, :]
+        cap = self.max_swaps if self.max_swaps is not None else 4 * len(ids)
+        for _ in range(cap):
+            V = np.bincount(owner, weights=v, minlength=G)
+            # per position: the longest other row of its group (top two per group)
+            top1 = np.full(G, -1, dtype=np.int64)
+            np.maximum.at(top1, owner, t)
+            is_top = t == top1[owner]
+            n_top = np.bincount(owner, weights=is_top.astype(np.float64), minlength=G)
+            t2 = np.where(is_top, -1, t)
+            top2 = np.full(G, -1, dtype=np.int64)
+            np.maximum.at(top2, owner, t2)
+            excl = np.where(is_top & (n_top[owner] < 2), top2[owner], top1[owner])
+            C = pv * V[:, None] + pt * (rows * self._padded(np.maximum(top1, 0)))[:, None]
+            pace = C.max(axis=1)
+            T = pace.reshape(R, A).sum(axis=1)
+            obj = T.max() + 0.5 * T.mean() + self._kappa * (C * C).sum()
+            best = None
+            for g in np.argsort(-pace, kind="stable")[:4]:
+                for a in np.nonzero(owner == g)[0]:
+                    j = np.nonzero(owner != g)[0]
+                    h = owner[j]
+                    Lg = self._padded(np.maximum(np.maximum(excl[a], t[j]), 0))
+                    Cg = pv * (V[g] - v[a] + v[j])[:, None] + pt * (rows[g] * Lg)[:, None]
+                    Lh = self._padded(np.maximum(np.maximum(excl[j], t[a]), 0))
+                    Ch = pv * (V[h] - v[j] + v[a])[:, None] + pt * (rows[h] * Lh)[:, None]
+                    Tn = np.repeat(T[None, :], len(j), axis=0)
+                    Tn[:, g // A] += Cg.max(axis=1) - pace[g]
+                    np.add.at(Tn, (np.arange(len(j)), h // A), Ch.max(axis=1) - pace[h])
+                    sq = (C * C).sum() - (C[g] ** 2).sum() - (C[h] ** 2).sum(axis=1) + (Cg ** 2).sum(axis=1) \
+                        + (Ch ** 2).sum(axis=1)
+                    o = Tn.max(axis=1) + 0.5 * Tn.mean(axis=1) + self._kappa * sq
+                    k = int(np.argmin(o))
+                    if o[k] < obj * (1 - 1e-9) and (best is None or o[k] < best[0]):
+                        best = (o[k], a, j[k])
+                if best is not None:
+                    break
+            if best is None:
+                break
+            _, a, b = best
+            owner[a], owner[b] = owner[b], owner[a]
+        return [ids[owner == h].tolist() for h in range(G)]
