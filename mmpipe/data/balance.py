@@ -8,8 +8,10 @@ backward, from the measured layer profile: ``mmpipe.planning.balance_prices``). 
 stage s is ``vision[s] x its vision units + tokens[s] x rows x padded length`` (padding as the collate
 pads: to the longest row, rounded up to ``pad_multiple``, at most ``max_length``; or always
 ``max_length``), so grouping similar lengths (less padding) and spreading the heavy samples are one
-objective. A slot's pace is its slowest stage (1F1B); a rank's step is the sum of its slots' paces and
-the step the slowest rank's. ``regroup`` searches swaps of samples between micro-batches of the step
+objective. A rank's step is its micro-batches run through 1F1B (``one_f_one_b``: each stage's forwards
+and backwards in the schedule's order, a forward waiting for the stage before, a backward for the stage
+after; backward = 2 x forward), so uneven slots cost the bubbles they cause; the step is the slowest
+rank's. ``regroup`` searches swaps of samples between micro-batches of the step
 (the same sizes, the same set of samples: the step's loss and gradients are the same sums) that
 lower (slowest rank, mean rank, sum of squared stage costs), deterministically, and reports the
 predicted spread (max / mean slot pace) before and after."""
@@ -19,6 +21,55 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+
+
+def _schedule(M: int, P: int) -> list:
+    """1F1B's operations in an order where each comes after what it waits for: per stage ``s``,
+    ``min(P - 1 - s, M)`` warm-up forwards, then a forward and a backward in turn, then the remaining
+    backwards (DeepSpeed's TrainSchedule); as (kind 0 forward / 1 backward, micro-batch, stage)."""
+    streams = []
+    for st in range(P):
+        w = min(P - 1 - st, M)
+        ops = [(0, m) for m in range(w)]
+        for m in range(M - w):
+            ops += [(0, w + m), (1, m)]
+        ops += [(1, m) for m in range(M - w, M)]
+        streams.append(ops)
+    done, order, pos = set(), [], [0] * P
+    while len(order) < 2 * M * P:
+        for st in range(P):
+            while pos[st] < len(streams[st]):
+                k, m = streams[st][pos[st]]
+                need = (0, m, st - 1) if k == 0 else (1, m, st + 1)
+                if (k == 0 and st == 0) or (k == 1 and st == P - 1 and (0, m, st) in done) or need in done:
+                    order.append((k, m, st))
+                    done.add((k, m, st))
+                    pos[st] += 1
+                else:
+                    break
+    return order
+
+
+_SCHEDULES: dict = {}
+
+
+def one_f_one_b(C: np.ndarray) -> np.ndarray:
+    """Predicted seconds of 1F1B over micro-batches with per-stage costs ``C`` [..., M, P] (forward one
+    third, backward two thirds of each): [...]. One stage: the sum."""
+    M, P = C.shape[-2], C.shape[-1]
+    if P == 1:
+        return C.sum(axis=(-1, -2))
+    if (M, P) not in _SCHEDULES:
+        _SCHEDULES[(M, P)] = _schedule(M, P)
+    lead = C.shape[:-2]
+    free = [np.zeros(lead) for _ in range(P)]
+    fin = {}
+    for k, m, st in _SCHEDULES[(M, P)]:
+        dur = C[..., m, st] * (1 / 3 if k == 0 else 2 / 3)
+        dep = fin.get((0, m, st - 1)) if k == 0 else fin.get((1, m, st + 1), fin.get((0, m, st)))
+        start = free[st] if dep is None else np.maximum(free[st], dep)
+        free[st] = fin[(k, m, st)] = start + dur
+    return np.max(np.stack(free), axis=0)
 
 
 @dataclass
@@ -82,14 +133,14 @@ class StepBalancer:
         return float(pace.max() / pace.mean()) if pace.mean() > 0 else 1.0
 
     def step_time(self, groups: list) -> float:
-        """Predicted step: the slowest rank's sum of slot paces (rank r holds micro-batches r*A..)."""
-        pace = self.slot_costs(groups).max(axis=1)
-        return float(pace.reshape(self.ranks, -1).sum(axis=1).max())
+        """Predicted step: the slowest rank's 1F1B (rank r holds micro-batches r*A .. r*A+A-1)."""
+        C = self.slot_costs(groups)
+        return float(one_f_one_b(C.reshape(self.ranks, -1, C.shape[1])).max())
 
     # ---- search ------------------------------------------------------------------------------
     def _objective(self, C: np.ndarray) -> float:
         """Slowest rank + half the mean rank + a small sum of squared stage costs (ties: even stages)."""
-        T = C.max(axis=1).reshape(self.ranks, -1).sum(axis=1)
+        T = one_f_one_b(C.reshape(self.ranks, -1, C.shape[1]))
         return float(T.max() + 0.5 * T.mean() + self._kappa * (C * C).sum())
 
     def regroup(self, groups: list) -> list:
@@ -155,7 +206,8 @@ class StepBalancer:
             excl = np.where(is_top & (n_top[owner] < 2), top2[owner], top1[owner])
             C = pv * V[:, None] + pt * (rows * self._padded(np.maximum(top1, 0)))[:, None]
             pace = C.max(axis=1)
-            T = pace.reshape(R, A).sum(axis=1)
+            Cr = C.reshape(R, A, -1)
+            T = one_f_one_b(Cr)
             obj = T.max() + 0.5 * T.mean() + self._kappa * (C * C).sum()
             best = None
             for g in np.argsort(-pace, kind="stable")[:4]:
@@ -166,9 +218,19 @@ class StepBalancer:
                     Cg = pv * (V[g] - v[a] + v[j])[:, None] + pt * (rows[g] * Lg)[:, None]
                     Lh = self._padded(np.maximum(np.maximum(excl[j], t[a]), 0))
                     Ch = pv * (V[h] - v[j] + v[a])[:, None] + pt * (rows[h] * Lh)[:, None]
-                    Tn = np.repeat(T[None, :], len(j), axis=0)
-                    Tn[:, g // A] += Cg.max(axis=1) - pace[g]
-                    np.add.at(Tn, (np.arange(len(j)), h // A), Ch.max(axis=1) - pace[h])
+                    K, rg = len(j), g // A
+                    Tn = np.repeat(T[None, :], K, axis=0)
+                    # the rank of g, with g (and h where it is on the same rank) changed
+                    X = np.repeat(Cr[rg][None], K, axis=0)
+                    X[:, g % A] = Cg
+                    same = h // A == rg
+                    X[same, h[same] % A] = Ch[same]
+                    Tn[:, rg] = one_f_one_b(X)
+                    for r in set((h // A).tolist()) - {rg}:  # the other rank h is on
+                        sel = np.nonzero(h // A == r)[0]
+                        Y = np.repeat(Cr[r][None], len(sel), axis=0)
+                        Y[np.arange(len(sel)), h[sel] % A] = Ch[sel]
+                        Tn[sel, r] = one_f_one_b(Y)
                     sq = (C * C).sum() - (C[g] ** 2).sum() - (C[h] ** 2).sum(axis=1) + (Cg ** 2).sum(axis=1) \
                         + (Ch ** 2).sum(axis=1)
                     o = Tn.max(axis=1) + 0.5 * Tn.mean(axis=1) + self._kappa * sq
