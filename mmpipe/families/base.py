@@ -201,9 +201,10 @@ class Family:
         return out
 
     # ---- what a sample costs (``data.balance: cost``: ``mmpipe.data.balance``) ---------------------
-    # segments whose layers compute on image tokens (their time scales with a micro-batch's vision units);
-    # every other layer's with its token slots (rows x padded length)
-    vision_segments: tuple = ("vision",)
+    def cost_driver(self, segment: str) -> str:
+        """What a layer of ``segment`` computes on: ``vision`` (its time scales with a micro-batch's
+        vision units: the image tower) or ``tokens`` (with its token slots, rows x padded length)."""
+        return "vision" if segment == "vision" else "tokens"
 
     def batch_units(self, batch: dict) -> tuple:
         """(vision units, token slots) of a batch dict: one unit per image (a dual encoder's fixed-size

@@ -33,19 +33,6 @@ class Plan:
     def stages(self) -> list:
         return stage_lists(self.layers, self.parts)
 
-    def stage_prices(self, ranks: int = 1):
-        """The per-stage ``StagePrices`` of ``prices`` under this plan's cut (None without prices)."""
-        from mmpipe.data.balance import StagePrices
-        if not self.prices:
-            return None
-        p = self.prices
-        vision, tokens = [], []
-        for s in range(self.num_stages):
-            span = range(self.parts[s], self.parts[s + 1])
-            vision.append(sum(p["seconds"][i] for i in span if p["drivers"][i] == "vision"))
-            tokens.append(sum(p["seconds"][i] for i in span if p["drivers"][i] == "tokens"))
-        return StagePrices(vision, tokens, p["max_length"], p["pad_multiple"], p["fixed_length"])
-
     def to_json(self) -> dict:
         return {"schema": SCHEMA, **asdict(self), "stages": self.stages}
 

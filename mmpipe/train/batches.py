@@ -12,6 +12,7 @@ import torch
 from mmpipe.data.source import build_train_loader
 from mmpipe.parallel.strategies import LABEL_PLACEHOLDER
 from mmpipe.planning.flops import step_counter
+from mmpipe.planning.prices import stage_prices
 from mmpipe.train.faults import agree
 
 
@@ -88,7 +89,7 @@ class TrainData:
                                                             where.dp_rank, start_step,
                                                             run.device_name == "cpu", run.family,
                                                             start_at=data_position,
-                                                            prices=run.plan.stage_prices()))
+                                                            prices=stage_prices(run.plan)))
             self.sampler = getattr(loader, "batch_sampler", None)
             self.stream = _as_pipe_batches(loader, self.stats, run.family, count=where.reads_inputs)
         else:

@@ -31,7 +31,6 @@ class ChatFamily(Family):
     generates: ClassVar[bool] = True  # mmpipe generate / --eval answer with it
     data_format: ClassVar[str] = "chat"
     image_token_id: Optional[int] = None
-    vision_segments = ("vision", "projector", "merger")  # the tower and what maps its tokens (LLaVA, Qwen)
 
     # ---- data ----------------------------------------------------------------------------------
     @classmethod
@@ -86,6 +85,11 @@ class ChatFamily(Family):
         from mmpipe.families.chat.encoder import ChatEncoder
         return ChatEncoder(tokenizer, self.image_token_id, partial(self.image_tokens, data_cfg=data_cfg), max_length,
                            self.image_wrap(tokenizer))
+
+    def cost_driver(self, segment: str) -> str:
+        """The tower and what maps its tokens into the decoder (LLaVA's projector, Qwen's merger) compute on
+        image tokens; the decoder on token slots."""
+        return "vision" if segment in ("vision", "projector", "merger") else "tokens"
 
     def batch_units(self, batch: dict) -> tuple:
         """(image tokens, token slots): the vision tower's and projector's work scales with the images'
