@@ -130,3 +130,33 @@ def _plain_groups(ref: str, steps: int) -> dict:
     sampler = MicroBatchSampler(len(ds), mbs, cfg.train.batch_size // mbs, 1, 0, cfg.train.seed)
     return {s + 1: [tuple(sorted(ds[i]["key"] if "key" in ds[i] else str(ds[i]["index"]) for i in g))
                     for g in sampler.micro_batches(s)] for s in range(steps)}
+
+
+def test_replan_moves_a_poor_cut_once_and_trains_exactly_like_the_reference(runs, tmp_path):
+    """A P = 2 run started on a poor cut (stage 0 = the first layer alone) with ``parallel.replan: auto``
+    moves its boundaries once, at a step boundary, in the same processes (checkpoint, then the layout-free
+    resume on the new cut), and its losses and weights equal the reference's, which never moved; with
+    ``replan: off`` the same start never moves."""
+    import mmpipe
+    from mmpipe.config.resolve import build_family
+    from mmpipe.train.checkpoint_weights import load_model_weights
+    from mmpipe.train.metrics import read_metrics
+    ref = REFERENCE(runs)
+    names = build_family(mmpipe.load_config(os.path.join(ref, "config.yaml")).model, 0).layer_names()
+    poor = tmp_path / "poor.json"
+    poor.write_text(json.dumps({"stages": [names[:1], names[1:]]}))
+    sets = ["parallel.pipeline_stages=2", f"parallel.plan={poor}", "parallel.replan_window=1",
+            "parallel.replan_margin=0.05", "train.save_every=100"]
+    out, proc = runs.get("p2_replan", 2, sets + ["parallel.replan=auto"])
+    moves = read_metrics(os.path.join(out, "metrics.jsonl"), "replan")
+    assert len(moves) == 1 and moves[0]["old_parts"] == [0, 1, len(names)], moves
+    assert moves[0]["new_parts"] != moves[0]["old_parts"] and moves[0]["predicted_new"] < moves[0]["predicted_now"]
+    log = proc.stdout + proc.stderr
+    assert f"replan at step {moves[0]['step']}: stage boundaries [0, 1, {len(names)}] -> {moves[0]['new_parts']}" in log
+    assert f"resume@{moves[0]['step']}" in log
+    np.testing.assert_allclose(train_losses(out), train_losses(ref), rtol=1e-5)
+    final = load_model_weights(os.path.join(out, "checkpoints"), "global_step6")
+    assert_weights_close(final, _weights(ref, 6), rtol=1e-4)
+    stayed, _ = runs.get("p2_replan_off", 2, sets + ["parallel.replan=off"], flags=["--stop-at", "3"])
+    assert read_metrics(os.path.join(stayed, "metrics.jsonl"), "replan") == []
+    assert json.load(open(os.path.join(stayed, "plan.json")))["parts"] == [0, 1, len(names)]

@@ -81,6 +81,14 @@ class ParallelConfig(Section):
                      "P x DP; see mmpipe plan --world) and takes the fastest that fits memory, logged and saved "
                      "in layout.json")
     pipeline_stages: int = _f(1, "P: pipeline stages; the data-parallel degree is world_size / P; auto = layout auto", ge=1)
+    replan: str = _f("off", "auto: move the stage boundaries once during the run when the measured step is slower "
+                      "than the best cut of the measured stage costs predicts (by parallel.replan_margin, for "
+                      "parallel.replan_window steps in a row): checkpoint, continue on the new cut in the same "
+                      "processes (the same losses); off: never (see docs/balancing.md)")
+    replan_window: int = _f(3, "parallel.replan=auto: steps whose median is compared, and how many in a row must agree",
+                            ge=1)
+    replan_margin: float = _f(0.15, "parallel.replan=auto: how much slower than the best cut's prediction a step must be",
+                              ge=0)
     placement: str = _f("modality", "modality (stages never mix branches, split between branches by measured cost; a "
                         "one-layer segment rides with the stage before it), "
                         "balanced (boundaries anywhere), auto (whichever the simulator predicts faster), or "
@@ -243,6 +251,8 @@ _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "tru
 
 
 def _check_type(key: str, tp, value, where: str):
+    if tp in (str, "str") and value is False and key in _YAML_OFF:  # YAML 1.1 reads a bare off as false
+        return "off"
     origin = typing.get_origin(tp)
     if origin is typing.Union:  # Optional[X] or Union[X, Y]
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -371,12 +381,14 @@ def load_config(path: Optional[str] = None, overrides=()) -> RunConfig:
     return cfg
 
 
+_YAML_OFF = ("parallel.replan",)  # string settings whose choices include "off"
 _CHOICES = {
     "train.precision": ("fp32", "bf16", "fp16"),
     "optim.schedule": ("cosine", "constant"),
     "optim.train_type": ("full", "lora"),
     "parallel.activation_checkpointing": ("none", "all", "auto"),
     "data.balance": ("none", "cost"),
+    "parallel.replan": ("off", "auto"),
 }
 
 

@@ -32,6 +32,7 @@ from mmpipe.train.evaluate import Evaluator
 from mmpipe.train.faults import FaultGuard, _everywhere, _warn
 from mmpipe.train.memory_meter import MemoryMeter, write_memory
 from mmpipe.train.profiling import StepProfiler
+from mmpipe.train.replan import Replanner, move
 from mmpipe.train.run_dir import write_run_files
 from mmpipe.train.setup import resolve_run
 from mmpipe.train.step_stats import (
@@ -76,6 +77,7 @@ class Trainer:
         self.evaluate = Evaluator(run, eng, self.data.collate, self.writer)
         self.trace_offset = time.time() - time.perf_counter()
         self.profiler = StepProfiler(self.cfg.log.profile, run.out_dir, run.rank, run.device_name)
+        self.replanner = Replanner(run, self.start_step)
         self.meter = MemoryMeter(eng.engine.module, eng.engine.optimizer, eng.inner) if self.cfg.log.memory else None
         # analytic FLOPs per step (a family that describes its arithmetic) over one device's peak
         self.counts_flops = step_counter(run) is not None
@@ -109,6 +111,9 @@ class Trainer:
             if self.ckpt.due(step, end):
                 self.save(step)
                 saved_at = step
+            moving = self.replanner.after_step(self.run, step, record) if step < end else None
+            if moving is not None:
+                move(self, step, moving, saved=saved_at == step)  # (does not return)
             if guard.signal and step < end:  # preempted: every rank stops here, after a checkpoint
                 if saved_at != step:
                     self.save(step)

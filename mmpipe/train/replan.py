@@ -1,0 +1,122 @@
+"""``parallel.replan: auto``: move the stage boundaries during a run when the measured step is slower
+than the best placement for the *measured* costs predicts.
+
+After each step (from the step after the first), rank 0 scales every stage's profiled layer times by
+that stage's measured busy time over its predicted one (what the stage clock saw against the profile:
+data that costs otherwise, a profile taken on a busy machine, a frozen group that now trains), asks the
+planner for the best cut of those costs (``auto``: modality or balanced) and compares. When the
+median of the last ``parallel.replan_window`` steps is slower than that cut's prediction by more than
+``parallel.replan_margin``, and the current cut's own prediction is too (the gain is the cut's, not
+a slow machine's), for ``replan_window`` steps in a row, every rank saves a checkpoint, rank 0 writes
+the new cut as a plan file and a ``replan`` record in metrics.jsonl, and every process replaces itself
+(``os.execv``: the same process, the launcher never notices) with the same command plus ``--resume``
+and ``parallel.plan=`` that file: the layout-free resume continues exactly (the same losses and
+weights as a run that never moved). One move per run (no thrash); ``MMPIPE_REPLANNED`` marks the
+continued run."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from typing import Optional
+
+import torch.distributed as dist
+
+MOVED = "MMPIPE_REPLANNED"
+
+
+class Replanner:
+    def __init__(self, run, start_step: int):
+        p = run.cfg.parallel
+        self.on = p.replan == "auto" and run.topo.pipeline_stages > 1 and not os.environ.get(MOVED)
+        self.window, self.margin = p.replan_window, p.replan_margin
+        self.first = start_step + 2  # the first step after this process's first (warm-up) step
+        self.seen: list = []  # (step seconds, [busy seconds per stage]) of the recent steps
+        self.hits = 0
+        self.prof = None
+
+    def after_step(self, run, step: int, record: dict) -> Optional[dict]:
+        """The move every rank makes after ``step`` (rank 0 decides, everyone learns it), or None."""
+        if not self.on or step < self.first:
+            return None
+        P = run.topo.pipeline_stages
+        busy = [sum(record.get(f"stage{s}.{k}_ms", 0.0) for k in ("fwd", "bwd", "opt")) / 1e3 for s in range(P)]
+        self.seen = (self.seen + [(record["step_time"], busy)])[-self.window:]
+        decision = [None]
+        if run.rank == 0 and len(self.seen) == self.window:
+            decision[0] = self._decide(run)
+        dist.broadcast_object_list(decision, src=0)
+        return decision[0]
+
+    def _decide(self, run) -> Optional[dict]:
+        from mmpipe.planning.measure import get_profile
+        from mmpipe.planning.place import layer_costs, place, predict, stage_times
+        plan, cfg, topo = run.plan, run.cfg, run.topo
+        M = topo.accumulation_steps
+        if self.prof is None:
+            _, frozen, forward_only = run.frozen
+            self.prof = get_profile(cfg, run.family, topo.micro_batch_size, forward_only, frozen, measure_comm=False,
+                                    log=lambda s: print(f"[mmpipe] replan: {s}", flush=True))
+        t = stage_times(self.prof, plan.parts)
+        measured = statistics.median(s for s, _ in self.seen)
+        scale = []
+        for s in range(plan.num_stages):
+            predicted = M * (t["F"][s] + t["B"][s]) + t["opt"][s]
+            seen = statistics.median(b[s] for _, b in self.seen)
+            scale.append(seen / predicted if predicted > 0 and seen > 0 else 1.0)
+        costs = layer_costs(self.prof)
+        scaled = dict(self.prof, layers=[])
+        for s in range(plan.num_stages):
+            for c in costs[plan.parts[s]:plan.parts[s + 1]]:
+                d = c.to_dict()
+                d["fwd_ms"], d["bwd_ms"] = d["fwd_ms"] * scale[s], d["bwd_ms"] * scale[s]
+                scaled["layers"].append(d)
+        best = place(plan.layers, plan.segments, plan.num_stages, "auto", M, prof=scaled,
+                     micro_batch_size=topo.micro_batch_size, precision=cfg.train.precision,
+                     zero_stage=cfg.parallel.zero_stage, data_parallel=topo.data_parallel)
+        now, then = predict(scaled, plan.parts, M).step_time, predict(scaled, best.parts, M).step_time
+        slow = measured > then * (1 + self.margin) and now > then * (1 + self.margin) and best.parts != plan.parts
+        self.hits = self.hits + 1 if slow else 0
+        if self.hits < self.window:
+            return None
+        return {"old_parts": list(plan.parts), "new_parts": list(best.parts), "measured_step": measured,
+                "predicted_now": now, "predicted_new": then, "stage_scale": scale}
+
+
+def move(trainer, step: int, decision: dict, saved: bool) -> None:
+    """Every rank: checkpoint at ``step``, then continue on the new cut in this same process (``os.execv``)."""
+    import gc
+
+    from mmpipe.parallel.startup import free_port  # a port below the ephemeral range
+    from mmpipe.parallel.plan import stage_lists
+    run = trainer.run
+    if not saved:
+        trainer.save(step)
+    path = os.path.join(run.out_dir, f"replan_step{step}.json")
+    port = [None]
+    if run.rank == 0:
+        with open(path, "w") as fh:
+            json.dump({"stages": stage_lists(run.plan.layers, decision["new_parts"])}, fh, indent=2)
+        port[0] = free_port()
+    if run.is_reporter:
+        trainer.writer._write({"kind": "replan", "step": step, **decision})
+        trainer.writer.info(f"replan at step {step}: stage boundaries {decision['old_parts']} -> "
+                            f"{decision['new_parts']} (measured {1e3 * decision['measured_step']:.0f} ms/step, "
+                            f"predicted {1e3 * decision['predicted_new']:.0f} ms on the new cut); continuing from "
+                            f"the step-{step} checkpoint")
+    dist.broadcast_object_list(port, src=0)
+    trainer.writer.close()
+    stream = getattr(trainer.data, "stream", None)
+    if hasattr(stream, "close"):
+        stream.close()  # the loader's workers exit with its iterator
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    os.environ[MOVED] = "1"
+    os.environ["MASTER_PORT"] = str(port[0])
+    argv = [a for a in sys.argv if a != "--overwrite"]
+    argv += ([] if "--resume" in argv else ["--resume"]) + ["--set", f"parallel.plan={path}"]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable] + argv)
