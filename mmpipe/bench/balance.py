@@ -245,7 +245,8 @@ def _balance_skewed(args, tmp: str, art: str) -> int:
                 spread = ideal = "-"
             lines.append(f"| {name} | {bal} | {batch / st:.1f} | {base / st:.2f}x | {1e3 * st:.0f} | {idle} | {spread} "
                          f"| {ideal} | {pad:.0%} |")
-    table = "\n".join(lines)
+    rtable, rnote = _replan_side_by_side(args, tmp, art)
+    table = "\n".join(lines) + "\n\n" + rtable
     print(table, flush=True)
     notes = (f"configs/bench_vlm.yaml (LLaVA-style: CLIP ViT over 64 patches, Llama decoder) with data.padding=batch, "
              f"data.max_length=288, parallel.placement=auto; {args.n} samples of a skewed chat mix: 10% one text "
@@ -254,5 +255,58 @@ def _balance_skewed(args, tmp: str, art: str) -> int:
              f"{args.rounds} interleaved rounds; global batch 32 of micro-batch 4. data.balance=cost regroups each "
              f"step's samples (the same samples: the same loss) by the plan's per-layer prices; gains: "
              + ", ".join(f"{k} {v:.2f}x" for k, v in gains.items()) + ". Timelines of one P = 2 step: "
-             "benchmarks/balance_skewed_none_timeline.png and _cost_timeline.png.")
-    return _report_balance(args, "Cost-balanced micro-batches: skewed VLM mix, none vs cost", table, notes)
+             "benchmarks/balance_skewed_none_timeline.png and _cost_timeline.png. " + rnote)
+    return _report_balance(args, "Cost-balanced micro-batches and re-planning: skewed VLM mix, none vs cost; "
+                                 "a poor cut with replan off vs auto", table, notes)
+
+
+def _replan_side_by_side(args, tmp: str, art: str) -> tuple:
+    """The text-heavy dual encoder started on ``modality`` (its text stage paces every step) with
+    ``parallel.replan`` off and auto, interleaved rounds: where auto moved, its steps after the move
+    against the same steps of the run that stayed, and the two runs' losses."""
+    import statistics
+
+    from mmpipe.train.metrics import read_metrics
+    info = synth(os.path.join(tmp, "replan_data"), args.n, val_fraction=0.0, size=32, seed=0, progress=False)
+    config = os.path.join(ROOT, "configs", "bench_text_heavy.yaml")
+    cfg = load_config(config)
+    cache = os.path.join(tmp, "replan_cache")
+    prepare(info["train"], cache, 32, cfg.data.max_length, vocab_size=cfg.data.tokenizer_vocab_size, workers=2,
+            progress=False)
+    steps = max(args.steps, 16)
+    common = [f"data.cache={cache}", "data.train=null", "data.val=null", f"train.steps={steps}",
+              "parallel.placement=modality", "parallel.pipeline_stages=2"]
+    runs: dict = {}
+    for rnd in range(args.rounds):
+        for mode in ("off", "auto"):
+            print(f"[bench] re-plan from modality (text-heavy), replan={mode} (round {rnd + 1}/{args.rounds}) ...",
+                  flush=True)
+            out = os.path.join(tmp, f"replan_{mode}_{rnd}")
+            launch(2, config, common + [f"parallel.replan={mode}"], out)
+            runs.setdefault(mode, []).append(out)
+    rows, after, stayed, diffs, moved_at = [], [], [], [], []
+    for a, b in zip(runs["auto"], runs["off"]):
+        moves = read_metrics(os.path.join(a, "metrics.jsonl"), "replan")
+        ra, rb = read_metrics(os.path.join(a, "metrics.jsonl")), read_metrics(os.path.join(b, "metrics.jsonl"))
+        diffs.append(max(abs(x["loss"] / y["loss"] - 1) for x, y in zip(ra, rb)))
+        if moves:
+            k = moves[0]["step"]
+            moved_at.append((k, moves[0]["old_parts"], moves[0]["new_parts"]))
+            after += [r["step_time"] for r in ra if r["step"] > k + 2]  # the first steps of the new processes warm up
+            stayed += [r["step_time"] for r in rb if r["step"] > k + 2]
+    cfg_b = load_config(config, common).train.batch_size
+    lines = ["| replan | moved at step (cut) | samples/s after the move | vs off | losses vs off (max rel. diff) |",
+             "|---|---|---|---|---|"]
+    if after:
+        ta, tb = statistics.median(after), statistics.median(stayed)
+        where = "; ".join(f"{k} ({o} -> {n})" for k, o, n in moved_at)
+        lines += [f"| off | - | {cfg_b / tb:.1f} | 1.00x | - |",
+                  f"| auto | {where} | {cfg_b / ta:.1f} | {tb / ta:.2f}x | {max(diffs):.1e} |"]
+        note = (f"Re-planning: configs/bench_text_heavy.yaml (CLIP, 10 text blocks vs 2 vision) from "
+                f"parallel.placement=modality, {steps} steps, replan off vs auto in {args.rounds} interleaved rounds; "
+                f"the steps after the move (skipping the new processes' first two) against the same steps of the run "
+                f"that stayed: {tb / ta:.2f}x; losses max relative difference {max(diffs):.1e}.")
+    else:
+        lines.append(f"| auto | never moved | - | - | {max(diffs):.1e} |")
+        note = "Re-planning: the auto runs never moved."
+    return "\n".join(lines), note
