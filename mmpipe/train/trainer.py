@@ -80,8 +80,9 @@ class Trainer:
         self.replanner = Replanner(run, self.start_step)
         self.meter = MemoryMeter(eng.engine.module, eng.engine.optimizer, eng.inner) if self.cfg.log.memory else None
         # analytic FLOPs per step (a family that describes its arithmetic) over one device's peak
-        self.counts_flops = step_counter(run) is not None
-        self.peak = peak_tflops(run.cfg.train.precision, run.cfg.log.peak_tflops) if self.counts_flops else None
+        # (None: no analytic FLOPs; else (the device's peak TFLOP/s, None where unknown),)
+        self.peak = ((peak_tflops(run.cfg.train.precision, run.cfg.log.peak_tflops),)
+                     if step_counter(run) is not None else None)
 
     # ---- the loop ------------------------------------------------------------------------------
     def train(self) -> dict:
@@ -157,8 +158,8 @@ class Trainer:
         samples = float(stats.samples.sum()) if packed else topo.batch_size
         tokens = float(stats.tokens.sum())
         pad = {"pad_fraction": 1.0 - float(stats.real_tokens.sum()) / tokens} if tokens and run.family.token_mean else {}
-        flops = (utilization(float(stats.flops.sum()), float(stats.hw_flops.sum()), dt, run.world, self.peak)
-                 if self.counts_flops else {})
+        flops = (utilization(float(stats.flops.sum()), float(stats.hw_flops.sum()), dt, run.world, self.peak[0])
+                 if self.peak is not None else {})
         return {"step": step, "loss": loss, **lr, "skipped_steps": self.skipped_total,
                 "samples_per_sec": samples / dt, **pad, **clip, "step_time": dt, **flops,
                 "loader_wait": wait, "loader_wait_frac": wait / dt, "bad_samples": self.ledger.count,
