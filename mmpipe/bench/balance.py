@@ -198,7 +198,8 @@ def _report_balance(args, title: str, table: str, notes: str) -> int:
     return 0
 
 
-SKEWED_LAYOUTS = (("P = 2", 2, ["parallel.pipeline_stages=2"]), ("DP = 2", 2, ["parallel.pipeline_stages=1"]))
+SKEWED_LAYOUTS = (("P = 2", 2, ["parallel.pipeline_stages=2"]), ("DP = 2", 2, ["parallel.pipeline_stages=1"]),
+                  ("P = 2, packed", 2, ["parallel.pipeline_stages=2", "data.packing=true"]))
 
 
 def _balance_skewed(args, tmp: str, art: str) -> int:
@@ -217,13 +218,12 @@ def _balance_skewed(args, tmp: str, art: str) -> int:
         for name, n, sets in SKEWED_LAYOUTS:
             for bal in ("none", "cost"):
                 print(f"[bench] skewed mix, {name}, data.balance={bal} (round {rnd + 1}/{args.rounds}) ...", flush=True)
-                out = os.path.join(tmp, f"skewed_{n}_{sets[0][-1]}_{bal}_{rnd}")
-                extra = [f"log.trace=[{args.steps - 1},{args.steps - 1}]"] if rnd == 0 and "=2" in sets[0] else []
+                out = os.path.join(tmp, f"skewed_{n}_{sets[0][-1]}_{len(sets)}_{bal}_{rnd}")
+                extra = ([f"log.trace=[{args.steps - 1},{args.steps - 1}]"] if rnd == 0 and name == "P = 2" else [])
                 launch(n, config, common + sets + [f"data.balance={bal}"] + extra, out)
                 runs.setdefault((name, bal), []).append(out)
                 if extra and os.path.isfile(os.path.join(out, "timeline.png")):
                     shutil.copy(os.path.join(out, "timeline.png"), os.path.join(art, f"balance_skewed_{bal}_timeline.png"))
-    batch = load_config(config, common).train.batch_size
     lines = ["| layout | data.balance | samples/s | vs none | step ms | measured idle per stage | predicted slot "
              "spread (max / mean) | predicted step / balanced ideal | padding |", "|---|---|---|---|---|---|---|---|---|"]
     gains = {}
@@ -243,7 +243,8 @@ def _balance_skewed(args, tmp: str, art: str) -> int:
                 gains[name] = base / st
             else:
                 spread = ideal = "-"
-            lines.append(f"| {name} | {bal} | {batch / st:.1f} | {base / st:.2f}x | {1e3 * st:.0f} | {idle} | {spread} "
+            sps = statistics.median(r["samples_per_sec"] for r in recs)  # (a packed step: its packs' samples)
+            lines.append(f"| {name} | {bal} | {sps:.1f} | {base / st:.2f}x | {1e3 * st:.0f} | {idle} | {spread} "
                          f"| {ideal} | {pad:.0%} |")
     rtable, rnote = _replan_side_by_side(args, tmp, art)
     table = "\n".join(lines) + "\n\n" + rtable
@@ -252,7 +253,8 @@ def _balance_skewed(args, tmp: str, art: str) -> int:
              f"data.max_length=288, parallel.placement=auto; {args.n} samples of a skewed chat mix: 10% one text "
              f"question, 30% text conversations of 6-10 turns, 35% one image, 25% 2-4 images (64 image tokens each). "
              f"2 ranks x 1 thread, {args.steps} steps per run, median step after the first {args.warmup}, pooled over "
-             f"{args.rounds} interleaved rounds; global batch 32 of micro-batch 4. data.balance=cost regroups each "
+             f"{args.rounds} interleaved rounds; global batch 32 of micro-batch 4 (packed: 32 rows of up to 288 tokens, "
+             f"samples/s counts the samples in them). data.balance=cost regroups each "
              f"step's samples (the same samples: the same loss) by the plan's per-layer prices; gains: "
              + ", ".join(f"{k} {v:.2f}x" for k, v in gains.items()) + ". Timelines of one P = 2 step: "
              "benchmarks/balance_skewed_none_timeline.png and _cost_timeline.png. " + rnote)

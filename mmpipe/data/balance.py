@@ -108,6 +108,8 @@ class StepBalancer:
         self.pt = np.asarray(prices.tokens, dtype=np.float64)
         self.max_swaps = max_swaps
         self.last: dict = {}
+        if len(self.pv) == 1:  # one stage: a rank's step is the sum of its slots, however uneven
+            self.EVEN = 0.0
 
     # ---- costs -------------------------------------------------------------------------------
     def padded(self, longest: int) -> int:
@@ -138,10 +140,15 @@ class StepBalancer:
         return float(one_f_one_b(C.reshape(self.ranks, -1, C.shape[1])).max())
 
     # ---- search ------------------------------------------------------------------------------
+    EVEN = 0.25  # the objective's weight on the slot spread (max / mean pace - 1), per unit of the mean rank's step
+
     def _objective(self, C: np.ndarray) -> float:
-        """Slowest rank + half the mean rank + a small sum of squared stage costs (ties: even stages)."""
+        """Slowest rank + half the mean rank + the slot spread's excess (weighed by ``EVEN``: even slots
+        keep the pipeline's pace when the predictions err) + a small sum of squared stage costs."""
         T = one_f_one_b(C.reshape(self.ranks, -1, C.shape[1]))
-        return float(T.max() + 0.5 * T.mean() + self._kappa * (C * C).sum())
+        pace = C.max(axis=1)
+        spread = pace.max() / pace.mean() if pace.mean() > 0 else 1.0
+        return float(T.max() + 0.5 * T.mean() + self.EVEN * (spread - 1) * T.mean() + self._kappa * (C * C).sum())
 
     def regroup(self, groups: list) -> list:
         """The step's micro-batches (rank-major, each a list of dataset indices) regrouped: the same
@@ -208,7 +215,11 @@ class StepBalancer:
             pace = C.max(axis=1)
             Cr = C.reshape(R, A, -1)
             T = one_f_one_b(Cr)
-            obj = T.max() + 0.5 * T.mean() + self._kappa * (C * C).sum()
+            spread = pace.max() / pace.mean() if pace.mean() > 0 else 1.0
+            obj = T.max() + 0.5 * T.mean() + self.EVEN * (spread - 1) * T.mean() + self._kappa * (C * C).sum()
+            top = np.argsort(-pace, kind="stable")[:3]
+            topv = np.concatenate([pace[top], np.zeros(3 - len(top))])
+            top = np.concatenate([top, np.full(3 - len(top), -1)])
             best = None
             for g in np.argsort(-pace, kind="stable")[:4]:
                 for a in np.nonzero(owner == g)[0]:
@@ -233,7 +244,13 @@ class StepBalancer:
                         Tn[sel, r] = one_f_one_b(Y)
                     sq = (C * C).sum() - (C[g] ** 2).sum() - (C[h] ** 2).sum(axis=1) + (Cg ** 2).sum(axis=1) \
                         + (Ch ** 2).sum(axis=1)
-                    o = Tn.max(axis=1) + 0.5 * Tn.mean(axis=1) + self._kappa * sq
+                    pg, ph = Cg.max(axis=1), Ch.max(axis=1)
+                    mean = (pace.sum() - pace[g] - pace[h] + pg + ph) / G
+                    # the largest pace of the other slots: the first of the three largest that is neither g nor h
+                    rest = np.where((top[0] != g) & (top[0] != h), topv[0],
+                                    np.where((top[1] != g) & (top[1] != h), topv[1], topv[2]))
+                    sp = np.maximum(np.maximum(rest, pg), ph) / np.maximum(mean, 1e-30)
+                    o = Tn.max(axis=1) + 0.5 * Tn.mean(axis=1) + self.EVEN * (sp - 1) * Tn.mean(axis=1) + self._kappa * sq
                     k = int(np.argmin(o))
                     if o[k] < obj * (1 - 1e-9) and (best is None or o[k] < best[0]):
                         best = (o[k], a, j[k])
