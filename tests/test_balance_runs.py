@@ -97,7 +97,8 @@ def test_cost_balanced_micro_batches_train_exactly_like_the_reference(family_run
     np.testing.assert_allclose(train_losses(out), train_losses(ref)[:4], rtol=1e-5)
     assert_weights_close(_weights(out, 4), _weights(ref, 4), rtol=1e-4)
     gains = [r["predicted_gain"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))]
-    assert all(g >= 1.0 for g in gains), gains  # never predicted slower
+    # never much slower: the objective may give up a little predicted step for evener slots
+    assert all(g >= 0.95 for g in gains), gains
     # every step trained on the reference's samples, grouped otherwise (the sampler's own order: rank 0's log)
     logged: dict = {}
     for name in sorted(os.listdir(os.path.join(out, "samples"))):
