@@ -206,3 +206,44 @@ def test_cost_balance_groups_caption_lengths_across_data_parallel_ranks():
     got = b.regroup(plain)
     assert all(len(set(tokens[g])) == 1 for g in got), [tokens[g].tolist() for g in got]
     assert b.last["step_after"] < b.last["step_before"] and b.last["step_after"] <= 1.001 * b.last["ideal"]
+
+
+def test_refit_recovers_the_measured_prices_from_micro_batch_times():
+    """Micro-batch times generated from known prices (vision twice, tokens half the profile's, 3 ms per
+    micro-batch, 3% noise): the refit finds them and its prediction error falls; when every micro-batch
+    holds the same vision units, that price cannot be told from the base and stays the profile's."""
+    from mmpipe.planning.prices import refit_stage
+    rng = np.random.default_rng(0)
+    F = np.column_stack([rng.integers(0, 400, 200), 4 * rng.integers(50, 600, 200)]).astype(float)
+    y = (3e-3 + 2e-5 * F[:, 0] + 1e-6 * F[:, 1]) * (1 + 0.03 * rng.standard_normal(200))
+    fit = refit_stage(1e-5, 2e-6, F, y)
+    assert fit["vision"] == pytest.approx(2.0, rel=0.05) and fit["tokens"] == pytest.approx(0.5, rel=0.1)
+    assert fit["base"] == pytest.approx(3e-3, rel=0.2) and fit["error_after"] < fit["error_before"] / 5
+    same = np.column_stack([np.full(50, 4.0), rng.integers(20, 100, 50)])
+    fit = refit_stage(1e-3, 1e-4, same, 0.01 + 2e-4 * same[:, 1])
+    assert fit["vision"] == pytest.approx(1.0, abs=0.05) and fit["tokens"] == pytest.approx(2.0, rel=0.1)
+
+
+def test_refit_prices_regroup_from_their_step_and_a_resume_keeps_them():
+    """A sampler told new prices from step 3 regroups steps 0-2 as before and 3 on with them (here: the
+    vision stage much dearer, so the grouping changes); a sampler resumed at step 2 from the saved
+    position regroups every later step identically; a step already regrouped cannot be repriced."""
+    from mmpipe.data.balance import StagePrices, StepBalancer
+    from mmpipe.data.sampler import MicroBatchSampler
+    units = _step_units()
+    prices = StagePrices([1e-4, 0.0], [0.0, 2e-5], max_length=1024, pad_multiple=4)
+    make = lambda start=0, at=None: MicroBatchSampler(  # noqa: E731
+        64, 4, 8, 2, 0, seed=1, start_step=start, start_at=at, balancer=StepBalancer(units, prices, 2))
+    plain, refit = make(), make()
+    for s in range(3):
+        assert refit.micro_batches(s, True) == plain.micro_batches(s, True)
+    with pytest.raises(RuntimeError, match="regrouped before"):
+        refit.reprice(prices.scaled([20.0, 1.0], [1.0, 1.0], [0.0, 0.0]), 2)
+    refit.reprice(prices.scaled([20.0, 1.0], [1.0, 1.0], [1e-3, 0.0]), 3)
+    changed = [refit.micro_batches(s, True) != plain.micro_batches(s, True) for s in range(3, 6)]
+    assert any(changed) and refit.balancer.prices.vision[0] == pytest.approx(2e-3)
+    again = make()
+    again.micro_batches(1)
+    again.reprice(prices.scaled([20.0, 1.0], [1.0, 1.0], [1e-3, 0.0]), 3)
+    resumed = make(2, again.position(2))
+    assert [resumed.micro_batches(s, True) for s in range(2, 6)] == [refit.micro_batches(s, True) for s in range(2, 6)]

@@ -88,12 +88,13 @@ def test_mmpipe_plan_reports_every_placement_and_compares_with_a_run(runs, capsy
 def test_cost_balanced_micro_batches_train_exactly_like_the_reference(family_runs_of, family, key, nprocs):
     """``data.balance: cost`` regroups each step's samples among its micro-batches (and data-parallel
     ranks): the same samples per step, so the same losses (rtol 1e-5) and weights (1e-4) as the
-    reference's sampler order; and it did regroup (a step whose predicted time it lowered)."""
+    reference's sampler order; and it did regroup (a step whose predicted time it lowered). The prices
+    are refit from the measured micro-batches every 2 steps (``data.balance_refit``) without changing that."""
     from mmpipe.train.metrics import read_metrics
     runs = family_runs_of(family)
     ref = REFERENCE(runs)
-    out, _ = runs.get(key, nprocs, ["parallel.pipeline_stages=2", "data.balance=cost", "data.log_samples=true"],
-                      flags=["--stop-at", "4"])
+    out, _ = runs.get(key, nprocs, ["parallel.pipeline_stages=2", "data.balance=cost", "data.log_samples=true",
+                                    "data.balance_refit=2"], flags=["--stop-at", "4"])
     np.testing.assert_allclose(train_losses(out), train_losses(ref)[:4], rtol=1e-5)
     assert_weights_close(_weights(out, 4), _weights(ref, 4), rtol=1e-4)
     gains = [r["predicted_gain"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))]
@@ -114,6 +115,13 @@ def test_cost_balanced_micro_batches_train_exactly_like_the_reference(family_run
         assert any(sorted(logged[s]) != sorted(ref_logged[s]) for s in range(1, 5)), "nothing was regrouped"
     plan = json.load(open(os.path.join(out, "plan.json")))
     assert set(plan["prices"]["drivers"]) == {"vision", "tokens"} and min(plan["prices"]["seconds"]) >= 0
+    # the prices refit every 2 steps from the stage clock's micro-batch times (step 1 warms up, not measured)
+    refits = read_metrics(os.path.join(out, "metrics.jsonl"), "refit")
+    assert [r["step"] for r in refits] == [2, 4], refits
+    assert [r["micro_batches"] for r in refits] == [4, 12]  # (steps 2 and 2-4; 4 micro-batches a step)
+    for r in refits:
+        assert len(r["vision_scale"]) == 2 and all(b >= 0 for b in r["base_ms"])
+        assert sum(r["error_after"]) <= sum(r["error_before"]), r
 
 
 def _plain_groups(ref: str, steps: int) -> dict:

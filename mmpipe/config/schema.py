@@ -69,6 +69,9 @@ class DataConfig(Section):
                       "regrouped among its micro-batches and data-parallel ranks so every slot costs about the same "
                       "on every stage (priced from the measured layer profile; the same samples per step, so the "
                       "same loss; see docs/balancing.md)")
+    balance_refit: int = _f(20, "data.balance=cost in a pipeline: every this many steps, refit each stage's prices "
+                            "(per image token, per token slot, per micro-batch) to the micro-batch times the stage "
+                            "clock measured over twice as many steps; 0: the profile's prices throughout", ge=0)
     group_window: int = _f(64, "micro-batches per length-grouping window (or, for shards, samples per window / micro-batch)", ge=1)
     shuffle_buffer: int = _f(1000, "shards: samples in the streaming shuffle buffer of each loader worker", ge=1)
     log_samples: bool = _f(False, "write the sample keys each data-reading rank trains on to OUTPUT/samples/rank*.jsonl (one JSON object per micro-batch: rank, step, stage, keys)")

@@ -93,37 +93,71 @@ class StagePrices:
     max_length: int
     pad_multiple: int = 1
     fixed_length: bool = False
+    base: Optional[list] = None  # seconds per micro-batch per stage, whatever it holds (a refit's intercept)
 
-    def to_dict(self) -> dict:
-        return {"vision": list(self.vision), "tokens": list(self.tokens), "max_length": self.max_length,
-                "pad_multiple": self.pad_multiple, "fixed_length": self.fixed_length}
+    def __post_init__(self):
+        self.base = list(self.base) if self.base is not None else [0.0] * len(self.vision)
+
+    def scaled(self, vision: list, tokens: list, base: list) -> "StagePrices":
+        """These prices with each stage's vision and token price multiplied and its base set."""
+        return StagePrices([p * a for p, a in zip(self.vision, vision)], [p * b for p, b in zip(self.tokens, tokens)],
+                           self.max_length, self.pad_multiple, self.fixed_length, list(base))
 
 
 class StepBalancer:
     """Regroups a step's micro-batches (``regroup``); keeps the last step's predicted spreads."""
 
     def __init__(self, units: SampleUnits, prices: StagePrices, ranks: int, max_swaps: Optional[int] = None):
-        self.units, self.prices, self.ranks = units, prices, ranks
-        self.pv = np.asarray(prices.vision, dtype=np.float64)
-        self.pt = np.asarray(prices.tokens, dtype=np.float64)
+        self.units, self.ranks = units, ranks
+        self.schedule: list = []  # [(first step, StagePrices)]: refit prices from that step on (``reprice``)
+        self.set_prices(prices)
         self.max_swaps = max_swaps
         self.last: dict = {}
         if len(self.pv) == 1:  # one stage: a rank's step is the sum of its slots, however uneven
             self.EVEN = 0.0
 
+    def set_prices(self, prices: StagePrices) -> None:
+        self.prices = prices
+        self.pv = np.asarray(prices.vision, dtype=np.float64)
+        self.pt = np.asarray(prices.tokens, dtype=np.float64)
+        self.pb = np.asarray(prices.base, dtype=np.float64)
+
+    def reprice(self, prices: StagePrices, first_step: int) -> None:
+        """Regroup from step ``first_step`` on with ``prices`` (``mmpipe.train.price_refit``)."""
+        if not self.schedule:
+            self.schedule.append((0, self.prices))
+        self.schedule = self.schedule[-3:] + [(first_step, prices)]
+
+    def prices_for(self, step: int) -> None:
+        """Take the prices in force at ``step``: the last refit that starts by then (else the first)."""
+        p = next((p for s, p in reversed(self.schedule) if s <= step), None)
+        if p is not None and p is not self.prices:
+            self.set_prices(p)
+
+    def schedule_from(self, step: int) -> list:
+        """[[first step, prices as a dict]] of the prices in force at ``step`` and those to come (saved
+        with a checkpoint's data position)."""
+        from dataclasses import asdict
+        now = max((s for s, _ in self.schedule if s <= step), default=0)
+        return [[max(s, step), asdict(p)] for s, p in self.schedule if s >= now]
+
+    def restore_schedule(self, saved: list) -> None:
+        self.schedule = [(int(s), StagePrices(**p)) for s, p in saved]
+
     # ---- costs -------------------------------------------------------------------------------
-    def padded(self, longest: int) -> int:
-        p = self.prices
-        if p.fixed_length:
-            return p.max_length
-        return min(p.max_length, -(-int(longest) // p.pad_multiple) * p.pad_multiple)
+    def features(self, groups: list) -> np.ndarray:
+        """[micro-batches, 2]: each micro-batch's vision units and token slots (rows x padded length)."""
+        out = np.zeros((len(groups), 2))
+        for k, g in enumerate(groups):
+            idx = np.asarray(g, dtype=np.int64)
+            if len(idx):
+                out[k] = (self.units.vision[idx].sum(), len(idx) * self._padded(self.units.tokens[idx].max()))
+        return out
 
     def group_cost(self, group) -> np.ndarray:
         """Predicted seconds of one micro-batch on each stage."""
-        idx = np.asarray(group, dtype=np.int64)
-        v = float(self.units.vision[idx].sum())
-        slots = len(idx) * self.padded(self.units.tokens[idx].max()) if len(idx) else 0
-        return self.pv * v + self.pt * slots
+        v, slots = self.features([group])[0]
+        return self.pv * v + self.pt * slots + (self.pb if len(group) else 0.0)
 
     def slot_costs(self, groups: list) -> np.ndarray:
         """[micro-batches, stages] predicted seconds."""
@@ -182,7 +216,8 @@ class StepBalancer:
                      "ideal": ideal}
         return best
 
-    def _padded(self, longest: np.ndarray) -> np.ndarray:
+    def _padded(self, longest):
+        """The collate's padded length of rows whose longest holds ``longest`` tokens (elementwise)."""
         p = self.prices
         if p.fixed_length:
             return np.full_like(longest, p.max_length)
@@ -198,7 +233,7 @@ class StepBalancer:
         owner = np.array([h for h, g in enumerate(groups) for _ in g], dtype=np.int64)
         rows = np.array([len(g) for g in groups], dtype=np.int64)
         v, t = self.units.vision[ids].copy(), self.units.tokens[ids].copy()
-        pv, pt = self.pv[None, :], self.pt[None, :]
+        pv, pt, pb = self.pv[None, :], self.pt[None, :], self.pb[None, :]
         cap = self.max_swaps if self.max_swaps is not None else 4 * len(ids)
         for _ in range(cap):
             V = np.bincount(owner, weights=v, minlength=G)
@@ -211,7 +246,7 @@ class StepBalancer:
             top2 = np.full(G, -1, dtype=np.int64)
             np.maximum.at(top2, owner, t2)
             excl = np.where(is_top & (n_top[owner] < 2), top2[owner], top1[owner])
-            C = pv * V[:, None] + pt * (rows * self._padded(np.maximum(top1, 0)))[:, None]
+            C = pv * V[:, None] + pt * (rows * self._padded(np.maximum(top1, 0)))[:, None] + pb
             pace = C.max(axis=1)
             Cr = C.reshape(R, A, -1)
             T = one_f_one_b(Cr)
@@ -226,9 +261,9 @@ class StepBalancer:
                     j = np.nonzero(owner != g)[0]
                     h = owner[j]
                     Lg = self._padded(np.maximum(np.maximum(excl[a], t[j]), 0))
-                    Cg = pv * (V[g] - v[a] + v[j])[:, None] + pt * (rows[g] * Lg)[:, None]
+                    Cg = pv * (V[g] - v[a] + v[j])[:, None] + pt * (rows[g] * Lg)[:, None] + pb
                     Lh = self._padded(np.maximum(np.maximum(excl[j], t[a]), 0))
-                    Ch = pv * (V[h] - v[j] + v[a])[:, None] + pt * (rows[h] * Lh)[:, None]
+                    Ch = pv * (V[h] - v[j] + v[a])[:, None] + pt * (rows[h] * Lh)[:, None] + pb
                     K, rg = len(j), g // A
                     Tn = np.repeat(T[None, :], K, axis=0)
                     # the rank of g, with g (and h where it is on the same rank) changed

@@ -63,6 +63,8 @@ class MicroBatchSampler(Sampler):
         if start_at is not None:
             self.anchor = (start_step,) + self._continue(start_at)
         _, epoch, offset, pos = self.anchor
+        if balancer is not None and start_at and start_at.get("balance_prices"):  # a refit run's prices go on
+            balancer.restore_schedule(start_at["balance_prices"])
         self.first_steps = (len(self.epoch_micro_batches(epoch, offset)) - pos) // self.per_step  # left in it
 
     def _continue(self, at: dict) -> tuple:
@@ -115,8 +117,11 @@ class MicroBatchSampler(Sampler):
         """Where the stream stands after ``steps_done`` global steps: saved with a checkpoint, so a
         resume with another batch size continues at the next unseen sample (``start_at``)."""
         epoch, offset, pos = self._locate(steps_done)
-        return {"epoch": epoch, "offset": offset, "micro_batch": pos, "micro_batch_size": self.mb,
-                "sample": offset + pos * self.mb}
+        out = {"epoch": epoch, "offset": offset, "micro_batch": pos, "micro_batch_size": self.mb,
+               "sample": offset + pos * self.mb}
+        if self.balancer is not None and self.balancer.schedule:  # refit prices: in force then, and to come
+            out["balance_prices"] = self.balancer.schedule_from(steps_done)
+        return out
 
     def global_batch_indices(self, step: int) -> list[int]:
         return [i for mb in self.micro_batches(step, all_ranks=True) for i in mb]
@@ -126,12 +131,22 @@ class MicroBatchSampler(Sampler):
         mbs = self.epoch_micro_batches(epoch, offset)[pos:pos + self.per_step]
         if self.balancer is not None:  # the same samples, regrouped among the step's micro-batches and ranks
             if step not in self.balanced:
+                self.balancer.prices_for(step)
                 self.balanced = {k: v for k, v in self.balanced.items() if k == step - 1}
                 self.balanced[step] = self.balancer.regroup(mbs)
-                self.balance_log[step] = dict(self.balancer.last)
+                self.balance_log[step] = {**self.balancer.last,
+                                          "features": self.balancer.features(self.balanced[step])}
                 self.balance_log.pop(step - 64, None)
             mbs = self.balanced[step]
         return mbs if all_ranks else mbs[self.rank * self.acc:(self.rank + 1) * self.acc]
+
+    def reprice(self, prices, first_step: int) -> None:
+        """``data.balance: cost`` refit (``mmpipe.train.price_refit``): regroup from step ``first_step`` on
+        with ``prices``. Every data-reading rank is told the same step, one its loader has not reached."""
+        if self.balanced and max(self.balanced) >= first_step:
+            raise RuntimeError(f"internal: step {first_step} was regrouped before its refit prices came "
+                               f"(the loader reads {max(self.balanced) - first_step + 1} steps further ahead)")
+        self.balancer.reprice(prices, first_step)
 
     def __iter__(self) -> Iterator[list]:
         step = self.start_step

@@ -35,6 +35,7 @@ class StageClock:
         self.step = 0
         self._pending: list = []
         self.totals = dict.fromkeys(FIELDS, 0.0)
+        self.passes: list = []  # the step's forward / backward passes in order: (is backward, seconds)
         self._t0 = None
         wrap_instructions(engine, self._wrap)
 
@@ -48,6 +49,8 @@ class StageClock:
                 out = fn(engine, *args, **kwargs)
                 t1 = time.perf_counter()
                 clock.totals[cat] = clock.totals.get(cat, 0.0) + (t1 - t0)
+                if cat in ("fwd", "bwd"):
+                    clock.passes.append((cat == "bwd", t1 - t0))
                 if clock.tracing:
                     clock.events.append((name, kwargs.get("buffer_id"), t0, t1, clock.step))
                 return out
@@ -63,7 +66,7 @@ class StageClock:
     def begin_step(self, step: int, trace: bool = False) -> None:
         self.step, self.tracing = step, trace
         self.totals = dict.fromkeys(FIELDS, 0.0)
-        self._pending = []
+        self._pending, self.passes = [], []
         if not self.on_cpu:
             self.acc.synchronize()
         self._t0 = time.perf_counter()
@@ -76,12 +79,24 @@ class StageClock:
             for name, cat, buf, start, end in self._pending:
                 dur = start.elapsed_time(end) / 1e3
                 self.totals[cat] = self.totals.get(cat, 0.0) + dur
+                if cat in ("fwd", "bwd"):
+                    self.passes.append((cat == "bwd", dur))
                 if self.tracing:  # device events carry durations, not host timestamps: lay them end to end
                     origin = self._t0 if origin is None else origin
                     self.events.append((name, buf, origin, origin + dur, self.step))
                     origin += dur
         self.totals["wall"] = time.perf_counter() - self._t0
         return [self.totals.get(k, 0.0) for k in FIELDS]
+
+    def micro_batch_busy(self, micro_batches: int) -> list[float]:
+        """Forward + backward seconds of each of the step's micro-batches on this stage: the k-th forward
+        pass is micro-batch k (modulo the count: a step loss's forward-only pass comes first), the k-th
+        backward micro-batch k."""
+        out, k = [0.0] * micro_batches, [0, 0]
+        for back, dur in self.passes:
+            out[k[back] % micro_batches] += dur
+            k[back] += 1
+        return out
 
 
 def stage_record(vectors: dict, num_stages: int) -> dict:

@@ -42,3 +42,33 @@ def stage_prices(plan):
         vision.append(sum(p["seconds"][i] for i in span if p["drivers"][i] == "vision"))
         tokens.append(sum(p["seconds"][i] for i in span if p["drivers"][i] == "tokens"))
     return StagePrices(vision, tokens, p["max_length"], p["pad_multiple"], p["fixed_length"])
+
+
+def refit_stage(vision_price: float, token_price: float, features, busy, weight: float = 1.0) -> dict:
+    """One stage's prices refit from measured micro-batches: ``busy`` [n] seconds (forward + backward, the
+    stage clock's) of micro-batches holding ``features`` [n, 2] (vision units, token slots), fitted as
+    ``base + a x vision_price x units + b x token_price x slots`` by least squares with the profile's
+    prices as the prior (``a = b = 1``, counted as ``weight`` typical micro-batches; ``base = 0``,
+    weakly). A price the data cannot tell apart from the base (every micro-batch the same units) stays
+    near the prior. Returns the multipliers ``vision``/``tokens``, the ``base`` seconds and the mean
+    absolute error of the prices before and after, relative to the mean measured micro-batch."""
+    import numpy as np
+    F, y = np.asarray(features, dtype=np.float64).reshape(-1, 2), np.asarray(busy, dtype=np.float64).reshape(-1)
+    scale = max(float(np.abs(y).mean()), 1e-12)  # residuals in units of the mean micro-batch
+    X = np.column_stack([np.ones(len(y)), F[:, 0] * vision_price / scale, F[:, 1] * token_price / scale])
+    yn = y / scale
+    prior = np.array([0.0, 1.0, 1.0])
+    pull = np.diag([1e-2] + [weight * float(np.mean(X[:, k] ** 2)) for k in (1, 2)])
+    free = [k for k in range(3) if k == 0 or X[:, k].any()]  # a price no micro-batch uses stays as it was
+    theta = prior.copy()
+    for keep in (free, [k for k in free if k]):  # without a base when the fit wants a negative one
+        A = X[:, keep].T @ X[:, keep] + pull[np.ix_(keep, keep)]
+        theta = prior.copy()
+        theta[keep] = np.linalg.solve(A, X[:, keep].T @ yn + pull[np.ix_(keep, keep)] @ prior[keep])
+        if theta[0] >= 0:
+            break
+        theta[0] = 0.0
+    theta[1:] = np.clip(theta[1:], 0.05, 20.0)
+    return {"vision": float(theta[1]), "tokens": float(theta[2]), "base": float(theta[0] * scale),
+            "error_before": float(np.abs(X[:, 1] + X[:, 2] - yn).mean()),
+            "error_after": float(np.abs(X @ theta - yn).mean())}

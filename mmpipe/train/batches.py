@@ -72,9 +72,11 @@ def _as_pipe_batches(loader, stats: DataStats, family, count: bool = True):
 class TrainData:
     """This rank's training stream and its counters (``None`` stream: a middle stage)."""
 
-    def __init__(self, run, start_step: int, data_position: Optional[dict]):
+    def __init__(self, run, start_step: int, data_position: Optional[dict], clock=None):
         import itertools
         import os
+
+        from mmpipe.train.price_refit import PriceRefit
 
         cfg, rank, where = run.cfg, run.rank, run.where
         sample_log = None
@@ -84,6 +86,9 @@ class TrainData:
         self.stats = DataStats(sample_log, rank, where.stage, step_counter(run) if where.reads_inputs else None)
         self.collate = run.family.collate(run.tok, cfg.data)
         self.sampler = None  # its position is what a resume continues at
+        self.parts = list(run.plan.parts)
+        if data_position and data_position.get("balance_parts") != self.parts:  # refit prices of another cut
+            data_position = {k: v for k, v in data_position.items() if k != "balance_prices"}
         if where.reads_data:
             loader = agree(rank, lambda: build_train_loader(cfg, run.source, run.tok, self.collate, run.topo,
                                                             where.dp_rank, start_step,
@@ -95,6 +100,7 @@ class TrainData:
         else:
             agree(rank, lambda: None)  # the data-reading ranks' loader errors reach every rank
             self.stream = (itertools.repeat((None, LABEL_PLACEHOLDER)) if run.topo.is_last_stage(rank) else None)
+        self.refit = PriceRefit(run, self.sampler, clock, start_step)
 
     def balance_fields(self, step: int) -> dict:
         """``data.balance: cost``: the sampler's prediction for step ``step`` (its spread and step times
@@ -102,7 +108,10 @@ class TrainData:
         return dict(getattr(self.sampler, "balance_log", {}).get(step - 1, {}))  # the sampler counts from 0
 
     def position(self, step: int) -> Optional[dict]:
-        return self.sampler.position(step) if hasattr(self.sampler, "position") else None
+        if not hasattr(self.sampler, "position"):
+            return None
+        pos = self.sampler.position(step)
+        return {**pos, "balance_parts": self.parts} if "balance_prices" in pos else pos
 
     def step_batches(self, run, device):
         """This step's micro-batches. For a ``token_mean`` family every rank first learns the global

@@ -100,7 +100,7 @@ def move(trainer, step: int, decision: dict, saved: bool) -> None:
             json.dump({"stages": stage_lists(run.plan.layers, decision["new_parts"])}, fh, indent=2)
         port[0] = free_port()
     if run.is_reporter:
-        trainer.writer._write({"kind": "replan", "step": step, **decision})
+        trainer.writer.log_event("replan", {"step": step, **decision})
         trainer.writer.info(f"replan at step {step}: stage boundaries {decision['old_parts']} -> "
                             f"{decision['new_parts']} (measured {1e3 * decision['measured_step']:.0f} ms/step, "
                             f"predicted {1e3 * decision['predicted_new']:.0f} ms on the new cut); continuing from "

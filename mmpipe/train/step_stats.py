@@ -100,11 +100,13 @@ class StepStats:
     loss: np.ndarray  # the step's loss on each rank (the reporting rank's is the run's)
     lrs: np.ndarray  # world x groups (NaN where a group is not on that rank)
     timings: np.ndarray  # world x stage-clock fields
+    refit: np.ndarray  # world x ``PriceRefit.columns`` (data.balance=cost's measured and predicted micro-batches)
 
     @classmethod
-    def gather(cls, fixed: dict, loss: torch.Tensor, lrs: list, timings: list, world: int, device) -> "StepStats":
+    def gather(cls, fixed: dict, loss: torch.Tensor, lrs: list, timings: list, world: int, device,
+               refit: list = ()) -> "StepStats":
         host = torch.stack([torch.as_tensor(v, dtype=torch.float64)  # a host tensor (real tokens) is copied, not read
-                            for v in [fixed[k] for k in FIXED] + lrs + timings])
+                            for v in [fixed[k] for k in FIXED] + lrs + timings + list(refit)])
         if host.device != torch.device(device):  # pinned, so the copy to the device does not wait for it
             host = host.pin_memory()
         mine = torch.cat([loss.detach().reshape(1).to(device=device, dtype=torch.float64),
@@ -113,7 +115,8 @@ class StepStats:
         dist.all_gather(everyone, mine)
         s, n = torch.stack(everyone).cpu().numpy(), len(FIXED)  # the step's one host read
         loss, s = s[:, 0], s[:, 1:]
-        return cls(*(s[:, i] for i in range(n)), loss, s[:, n:n + len(lrs)], s[:, n + len(lrs):])
+        t = n + len(lrs) + len(timings)
+        return cls(*(s[:, i] for i in range(n)), loss, s[:, n:n + len(lrs)], s[:, n + len(lrs):t], s[:, t:])
 
     def balance_record(self) -> dict:
         """``data.balance: cost``'s predicted slot spread before / after the step's regrouping, the
@@ -140,10 +143,11 @@ class StepStats:
 
 
 def gather_step(run, eng, ledger, data_stats, loss: torch.Tensor, lrs: list, stop_requested: bool,
-                timed_save: bool) -> tuple:
+                timed_save: bool, refit: list = ()) -> tuple:
     """(``StepStats``, the bad-file reports new to the run, merged over ranks in rank order). ``loss``:
     the runner's step loss (a device tensor, read here with everything else); ``lrs``: this rank's lr
-    per group as the step began (the scheduler moves it in the step)."""
+    per group as the step began (the scheduler moves it in the step); ``refit``: this rank's
+    ``PriceRefit.columns``."""
     timings = []
     if eng.runner.clock is not None:  # the norm all-reduce in the optimizer step waits for other stages: idle
         timings = list(eng.runner.timings)
@@ -156,7 +160,7 @@ def gather_step(run, eng, ledger, data_stats, loss: torch.Tensor, lrs: list, sto
              "tokens": data_stats.tokens, "real_tokens": data_stats.real_tokens, "samples": data_stats.samples,
              "flops": data_stats.flops, "hw_flops": data_stats.hw_flops,
              **{f"balance_{k}": float(data_stats.balance.get(k, 0.0)) for k in BALANCE}}
-    stats = StepStats.gather(fixed, loss, lrs, timings, run.world, eng.engine.device)
+    stats = StepStats.gather(fixed, loss, lrs, timings, run.world, eng.engine.device, refit)
     if stats.new_reports.sum() > 0:  # new bad files somewhere: merge every rank's, in rank order
         per_rank = [None] * run.world
         dist.all_gather_object(per_rank, reports)

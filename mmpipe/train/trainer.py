@@ -73,7 +73,7 @@ class Trainer:
         restored = self.ckpt.restore(self.ledger)
         self.start_step, self.skipped_total = restored["step"], restored["skipped_steps"]
         self.writer = write_run_files(run, eng, self.start_step)
-        self.data = TrainData(run, self.start_step, restored["data_position"])
+        self.data = TrainData(run, self.start_step, restored["data_position"], eng.runner.clock)
         self.evaluate = Evaluator(run, eng, self.data.collate, self.writer)
         self.trace_offset = time.time() - time.perf_counter()
         self.profiler = StepProfiler(self.cfg.log.profile, run.out_dir, run.rank, run.device_name)
@@ -139,7 +139,10 @@ class Trainer:
         dt = time.perf_counter() - t0
         self.data.stats.balance = self.data.balance_fields(step)
         stats, reports = gather_step(run, eng, self.ledger, self.data.stats, loss, lrs, bool(self.guard.requested),
-                                     self.ckpt.clock_due())
+                                     self.ckpt.clock_due(), self.data.refit.columns(step))
+        refit = self.data.refit.after_step(step, stats.refit)
+        if refit is not None:
+            self.writer.log_event("refit", refit)
         loss = float(stats.loss[run.rank])
         for path, why in self.ledger.add(reports, int(stats.drawn.sum())):
             if run.is_reporter:
