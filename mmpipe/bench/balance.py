@@ -199,12 +199,13 @@ def _report_balance(args, title: str, table: str, notes: str) -> int:
 
 
 SKEWED_LAYOUTS = (("P = 2", 2, ["parallel.pipeline_stages=2"]), ("DP = 2", 2, ["parallel.pipeline_stages=1"]),
+                  ("P2 x DP2", 4, ["parallel.pipeline_stages=2"]),
                   ("P = 2, packed", 2, ["parallel.pipeline_stages=2", "data.packing=true"]))
 
 
 def _balance_skewed(args, tmp: str, art: str) -> int:
     """``--mix skewed``: the VLM on a skewed chat mix (``synth_skewed_chat``), ``data.balance`` none vs
-    cost at P = 2 and DP = 2, side by side in interleaved rounds: samples/s, measured stage idle, the
+    cost at P = 2, DP = 2 and P2 x DP2, side by side in interleaved rounds: samples/s, measured stage idle, the
     predicted slot spread and step over the balanced ideal; a timeline of a step of each at P = 2."""
     import statistics
 
@@ -220,13 +221,14 @@ def _balance_skewed(args, tmp: str, art: str) -> int:
                 print(f"[bench] skewed mix, {name}, data.balance={bal} (round {rnd + 1}/{args.rounds}) ...", flush=True)
                 out = os.path.join(tmp, f"skewed_{n}_{sets[0][-1]}_{len(sets)}_{bal}_{rnd}")
                 extra = ([f"log.trace=[{args.steps - 1},{args.steps - 1}]"] if rnd == 0 and name == "P = 2" else [])
-                launch(n, config, common + sets + [f"data.balance={bal}"] + extra, out)
+                refit = ["data.balance_refit=3"] if bal == "cost" else []  # (8 steps: refit at steps 3 and 6)
+                launch(n, config, common + sets + [f"data.balance={bal}"] + refit + extra, out)
                 runs.setdefault((name, bal), []).append(out)
                 if extra and os.path.isfile(os.path.join(out, "timeline.png")):
                     shutil.copy(os.path.join(out, "timeline.png"), os.path.join(art, f"balance_skewed_{bal}_timeline.png"))
     lines = ["| layout | data.balance | samples/s | vs none | step ms | measured idle per stage | predicted slot "
              "spread (max / mean) | predicted step / balanced ideal | padding |", "|---|---|---|---|---|---|---|---|---|"]
-    gains = {}
+    gains, errors = {}, {}
     for name, _, sets in SKEWED_LAYOUTS:
         base = None
         for bal in ("none", "cost"):
@@ -239,6 +241,11 @@ def _balance_skewed(args, tmp: str, art: str) -> int:
             if bal == "cost":
                 spread = f"{statistics.mean(r['spread_before'] for r in recs):.2f} -> " \
                          f"{statistics.mean(r['spread_after'] for r in recs):.2f}"
+                fits = [r for d in runs[(name, bal)] for r in read_metrics(os.path.join(d, "metrics.jsonl"), "refit")]
+                if fits:  # the prices' prediction error per micro-batch, profile vs refit (the last fit of each run)
+                    last = [f for f in fits if f["step"] == max(x["step"] for x in fits)]
+                    errors[name] = (statistics.mean(sum(f["error_before"]) / len(f["error_before"]) for f in last),
+                                    statistics.mean(sum(f["error_after"]) / len(f["error_after"]) for f in last))
                 ideal = f"{statistics.mean(r['over_ideal'] for r in recs):.2f}"
                 gains[name] = base / st
             else:
@@ -252,10 +259,13 @@ def _balance_skewed(args, tmp: str, art: str) -> int:
     notes = (f"configs/bench_vlm.yaml (LLaVA-style: CLIP ViT over 64 patches, Llama decoder) with data.padding=batch, "
              f"data.max_length=288, parallel.placement=auto; {args.n} samples of a skewed chat mix: 10% one text "
              f"question, 30% text conversations of 6-10 turns, 35% one image, 25% 2-4 images (64 image tokens each). "
-             f"2 ranks x 1 thread, {args.steps} steps per run, median step after the first {args.warmup}, pooled over "
+             f"2 ranks x 1 thread (P2 x DP2: 4 ranks on the 2 cores), {args.steps} steps per run, median step after the first {args.warmup}, pooled over "
              f"{args.rounds} interleaved rounds; global batch 32 of micro-batch 4 (packed: 32 rows of up to 288 tokens, "
              f"samples/s counts the samples in them). data.balance=cost regroups each "
-             f"step's samples (the same samples: the same loss) by the plan's per-layer prices; gains: "
+             f"step's samples (the same samples: the same loss; micro-batches of any size, none heavier than the "
+             f"step's heaviest plain one) by the plan's per-layer prices, refit every 3 steps from the stage clock "
+             f"(data.balance_refit=3; mean prediction error per micro-batch, profile -> refit: "
+             + ", ".join(f"{k} {a:.2f} -> {b:.2f}" for k, (a, b) in errors.items()) + "); gains: "
              + ", ".join(f"{k} {v:.2f}x" for k, v in gains.items()) + ". Timelines of one P = 2 step: "
              "benchmarks/balance_skewed_none_timeline.png and _cost_timeline.png. " + rnote)
     return _report_balance(args, "Cost-balanced micro-batches and re-planning: skewed VLM mix, none vs cost; "

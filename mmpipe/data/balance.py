@@ -107,8 +107,10 @@ class StagePrices:
 class StepBalancer:
     """Regroups a step's micro-batches (``regroup``); keeps the last step's predicted spreads."""
 
-    def __init__(self, units: SampleUnits, prices: StagePrices, ranks: int, max_swaps: Optional[int] = None):
+    def __init__(self, units: SampleUnits, prices: StagePrices, ranks: int, max_swaps: Optional[int] = None,
+                 variable: bool = False):
         self.units, self.ranks = units, ranks
+        self.variable = variable  # micro-batches may change size (a family whose shapes change per micro-batch)
         self.schedule: list = []  # [(first step, StagePrices)]: refit prices from that step on (``reprice``)
         self.set_prices(prices)
         self.max_swaps = max_swaps
@@ -186,12 +188,14 @@ class StepBalancer:
 
     def regroup(self, groups: list) -> list:
         """The step's micro-batches (rank-major, each a list of dataset indices) regrouped: the same
-        count, sizes and set of samples; each group keeps its samples in ascending index order."""
+        count and set of samples, the same sizes (unless ``variable``: then none empty and none heavier
+        than the heaviest given one); each group keeps its samples in ascending index order."""
         groups = [list(g) for g in groups]
         if not groups:
             return groups
         C0 = self.slot_costs(groups)
         self._kappa = 1e-3 / max(float(C0.mean()), 1e-30)
+        self._cap = self._caps(groups)
         before = {"before": self.spread(groups), "step_before": self.step_time(groups)}
         best = groups
         if len(groups) > 1:
@@ -205,8 +209,11 @@ class StepBalancer:
                 r = pos if rnd % 2 == 0 else self.ranks - 1 - pos
                 snake[r * A + rnd] = order[k:k + len(g)]
                 k += len(g)
-            if [len(g) for g in snake] == [len(g) for g in groups]:
+            if [len(g) for g in snake] == [len(g) for g in groups] and self._within(snake):
                 cands.append(self._search(snake))
+            lpt = self._longest_first(groups)
+            if lpt is not None:
+                cands.append(self._search(lpt))
             for c in cands:
                 if self._objective(self.slot_costs(c)) < self._objective(self.slot_costs(best)) * (1 - 1e-9):
                     best = c
@@ -224,8 +231,10 @@ class StepBalancer:
         return np.minimum(p.max_length, -(-longest // p.pad_multiple) * p.pad_multiple)
 
     def _search(self, groups: list) -> list:
-        """Best-improvement swaps of one sample of a slowest-paced group with any sample of another
-        group (all candidates of a sample priced at once), until none lowers the objective."""
+        """Best-improvement changes until none lowers the objective: one sample of a slowest-paced group
+        swapped with any sample of another group (all candidates of a sample priced at once), or, with
+        ``variable`` sizes, moved to another group (within ``caps``: no group over the step's heaviest
+        plain micro-batch in vision units or token slots; none emptied)."""
         groups = [list(g) for g in groups]
         G, R = len(groups), self.ranks
         A = G // R
@@ -234,9 +243,11 @@ class StepBalancer:
         rows = np.array([len(g) for g in groups], dtype=np.int64)
         v, t = self.units.vision[ids].copy(), self.units.tokens[ids].copy()
         pv, pt, pb = self.pv[None, :], self.pt[None, :], self.pb[None, :]
+        cap_v, cap_s = self._cap
         cap = self.max_swaps if self.max_swaps is not None else 4 * len(ids)
         for _ in range(cap):
             V = np.bincount(owner, weights=v, minlength=G)
+            rows = np.bincount(owner, minlength=G)
             # per position: the longest other row of its group (top two per group)
             top1 = np.full(G, -1, dtype=np.int64)
             np.maximum.at(top1, owner, t)
@@ -252,47 +263,113 @@ class StepBalancer:
             T = one_f_one_b(Cr)
             spread = pace.max() / pace.mean() if pace.mean() > 0 else 1.0
             obj = T.max() + 0.5 * T.mean() + self.EVEN * (spread - 1) * T.mean() + self._kappa * (C * C).sum()
-            top = np.argsort(-pace, kind="stable")[:3]
-            topv = np.concatenate([pace[top], np.zeros(3 - len(top))])
-            top = np.concatenate([top, np.full(3 - len(top), -1)])
+            order = np.argsort(-pace, kind="stable")
+            top, topv = np.full(3, -1), np.zeros(3)
+            top[:min(3, G)], topv[:min(3, G)] = order[:3], pace[order[:3]]
+            state = (C, Cr, T, pace, top, topv)
             best = None
-            for g in np.argsort(-pace, kind="stable")[:4]:
+            for g in order[:4]:
                 for a in np.nonzero(owner == g)[0]:
+                    # a swapped with each sample j of another group h
                     j = np.nonzero(owner != g)[0]
                     h = owner[j]
                     Lg = self._padded(np.maximum(np.maximum(excl[a], t[j]), 0))
-                    Cg = pv * (V[g] - v[a] + v[j])[:, None] + pt * (rows[g] * Lg)[:, None] + pb
+                    Vg, Sg = V[g] - v[a] + v[j], rows[g] * Lg
                     Lh = self._padded(np.maximum(np.maximum(excl[j], t[a]), 0))
-                    Ch = pv * (V[h] - v[j] + v[a])[:, None] + pt * (rows[h] * Lh)[:, None] + pb
-                    K, rg = len(j), g // A
-                    Tn = np.repeat(T[None, :], K, axis=0)
-                    # the rank of g, with g (and h where it is on the same rank) changed
-                    X = np.repeat(Cr[rg][None], K, axis=0)
-                    X[:, g % A] = Cg
-                    same = h // A == rg
-                    X[same, h[same] % A] = Ch[same]
-                    Tn[:, rg] = one_f_one_b(X)
-                    for r in set((h // A).tolist()) - {rg}:  # the other rank h is on
-                        sel = np.nonzero(h // A == r)[0]
-                        Y = np.repeat(Cr[r][None], len(sel), axis=0)
-                        Y[np.arange(len(sel)), h[sel] % A] = Ch[sel]
-                        Tn[sel, r] = one_f_one_b(Y)
-                    sq = (C * C).sum() - (C[g] ** 2).sum() - (C[h] ** 2).sum(axis=1) + (Cg ** 2).sum(axis=1) \
-                        + (Ch ** 2).sum(axis=1)
-                    pg, ph = Cg.max(axis=1), Ch.max(axis=1)
-                    mean = (pace.sum() - pace[g] - pace[h] + pg + ph) / G
-                    # the largest pace of the other slots: the first of the three largest that is neither g nor h
-                    rest = np.where((top[0] != g) & (top[0] != h), topv[0],
-                                    np.where((top[1] != g) & (top[1] != h), topv[1], topv[2]))
-                    sp = np.maximum(np.maximum(rest, pg), ph) / np.maximum(mean, 1e-30)
-                    o = Tn.max(axis=1) + 0.5 * Tn.mean(axis=1) + self.EVEN * (sp - 1) * Tn.mean(axis=1) + self._kappa * sq
-                    k = int(np.argmin(o))
-                    if o[k] < obj * (1 - 1e-9) and (best is None or o[k] < best[0]):
-                        best = (o[k], a, j[k])
+                    Vh, Sh = V[h] - v[j] + v[a], rows[h] * Lh
+                    cands = [(j, h, Vg, Sg, Vh, Sh)]
+                    if self.variable and rows[g] > 1:  # a moved to each other group h
+                        h = np.array([x for x in range(G) if x != g], dtype=np.int64)
+                        Lg = self._padded(np.full(len(h), max(int(excl[a]), 0)))
+                        Lh = self._padded(np.maximum(np.maximum(top1[h], t[a]), 0))
+                        cands.append((None, h, np.full(len(h), V[g] - v[a]), (rows[g] - 1) * Lg,
+                                      V[h] + v[a], (rows[h] + 1) * Lh))
+                    for j, h, Vg, Sg, Vh, Sh in cands:
+                        ok = (Vg <= cap_v) & (Sg <= cap_s) & (Vh <= cap_v) & (Sh <= cap_s)
+                        if not ok.any():
+                            continue
+                        Cg = pv * Vg[:, None] + pt * Sg[:, None] + pb
+                        Ch = pv * Vh[:, None] + pt * Sh[:, None] + pb
+                        o = np.where(ok, self._score(state, g, h, Cg, Ch, A), np.inf)
+                        k = int(np.argmin(o))
+                        if o[k] < obj * (1 - 1e-9) and (best is None or o[k] < best[0]):
+                            best = (o[k], a, None if j is None else j[k], h[k])
                 if best is not None:
                     break
             if best is None:
                 break
-            _, a, b = best
-            owner[a], owner[b] = owner[b], owner[a]
-        return [ids[owner == h].tolist() for h in range(G)]
+            _, a, b, h = best
+            if b is None:
+                owner[a] = h
+            else:
+                owner[a], owner[b] = owner[b], owner[a]
+        return [sorted(ids[owner == h].tolist()) for h in range(G)]
+
+    def _score(self, state, g: int, h: np.ndarray, Cg: np.ndarray, Ch: np.ndarray, A: int) -> np.ndarray:
+        """The objective after each candidate change of group ``g`` (to costs ``Cg`` [K, P]) and group
+        ``h[k]`` (to ``Ch[k]``)."""
+        C, Cr, T, pace, top, topv = state
+        G = len(pace)
+        K, rg = len(h), g // A
+        Tn = np.repeat(T[None, :], K, axis=0)
+        # the rank of g, with g (and h where it is on the same rank) changed
+        X = np.repeat(Cr[rg][None], K, axis=0)
+        X[:, g % A] = Cg
+        same = h // A == rg
+        X[same, h[same] % A] = Ch[same]
+        Tn[:, rg] = one_f_one_b(X)
+        for r in set((h // A).tolist()) - {rg}:  # the other rank h is on
+            sel = np.nonzero(h // A == r)[0]
+            Y = np.repeat(Cr[r][None], len(sel), axis=0)
+            Y[np.arange(len(sel)), h[sel] % A] = Ch[sel]
+            Tn[sel, r] = one_f_one_b(Y)
+        sq = (C * C).sum() - (C[g] ** 2).sum() - (C[h] ** 2).sum(axis=1) + (Cg ** 2).sum(axis=1) + (Ch ** 2).sum(axis=1)
+        pg, ph = Cg.max(axis=1), Ch.max(axis=1)
+        mean = (pace.sum() - pace[g] - pace[h] + pg + ph) / G
+        # the largest pace of the other slots: the first of the three largest that is neither g nor h
+        rest = np.where((top[0] != g) & (top[0] != h), topv[0],
+                        np.where((top[1] != g) & (top[1] != h), topv[1], topv[2]))
+        sp = np.maximum(np.maximum(rest, pg), ph) / np.maximum(mean, 1e-30)
+        return Tn.max(axis=1) + 0.5 * Tn.mean(axis=1) + self.EVEN * (sp - 1) * Tn.mean(axis=1) + self._kappa * sq
+
+    def _longest_first(self, groups: list) -> Optional[list]:
+        """A third start: the step's samples, longest first, each into the micro-batch it leaves the least
+        paced (within the caps; with fixed sizes, one with room), the micro-batches then dealt to ranks
+        heaviest first in a snake. With ``variable`` sizes long rows end up with few others (little
+        padding) and short ones together. None where the caps leave a sample nowhere to go."""
+        G, R = len(groups), self.ranks
+        size = max(len(g) for g in groups)
+        order = sorted((i for g in groups for i in g),
+                       key=lambda i: (-int(self.units.tokens[i]), -float(self.units.vision[i]), i))
+        bins = [[] for _ in range(G)]
+        V, L, rows = np.zeros(G), np.zeros(G, dtype=np.int64), np.zeros(G, dtype=np.int64)
+        for i in order:
+            Vn, Ln = V + self.units.vision[i], self._padded(np.maximum(L, int(self.units.tokens[i])))
+            Sn = (rows + 1) * Ln
+            pace = (self.pv[None, :] * Vn[:, None] + self.pt[None, :] * Sn[:, None] + self.pb[None, :]).max(axis=1)
+            ok = (Vn <= self._cap[0]) & (Sn <= self._cap[1])
+            if not self.variable:
+                ok &= rows < size
+            if not ok.any():
+                return None
+            b = int(np.argmin(np.where(ok, pace, np.inf)))
+            bins[b].append(i)
+            V[b], L[b], rows[b] = Vn[b], max(L[b], int(self.units.tokens[i])), rows[b] + 1
+        if min(len(b) for b in bins) == 0 or (not self.variable and sorted(map(len, bins)) != sorted(map(len, groups))):
+            return None
+        heavy = sorted(range(G), key=lambda b: -float(self.slot_costs([bins[b]]).max()))
+        A, out = G // R, [None] * G
+        for j, b in enumerate(heavy):
+            rnd, pos = divmod(j, R)
+            out[(pos if rnd % 2 == 0 else R - 1 - pos) * A + rnd] = sorted(bins[b])
+        return out
+
+    def _within(self, groups: list) -> bool:
+        f = self.features(groups)
+        return bool(f[:, 0].max() <= self._cap[0] and f[:, 1].max() <= self._cap[1])
+
+    def _caps(self, groups: list) -> tuple:
+        """No regrouped micro-batch holds more vision units or token slots than the step's heaviest
+        plain one (what the memory plan and the ``none`` run already meet)."""
+        f = self.features(groups)
+        return float(f[:, 0].max()), float(f[:, 1].max())
