@@ -69,6 +69,9 @@ class DataConfig(Section):
                       "regrouped among its micro-batches and data-parallel ranks so every slot costs about the same "
                       "on every stage (priced from the measured layer profile; the same samples per step, so the "
                       "same loss; see docs/balancing.md)")
+    balance_evenness: float = _f(0.25, "data.balance=cost in a pipeline: the weight of the slot spread (max / mean slot "
+                                 "time - 1) against the predicted step in the regrouping's objective; higher trades "
+                                 "predicted speed for evener slots (see docs/balancing.md)", ge=0.0)
     balance_refit: int = _f(20, "data.balance=cost in a pipeline: every this many steps, refit each stage's prices "
                             "(per image token, per token slot, per micro-batch) to the micro-batch times the stage "
                             "clock measured over twice as many steps; 0: the profile's prices throughout", ge=0)

@@ -108,15 +108,19 @@ class StepBalancer:
     """Regroups a step's micro-batches (``regroup``); keeps the last step's predicted spreads."""
 
     def __init__(self, units: SampleUnits, prices: StagePrices, ranks: int, max_swaps: Optional[int] = None,
-                 variable: bool = False):
+                 variable: bool = False, evenness: float = 0.25, micro_batch_sync: bool = False):
         self.units, self.ranks = units, ranks
         self.variable = variable  # micro-batches may change size (a family whose shapes change per micro-batch)
         self.schedule: list = []  # [(first step, StagePrices)]: refit prices from that step on (``reprice``)
         self.set_prices(prices)
         self.max_swaps = max_swaps
         self.last: dict = {}
-        if len(self.pv) == 1:  # one stage: a rank's step is the sum of its slots, however uneven
-            self.EVEN = 0.0
+        # the objective's weight on the slot spread (max / mean pace - 1), per unit of the mean rank's step.
+        # One stage: a rank's micro-batches run back to back, the ranks meet at the step's gradient reduction,
+        # so the slots' evenness does not matter and the spread is the ranks' - unless the ranks meet at every
+        # micro-batch (``micro_batch_sync``: ZeRO-2/3 reduce each micro-batch's gradients)
+        self.by_rank = len(self.pv) == 1 and not micro_batch_sync
+        self.EVEN = 0.0 if self.by_rank else evenness
 
     def set_prices(self, prices: StagePrices) -> None:
         self.prices = prices
@@ -166,8 +170,11 @@ class StepBalancer:
         return np.stack([self.group_cost(g) for g in groups])
 
     def spread(self, groups: list) -> float:
-        """Max over mean of the slots' paces (a slot's pace: its slowest stage)."""
+        """Max over mean of the slots' paces (a slot's pace: its slowest stage); of the ranks' steps where
+        only they wait for each other (``by_rank``)."""
         pace = self.slot_costs(groups).max(axis=1)
+        if self.by_rank:
+            pace = pace.reshape(self.ranks, -1).sum(axis=1)
         return float(pace.max() / pace.mean()) if pace.mean() > 0 else 1.0
 
     def step_time(self, groups: list) -> float:
@@ -176,8 +183,6 @@ class StepBalancer:
         return float(one_f_one_b(C.reshape(self.ranks, -1, C.shape[1])).max())
 
     # ---- search ------------------------------------------------------------------------------
-    EVEN = 0.25  # the objective's weight on the slot spread (max / mean pace - 1), per unit of the mean rank's step
-
     def _objective(self, C: np.ndarray) -> float:
         """Slowest rank + half the mean rank + the slot spread's excess (weighed by ``EVEN``: even slots
         keep the pipeline's pace when the predictions err) + a small sum of squared stage costs."""

@@ -158,7 +158,9 @@ def build_train_loader(cfg, source: TrainSource, tok, collate, topo, dp_rank: in
         # a family whose shapes change per micro-batch anyway takes micro-batches of any size (few long
         # rows or many short ones: even slots without padding); fixed shapes keep the micro-batch size
         balancer = StepBalancer(sample_units(dataset, source, tok, d.max_length), prices, topo.data_parallel,
-                                variable=family.dynamic_shapes and d.padding != "max_length")
+                                variable=family.dynamic_shapes and d.padding != "max_length",
+                                evenness=d.balance_evenness,
+                                micro_batch_sync=topo.pipeline_stages == 1 and cfg.parallel.zero_stage >= 2)
     sampler = MicroBatchSampler(len(dataset), topo.micro_batch_size, topo.accumulation_steps, topo.data_parallel,
                                 dp_rank, cfg.train.seed, start_step=start_step, max_steps=cfg.train.steps,
                                 lengths=lengths, group_window=d.group_window, start_at=start_at, balancer=balancer)
