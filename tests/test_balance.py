@@ -272,3 +272,28 @@ def test_cost_balance_with_variable_micro_batches_evens_padded_slots():
     # a long row with anything beside it would pad that to its length)
     assert var.last["after"] < fixed.last["after"] / 2 and var.last["after"] < 1.3, (fixed.last, var.last)
     assert var.last["step_after"] < fixed.last["step_after"], (fixed.last, var.last)
+
+
+def test_regrouping_ahead_in_a_worker_process_gives_the_same_groups():
+    """With ``start_ahead`` each next step is regrouped in a worker process while the current one
+    trains: the same groups and predictions as regrouping inline, also across a refit (the step
+    regrouped ahead with the old prices is done again with the new)."""
+    from mmpipe.data.balance import StagePrices, StepBalancer
+    from mmpipe.data.sampler import MicroBatchSampler
+    units = _step_units()
+    prices = StagePrices([1e-4, 0.0], [0.0, 2e-5], max_length=1024, pad_multiple=4)
+    make = lambda: MicroBatchSampler(64, 4, 8, 2, 0, seed=1, balancer=StepBalancer(units, prices, 2, variable=True))  # noqa: E731
+    inline, ahead = make(), make()
+    ahead.balancer.start_ahead()
+    here, regroup = [], ahead.balancer.regroup
+    ahead.balancer.regroup = lambda groups: here.append(1) or regroup(groups)  # regroupings in this process
+    try:
+        for s in range(5):
+            if s == 2:  # told at step 1's end, as the trainer does; step 2 was already asked of the worker
+                for smp in (inline, ahead):
+                    smp.reprice(prices.scaled([5.0, 1.0], [1.0, 1.0], [1e-3, 0.0]), 2)
+            assert ahead.micro_batches(s, True) == inline.micro_batches(s, True)
+            assert ahead.balance_log[s]["step_after"] == inline.balance_log[s]["step_after"]
+        assert set(ahead.balancer.ahead.pending) == {5} and len(here) == 2  # steps 0 and 2: the rest came ahead
+    finally:
+        ahead.balancer.close()

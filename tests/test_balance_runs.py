@@ -89,12 +89,13 @@ def test_cost_balanced_micro_batches_train_exactly_like_the_reference(family_run
     """``data.balance: cost`` regroups each step's samples among its micro-batches (and data-parallel
     ranks): the same samples per step, so the same losses (rtol 1e-5) and weights (1e-4) as the
     reference's sampler order; and it did regroup (a step whose predicted time it lowered). The prices
-    are refit from the measured micro-batches every 2 steps (``data.balance_refit``) without changing that."""
+    are refit from the measured micro-batches every 2 steps (``data.balance_refit``), and with a loader
+    worker each next step is regrouped ahead in a process of its own, without changing that."""
     from mmpipe.train.metrics import read_metrics
     runs = family_runs_of(family)
     ref = REFERENCE(runs)
     out, _ = runs.get(key, nprocs, ["parallel.pipeline_stages=2", "data.balance=cost", "data.log_samples=true",
-                                    "data.balance_refit=2"], flags=["--stop-at", "4"])
+                                    "data.balance_refit=2", "data.num_workers=1"], flags=["--stop-at", "4"])
     np.testing.assert_allclose(train_losses(out), train_losses(ref)[:4], rtol=1e-5)
     assert_weights_close(_weights(out, 4), _weights(ref, 4), rtol=1e-4)
     gains = [r["predicted_gain"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))]

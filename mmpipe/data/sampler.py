@@ -131,9 +131,12 @@ class MicroBatchSampler(Sampler):
         mbs = self.epoch_micro_batches(epoch, offset)[pos:pos + self.per_step]
         if self.balancer is not None:  # the same samples, regrouped among the step's micro-batches and ranks
             if step not in self.balanced:
-                self.balancer.prices_for(step)
+                following = None
+                if self.max_steps is None or step + 1 < self.max_steps:
+                    e, o, p = self._locate(step + 1)
+                    following = self.epoch_micro_batches(e, o)[p:p + self.per_step]
                 self.balanced = {k: v for k, v in self.balanced.items() if k == step - 1}
-                self.balanced[step] = self.balancer.regroup(mbs)
+                self.balanced[step] = self.balancer.regroup_step(step, mbs, following)
                 self.balance_log[step] = {**self.balancer.last,
                                           "features": self.balancer.features(self.balanced[step])}
                 self.balance_log.pop(step - 64, None)

@@ -161,6 +161,8 @@ def build_train_loader(cfg, source: TrainSource, tok, collate, topo, dp_rank: in
                                 variable=family.dynamic_shapes and d.padding != "max_length",
                                 evenness=d.balance_evenness,
                                 micro_batch_sync=topo.pipeline_stages == 1 and cfg.parallel.zero_stage >= 2)
+        if d.num_workers:  # the data path has processes of its own: regroup each next step in one more
+            balancer.start_ahead()
     sampler = MicroBatchSampler(len(dataset), topo.micro_batch_size, topo.accumulation_steps, topo.data_parallel,
                                 dp_rank, cfg.train.seed, start_step=start_step, max_steps=cfg.train.steps,
                                 lengths=lengths, group_window=d.group_window, start_at=start_at, balancer=balancer)

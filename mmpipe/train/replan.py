@@ -110,6 +110,9 @@ def move(trainer, step: int, decision: dict, saved: bool) -> None:
     stream = getattr(trainer.data, "stream", None)
     if hasattr(stream, "close"):
         stream.close()  # the loader's workers exit with its iterator
+    balancer = getattr(getattr(trainer.data, "sampler", None), "balancer", None)
+    if balancer is not None:
+        balancer.close()  # (data.balance=cost's worker process)
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
