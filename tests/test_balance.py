@@ -297,3 +297,17 @@ def test_regrouping_ahead_in_a_worker_process_gives_the_same_groups():
         assert set(ahead.balancer.ahead.pending) == {5} and len(here) == 2  # steps 0 and 2: the rest came ahead
     finally:
         ahead.balancer.close()
+
+
+def test_cost_balance_refuses_a_loss_that_depends_on_the_grouping(capsys, tmp_path, tiny_data):
+    """A dual encoder whose negatives are its micro-batch's: regrouping would change every micro-batch's
+    loss, so ``data.balance: cost`` is a one-line error before anything is written."""
+    from helpers import TINY
+
+    from mmpipe.cli.main import main
+    rc = main(["train", "--config", TINY, "--set", "model.negatives=micro_batch", "--set", "data.balance=cost",
+               "--set", f"data.train={tiny_data['train']}", "--set", f"train.output_dir={tmp_path / 'run'}",
+               "--set", "parallel.pipeline_stages=1"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1 and "data.balance=cost regroups" in lines[0], lines
+    assert "model.negatives=global" in lines[0]

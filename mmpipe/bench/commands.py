@@ -70,7 +70,7 @@ def add_parser(sub) -> None:
                          "sizes; vlm: an image-heavy LLaVA-style VLM")
     bb.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; steps pooled, median kept")
     bb.add_argument("--mix", choices=("skewed",), default=None,
-                    help="skewed: the VLM on a skewed chat mix, data.balance none vs cost at P = 2 and DP = 2")
+                    help="skewed: the VLM on a skewed chat mix, data.balance none vs cost at P = 2, DP = 2 and P2 x DP2")
     bb.add_argument("--no-append", action="store_true")
     bb.set_defaults(func=bench_balance)
     add_memory(bs.add_parser("memory", help="every stage's predicted peak memory beside the live count of a real run "

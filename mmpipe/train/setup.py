@@ -249,8 +249,19 @@ def choose_layout(requested: RunConfig, family_cls, groups: list, rank: int, wor
 def build_family(cfg: RunConfig, family_cls, groups: list, rank: int, source) -> tuple:
     """(config with the fields left to the tokenizer resolved, tokenizer, family, frozen layout)."""
     tok = agree(rank, lambda: prepare_tokenizer(cfg, family_cls, rank, source))
-    cfg, family = agree(rank, lambda: resolve_family(cfg, tok))
+    cfg, family = agree(rank, lambda: _balance_keeps_the_loss(*resolve_family(cfg, tok)))
     return cfg, tok, family, frozen_layout(family, groups)
+
+
+def _balance_keeps_the_loss(cfg: RunConfig, family) -> tuple:
+    """``data.balance: cost`` regroups each step's samples among its micro-batches: the loss stays the
+    same only where it is the step's token mean or one loss over the step (not a mean of micro-batch losses)."""
+    if cfg.data.balance == "cost" and not (family.token_mean or family.step_loss):
+        raise ConfigError("data.balance=cost regroups each step's samples among its micro-batches, and this model's "
+                          "loss is a mean of per-micro-batch losses (model.negatives=micro_batch: each caption "
+                          "against its micro-batch's images), which the grouping would change: use "
+                          "model.negatives=global, or data.balance=none")
+    return cfg, family
 
 
 def place(cfg: RunConfig, family, where: Placement, tok, source, frozen: FrozenLayout, rank: int, world: int,
