@@ -164,6 +164,12 @@ def test_replan_moves_a_poor_cut_once_and_trains_exactly_like_the_reference(runs
     log = proc.stdout + proc.stderr
     assert f"replan at step {moves[0]['step']}: stage boundaries [0, 1, {len(names)}] -> {moves[0]['new_parts']}" in log
     assert f"resume@{moves[0]['step']}" in log
+    # the continued run measures what the move gained (its first step warms up: the one after it counts)
+    gained = read_metrics(os.path.join(out, "metrics.jsonl"), "replan_measured")
+    assert [g["step"] for g in gained] == [s for s in [moves[0]["step"] + 2] if s <= 6], (gained, moves)
+    for g in gained:
+        assert g["measured_before"] == pytest.approx(moves[0]["measured_step"])
+        assert g["measured_gain"] == pytest.approx(g["measured_before"] / g["measured_after"])
     np.testing.assert_allclose(train_losses(out), train_losses(ref), rtol=1e-5)
     final = load_model_weights(os.path.join(out, "checkpoints"), "global_step6")
     assert_weights_close(final, _weights(ref, 6), rtol=1e-4)

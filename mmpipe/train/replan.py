@@ -12,7 +12,7 @@ the new cut as a plan file and a ``replan`` record in metrics.jsonl, and every p
 (``os.execv``: the same process, the launcher never notices) with the same command plus ``--resume``
 and ``parallel.plan=`` that file: the layout-free resume continues exactly (the same losses and
 weights as a run that never moved). One move per run (no thrash); ``MMPIPE_REPLANNED`` marks the
-continued run."""
+continued run, which logs the gain it then measures (a ``replan_measured`` record)."""
 from __future__ import annotations
 
 import json
@@ -24,6 +24,7 @@ from typing import Optional
 import torch.distributed as dist
 
 MOVED = "MMPIPE_REPLANNED"
+MOVED_FROM = "MMPIPE_REPLANNED_STEP"  # the measured step (seconds) that the move left behind
 
 
 class Replanner:
@@ -35,6 +36,21 @@ class Replanner:
         self.seen: list = []  # (step seconds, [busy seconds per stage]) of the recent steps
         self.hits = 0
         self.prof = None
+        # the continued run of a move: the measured step before it, until the gain is measured
+        self.before = float(os.environ[MOVED_FROM]) if os.environ.get(MOVED) and os.environ.get(MOVED_FROM) else None
+        self.after: list = []
+
+    def measured(self, step: int, record: dict) -> Optional[dict]:
+        """After a move: once ``replan_window`` steps of the new cut (past the new processes' first) are
+        measured, the ``replan_measured`` record (the median step before the move and after it, the gain)."""
+        if self.before is None or step < self.first:
+            return None
+        self.after.append(record["step_time"])
+        if len(self.after) < self.window:
+            return None
+        after, before = statistics.median(self.after), self.before
+        self.before = None
+        return {"step": step, "measured_before": before, "measured_after": after, "measured_gain": before / after}
 
     def after_step(self, run, step: int, record: dict) -> Optional[dict]:
         """The move every rank makes after ``step`` (rank 0 decides, everyone learns it), or None."""
@@ -117,6 +133,7 @@ def move(trainer, step: int, decision: dict, saved: bool) -> None:
     dist.barrier()
     dist.destroy_process_group()
     os.environ[MOVED] = "1"
+    os.environ[MOVED_FROM] = repr(float(decision["measured_step"]))
     os.environ["MASTER_PORT"] = str(port[0])
     argv = [a for a in sys.argv if a != "--overwrite"]
     argv += ([] if "--resume" in argv else ["--resume"]) + ["--set", f"parallel.plan={path}"]

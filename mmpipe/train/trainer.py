@@ -115,6 +115,11 @@ class Trainer:
             moving = self.replanner.after_step(self.run, step, record) if step < end else None
             if moving is not None:
                 move(self, step, moving, saved=saved_at == step)  # (does not return)
+            gain = self.replanner.measured(step, record)
+            if gain is not None:
+                self.writer.log_event("replan_measured", gain)
+                self.writer.info(f"replan: {1e3 * gain['measured_before']:.0f} ms/step before the move, "
+                                 f"{1e3 * gain['measured_after']:.0f} ms after ({gain['measured_gain']:.2f}x)")
             if guard.signal and step < end:  # preempted: every rank stops here, after a checkpoint
                 if saved_at != step:
                     self.save(step)
