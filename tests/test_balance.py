@@ -295,6 +295,18 @@ def test_regrouping_ahead_in_a_worker_process_gives_the_same_groups():
             assert ahead.micro_batches(s, True) == inline.micro_batches(s, True)
             assert ahead.balance_log[s]["step_after"] == inline.balance_log[s]["step_after"]
         assert set(ahead.balancer.ahead.pending) == {5} and len(here) == 2  # steps 0 and 2: the rest came ahead
+        # a lost worker: a warning, and the steps are regrouped here, the same
+        import time
+        pool = ahead.balancer.ahead.pool
+        for proc in list(pool._processes.values()):
+            proc.kill()
+            proc.join()
+        deadline = time.time() + 30
+        while not pool._broken and time.time() < deadline:  # (the executor notices the lost process)
+            time.sleep(0.05)
+        with pytest.warns(UserWarning, match="regrouping worker failed"):
+            assert ahead.micro_batches(5, True) == inline.micro_batches(5, True)
+        assert ahead.balancer.ahead is None and ahead.micro_batches(6, True) == inline.micro_batches(6, True)
     finally:
         ahead.balancer.close()
 

@@ -152,13 +152,20 @@ class StepBalancer:
         """``regroup`` of step ``step`` with the prices in force then (done ahead in the worker process,
         where one runs: ``start_ahead``); ``following``: the next step's groups, to start on now."""
         self.prices_for(step)
-        got = self.ahead.take(step, self.prices) if self.ahead is not None else None
+        got = None
+        try:
+            got = self.ahead.take(step, self.prices) if self.ahead is not None else None
+            if self.ahead is not None and following is not None:
+                self.ahead.submit(step + 1, following, self.prices_at(step + 1))
+        except Exception as e:  # a lost worker (killed, out of memory): regroup here from now on
+            import warnings
+            warnings.warn(f"data.balance=cost: the regrouping worker failed ({type(e).__name__}: {e}); "
+                          "regrouping in the training process from now on")
+            self.close()
+            got = None
         if got is None:
-            out = self.regroup(groups)
-        else:
-            out, self.last = got
-        if self.ahead is not None and following is not None:
-            self.ahead.submit(step + 1, following, self.prices_at(step + 1))
+            return self.regroup(groups)
+        out, self.last = got
         return out
 
     def start_ahead(self) -> None:
@@ -169,8 +176,8 @@ class StepBalancer:
 
     def close(self) -> None:
         if self.ahead is not None:
-            self.ahead.close()
-            self.ahead = None
+            ahead, self.ahead = self.ahead, None
+            ahead.close()
 
     def schedule_from(self, step: int) -> list:
         """[[first step, prices as a dict]] of the prices in force at ``step`` and those to come (saved
