@@ -224,3 +224,18 @@ def test_a_bench_removes_its_temporary_directory(tmp_path, monkeypatch, capsys):
     assert main(["bench", "data", "--n", "16", "--repeats", "1", "--workers", "0", "--no-append"]) == 0
     assert "mmpipe cache" in capsys.readouterr().out
     assert not [p for p in os.listdir(scratch) if p.startswith("mmpipe-bench-")]
+
+
+def test_train_ends_by_destroying_its_process_groups(tiny_data, tmp_path):
+    """A run that finished leaves no process group to the interpreter's exit (gloo's worker threads torn
+    down there abort a finished run with "terminate called without an active exception"); a second run in
+    the same process starts a fresh one."""
+    import torch.distributed as dist
+
+    from mmpipe.cli.main import main
+    for i in range(2):
+        rc = main(["train", "--config", TINY, "--set", f"data.train={tiny_data['train']}", "--set", "train.steps=2",
+                   "--set", f"train.output_dir={tmp_path / str(i)}", "--set", "parallel.pipeline_stages=1",
+                   "--set", "train.save=false", "--set", "train.eval_every=0", "--set", "log.progress=false"])
+        assert rc == 0 and not dist.is_initialized()
+        assert (tmp_path / str(i) / "metrics.jsonl").exists()

@@ -21,5 +21,7 @@ def cmd_train(args) -> int:
     from mmpipe.config.schema import load_config
     from mmpipe.train.trainer import run
     cfg = load_config(args.config, args.overrides)
+    from mmpipe.parallel.startup import close_distributed
     run(cfg, resume=args.resume, stop_at=args.stop_at, overwrite=args.overwrite)
+    close_distributed()
     return 0

@@ -87,4 +87,19 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> tuple[int, int]
     return dist.get_rank(), dist.get_world_size()
 
 
+def close_distributed() -> None:
+    """End a run that finished on every rank: wait for the others, then destroy the process groups
+    (torch's documented shutdown). Left to the interpreter's exit, gloo's worker threads can still
+    hold work while it is torn down, and the process aborts ("terminate called without an active
+    exception", exit -6) after a run that succeeded. Not called on an error: a peer may be gone."""
+    if dist.is_available() and dist.is_initialized():
+        import gc
+
+        import deepspeed.comm
+        gc.collect()  # the engine's pending p2p work goes before its groups do
+        dist.barrier()
+        deepspeed.comm.destroy_process_group()  # (and DeepSpeed forgets its cached groups: a next run in
+        # this process starts afresh)
+
+
 CPU_THREADS = None  # this rank's CPU threads and why, for its memory line (GPU ranks: None)
