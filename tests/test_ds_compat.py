@@ -3,6 +3,7 @@ DeepSpeed no longer has the private API the patch relies on (read from DeepSpeed
 source). What each patch does is exercised by the run tests named in its docstring."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import pytest
@@ -171,6 +172,82 @@ def test_one_read_overflow_check_gives_deepspeeds_answer():
 
 
 # --------------------------------------------------------------------------------------------
+def _bf16_engine(seed: int):
+    """A one-rank DeepSpeed engine at bf16 without ZeRO (FP16_UnfusedOptimizer, torch AdamW) over 24
+    small linear layers: 48 parameters."""
+    import deepspeed
+    import torch
+
+    from mmpipe.parallel.startup import init_distributed
+    init_distributed()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(24)])
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
+           "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}, "steps_per_print": 10 ** 9}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    from mmpipe.parallel.ds_compat import no_initial_unfused_step
+    with no_initial_unfused_step():
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    return engine
+
+
+def _train_counting(engine, steps: int = 3) -> int:
+    """Train ``steps`` steps; the operations (not views) dispatched by the last backward and step."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+    g = torch.Generator().manual_seed(0)
+    for i in range(steps):
+        x = torch.randn(4, 8, generator=g).to(torch.bfloat16)
+        loss = engine(x).float().pow(2).mean()
+        with Count() if i == steps - 1 else contextlib.nullcontext():
+            engine.backward(loss)
+            engine.step()
+    return Count.n
+
+
+def test_foreach_unfused_step_and_no_single_rank_allreduce_train_as_deepspeed_does():
+    """bf16 at P = 1 without ZeRO on one rank: DeepSpeed's own step and its identity all-reduce against
+    ``foreach_unfused_step`` + ``no_single_rank_allreduce``: the same weights and fp32 masters bit for bit
+    after three steps, and the patched backward + step dispatch a fixed handful of operations where
+    DeepSpeed's dispatch several per parameter. Behaviour in runs: test_host_syncs.py (reads and
+    operations per step of a tiny CLIP at bf16), test_resume_matrix.py (bf16 at P = 1)."""
+    import torch
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    from mmpipe.parallel import ds_compat
+    assert "self.overflow_checker.check()" in _src(getattr(FP16_UnfusedOptimizer.step, "_mmpipe_original",
+                                                           FP16_UnfusedOptimizer.step))
+    patched = getattr(FP16_UnfusedOptimizer.step, "_mmpipe_foreach", False)
+    original = getattr(FP16_UnfusedOptimizer.step, "_mmpipe_original", FP16_UnfusedOptimizer.step)
+    FP16_UnfusedOptimizer.step = original
+    try:
+        theirs = _bf16_engine(1)
+        assert theirs.enable_backward_allreduce and type(theirs.optimizer).__name__ == "FP16_UnfusedOptimizer"
+        n_theirs = _train_counting(theirs)
+        assert ds_compat.foreach_unfused_step() and ds_compat.foreach_unfused_step()
+        ours = _bf16_engine(1)
+        assert ds_compat.no_single_rank_allreduce(ours) and not ours.enable_backward_allreduce
+        n_ours = _train_counting(ours)
+    finally:
+        if not patched:
+            FP16_UnfusedOptimizer.step = original
+    n_params = 48
+    for a, b in zip(theirs.module.parameters(), ours.module.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(theirs.optimizer.fp32_groups[0], ours.optimizer.fp32_groups[0]):
+        assert torch.equal(a, b)
+    # (the backward's own autograd operations are the same on both sides)
+    assert n_theirs - n_ours > 4 * n_params, (n_theirs, n_ours)
+
+
 # the module docstring's table names every function of ds_compat, and only those
 # --------------------------------------------------------------------------------------------
 def table_names(doc: str) -> set:

@@ -202,8 +202,8 @@ def one_rank():
         deepspeed.init_distributed(dist_backend="gloo")
         try:
             yield
-        finally:
-            dist.destroy_process_group()
+        finally:  # DeepSpeed's: it forgets its cached groups too (a later engine in this process needs new ones)
+            deepspeed.comm.destroy_process_group()
 
 
 def _engine(precision: str, zero: int, pipelined: bool):

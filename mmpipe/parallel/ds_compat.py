@@ -30,6 +30,8 @@ that exercises the patch's behaviour.
 | ``set_engine_step`` | ``DeepSpeedEngine.global_steps``, ``global_samples`` | a resume in another layout continues the engine's counters |
 | ``no_initial_unfused_step`` | ``FP16_UnfusedOptimizer.initialize_optimizer_states`` | bf16/fp16 at P = 1 without ZeRO began Adam one step late (0.19.8) |
 | ``one_read_overflow_check`` | ``CheckOverflow.has_overflow_serial`` | fp16/bf16 at P = 1 without ZeRO read every gradient's finiteness to the host in turn: one device synchronisation per parameter per step |
+| ``foreach_unfused_step`` | ``FP16_UnfusedOptimizer.step``, ``fp16_groups``, ``fp32_groups``, ``overflow_checker``, ``_skip_invalid_grad_norm``, ``_update_scale``, ``loss_scale_config.cur_scale``, ``clip_grad`` | fp16/bf16 at P = 1 without ZeRO: five kernels per parameter per step (a norm, a cast, an unscale by 1, a copy back) |
+| ``no_single_rank_allreduce`` | ``DeepSpeedEngine.enable_backward_allreduce``, ``dp_world_size`` | ZeRO-0 at P = 1 on one rank flattened, all-reduced and copied back every gradient per step |
 | ``unfused_masters`` | ``FP16_UnfusedOptimizer.fp16_groups``, ``fp32_groups`` | layout-free optimizer state of fp16/bf16 at P = 1 without ZeRO |
 """
 from __future__ import annotations
@@ -287,11 +289,83 @@ def one_read_overflow_check() -> bool:
         grads = [p.grad.data for p in params if p.grad is not None]
         if not grads:
             return False
-        peaks = torch._foreach_norm(grads, float("inf"))
-        return not bool(torch.isfinite(torch.stack([x.float() for x in peaks])).all())
+        peaks = torch._foreach_norm(grads, float("inf"), dtype=torch.float32)
+        return not bool(torch.isfinite(torch.stack(peaks)).all())
 
     has_overflow_serial._mmpipe_one_read = True
     CheckOverflow.has_overflow_serial = has_overflow_serial
+    return True
+
+
+def foreach_unfused_step() -> bool:
+    """``FP16_UnfusedOptimizer.step`` (bf16 / fp16 at ZeRO-0 without a pipeline) loops over the
+    parameters: each gradient's norm (for a clip mmpipe does not ask of it: ``gradient_clipping`` is
+    0 below ZeRO-2), its fp32 copy, its unscale (a multiply by 1 in bf16), the master's copy back:
+    ~5 kernels per parameter, ~1,000 a step for a CLIP ViT-B/16 (``log.profile`` on an H100,
+    BENCHMARKS.md). The same step with multi-tensor (``_foreach``) operations: one copy into fp32,
+    the unscale only when the scale is not 1, one copy back; the global norm DeepSpeed records is
+    kept on the device (no host read). With a DeepSpeed clip (``clip_grad`` > 0) or the legacy
+    fused LAMB, DeepSpeed's own step runs. Same values: a copy is a copy, and x * 1 is x.
+    Idempotent; True if patched."""
+    import torch
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    original = FP16_UnfusedOptimizer.step
+    if getattr(original, "_mmpipe_foreach", False):
+        return True
+
+    def step(self, closure=None):
+        if self.fused_lamb_legacy or self.clip_grad > 0:
+            return original(self, closure)
+        self.overflow = self.overflow_checker.check()
+        if self.overflow:
+            return self._skip_invalid_grad_norm()
+        pairs = [(fp32_param, fp16_param) for fp32_group, fp16_group in zip(self.fp32_groups, self.fp16_groups)
+                 for fp32_param, fp16_param in zip(fp32_group, fp16_group)]
+        have = [(a, b) for a, b in pairs if b.grad is not None]
+        norms = []
+        if have:  # the fp32 gradients: views of one buffer (one allocation, freed with them after the step)
+            flat = torch.empty(sum(a.numel() for a, _ in have), dtype=have[0][0].dtype, device=have[0][0].device)
+            for (a, _), view in zip(have, torch.split(flat, [a.numel() for a, _ in have])):
+                a.grad = view.view(a.shape)
+            torch._foreach_copy_([a.grad for a, _ in have], [b.grad for _, b in have])
+            norms = torch._foreach_norm([a.grad for a, _ in have])
+        for a, b in pairs:
+            if b.grad is None:  # (as DeepSpeed: a zero gradient, so Adam still steps it)
+                a.grad = torch.zeros_like(a)
+        self._global_grad_norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else 0.0
+        self._update_scale(False)
+        scale = self.loss_scale_config.cur_scale
+        fp32_grads = [p.grad for group in self.fp32_groups for p in group]
+        if scale != 1.0 and fp32_grads:
+            torch._foreach_mul_(fp32_grads, 1.0 / scale)
+        self.optimizer.step()
+        low, high = [], []
+        for fp32_group, fp16_group in zip(self.fp32_groups, self.fp16_groups):
+            for fp32_param, fp16_param in zip(fp32_group, fp16_group):
+                fp32_param.grad = None
+                low.append(fp16_param.data)
+                high.append(fp32_param.data)
+        if low:
+            torch._foreach_copy_(low, high)
+        return self.overflow
+
+    step._mmpipe_foreach = True
+    step._mmpipe_original = original
+    FP16_UnfusedOptimizer.step = step
+    return True
+
+
+def no_single_rank_allreduce(engine) -> bool:
+    """A ZeRO-0 engine without a pipeline whose data-parallel group is this rank alone still
+    all-reduces after every backward: the gradients flattened into one buffer, "all-reduced",
+    divided by 1 and copied back one by one (a kernel per parameter per step). Off when it is the
+    identity; ZeRO and pipeline engines reduce by their own paths and are left alone. True if
+    switched off."""
+    if engine.zero_optimization_stage() != 0 or getattr(engine, "pipeline_parallelism", False):
+        return False
+    if engine.dp_world_size != 1:
+        return False
+    engine.enable_backward_allreduce = False
     return True
 
 

@@ -9,7 +9,13 @@ from typing import Any, Optional
 import torch
 
 from mmpipe.config.groups import apply_freeze, lr_lambda, mark_embedding_tables, param_groups
-from mmpipe.parallel.ds_compat import fix_fp16_backward_scaling, no_initial_unfused_step, one_read_overflow_check
+from mmpipe.parallel.ds_compat import (
+    fix_fp16_backward_scaling,
+    foreach_unfused_step,
+    no_initial_unfused_step,
+    no_single_rank_allreduce,
+    one_read_overflow_check,
+)
 from mmpipe.parallel.layers import set_activation_checkpointing
 from mmpipe.parallel.strategies import strategy_for
 from mmpipe.train.checkpoint_record import layout_record, run_record
@@ -71,9 +77,11 @@ def build_engine(run) -> Engine:
         fix_fp16_backward_scaling()
     if cfg.train.precision != "fp32":  # its overflow check: one host read per step, not one per parameter
         one_read_overflow_check()
+        foreach_unfused_step()  # and its step: a few multi-tensor kernels, not five per parameter
     with no_initial_unfused_step():  # bf16 at P = 1 without ZeRO: Adam's first step is the first training step
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=torch_groups, config=run.where.ds_cfg,
                                                lr_scheduler=scheduler)
+    no_single_rank_allreduce(engine)  # ZeRO-0 on one rank: no identity all-reduce after each backward
     monitor = getattr(engine, "monitor", None)
     pipelined = topo.pipeline_stages > 1
     layer_names = run.plan.layers if pipelined else None
