@@ -49,7 +49,7 @@ def bench_overhead(args, tmp: str) -> int:
     sets = [f"data.train={info['train']}", f"data.cache={cache}", "data.val=null", "model.negatives=micro_batch", "data.padding=max_length",
             f"train.steps={args.steps}", "train.save=false", "train.eval_every=0", "parallel.profile=false",
             "optim.groups.vision.max_grad_norm=1.0", "optim.groups.text.max_grad_norm=1.0", f"optim.max_grad_norm={clip}",
-            "log.stage_timing=true", "data.num_workers=0"]
+            "log.stage_timing=true", "data.num_workers=0", f"train.precision={args.precision}"]
     rows = []
     for name in args.layouts:
         ranks, stages = LAYOUTS[name]
@@ -67,7 +67,7 @@ def bench_overhead(args, tmp: str) -> int:
     lines += [f"| {n} | {k} | {d * 1e3:.1f} | {m * 1e3:.1f} | {m / d:.2f}x |" for n, k, _, d, m in rows]
     table = "\n".join(lines)
     print(table)
-    notes = (f"{os.path.basename(args.config)} with micro-batch negatives, padded to data.max_length, {args.steps} steps x "
+    notes = (f"{os.path.basename(args.config)} in {args.precision} with micro-batch negatives, padded to data.max_length, {args.steps} steps x "
              f"{args.rounds} rounds interleaved, median step after the first {args.warmup} of each. mmpipe: grouped clipping "
              "(vision, text at 1.0, global 1.0), the stage clock and every metric on, its loader reading the "
              "pre-decoded cache (mmpipe data prepare) in the training process (num_workers 0: on 2 cores a worker "
@@ -88,5 +88,7 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--n", type=int, default=400, help="synthetic pairs")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="both sides' precision (bf16 at P = 1: DeepSpeed's unfused optimizer)")
     p.add_argument("--no-append", action="store_true")
     p.set_defaults(func=bench_overhead)
