@@ -131,8 +131,8 @@ class MicroBatchSampler(Sampler):
         mbs = self.epoch_micro_batches(epoch, offset)[pos:pos + self.per_step]
         if self.balancer is not None:  # the same samples, regrouped among the step's micro-batches and ranks
             if step not in self.balanced:
-                following = None
-                if self.max_steps is None or step + 1 < self.max_steps:
+                following = None  # the next step's groups, for a regrouping worker to start on now
+                if self.balancer.ahead is not None and (self.max_steps is None or step + 1 < self.max_steps):
                     e, o, p = self._locate(step + 1)
                     following = self.epoch_micro_batches(e, o)[p:p + self.per_step]
                 self.balanced = {k: v for k, v in self.balanced.items() if k == step - 1}

@@ -100,7 +100,9 @@ class StepStats:
     loss: np.ndarray  # the step's loss on each rank (the reporting rank's is the run's)
     lrs: np.ndarray  # world x groups (NaN where a group is not on that rank)
     timings: np.ndarray  # world x stage-clock fields
-    refit: np.ndarray  # world x ``PriceRefit.columns`` (data.balance=cost's measured and predicted micro-batches)
+    # world x ``PriceRefit.columns``: each rank's micro-batches' busy seconds on its stage, then their
+    # vision units and token slots (data.balance=cost with a refit; no columns otherwise)
+    refit: np.ndarray
 
     @classmethod
     def gather(cls, fixed: dict, loss: torch.Tensor, lrs: list, timings: list, world: int, device,
