@@ -89,7 +89,8 @@ def test_peers_reads_open_clips_step_log(tmp_path):
 def test_bench_gpu_runs_every_job_beside_its_peer_at_tiny_size(tmp_path):
     """``mmpipe bench gpu --tiny`` on this CPU: mmpipe and the peer of each job run to the end (open_clip_train
     on CLIP, transformers' Trainer on the VLM), each with a step time, mmpipe with its TFLOP/s and the memory
-    model's prediction; packed VLM rows count the samples they hold (data.log_samples)."""
+    model's prediction (as planned, and for the VLM at its first step's longest micro-batch); packed VLM rows
+    count the samples they hold (data.log_samples)."""
     import json
     import subprocess
     import sys
@@ -107,6 +108,27 @@ def test_bench_gpu_runs_every_job_beside_its_peer_at_tiny_size(tmp_path):
     assert all(r["tflops"] > 0 and r["predicted_mb"] > 0 and r["mfu"] is None for r in mm.values())  # no peak on a CPU
     assert mm["vlm_full"]["samples_per_step"] > 4  # 4 packed rows per step, several samples in each
     assert "| clip | open_clip_train |" in proc.stdout
+    # the memory model also at the first step's longest micro-batch (packed rows padded per micro-batch) where
+    # that is below the plan's data.max_length = 96; CLIP pads every row to its max_length: nothing to add
+    vlm = mm["vlm_full"]
+    lengths = [r["length"] for r in map(json.loads, (out / "samples_vlm_full.jsonl").read_text().splitlines())
+               if r["step"] == 1]
+    assert len(lengths) == 2 and vlm["first_length"] == max(lengths) <= 96, (lengths, vlm)
+    if vlm["first_length"] < 96:
+        assert 0 < vlm["predicted_at_first_mb"] < vlm["predicted_mb"], vlm
+        assert f"MB at {vlm['first_length']} tokens |" in proc.stdout
+    else:
+        assert vlm["predicted_at_first_mb"] is None
+    assert mm["clip"]["predicted_at_first_mb"] is None and mm["clip"]["first_length"] is None
+    # unpacked rows padded per micro-batch stay below max_length: the model at that shape predicts less
+    unpacked = subprocess.run([sys.executable, "-m", "mmpipe.cli.main", "bench", "gpu", "--tiny", "--jobs", "vlm_lora",
+                               "--no-peers", "--set", "data.packing=false", "--steps", "2", "--warmup", "1",
+                               "--no-append", "--out", str(tmp_path / "unpacked")], capture_output=True, text=True,
+                              cwd=str(tmp_path), timeout=900)
+    assert unpacked.returncode == 0, unpacked.stdout[-3000:] + unpacked.stderr[-3000:]
+    lora = json.loads((tmp_path / "unpacked" / "results.json").read_text())["results"][0]
+    assert 0 < lora["first_length"] < 96 and 0 < lora["predicted_at_first_mb"] < lora["predicted_mb"], lora
+    assert f"MB at {lora['first_length']} tokens |" in unpacked.stdout
 
 
 def test_bench_overhead_times_mmpipe_and_a_raw_deepspeed_engine_on_the_same_model(tmp_path):

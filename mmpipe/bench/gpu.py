@@ -112,7 +112,7 @@ def run_mmpipe(name: str, spec: dict, data: list, args, tmp: str) -> dict:
             shutil.copy(os.path.join(out, "samples", "rank0.jsonl"), os.path.join(args.out, f"samples_{name}.jsonl"))
     recs = _steps(out, args.warmup)
     step = statistics.median(r["step_time"] for r in recs)
-    samples = 0
+    samples, first_length = 0, None
     log_file = os.path.join(out, "samples", "rank0.jsonl")
     if os.path.isfile(log_file):  # packed rows: the samples each step trained, from data.log_samples
         per = {}
@@ -120,6 +120,8 @@ def run_mmpipe(name: str, spec: dict, data: list, args, tmp: str) -> dict:
             for line in fh:
                 r = json.loads(line)
                 per[r["step"]] = per.get(r["step"], 0) + len(r["keys"])
+                if r["step"] == 1 and "length" in r:  # the allocator's peak is the first step's
+                    first_length = max(first_length or 0, r["length"])
         samples = statistics.median(v for k, v in per.items() if k > args.warmup)
     cfg = load_config(os.path.join(out, "config.yaml"))
     if not samples:  # packs: the samples a step trained; pairs: the batch
@@ -127,13 +129,18 @@ def run_mmpipe(name: str, spec: dict, data: list, args, tmp: str) -> dict:
     mem = next((r for r in read_memory_record(out) if r["rank"] == 0), None)  # metrics.jsonl's memory record
     params, trainable = (mem["params"] / 1e6, mem["trainable"] / 1e6) if mem else (None, None)
     peak_mb = mem["peak_mb"] if mem and mem["peak_of"] == "device" else None
-    predicted = run_memory(cfg, out, 1, meta=True)[0].to_dict()["total"] / 2**20
+    predicted = run_memory(cfg, out, 1, meta=True)[0].to_dict()["total"] / 2**20  # as planned: data.max_length
+    at_first = None  # the same model at the first step's longest micro-batch (rows padded per micro-batch)
+    if first_length is not None and first_length < cfg.data.max_length:
+        from mmpipe.config.schema import replace
+        at_first = run_memory(replace(cfg, data__max_length=first_length), out, 1, meta=True)[0].to_dict()["total"] / 2**20
     tflops = [r["tflops"] for r in recs if r.get("tflops") is not None]
     mfu = [r["mfu"] for r in recs if r.get("mfu") is not None]
     hfu = [r["hfu"] for r in recs if r.get("hfu") is not None]
     res = {"system": "mmpipe", "job": name, "step_s": step, "samples_per_step": samples, "samples_s": samples / step,
            "tflops": statistics.median(tflops) if tflops else None, "mfu": statistics.median(mfu) if mfu else None,
            "hfu": statistics.median(hfu) if hfu else None, "peak_mb": peak_mb, "predicted_mb": predicted,
+           "first_length": first_length, "predicted_at_first_mb": at_first,
            "params_m": params, "trainable_m": trainable, "wall_s": wall, "steps": len(recs) + args.warmup,
            "step_times": [r["step_time"] for r in _steps(out, 0)]}
     _log(f"mmpipe {name}: {res['samples_s']:.1f} samples/s, step {step * 1e3:.0f} ms, peak {peak_mb} MB "
@@ -223,7 +230,7 @@ def _fmt(x, spec: str, none: str = "-") -> str:
 
 def table(results: list) -> str:
     lines = ["| job | system | samples/s | vs peer | step ms | TFLOP/s per device | MFU | peak MB (allocator) | "
-             "memory model MB | error |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "memory model MB | error | at the first step's shape |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     by_job = {}
     for r in results:
         by_job.setdefault(r["job"], []).append(r)
@@ -232,10 +239,13 @@ def table(results: list) -> str:
         for r in rows:
             ratio = r["samples_s"] / peer["samples_s"] if peer else None
             err = (r["predicted_mb"] / r["peak_mb"] - 1) * 100 if r.get("predicted_mb") and r.get("peak_mb") else None
+            at = r.get("predicted_at_first_mb")
+            at_text = "-" if at is None else f"{at:.0f} MB at {r['first_length']} tokens" + (
+                f" ({(at / r['peak_mb'] - 1) * 100:+.1f}%)" if r.get("peak_mb") else "")
             lines.append(f"| {r.get('label', job)} | {r['system']} | {r['samples_s']:.1f} | {_fmt(ratio, '.2f')}x | "
                          f"{r['step_s'] * 1e3:.0f} | {_fmt(r.get('tflops'), '.1f')} | "
                          f"{_fmt(r.get('mfu') and 100 * r['mfu'], '.1f')}% | {_fmt(r.get('peak_mb'), '.0f')} | "
-                         f"{_fmt(r.get('predicted_mb'), '.0f')} | {_fmt(err, '+.1f')}% |")
+                         f"{_fmt(r.get('predicted_mb'), '.0f')} | {_fmt(err, '+.1f')}% | {at_text} |")
     return "\n".join(lines).replace("| -x |", "| - |").replace("| -% |", "| - |")
 
 
@@ -287,7 +297,9 @@ def bench_gpu(args, tmp: str) -> int:
              f"first {args.warmup}. MFU = model FLOPs (forward + backward, no recompute; analytic per layer, "
              "mmpipe.planning.flops) / step time / the device's dense bf16 peak. Peak MB: the allocator's "
              "max_memory_allocated after the first step; memory model: `mmpipe.planning.memory` for the run's config "
-             "sized on the meta device. CLIP: open_clip_train runs its own main on the same architecture (model config "
+             "sized on the meta device at data.max_length (what a plan must fit), and where the first step's rows were "
+             "shorter (packed rows padded per micro-batch), the same model at that step's longest micro-batch, the "
+             "shape the allocator's peak saw. CLIP: open_clip_train runs its own main on the same architecture (model config "
              "written from mmpipe's), its synthetic data, --precision amp_bf16 (fp32 weights, autocast); mmpipe: "
              "DeepSpeed bf16 (bf16 weights, fp32 master and AdamW state), data from JPEGs decoded by its loader. VLM: "
              "mmpipe packs chat samples into 2048-token rows; the Trainer gets the same samples (mmpipe's token ids "

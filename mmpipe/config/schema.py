@@ -77,7 +77,7 @@ class DataConfig(Section):
                             "clock measured over twice as many steps; 0: the profile's prices throughout", ge=0)
     group_window: int = _f(64, "micro-batches per length-grouping window (or, for shards, samples per window / micro-batch)", ge=1)
     shuffle_buffer: int = _f(1000, "shards: samples in the streaming shuffle buffer of each loader worker", ge=1)
-    log_samples: bool = _f(False, "write the sample keys each data-reading rank trains on to OUTPUT/samples/rank*.jsonl (one JSON object per micro-batch: rank, step, stage, keys)")
+    log_samples: bool = _f(False, "write the sample keys each data-reading rank trains on to OUTPUT/samples/rank*.jsonl (one JSON object per micro-batch: rank, step, stage, keys, and the padded token length where the family has an attention mask)")
 
 
 @dataclass

@@ -46,9 +46,11 @@ class DataStats:
         if torch.is_tensor(mask):  # padding fraction (a packed row's mask holds segment ids: > 0 is a token)
             self.tokens += mask.numel()
             self.real_tokens += (mask > 0).sum()  # a host tensor, read once per step (gather_step)
-        if self.sample_log is not None:  # one JSON object per micro-batch
-            self.sample_log.write(json.dumps({"rank": self.rank, "step": self.step, "stage": self.stage,
-                                              "keys": [str(k) for k in batch["keys"]]}) + "\n")
+        if self.sample_log is not None:  # one JSON object per micro-batch (its padded token length, if any)
+            rec = {"rank": self.rank, "step": self.step, "stage": self.stage, "keys": [str(k) for k in batch["keys"]]}
+            if torch.is_tensor(mask):
+                rec["length"] = int(mask.shape[-1])
+            self.sample_log.write(json.dumps(rec) + "\n")
             self.sample_log.flush()
         self.reports.extend((str(path), str(why)) for path, why in batch["bad"])
 
