@@ -305,7 +305,9 @@ def foreach_unfused_step() -> bool:
     BENCHMARKS.md). The same step with multi-tensor (``_foreach``) operations: one copy into fp32,
     the unscale only when the scale is not 1, one copy back; the global norm DeepSpeed records is
     kept on the device (no host read). With a DeepSpeed clip (``clip_grad`` > 0) or the legacy
-    fused LAMB, DeepSpeed's own step runs. Same values: a copy is a copy, and x * 1 is x.
+    fused LAMB, DeepSpeed's own step runs. Same values: a copy is a copy, and x * 1 is x. (DeepSpeed
+    also skipped a step whose gradients were all finite but whose fp32 norm overflowed; that is left
+    to mmpipe's clipper, which takes its norms in float64 and skips a step whose norm is not finite.)
     Idempotent; True if patched."""
     import torch
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
