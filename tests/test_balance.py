@@ -224,6 +224,19 @@ def test_refit_recovers_the_measured_prices_from_micro_batch_times():
     assert fit["vision"] == pytest.approx(1.0, abs=0.05) and fit["tokens"] == pytest.approx(2.0, rel=0.1)
 
 
+def test_a_refit_worse_than_the_profiles_prices_is_not_taken():
+    """Micro-batches that cost what the profile says, but one in forty slowed 6x (a pause): least squares
+    alone doubled the mean absolute error on them (0.12 -> 0.25 here); the prior's prices are kept."""
+    from mmpipe.planning.prices import refit_stage
+    rng = np.random.default_rng(0)
+    F = np.column_stack([rng.integers(1, 5, 40), rng.integers(50, 400, 40)]).astype(float)
+    y = 1e-3 * F[:, 0] + 2e-5 * F[:, 1]
+    y[0] *= 6
+    fit = refit_stage(1e-3, 2e-5, F, y)
+    assert (fit["vision"], fit["tokens"], fit["base"]) == (1.0, 1.0, 0.0)
+    assert fit["error_after"] == fit["error_before"] > 0.1
+
+
 def test_refit_prices_regroup_from_their_step_and_a_resume_keeps_them():
     """A sampler told new prices from step 3 regroups steps 0-2 as before and 3 on with them (here: the
     vision stage much dearer, so the grouping changes); a sampler resumed at step 2 from the saved

@@ -50,7 +50,9 @@ def refit_stage(vision_price: float, token_price: float, features, busy, weight:
     ``base + a x vision_price x units + b x token_price x slots`` by least squares with the profile's
     prices as the prior (``a = b = 1``, counted as ``weight`` typical micro-batches; ``base = 0``,
     weakly). A price the data cannot tell apart from the base (every micro-batch the same units) stays
-    near the prior. Returns the multipliers ``vision``/``tokens``, the ``base`` seconds and the mean
+    near the prior. A fit whose mean absolute error on these micro-batches is above the prior's is not
+    taken: a few micro-batches slowed by something else pull least squares off the typical one, and
+    the prior's prices then predict the run better. Returns the multipliers ``vision``/``tokens``, the ``base`` seconds and the mean
     absolute error of the prices before and after, relative to the mean measured micro-batch."""
     import numpy as np
     F, y = np.asarray(features, dtype=np.float64).reshape(-1, 2), np.asarray(busy, dtype=np.float64).reshape(-1)
@@ -69,6 +71,8 @@ def refit_stage(vision_price: float, token_price: float, features, busy, weight:
             break
         theta[0] = 0.0
     theta[1:] = np.clip(theta[1:], 0.05, 20.0)
+    before, after = float(np.abs(X @ prior - yn).mean()), float(np.abs(X @ theta - yn).mean())
+    if after > before:  # least squares chased a few slow micro-batches (a pause): the prior predicts better
+        theta, after = prior, before
     return {"vision": float(theta[1]), "tokens": float(theta[2]), "base": float(theta[0] * scale),
-            "error_before": float(np.abs(X[:, 1] + X[:, 2] - yn).mean()),
-            "error_after": float(np.abs(X @ theta - yn).mean())}
+            "error_before": before, "error_after": after}
