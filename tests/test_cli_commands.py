@@ -226,16 +226,30 @@ def test_a_bench_removes_its_temporary_directory(tmp_path, monkeypatch, capsys):
     assert not [p for p in os.listdir(scratch) if p.startswith("mmpipe-bench-")]
 
 
-def test_train_ends_by_destroying_its_process_groups(tiny_data, tmp_path):
-    """A run that finished leaves no process group to the interpreter's exit (gloo's worker threads torn
-    down there abort a finished run with "terminate called without an active exception"); a second run in
-    the same process starts a fresh one."""
+def test_train_ends_by_destroying_its_process_groups(tiny_data, tmp_path, monkeypatch):
+    """A run that finished, or stopped at a one-line error, leaves no process group to the interpreter's
+    exit (gloo's worker threads torn down there abort the process with "terminate called without an active
+    exception", exit -6, whatever the run's own exit); a second run in the same process starts a fresh one."""
+    import deepspeed.comm
     import torch.distributed as dist
 
     from mmpipe.cli.main import main
+    if dist.is_initialized():  # (an earlier test's in this process: not the command's to end)
+        deepspeed.comm.destroy_process_group()
     for i in range(2):
         rc = main(["train", "--config", TINY, "--set", f"data.train={tiny_data['train']}", "--set", "train.steps=2",
                    "--set", f"train.output_dir={tmp_path / str(i)}", "--set", "parallel.pipeline_stages=1",
                    "--set", "train.save=false", "--set", "train.eval_every=0", "--set", "log.progress=false"])
         assert rc == 0 and not dist.is_initialized()
         assert (tmp_path / str(i) / "metrics.jsonl").exists()
+    # a one-line error after the group was made (raised where the model is built) ends it too
+    from mmpipe.errors import ConfigError
+    from mmpipe.train import setup
+
+    def refuse(*a, **k):
+        assert dist.is_initialized()
+        raise ConfigError("model: refused here")
+    monkeypatch.setattr(setup, "build_family", refuse)
+    rc = main(["train", "--config", TINY, "--set", f"data.train={tiny_data['train']}",
+               "--set", f"train.output_dir={tmp_path / '2'}", "--set", "parallel.pipeline_stages=1"])
+    assert rc == 2 and not dist.is_initialized()

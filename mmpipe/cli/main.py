@@ -97,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
 def run_guarded(func, args) -> int:
     rank = os.environ.get("RANK", "0")
     try:
+        return _guarded(func, args, rank)
+    finally:  # (a finished run has closed it already; after an error, before the interpreter's exit)
+        startup = sys.modules.get("mmpipe.parallel.startup")  # (not imported: no process group was made)
+        if startup is not None:
+            startup.close_distributed(finished=False)
+
+
+def _guarded(func, args, rank: str) -> int:
+    try:
         return func(args)
     except MmpipeError as e:
         everywhere = getattr(e, "everywhere", isinstance(e, ConfigError))  # raised alike on every rank

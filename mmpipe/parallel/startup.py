@@ -64,7 +64,9 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> tuple[int, int]
         get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
     else:  # before the model and its activations exist
         keep_freed_memory()
+    global _OWN_GROUP
     if not dist.is_initialized():
+        _OWN_GROUP = True  # this process's command made it, and ends it (close_distributed)
         from datetime import timedelta
         if get_accelerator().device_name() == "cpu":
             skip_cpu_shm_allreduce()
@@ -87,19 +89,30 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> tuple[int, int]
     return dist.get_rank(), dist.get_world_size()
 
 
-def close_distributed() -> None:
-    """End a run that finished on every rank: wait for the others, then destroy the process groups
-    (torch's documented shutdown). Left to the interpreter's exit, gloo's worker threads can still
-    hold work while it is torn down, and the process aborts ("terminate called without an active
-    exception", exit -6) after a run that succeeded. Not called on an error: a peer may be gone."""
-    if dist.is_available() and dist.is_initialized():
-        import gc
+_OWN_GROUP = False  # init_distributed created the process group (not a caller before it)
 
-        import deepspeed.comm
-        gc.collect()  # the engine's pending p2p work goes before its groups do
+
+def close_distributed(finished: bool = True) -> None:
+    """End the process group init_distributed made, before the interpreter's exit: left to the exit,
+    gloo's worker threads can still hold work while it is torn down and the process aborts
+    ("terminate called without an active exception", exit -6), after a run that succeeded or a
+    one-line error alike. ``finished`` (every rank is here): a barrier, then the destroy (torch's
+    documented shutdown). After an error a peer may be gone: no barrier, and with NCCL across ranks
+    no destroy either (it can wait for the lost peer); gloo's is local. Through DeepSpeed, which also
+    forgets its cached groups, so a next run in this process starts afresh."""
+    global _OWN_GROUP
+    if not (_OWN_GROUP and dist.is_available() and dist.is_initialized()):
+        return
+    if not finished and dist.get_world_size() > 1 and dist.get_backend() != "gloo":
+        return
+    import gc
+
+    import deepspeed.comm
+    gc.collect()  # the engine's pending work goes before its groups do
+    if finished:
         dist.barrier()
-        deepspeed.comm.destroy_process_group()  # (and DeepSpeed forgets its cached groups: a next run in
-        # this process starts afresh)
+    deepspeed.comm.destroy_process_group()
+    _OWN_GROUP = False
 
 
 CPU_THREADS = None  # this rank's CPU threads and why, for its memory line (GPU ranks: None)
