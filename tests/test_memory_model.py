@@ -1,6 +1,7 @@
 """The memory model (``mmpipe.planning.memory``) against what real runs hold: every stage's predicted
 peak within 10% of the peak counted live (``log.memory``), CLIP and the VLM, P = 2 and 3, with and
-without activation checkpointing, and checkpointing saves what the model says it saves.
+without activation checkpointing, the VLM in bf16 at P = 1 (full and LoRA), and checkpointing saves
+what the model says it saves.
 
 Shapes are fixed (``data.padding=max_length``; chat samples each with one image) because the model
 predicts the configured shape, the worst case a run must fit."""
@@ -19,15 +20,18 @@ VLM = ["parallel.micro_batch_size=4", "train.batch_size=16"]
 # (placed by parameter counts: these runs measure memory, so they skip the start-up profile)
 COMMON = ["log.memory=true", "data.padding=max_length", "parallel.profile=false"]
 CASES = {  # name: (family, stages, checkpointing); vlm_p2 in bf16 (DeepSpeed's BF16_Optimizer: 14 bytes of
-    # optimizer state and accumulator per parameter, not 16). `mmpipe bench memory` runs the whole matrix.
+    # optimizer state and accumulator per parameter, not 16); vlm_p1 and vlm_p1_lora in bf16 on one process
+    # (FP16_UnfusedOptimizer: 12 bytes held, the fp32 gradients only in its step). `mmpipe bench memory` runs
+    # the P = 2 and 3 matrix.
     "clip_p2": ("clip", 2, False), "clip_p2_ckpt": ("clip", 2, True), "clip_p3_ckpt": ("clip", 3, True),
-    "vlm_p2": ("vlm", 2, False), "vlm_p3_ckpt": ("vlm", 3, True),
-    "qwen_p3": ("qwen2_5_vl", 3, False),
+    "vlm_p2": ("vlm", 2, False), "vlm_p3_ckpt": ("vlm", 3, True), "vlm_p1": ("vlm", 1, False),
+    "vlm_p1_lora": ("vlm", 1, False), "qwen_p3": ("qwen2_5_vl", 3, False),
 }
 # Qwen2.5-VL's images: three aspect ratios (square, tall, wide), each at data.max_pixels (16 image tokens):
 # the memory model prices every image at the largest grid the bounds allow, which these reach
 QWEN_SIZES = [(112, 112), (56, 224), (224, 56)]
-BF16 = {"vlm_p2"}
+BF16 = {"vlm_p2", "vlm_p1", "vlm_p1_lora"}
+LORA = ["optim.train_type=lora", "optim.lora_rank=8", "optim.lora_alpha=16", "optim.lora_dropout=0.05"]
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +49,7 @@ def memory_runs(tmp_path_factory, runs):
         sets = (CLIP if family == "clip" else VLM) + COMMON + [f"parallel.pipeline_stages={P}"]
         sets += ["parallel.activation_checkpointing=all"] if ckpt else []
         sets += ["train.precision=bf16"] if name in BF16 else []
+        sets += LORA if name.endswith("_lora") else []
         out = {"clip": runs, "vlm": vlm, "qwen2_5_vl": qwen}[family].get(f"mem_{name}", P, sets,
                                                                         flags=["--stop-at", "2"])[0]
         cfg = mmpipe.load_config(f"{out}/config.yaml")
@@ -130,6 +135,40 @@ def test_a_model_sized_on_the_meta_device_has_the_bytes_of_the_real_one(config):
     assert prof["timed"] is False and any(c.act_bytes > 5 * c.in_bytes for c in meta)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["cpu-dropout", "fused-dropout"])
+def test_lora_dropout_is_sized_on_the_meta_device_as_the_devices_kernel_keeps_it(fused, monkeypatch):
+    """LoRA's dropout on every adapted linear's input (bf16): the meta profile keeps for backward what the
+    run's device keeps: this CPU's noise tensor (two bytes an element), or on CUDA (``fused``) the one-byte
+    mask of ``native_dropout``, the kernel CUDA's ``aten::dropout`` runs, run here on real tensors. The
+    fused kernel's profile is smaller: the difference that put a GPU LoRA run's prediction 18% over."""
+    import torch
+
+    from helpers import ROOT
+
+    from mmpipe.config.groups import frozen_layout, resolve_groups
+    from mmpipe.planning import measure
+    from mmpipe.planning.offline import resolve_for_plan
+    from mmpipe.planning.place import layer_costs
+    cfg, family = resolve_for_plan(mmpipe.load_config(f"{ROOT}/configs/tiny_vlm.yaml", [
+        "optim.train_type=lora", "optim.lora_rank=4", "optim.lora_dropout=0.1", "train.precision=bf16"]))
+    _, frozen, forward_only = frozen_layout(family, resolve_groups(cfg.optim, type(family)))
+    assert measure.fused_dropout_kernel() is False  # this process's accelerator is the CPU
+    monkeypatch.setattr(measure, "fused_dropout_kernel", lambda: fused)
+    meta = layer_costs(measure.meta_profile(cfg, family, 4, forward_only, frozen))
+    monkeypatch.setattr(measure, "fused_dropout_kernel", lambda: not fused)
+    other = layer_costs(measure.meta_profile(cfg, family, 4, forward_only, frozen))
+    smaller, larger = (meta, other) if fused else (other, meta)
+    assert sum(c.act_bytes for c in smaller) < 0.95 * sum(c.act_bytes for c in larger)
+    if fused:  # the real profile with CUDA's dropout kernel
+        original = torch.nn.functional.dropout
+        monkeypatch.setattr(torch.nn.functional, "dropout", lambda x, p=0.5, training=True, inplace=False: (
+            torch.ops.aten.native_dropout(x, p, True)[0] if training and 0 < p < 1 else original(x, p, training, inplace)))
+    real = layer_costs(measure.get_profile(cfg, family, 4, forward_only, frozen, measure_comm=False, repeats=1,
+                                           passes=1, use_cache=False))
+    fields = ("act_bytes", "in_bytes", "out_bytes", "workspace", "params", "trainable")
+    assert [[getattr(c, f) for f in fields] for c in meta] == [[getattr(c, f) for f in fields] for c in real]
+
+
 def test_the_chooser_weighs_checkpointing_and_never_picks_what_does_not_fit():
     from test_layout import NAMES, SEGS, _layer, _prof
 
@@ -171,14 +210,11 @@ DEEPSPEED_OPTIMIZER = {
     ("bf16", 0, True): ("BF16_Optimizer", 14, 4),  # fp32 master, m, v + the bf16 accumulator; its fp32 copy in step
     ("bf16", 1, True): ("BF16_Optimizer", 16, 0),  # ... the fp32 accumulator, whose partition is the step's gradient
 }
-# what the memory model leaves out of the above (bytes per parameter at DP = 1), each priced elsewhere or not at all:
+# what the memory model leaves out of the above (bytes per parameter at DP = 1: held, made), priced elsewhere or not at all:
 NOT_IN_THE_RULE = {
     # DeepSpeed's ZeRO optimizer keeps an fp32 copy of the partition and an fp32 gradient partition for its step
     # even for fp32 weights; the model counts Adam's m and v (tests/test_layout.py pins 8 / DP)
-    ("fp32", 1, False): 8, ("fp32", 2, False): 8, ("fp32", 1, True): 8,
-    # BF16_Optimizer's fp32 copy of the accumulator's partition lives inside its step only: the rule counts what
-    # the optimizer holds, as ``log.memory`` measures it (vlm_p2 above: within 2%)
-    ("bf16", 0, True): 4,
+    ("fp32", 1, False): (4, 4), ("fp32", 2, False): (4, 4), ("fp32", 1, True): (4, 4),
 }
 
 
@@ -270,14 +306,18 @@ def _optimizer_bytes(engine) -> tuple:
                          ids=lambda c: f"{c[0]}-zero{c[1]}-{'pipe' if c[2] else 'p1'}")
 def test_the_optimizer_rule_is_what_deepspeed_allocates(one_rank, case):
     """One real engine per (precision, ZeRO stage, pipeline or not), one rank on the CPU: the wrapper DeepSpeed
-    picks and the bytes it allocates per parameter, and ``optimizer_split``'s bytes beside them."""
-    from mmpipe.planning.memory import optimizer_bytes
+    picks and the bytes it allocates per parameter: what it holds from step to step is ``optimizer_split``'s,
+    what it makes for its step only is ``step_split``'s (the model prices those at the step, not beside the
+    activations)."""
+    from mmpipe.planning.memory import optimizer_bytes, step_split
     precision, zero, pipelined = case
     wrapper, held, made = DEEPSPEED_OPTIMIZER[case]
     engine = _engine(precision, zero, pipelined)
     assert type(engine.optimizer).__name__ == wrapper
     assert _optimizer_bytes(engine) == (pytest.approx(held, abs=0.02), pytest.approx(made, abs=0.02)), case
-    assert optimizer_bytes(precision, zero, 1, pipelined) == held + made - NOT_IN_THE_RULE.get(case, 0)
+    not_held, not_made = NOT_IN_THE_RULE.get(case, (0, 0))
+    assert optimizer_bytes(precision, zero, 1, pipelined) == held - not_held
+    assert sum(step_split(precision, zero, pipelined)) == made - not_made
 
 
 def test_the_optimizer_rule_divides_what_deepspeed_partitions():
@@ -310,7 +350,7 @@ def test_the_optimizer_rule_divides_what_deepspeed_partitions():
     costs = layer_costs({"layers": [dict(name=n, fwd_ms=1.0, bwd_ms=1.0, act_bytes=0, out_bytes=0, param_bytes=0,
                                          params=1000, trainable=1000) for n in ("a", "b")]})
     assert optimizer_state_bytes(costs, "bf16", 0, 2, [0, 1, 2]) == 1000 * (12 / 2 + 2)
-    assert optimizer_state_bytes(costs, "bf16", 0, 2) == 2000 * 16
+    assert optimizer_state_bytes(costs, "bf16", 0, 2) == 2000 * 12
 
 
 def test_every_ranks_memory_is_a_record_of_metrics_jsonl(one_rank, tmp_path):

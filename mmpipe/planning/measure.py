@@ -200,16 +200,48 @@ def fused_attention_on_meta():
         F.scaled_dot_product_attention = original
 
 
+def fused_dropout_kernel() -> bool:
+    """Whether the accelerator's ``dropout`` is the fused kernel: on CUDA (and XPU, and out-of-tree
+    devices) ``aten::dropout`` runs ``native_dropout``, whose backward keeps a one-byte boolean mask;
+    on the CPU (and the meta device) it multiplies by a noise tensor of the input's dtype, which
+    backward keeps whole (torch's ``is_fused_kernel_acceptable``, aten/src/ATen/native/Dropout.cpp)."""
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator().device_name() != "cpu"
+
+
+@contextlib.contextmanager
+def dropout_on_meta(fused: bool):
+    """``dropout`` on meta tensors as the run's device runs it (``fused_dropout_kernel``): with
+    ``fused``, ``native_dropout`` (a boolean mask kept for backward: a byte per element, where the
+    meta device's own path keeps two for bf16, four for fp32). LoRA's dropout on every adapted
+    linear's input is ~12% of a LLaVA-7B LoRA run's saved activations, so this is the difference between
+    sizing a GPU run and sizing this CPU's."""
+    import torch.nn.functional as F
+    original = F.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if fused and input.is_meta and training and 0 < p < 1 and input.numel() and not inplace:
+            return torch.ops.aten.native_dropout(input, p, True)[0]
+        return original(input, p, training, inplace)
+    F.dropout = dropout
+    try:
+        yield
+    finally:
+        F.dropout = original
+
+
 def meta_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = frozenset(),
                  frozen: frozenset = frozenset()) -> dict:
     """Bytes-only layer profile of the model built on the meta device: every layer's parameters,
     saved activations, inputs, outputs and backward working set from shapes (a forward and backward
     on meta tensors: no weight is allocated, no arithmetic runs), in seconds for a model this
-    machine cannot hold. No times: ``timed`` is False, and what reads it says so."""
+    machine cannot hold; attention and dropout as this process's accelerator runs them
+    (``fused_attention_on_meta``, ``dropout_on_meta``). No times: ``timed`` is False, and what reads
+    it says so."""
     device = torch.device("meta")
     batch, loss_fn = synthetic_batch(family, micro_batch_size, cfg.data.max_length, device, with_loss=True,
                                      packed=cfg.data.packing)
-    with fused_attention_on_meta():
+    with fused_attention_on_meta(), dropout_on_meta(fused_dropout_kernel()):
         costs = profile_layers(iter_layers(family, forward_only, frozen, device, precision_dtype(cfg.train.precision)),
                                batch, timed=False, n_layers=len(family.layer_names()), loss_fn=loss_fn)
     key = {"family": family.name, "micro_batch_size": micro_batch_size, "max_length": cfg.data.max_length,

@@ -11,28 +11,45 @@ from mmpipe.errors import ConfigError
 
 # ---- memory model --------------------------------------------------------------------------------
 def optimizer_split(precision: str, zero_stage: int, pipelined: bool) -> tuple[int, int]:
-    """The one rule for optimizer bytes per trainable parameter (DeepSpeed 0.19.8, torch AdamW):
-    (bytes divided over the data-parallel ranks, bytes every rank holds whole). Every optimizer term
-    of this module (``optimizer_bytes``, ``bytes_per_param``, ``_states``, ``optimizer_state_bytes``)
-    and the step's sharding come from it; ``tests/test_memory_model.py`` pins it against the tensors
-    a real engine allocates.
+    """The one rule for optimizer bytes per trainable parameter held from step to step (DeepSpeed
+    0.19.8, torch AdamW): (bytes divided over the data-parallel ranks, bytes every rank holds whole).
+    Every optimizer term of this module (``optimizer_bytes``, ``bytes_per_param``, ``_states``,
+    ``optimizer_state_bytes``) and the step's sharding come from it; what the wrapper makes for its
+    step only is ``step_split``'s. ``tests/test_memory_model.py`` pins both against the tensors a real
+    engine allocates.
 
     - bf16 with a pipeline: DeepSpeed's ``BF16_Optimizer`` at ZeRO-0 and ZeRO-1 alike: the fp32
       master and Adam's m and v (12 bytes) over the data-parallel ranks, the flat gradient
       accumulator whole: fp32 under ZeRO-1 (``data_types.grad_accum_dtype: fp32``, which
       ``config.deepspeed`` sets), bf16 under ZeRO-0. Measured: 14 bytes at ZeRO-0, 10 at ZeRO-1 over
-      2 ranks. (At ZeRO-0 its step also makes an fp32 copy of the accumulator's partition, 4 bytes
-      over the data-parallel ranks, not counted here.)
+      2 ranks.
     - fp32: Adam's m and v (8 bytes), over the data-parallel ranks from ZeRO-1 on. (DeepSpeed's
       ZeRO optimizer also keeps an fp32 copy of the partition and an fp32 gradient partition for its
       step, 8 bytes over the data-parallel ranks, not counted here.)
     - bf16 / fp16 otherwise (``FP16_UnfusedOptimizer`` at ZeRO-0, DeepSpeed's ZeRO optimizer from
-      ZeRO-1 on): the fp32 master, m, v and the fp32 gradient the step reads (16 bytes), over the
-      data-parallel ranks from ZeRO-1 on."""
+      ZeRO-1 on): the fp32 master, m and v (12 bytes), over the data-parallel ranks from ZeRO-1 on."""
     if precision == "bf16" and pipelined:
         return 12, (4 if zero_stage >= 1 else 2)
-    per = 8 if precision == "fp32" else 16
+    per = 8 if precision == "fp32" else 12
     return (per, 0) if zero_stage >= 1 else (0, per)
+
+
+def step_split(precision: str, zero_stage: int, pipelined: bool) -> tuple[int, int]:
+    """Bytes per trainable parameter the optimizer's wrapper makes for its step and frees after it
+    (split over the data-parallel ranks, whole), as ``optimizer_split``: the fp32 gradients it hands
+    AdamW. They exist at the step only, not while a micro-batch's activations are held (counting
+    them from step to step over-predicted a bf16 run's peak by 4 bytes per trainable parameter).
+
+    - bf16 with a pipeline at ZeRO-0: ``BF16_Optimizer``'s fp32 copy of its bf16 accumulator's
+      partition; at ZeRO-1 the fp32 accumulator's partition is the gradient (none made).
+    - bf16 / fp16 otherwise: the fp32 gradients (``FP16_UnfusedOptimizer``: every parameter's;
+      the ZeRO optimizer: its partition's).
+    - fp32: none counted (see ``optimizer_split``)."""
+    if precision == "fp32" or (pipelined and zero_stage >= 1 and precision == "bf16"):
+        return 0, 0
+    if precision == "bf16" and pipelined:
+        return 4, 0
+    return (4, 0) if zero_stage >= 1 else (0, 4)
 
 
 def optimizer_bytes(precision: str, zero_stage: int, data_parallel: int, pipelined: bool,
@@ -45,7 +62,7 @@ def optimizer_bytes(precision: str, zero_stage: int, data_parallel: int, pipelin
 def state_bytes(precision: str) -> tuple[int, int, int]:
     """(weight, gradient, optimizer-state) bytes per trainable parameter: weights and gradients 4
     (fp32) or 2 (bf16/fp16); the optimizer's as ``optimizer_split`` gives it to one rank without
-    ZeRO or a pipeline (8 fp32, 16 bf16/fp16)."""
+    ZeRO or a pipeline (8 fp32, 12 bf16/fp16)."""
     w = 4 if precision == "fp32" else 2
     return w, w, int(optimizer_bytes(precision, 0, 1, pipelined=False))
 
@@ -105,7 +122,7 @@ class MemoryBreakdown:
     activations: float = 0.0  # saved for backward, times the micro-batches in flight
     buffers: float = 0.0  # stage-boundary transfers and the outputs kept for backward
     workspace: float = 0.0  # one layer's transient bytes in its forward/backward (profiled)
-    step_workspace: float = 0.0  # the optimizer step's temporaries (AdamW: one fp32 tensor per parameter)
+    step_workspace: float = 0.0  # the optimizer step's temporaries (AdamW's fp32 tensor per parameter, ``step_split``)
     features: float = 0.0  # a step loss's feature cache, a frozen prefix's memo, the step's batches
     loss: float = 0.0  # a step loss over the global batch: its B x B transient while computed (last stage)
     loss_in_training: bool = False  # computed while a micro-batch's activations are held (one pass at P = 1)
@@ -208,10 +225,12 @@ def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str
             # the loss's backward holds its input's gradient (a decoder's logits) beside the last layer's
             # recomputed tensors: measured on the VLM's head stage (tiny VLM, P = 3: 11% short without it)
             workspace += last.out_bytes
-        # torch's multi-tensor AdamW makes one fp32 temporary per (sharded) parameter in its step
+        # torch's multi-tensor AdamW makes one fp32 temporary per (sharded) parameter in its step, beside
+        # the fp32 gradients DeepSpeed's wrapper makes for it (``step_split``)
         trainable = sum(c.trainable for c in costs[a:b])
         sharded = optimizer_split(precision, zero_stage, P > 1)[0] > 0
-        step = 4 * trainable / (data_parallel if sharded else 1)
+        made_split, made_whole = step_split(precision, zero_stage, P > 1)
+        step = trainable * (4 / (data_parallel if sharded else 1) + made_split / data_parallel + made_whole)
         out.append(MemoryBreakdown(w, g, o, activation_bytes(costs, a, b, k, schedule), buffers, workspace, step,
                                    _features(costs, s, P, micro_batches, data_parallel, schedule),
                                    _step_loss(s, P, micro_batches, data_parallel, schedule),
