@@ -18,7 +18,8 @@ def cmd_plan_world(args) -> int:
     cfg = load_config(args.config, args.overrides)
     log = lambda m: print(f"[plan] {m}", flush=True)  # noqa: E731
     res = plan_layouts(cfg, args.world, args.memory_gb, use_cache=not args.no_cache, log=log,
-                       meta=True if args.meta else None, unfit_ok=True)
+                       meta=True if args.meta or args.gpu_kernels else None, unfit_ok=True,
+                       gpu_kernels=True if args.gpu_kernels else None)
     what = ("sized on the meta device, predicted peak memory per rank (step times not predicted)" if res["meta"] else
             f"{res['threads']} thread(s) per rank, {res['comm'].backend}; predicted per optimizer step")
     budget = res["memory_budget"] / 2**30
@@ -138,6 +139,9 @@ def add_parser(sub) -> None:
                    "parallel.memory_budget_gb, else the device's memory; CPU: RAM / N)")
     p.add_argument("--meta", action="store_true", help="with --world: size the model on the meta device (memory "
                    "only; the default above 100M parameters)")
+    p.add_argument("--gpu-kernels", action="store_true", help="sized on the meta device: price dropout as a GPU "
+                   "runs it (a one-byte mask) when planning on a CPU host for GPUs (default: as this host runs it); "
+                   "implies --meta")
     p.add_argument("--threads", type=int, help="threads per rank (default: cores / ranks, as training sets)")
     p.add_argument("--target-bubble", type=float, default=0.15, help="bubble the micro-batch recommendation aims under")
     p.add_argument("--run", help="a finished run's output dir: print predicted beside measured")

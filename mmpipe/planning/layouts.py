@@ -344,14 +344,15 @@ def cores() -> int:
 def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: bool = True, log=print,
                  comm: Optional[CommModel] = None, refresh: bool = False,
                  refresh_comm: Optional[bool] = None, profile: Optional[dict] = None,
-                 meta: Optional[bool] = False, unfit_ok: bool = False) -> dict:
+                 meta: Optional[bool] = False, unfit_ok: bool = False, gpu_kernels: Optional[bool] = None) -> dict:
     """Profile (at the threads a rank of ``world`` gets; or take ``profile``), measure collectives
     (or take ``comm``), predict every layout; ``refresh`` / ``refresh_comm`` (default: ``refresh``):
     profile / time the collectives again, replacing the cached entries. ``meta``: size the model on
     the meta device (``meta_profile``): memory only, no step times, the simplest layout that fits
     chosen; None: when it has more than ``META_PARAMS`` parameters (``mmpipe plan``; a training run
     profiles the real layers on its own device). ``unfit_ok``: when no layout fits, "chosen" is None
-    rather than an error."""
+    rather than an error. ``gpu_kernels``: sized on the meta device, price dropout as a GPU runs it
+    (``measure.meta_profile``; default: as this process's accelerator does)."""
     from deepspeed.accelerator import get_accelerator
 
     mbs = cfg.parallel.micro_batch_size
@@ -369,7 +370,7 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
             log(f"{n / 1e9:.2f}B parameters: sizing the model on the meta device (memory only: step times are not "
                 f"predicted for a model this machine cannot time)")
     if meta:
-        prof, comm = meta_profile(rcfg, family, mbs, forward_only, frozen), CommModel()
+        prof, comm = meta_profile(rcfg, family, mbs, forward_only, frozen, gpu_kernels), CommModel()
     prof = prof if meta else profile or get_profile(rcfg, family, mbs, forward_only, frozen, threads=threads,
                                                     use_cache=use_cache, log=log, refresh=refresh)
     comm = comm or get_comm_model(comm_group_sizes(world), use_cache=use_cache, log=log,

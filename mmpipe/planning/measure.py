@@ -231,17 +231,18 @@ def dropout_on_meta(fused: bool):
 
 
 def meta_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = frozenset(),
-                 frozen: frozenset = frozenset()) -> dict:
+                 frozen: frozenset = frozenset(), gpu_kernels: Optional[bool] = None) -> dict:
     """Bytes-only layer profile of the model built on the meta device: every layer's parameters,
     saved activations, inputs, outputs and backward working set from shapes (a forward and backward
     on meta tensors: no weight is allocated, no arithmetic runs), in seconds for a model this
     machine cannot hold; attention and dropout as this process's accelerator runs them
-    (``fused_attention_on_meta``, ``dropout_on_meta``). No times: ``timed`` is False, and what reads
-    it says so."""
+    (``fused_attention_on_meta``, ``dropout_on_meta``), or a GPU (``gpu_kernels``: a plan made on a
+    CPU host for GPUs). No times: ``timed`` is False, and what reads it says so."""
     device = torch.device("meta")
     batch, loss_fn = synthetic_batch(family, micro_batch_size, cfg.data.max_length, device, with_loss=True,
                                      packed=cfg.data.packing)
-    with fused_attention_on_meta(), dropout_on_meta(fused_dropout_kernel()):
+    fused = fused_dropout_kernel() if gpu_kernels is None else gpu_kernels
+    with fused_attention_on_meta(), dropout_on_meta(fused):
         costs = profile_layers(iter_layers(family, forward_only, frozen, device, precision_dtype(cfg.train.precision)),
                                batch, timed=False, n_layers=len(family.layer_names()), loss_fn=loss_fn)
     key = {"family": family.name, "micro_batch_size": micro_batch_size, "max_length": cfg.data.max_length,
