@@ -102,9 +102,7 @@ class Replanner:
 
 def move(trainer, step: int, decision: dict, saved: bool) -> None:
     """Every rank: checkpoint at ``step``, then continue on the new cut in this same process (``os.execv``)."""
-    import gc
-
-    from mmpipe.parallel.startup import free_port  # a port below the ephemeral range
+    from mmpipe.parallel.startup import close_distributed, free_port  # (free_port: below the ephemeral range)
     from mmpipe.parallel.plan import stage_lists
     run = trainer.run
     if not saved:
@@ -129,9 +127,7 @@ def move(trainer, step: int, decision: dict, saved: bool) -> None:
     balancer = getattr(getattr(trainer.data, "sampler", None), "balancer", None)
     if balancer is not None:
         balancer.close()  # (data.balance=cost's worker process)
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    close_distributed()  # (every rank is here: a barrier, then the groups go, DeepSpeed's cached ones too)
     os.environ[MOVED] = "1"
     os.environ[MOVED_FROM] = repr(float(decision["measured_step"]))
     os.environ["MASTER_PORT"] = str(port[0])
