@@ -357,3 +357,57 @@ def test_engine_counters_are_set_as_a_trained_engine_holds_them():
     class Module:
         _grid = Grid()
     assert stage_global_ranks(Module(), 1) == [2, 3]
+
+
+def test_optim_fused_reaches_torchs_fused_adamw_which_trains_alike_without_temporaries():
+    """``optim.fused`` (unset: off on this CPU, on for CUDA/XPU) goes through mmpipe's DeepSpeed config to
+    ``torch.optim.AdamW(fused=True)`` under DeepSpeed's bf16 wrapper; three steps train the fp32 masters as the
+    multi-tensor step does (within float rounding), and its step makes no fp32 temporary per parameter where the
+    multi-tensor one makes one (new storages counted live in the step: the memory model's ``fused_step``)."""
+    import deepspeed
+    import torch
+    from helpers import TINY
+
+    import mmpipe
+    from mmpipe.config.deepspeed import fused_adamw, resolve
+    from mmpipe.parallel.ds_compat import no_initial_unfused_step
+    from mmpipe.parallel.live_bytes import LiveBytes
+    from mmpipe.parallel.startup import init_distributed
+    from mmpipe.planning.memory import Schedule, stage_breakdown
+    from mmpipe.planning.place import layer_costs
+    init_distributed()
+    sets = ["train.precision=bf16", "parallel.pipeline_stages=1", "train.batch_size=4", "parallel.micro_batch_size=4"]
+    assert not fused_adamw(mmpipe.load_config(TINY, sets))  # this process's accelerator is the CPU
+    runs = {}
+    for fused in (True, False):
+        ds, _ = resolve(mmpipe.load_config(TINY, sets + [f"optim.fused={str(fused).lower()}"]), 1)
+        assert ds["optimizer"]["params"].get("fused", False) is fused
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+        with no_initial_unfused_step():
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
+        inner, peaks = engine.optimizer.optimizer, []
+        assert bool(inner.defaults["fused"]) is fused and type(engine.optimizer).__name__ == "FP16_UnfusedOptimizer"
+        real_step = inner.step
+
+        def step(*args, real_step=real_step, peaks=peaks, **kwargs):
+            with LiveBytes() as live:
+                out = real_step(*args, **kwargs)
+            peaks.append(live.peak)
+            return out
+        inner.step = step
+        torch.manual_seed(1)
+        for _ in range(3):
+            engine.backward(engine(torch.randn(4, 64, dtype=torch.bfloat16)).float().pow(2).mean())
+            engine.step()
+        runs[fused] = ([p.detach().clone() for p in engine.optimizer.fp32_groups[0]], peaks[-1])
+    n = sum(p.numel() for p in runs[True][0])
+    for a, b in zip(runs[True][0], runs[False][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert runs[False][1] >= 4 * n and runs[True][1] < 0.05 * 4 * n, (runs[False][1], runs[True][1], n)
+    # the memory model's step moment: 4 bytes per parameter less with the fused kernel
+    costs = layer_costs({"layers": [dict(name="a", fwd_ms=1.0, bwd_ms=1.0, act_bytes=0, out_bytes=0, param_bytes=0,
+                                         params=n, trainable=n)]})
+    steps = [stage_breakdown(costs, [0, 1], 1, "bf16", schedule=Schedule(fused_step=f))[0].step_workspace
+             for f in (False, True)]
+    assert steps[0] - steps[1] == 4 * n

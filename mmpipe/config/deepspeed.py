@@ -160,8 +160,20 @@ def _fill(ds: dict, cfg: RunConfig, topo: Topology) -> None:
             name = ds_key.rsplit(".", 1)[1]
             if params.get(name, AUTO) == AUTO:
                 params[name] = cfg.get(key)
+    if params.get("torch_adam") and fused_adamw(cfg):  # (passed on to torch.optim.AdamW by DeepSpeed)
+        params.setdefault("fused", True)
     ds.setdefault("steps_per_print", 10 ** 9)  # mmpipe logs itself
     ds.setdefault("wall_clock_breakdown", False)
+
+
+def fused_adamw(cfg: RunConfig) -> bool:
+    """Whether AdamW runs torch's fused kernel (``optim.fused``; unset: on CUDA and XPU, where torch
+    has it and the step is memory-bound, not on the CPU). The memory model reads it too: the fused
+    step makes no fp32 temporary per parameter, the multi-tensor one does."""
+    if cfg.optim.fused is not None:
+        return bool(cfg.optim.fused)
+    from deepspeed.accelerator import get_accelerator
+    return get_accelerator().device_name() in ("cuda", "xpu")
 
 
 def _walk(d, prefix=""):

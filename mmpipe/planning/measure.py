@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
+from mmpipe.config.deepspeed import fused_adamw
 from mmpipe.parallel.cpu_process import keep_freed_memory
 from mmpipe.parallel.layers import PipeLayer, plain_state_key
 from mmpipe.parallel.step_loss import frozen_prefix
@@ -259,6 +260,7 @@ def _with_schedule(prof: dict, family, cfg) -> dict:
     (``_with_step_loss``) and activation checkpointing (``checkpointing``: every trained layer's
     forward runs again in its backward), so the predictions cost what runs."""
     prof["checkpointing"] = cfg.parallel.activation_checkpointing == "all"
+    prof["fused_step"] = fused_adamw(cfg)
     prof["ties"] = tied_layers(family)
     mbs = prof.get("key", {}).get("micro_batch_size")
     if mbs:  # one micro-batch as the loader hands it over (inputs and labels)

@@ -99,6 +99,7 @@ class Schedule:
     loss_pair_bytes: int = 0  # a step loss: bytes per pair of the global batch its loss holds at once (B x B)
     loss_block: int = 0  # a step loss computed in blocks of this many rows (0: all B at once): block x B pairs held
     loss_block_pair_bytes: int = 0  # ... and the bytes per pair the blocked computation holds
+    fused_step: bool = False  # torch's fused AdamW (``optim.fused``): no fp32 temporary per parameter in the step
 
 
 def schedule_of(prof: dict, checkpointing: Optional[bool] = None) -> Schedule:
@@ -110,7 +111,7 @@ def schedule_of(prof: dict, checkpointing: Optional[bool] = None) -> Schedule:
                     int(sl.get("features_bytes", 0)), int(sl.get("frozen_prefix", 0)),
                     tuple(tuple(t) for t in prof.get("ties", ())), int(prof.get("batch_bytes", 0)),
                     bool(prof.get("last_reads", False)), int(sl.get("rows", 0)), int(sl.get("pair_bytes", 0)),
-                    int(sl.get("block_rows", 0)), int(sl.get("block_pair_bytes", 0)))
+                    int(sl.get("block_rows", 0)), int(sl.get("block_pair_bytes", 0)), bool(prof.get("fused_step")))
 
 
 @dataclass
@@ -225,12 +226,13 @@ def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str
             # the loss's backward holds its input's gradient (a decoder's logits) beside the last layer's
             # recomputed tensors: measured on the VLM's head stage (tiny VLM, P = 3: 11% short without it)
             workspace += last.out_bytes
-        # torch's multi-tensor AdamW makes one fp32 temporary per (sharded) parameter in its step, beside
-        # the fp32 gradients DeepSpeed's wrapper makes for it (``step_split``)
+        # torch's multi-tensor AdamW makes one fp32 temporary per (sharded) parameter in its step (its fused
+        # kernel none), beside the fp32 gradients DeepSpeed's wrapper makes for it (``step_split``)
         trainable = sum(c.trainable for c in costs[a:b])
         sharded = optimizer_split(precision, zero_stage, P > 1)[0] > 0
         made_split, made_whole = step_split(precision, zero_stage, P > 1)
-        step = trainable * (4 / (data_parallel if sharded else 1) + made_split / data_parallel + made_whole)
+        temp = 0 if schedule.fused_step else 4
+        step = trainable * (temp / (data_parallel if sharded else 1) + made_split / data_parallel + made_whole)
         out.append(MemoryBreakdown(w, g, o, activation_bytes(costs, a, b, k, schedule), buffers, workspace, step,
                                    _features(costs, s, P, micro_batches, data_parallel, schedule),
                                    _step_loss(s, P, micro_batches, data_parallel, schedule),
