@@ -37,6 +37,7 @@ def main(spec_path: str) -> None:
     import torch
     from deepspeed.accelerator import get_accelerator
 
+    from mmpipe.config.deepspeed import fused_adamw
     from mmpipe.config.resolve import build_family
     from mmpipe.config.schema import load_config
     with open(spec_path) as fh:
@@ -56,9 +57,11 @@ def main(spec_path: str) -> None:
     inputs = tuple(batch[f] for f in family.inputs)
     labels = tuple(batch[f] for f in family.labels)
     o = cfg.optim
+    adamw = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                 **({"fused": True} if fused_adamw(cfg) else {}))  # the same AdamW kernel as mmpipe's run
     if P == 1:
         model = plain_model(family)
-        opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        opt = torch.optim.AdamW(model.parameters(), **adamw)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
 
         def step():
@@ -78,8 +81,7 @@ def main(spec_path: str) -> None:
         module = PipelineModule(layers=layers, num_stages=P, partition_method="parameters", loss_fn=loss_fn)
         if not labels:
             labels = (torch.zeros(1),)
-        opt = torch.optim.AdamW([p for p in module.parameters()], lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                weight_decay=o.weight_decay)
+        opt = torch.optim.AdamW([p for p in module.parameters()], **adamw)
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=ds)
         data = iter(lambda: (inputs, labels), None)
 
