@@ -359,55 +359,107 @@ def test_engine_counters_are_set_as_a_trained_engine_holds_them():
     assert stage_global_ranks(Module(), 1) == [2, 3]
 
 
-def test_optim_fused_reaches_torchs_fused_adamw_which_trains_alike_without_temporaries():
-    """``optim.fused`` (unset: off on this CPU, on for CUDA/XPU) goes through mmpipe's DeepSpeed config to
-    ``torch.optim.AdamW(fused=True)`` under DeepSpeed's bf16 wrapper; three steps train the fp32 masters as the
-    multi-tensor step does (within float rounding), and its step makes no fp32 temporary per parameter where the
-    multi-tensor one makes one (new storages counted live in the step: the memory model's ``fused_step``)."""
+def test_optim_fused_reaches_torchs_fused_adamw_which_trains_alike(tmp_path):
+    """``optim.fused`` goes through mmpipe's DeepSpeed config to ``torch.optim.AdamW(fused=True)`` under DeepSpeed's
+    bf16 wrapper, and three steps train the fp32 masters as torch's default step does (within float rounding). Unset,
+    it is on for CUDA/XPU and off here; a DeepSpeed JSON's ``foreach: true`` beside ``optim.fused=true`` is one line."""
+    import json
+
     import deepspeed
     import torch
     from helpers import TINY
 
     import mmpipe
-    from mmpipe.config.deepspeed import fused_adamw, resolve
+    from mmpipe.config.deepspeed import adamw_kernel, fused_adamw, resolve
+    from mmpipe.errors import ConfigError
     from mmpipe.parallel.ds_compat import no_initial_unfused_step
-    from mmpipe.parallel.live_bytes import LiveBytes
     from mmpipe.parallel.startup import init_distributed
-    from mmpipe.planning.memory import Schedule, stage_breakdown
-    from mmpipe.planning.place import layer_costs
     init_distributed()
     sets = ["train.precision=bf16", "parallel.pipeline_stages=1", "train.batch_size=4", "parallel.micro_batch_size=4"]
-    assert not fused_adamw(mmpipe.load_config(TINY, sets))  # this process's accelerator is the CPU
-    runs = {}
-    for fused in (True, False):
-        ds, _ = resolve(mmpipe.load_config(TINY, sets + [f"optim.fused={str(fused).lower()}"]), 1)
+    unset, off, on = (mmpipe.load_config(TINY, sets + extra) for extra in ([], ["optim.fused=false"], ["optim.fused=true"]))
+    assert not fused_adamw(unset)  # this process's accelerator is the CPU
+    assert [adamw_kernel(unset, gpu=True), adamw_kernel(off, gpu=True), adamw_kernel(unset, gpu=False),
+            adamw_kernel(on, gpu=False)] == ["fused", "foreach", "single", "fused"]
+    masters = {}
+    for fused, cfg in ((True, on), (False, unset)):
+        ds, _ = resolve(cfg, 1)
         assert ds["optimizer"]["params"].get("fused", False) is fused
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
         with no_initial_unfused_step():
             engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
-        inner, peaks = engine.optimizer.optimizer, []
-        assert bool(inner.defaults["fused"]) is fused and type(engine.optimizer).__name__ == "FP16_UnfusedOptimizer"
-        real_step = inner.step
-
-        def step(*args, real_step=real_step, peaks=peaks, **kwargs):
-            with LiveBytes() as live:
-                out = real_step(*args, **kwargs)
-            peaks.append(live.peak)
-            return out
-        inner.step = step
+        assert bool(engine.optimizer.optimizer.defaults["fused"]) is fused
+        assert type(engine.optimizer).__name__ == "FP16_UnfusedOptimizer"
         torch.manual_seed(1)
         for _ in range(3):
             engine.backward(engine(torch.randn(4, 64, dtype=torch.bfloat16)).float().pow(2).mean())
             engine.step()
-        runs[fused] = ([p.detach().clone() for p in engine.optimizer.fp32_groups[0]], peaks[-1])
-    n = sum(p.numel() for p in runs[True][0])
-    for a, b in zip(runs[True][0], runs[False][0]):
+        masters[fused] = [p.detach().clone() for p in engine.optimizer.fp32_groups[0]]
+    for a, b in zip(masters[True], masters[False]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert runs[False][1] >= 4 * n and runs[True][1] < 0.05 * 4 * n, (runs[False][1], runs[True][1], n)
-    # the memory model's step moment: 4 bytes per parameter less with the fused kernel
+    js = tmp_path / "ds.json"
+    js.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"torch_adam": True, "foreach": True}}}))
+    with pytest.raises(ConfigError, match="optim.fused=true and .*foreach=true"):
+        resolve(mmpipe.load_config(TINY, sets + ["optim.fused=true", f"train.deepspeed_config={js}"]), 1)
+    assert "fused" not in resolve(mmpipe.load_config(TINY, sets + [f"train.deepspeed_config={js}"]), 1)[0][
+        "optimizer"]["params"]
+
+
+def test_the_step_temporaries_the_memory_model_prices_are_what_each_adamw_kernel_makes():
+    """New storages counted live in one AdamW step of 16 x 64 x 64 parameters (those it steps in place, and their
+    state, registered first): the multi-tensor kernel (CUDA's default) makes an fp32 temporary per parameter, the
+    fused one none, the per-parameter loop (the CPU's default) a few of one parameter's at a time - the
+    ``adamw_temp`` the memory model prices per kernel (``config.deepspeed.adamw_kernel``: 4, 0, 0)."""
+    import torch
+
+    from mmpipe.parallel.live_bytes import LiveBytes
+    from mmpipe.planning.memory import Schedule, stage_breakdown
+    from mmpipe.planning.place import layer_costs
+    made = {}
+    for kernel, kw in (("foreach", {"foreach": True}), ("fused", {"fused": True}), ("single", {"foreach": False})):
+        params = [torch.randn(64, 64, requires_grad=True) for _ in range(16)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3, **kw)
+        opt.step()  # Adam's state exists
+        with LiveBytes() as live:
+            for t in params + [p.grad for p in params] + [v for st in opt.state.values() for v in st.values()]:
+                live.add(t, "held")
+            live.reset_peak()
+            opt.step()
+        made[kernel] = live.peak - live.at_peak.get("held", 0)
+    n = 16 * 64 * 64
+    assert made["foreach"] >= 4 * n and made["fused"] < 0.05 * 4 * n and made["single"] <= 4 * (4 * 64 * 64), made
     costs = layer_costs({"layers": [dict(name="a", fwd_ms=1.0, bwd_ms=1.0, act_bytes=0, out_bytes=0, param_bytes=0,
                                          params=n, trainable=n)]})
-    steps = [stage_breakdown(costs, [0, 1], 1, "bf16", schedule=Schedule(fused_step=f))[0].step_workspace
-             for f in (False, True)]
-    assert steps[0] - steps[1] == 4 * n
+    steps = [stage_breakdown(costs, [0, 1], 1, "fp32", schedule=Schedule(adamw_temp=t))[0].step_workspace
+             for t in (4, 0)]
+    assert steps == [4 * n, 0]
+
+
+def test_a_resume_keeps_the_runs_adamw_kernel():
+    """torch's ``load_state_dict`` takes the saved groups' ``fused`` / ``foreach``: a checkpoint of a foreach run
+    would step a fused run's optimizer with the foreach kernel. ``checkpoint.keep_adamw_kernel`` keeps the run's,
+    and moves each ``step`` counter where that kernel reads it (float32; the parameter's device for fused)."""
+    import torch
+
+    from mmpipe.train.checkpoint import keep_adamw_kernel
+
+    def stepped(**kw):
+        params = [torch.randn(8, 8, requires_grad=True) for _ in range(3)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3, **kw)
+        opt.step()
+        return opt
+    saved = stepped(foreach=True).state_dict()
+    plain = stepped(fused=True)
+    plain.load_state_dict(saved)
+    assert not plain.param_groups[0]["fused"]  # torch's own behaviour, which the next lines undo
+    opt = stepped(fused=True)
+    keep_adamw_kernel(opt, lambda: opt.load_state_dict(saved))
+    assert opt.param_groups[0]["fused"] and not opt.param_groups[0]["foreach"]
+    for p in opt.param_groups[0]["params"]:
+        step = opt.state[p]["step"]
+        assert step.dtype == torch.float32 and step.device == p.device and float(step) == 1.0
+    opt.step()

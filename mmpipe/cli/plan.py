@@ -139,9 +139,9 @@ def add_parser(sub) -> None:
                    "parallel.memory_budget_gb, else the device's memory; CPU: RAM / N)")
     p.add_argument("--meta", action="store_true", help="with --world: size the model on the meta device (memory "
                    "only; the default above 100M parameters)")
-    p.add_argument("--gpu-kernels", action="store_true", help="sized on the meta device: price dropout as a GPU "
-                   "runs it (a one-byte mask) when planning on a CPU host for GPUs (default: as this host runs it); "
-                   "implies --meta")
+    p.add_argument("--gpu-kernels", action="store_true", help="sized on the meta device: price dropout and AdamW's "
+                   "step as a GPU runs them (a one-byte mask; optim.fused's default) when planning on a CPU host for "
+                   "GPUs (default: as this host runs them); implies --meta")
     p.add_argument("--threads", type=int, help="threads per rank (default: cores / ranks, as training sets)")
     p.add_argument("--target-bubble", type=float, default=0.15, help="bubble the micro-batch recommendation aims under")
     p.add_argument("--run", help="a finished run's output dir: print predicted beside measured")

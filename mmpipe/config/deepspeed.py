@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from typing import Optional
 
 from mmpipe.config.jsonpath import AUTO
 from mmpipe.config.jsonpath import MISSING as _MISSING
@@ -35,6 +36,7 @@ LINKS = [
     ("optimizer.params.weight_decay", "optim.weight_decay"),
     ("optimizer.params.eps", "optim.eps"),
     ("optimizer.params.betas", "optim.betas"),
+    ("optimizer.params.fused", "optim.fused"),
 ]
 
 def load_json(path: str) -> dict:
@@ -160,20 +162,37 @@ def _fill(ds: dict, cfg: RunConfig, topo: Topology) -> None:
             name = ds_key.rsplit(".", 1)[1]
             if params.get(name, AUTO) == AUTO:
                 params[name] = cfg.get(key)
-    if params.get("torch_adam") and fused_adamw(cfg):  # (passed on to torch.optim.AdamW by DeepSpeed)
-        params.setdefault("fused", True)
+    choice = params.pop("fused", None)  # the config's (a JSON's adopted): None = unset
+    if params.get("torch_adam"):  # DeepSpeed passes the params on to torch.optim.AdamW
+        use = fused_adamw(cfg)
+        if use and params.get("foreach"):  # torch takes one of the two
+            if choice:
+                raise ConfigError(f"optim.fused=true and {cfg.train.deepspeed_config}'s optimizer.params.foreach=true: "
+                                  "torch's AdamW runs one kernel or the other; drop one of them")
+            use = False
+        if use:
+            params["fused"] = True
     ds.setdefault("steps_per_print", 10 ** 9)  # mmpipe logs itself
     ds.setdefault("wall_clock_breakdown", False)
 
 
+def adamw_kernel(cfg: RunConfig, gpu: Optional[bool] = None) -> str:
+    """Which of torch's AdamW kernels the run's step takes: ``fused`` (``optim.fused``; unset: on CUDA
+    and XPU, where torch has it and the step is memory-bound), else torch's default there:
+    ``foreach`` (multi-tensor) on CUDA and XPU, ``single`` (a loop over the parameters) on the CPU.
+    ``gpu``: for a GPU run planned elsewhere (default: this process's accelerator). The memory model
+    reads it too: the multi-tensor step makes an fp32 temporary per parameter, the others none."""
+    if gpu is None:
+        from deepspeed.accelerator import get_accelerator
+        gpu = get_accelerator().device_name() in ("cuda", "xpu")
+    if cfg.optim.fused or (cfg.optim.fused is None and gpu):
+        return "fused"
+    return "foreach" if gpu else "single"
+
+
 def fused_adamw(cfg: RunConfig) -> bool:
-    """Whether AdamW runs torch's fused kernel (``optim.fused``; unset: on CUDA and XPU, where torch
-    has it and the step is memory-bound, not on the CPU). The memory model reads it too: the fused
-    step makes no fp32 temporary per parameter, the multi-tensor one does."""
-    if cfg.optim.fused is not None:
-        return bool(cfg.optim.fused)
-    from deepspeed.accelerator import get_accelerator
-    return get_accelerator().device_name() in ("cuda", "xpu")
+    """Whether this process's AdamW step is torch's fused kernel (``adamw_kernel``)."""
+    return adamw_kernel(cfg) == "fused"
 
 
 def _walk(d, prefix=""):

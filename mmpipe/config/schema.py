@@ -138,7 +138,7 @@ class OptimConfig(Section):
     eps: float = _f(1e-6, "AdamW epsilon", gt=0)
     fused: Optional[bool] = _f(None, "torch's fused AdamW kernel (the whole step in one pass, no temporaries; "
                                "transformers' Trainer default adamw_torch_fused); unset = on CUDA and XPU, not on the "
-                               "CPU, whose runs keep the multi-tensor (foreach) step")
+                               "CPU, whose runs keep torch's default step")
     warmup_steps: int = _f(0, "linear warm-up steps", ge=0)
     schedule: str = _f("cosine", "cosine or constant after warm-up")
     min_lr_ratio: float = _f(0.0, "final lr as a fraction of the peak (cosine)", ge=0, le=1)

@@ -92,16 +92,17 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> tuple[int, int]
 _OWN_GROUP = False  # init_distributed created the process group (not a caller before it)
 
 
-def close_distributed(finished: bool = True) -> None:
+def close_distributed(finished: bool = True, force: bool = False) -> None:
     """End the process group init_distributed made, before the interpreter's exit: left to the exit,
     gloo's worker threads can still hold work while it is torn down and the process aborts
     ("terminate called without an active exception", exit -6), after a run that succeeded or a
     one-line error alike. ``finished`` (every rank is here): a barrier, then the destroy (torch's
     documented shutdown). After an error a peer may be gone: no barrier, and with NCCL across ranks
     no destroy either (it can wait for the lost peer); gloo's is local. Through DeepSpeed, which also
-    forgets its cached groups, so a next run in this process starts afresh."""
+    forgets its cached groups, so a next run in this process starts afresh. ``force``: a group a
+    caller made too (a process about to ``execv`` itself: ``train.replan``)."""
     global _OWN_GROUP
-    if not (_OWN_GROUP and dist.is_available() and dist.is_initialized()):
+    if not ((_OWN_GROUP or force) and dist.is_available() and dist.is_initialized()):
         return
     if not finished and dist.get_world_size() > 1 and dist.get_backend() != "gloo":
         return

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
-from mmpipe.config.deepspeed import fused_adamw
+from mmpipe.config.deepspeed import adamw_kernel
 from mmpipe.parallel.cpu_process import keep_freed_memory
 from mmpipe.parallel.layers import PipeLayer, plain_state_key
 from mmpipe.parallel.step_loss import frozen_prefix
@@ -204,10 +204,10 @@ def fused_attention_on_meta():
 def fused_dropout_kernel() -> bool:
     """Whether the accelerator's ``dropout`` is the fused kernel: on CUDA (and XPU, and out-of-tree
     devices) ``aten::dropout`` runs ``native_dropout``, whose backward keeps a one-byte boolean mask;
-    on the CPU (and the meta device) it multiplies by a noise tensor of the input's dtype, which
+    on the CPU, MPS (and the meta device) it multiplies by a noise tensor of the input's dtype, which
     backward keeps whole (torch's ``is_fused_kernel_acceptable``, aten/src/ATen/native/Dropout.cpp)."""
     from deepspeed.accelerator import get_accelerator
-    return get_accelerator().device_name() != "cpu"
+    return get_accelerator().device_name() not in ("cpu", "mps")
 
 
 @contextlib.contextmanager
@@ -242,8 +242,8 @@ def meta_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = f
     device = torch.device("meta")
     batch, loss_fn = synthetic_batch(family, micro_batch_size, cfg.data.max_length, device, with_loss=True,
                                      packed=cfg.data.packing)
-    fused = fused_dropout_kernel() if gpu_kernels is None else gpu_kernels
-    with fused_attention_on_meta(), dropout_on_meta(fused):
+    gpu = fused_dropout_kernel() if gpu_kernels is None else gpu_kernels
+    with fused_attention_on_meta(), dropout_on_meta(gpu):
         costs = profile_layers(iter_layers(family, forward_only, frozen, device, precision_dtype(cfg.train.precision)),
                                batch, timed=False, n_layers=len(family.layer_names()), loss_fn=loss_fn)
     key = {"family": family.name, "micro_batch_size": micro_batch_size, "max_length": cfg.data.max_length,
@@ -252,15 +252,15 @@ def meta_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = f
         c.fwd_ms = c.bwd_ms = c.opt_ms = 0.0
     prof = {"key": key, "layers": [c.to_dict() for c in costs], "timed": False,
             "comm": {"latency_s": 0.0, "s_per_byte": 0.0, "samples": {}, "measured": False}}
-    return _with_schedule(prof, family, cfg)
+    return _with_schedule(prof, family, cfg, gpu_kernels)
 
 
-def _with_schedule(prof: dict, family, cfg) -> dict:
+def _with_schedule(prof: dict, family, cfg, gpu: Optional[bool] = None) -> dict:
     """What the run does beyond one forward and backward per micro-batch: a loss over the step
     (``_with_step_loss``) and activation checkpointing (``checkpointing``: every trained layer's
     forward runs again in its backward), so the predictions cost what runs."""
     prof["checkpointing"] = cfg.parallel.activation_checkpointing == "all"
-    prof["fused_step"] = fused_adamw(cfg)
+    prof["adamw_temp"] = 4 if adamw_kernel(cfg, gpu) == "foreach" else 0  # (``gpu``: for a GPU run planned here)
     prof["ties"] = tied_layers(family)
     mbs = prof.get("key", {}).get("micro_batch_size")
     if mbs:  # one micro-batch as the loader hands it over (inputs and labels)

@@ -99,7 +99,8 @@ class Schedule:
     loss_pair_bytes: int = 0  # a step loss: bytes per pair of the global batch its loss holds at once (B x B)
     loss_block: int = 0  # a step loss computed in blocks of this many rows (0: all B at once): block x B pairs held
     loss_block_pair_bytes: int = 0  # ... and the bytes per pair the blocked computation holds
-    fused_step: bool = False  # torch's fused AdamW (``optim.fused``): no fp32 temporary per parameter in the step
+    adamw_temp: int = 4  # bytes per parameter AdamW's step makes (``config.deepspeed.adamw_kernel``: multi-tensor 4,
+    # fused none, the CPU's per-parameter loop one parameter's at a time: none counted)
 
 
 def schedule_of(prof: dict, checkpointing: Optional[bool] = None) -> Schedule:
@@ -111,7 +112,8 @@ def schedule_of(prof: dict, checkpointing: Optional[bool] = None) -> Schedule:
                     int(sl.get("features_bytes", 0)), int(sl.get("frozen_prefix", 0)),
                     tuple(tuple(t) for t in prof.get("ties", ())), int(prof.get("batch_bytes", 0)),
                     bool(prof.get("last_reads", False)), int(sl.get("rows", 0)), int(sl.get("pair_bytes", 0)),
-                    int(sl.get("block_rows", 0)), int(sl.get("block_pair_bytes", 0)), bool(prof.get("fused_step")))
+                    int(sl.get("block_rows", 0)), int(sl.get("block_pair_bytes", 0)),
+                    int(prof.get("adamw_temp", 4)))
 
 
 @dataclass
@@ -227,12 +229,12 @@ def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str
             # recomputed tensors: measured on the VLM's head stage (tiny VLM, P = 3: 11% short without it)
             workspace += last.out_bytes
         # torch's multi-tensor AdamW makes one fp32 temporary per (sharded) parameter in its step (its fused
-        # kernel none), beside the fp32 gradients DeepSpeed's wrapper makes for it (``step_split``)
+        # kernel none: ``Schedule.adamw_temp``), beside the fp32 gradients DeepSpeed's wrapper makes for it
+        # (``step_split``)
         trainable = sum(c.trainable for c in costs[a:b])
         sharded = optimizer_split(precision, zero_stage, P > 1)[0] > 0
         made_split, made_whole = step_split(precision, zero_stage, P > 1)
-        temp = 0 if schedule.fused_step else 4
-        step = trainable * (temp / (data_parallel if sharded else 1) + made_split / data_parallel + made_whole)
+        step = trainable * (schedule.adamw_temp / (data_parallel if sharded else 1) + made_split / data_parallel + made_whole)
         out.append(MemoryBreakdown(w, g, o, activation_bytes(costs, a, b, k, schedule), buffers, workspace, step,
                                    _features(costs, s, P, micro_batches, data_parallel, schedule),
                                    _step_loss(s, P, micro_batches, data_parallel, schedule),

@@ -43,6 +43,11 @@ def run_memory(cfg, run_dir: str, world: int, use_cache: bool = True, log=None, 
     else:
         family, prof = _profile_for(cfg, P, world // P, log=log or (lambda m: None), use_cache=False,
                                     measure_comm=False, passes=1, repeats=1)
+    ds_file = os.path.join(run_dir, "ds_config.json")
+    if os.path.isfile(ds_file):  # the AdamW kernel the run took (``optim.fused``), wherever it is read
+        with open(ds_file) as fh:
+            if ((json.load(fh).get("optimizer") or {}).get("params") or {}).get("fused"):
+                prof["adamw_temp"] = 0
     parts = parts or [0, len(prof["layers"])]
     return stage_breakdown(layer_costs(prof), parts, M, cfg.train.precision, cfg.parallel.zero_stage, world // P,
                            schedule_of(prof))

@@ -91,7 +91,33 @@ def load(engine, root: str, layout: Optional[dict] = None, inner=None, named_par
          aliases: Optional[dict] = None, model: Optional[dict] = None) -> dict:
     """Load the latest checkpoint into ``engine``: in the layout it was saved in, DeepSpeed's own
     files (and this rank's RNG); in another (P, DP, ZeRO stage, stage boundaries), the plain
-    weights and layout-free optimizer state (``load_elsewhere``). Returns the client state."""
+    weights and layout-free optimizer state (``load_elsewhere``). Returns the client state. The
+    AdamW kernel stays this run's (``keep_adamw_kernel``)."""
+    if inner is None:
+        return _load(engine, root, layout, inner, named_params, aliases, model)
+    return keep_adamw_kernel(inner, lambda: _load(engine, root, layout, inner, named_params, aliases, model))
+
+
+def keep_adamw_kernel(inner, load):
+    """``load()`` (a checkpoint into the torch optimizer ``inner``) with the kernel this run chose
+    (``optim.fused``) kept: torch's ``load_state_dict`` takes the saved groups' ``fused`` / ``foreach``
+    (a checkpoint saved by a CPU run would step a GPU run unfused), and each Adam ``step`` counter
+    goes where the kernel reads it (torch's own policy: on the parameter's device, in float32, for
+    the fused or capturable kernels; on the CPU otherwise: a layout-free resume makes it there)."""
+    kept = [{k: g[k] for k in ("fused", "foreach", "capturable") if k in g} for g in inner.param_groups]
+    out = load()
+    for g, flags in zip(inner.param_groups, kept):
+        g.update(flags)
+        on_device = bool(flags.get("fused") or flags.get("capturable"))
+        for p in g["params"]:
+            st = inner.state.get(p)
+            if st and torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].to(dtype=torch.float32, device=p.device if on_device else torch.device("cpu"))
+    return out
+
+
+def _load(engine, root: str, layout: Optional[dict], inner, named_params, aliases: Optional[dict],
+          model: Optional[dict]) -> dict:
     tag_dir = os.path.join(root, latest_tag(root, prefix="--resume: "))
     check_complete(tag_dir)
     if model is not None:

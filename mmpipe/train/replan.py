@@ -127,7 +127,7 @@ def move(trainer, step: int, decision: dict, saved: bool) -> None:
     balancer = getattr(getattr(trainer.data, "sampler", None), "balancer", None)
     if balancer is not None:
         balancer.close()  # (data.balance=cost's worker process)
-    close_distributed()  # (every rank is here: a barrier, then the groups go, DeepSpeed's cached ones too)
+    close_distributed(force=True)  # every rank is here: a barrier, then the groups go (a caller's too: execv)
     os.environ[MOVED] = "1"
     os.environ[MOVED_FROM] = repr(float(decision["measured_step"]))
     os.environ["MASTER_PORT"] = str(port[0])
