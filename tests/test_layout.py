@@ -127,7 +127,9 @@ def test_zero3_memory_is_a_shard_of_everything_plus_the_gathered_layer():
     assert dp_memory(costs, "fp32", 0, n) == 4000 * 16 + max(440, 4 * 4000)
     assert dp_memory(costs, "fp32", 3, n) == _states(costs, "fp32", 3, n) + max(440, 4 * 4000 // n)
     big = layer_costs(_prof([_layer("a", 1, 1, 1000, act=10**6, out=40)]))
-    assert dp_memory(big, "fp32", 0, 1) == 1000 * 16 + 10**6 + 40
+    # one micro-batch per step: its forward runs before any gradient exists (the step begins with none)
+    assert dp_memory(big, "fp32", 0, 1) == 1000 * 12 + 10**6 + 40
+    assert dp_memory(big, "fp32", 0, 1, micro_batches=2) == 1000 * 16 + 10**6 + 40
 
 
 def test_model_states_agree_with_deepspeeds_estimators():

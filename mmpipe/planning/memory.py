@@ -129,15 +129,20 @@ class MemoryBreakdown:
     features: float = 0.0  # a step loss's feature cache, a frozen prefix's memo, the step's batches
     loss: float = 0.0  # a step loss over the global batch: its B x B transient while computed (last stage)
     loss_in_training: bool = False  # computed while a micro-batch's activations are held (one pass at P = 1)
+    grads_in_training: bool = True  # a backward ran before the fullest forward (more micro-batches than in flight)
 
     @property
     def total(self) -> int:
         """The largest of three moments: the last forward before the first backward (activations of
-        every micro-batch in flight), the optimizer step (gradients complete, activations freed) and a
-        step loss's computation (before the training pass, or within it with one micro-batch per rank)."""
-        training = self.activations + self.buffers + self.workspace + (self.loss if self.loss_in_training else 0)
-        return int(self.weights + self.grads + self.optimizer + self.features
-                   + max(training, self.step_workspace, 0 if self.loss_in_training else self.loss))
+        every micro-batch in flight; the gradients only when an earlier micro-batch's backward made
+        them: the step begins with none), the optimizer step (gradients complete, activations freed)
+        and a step loss's computation (before the training pass, or within it with one micro-batch
+        per rank)."""
+        training = (self.activations + self.buffers + self.workspace + (self.loss if self.loss_in_training else 0)
+                    + (self.grads if self.grads_in_training else 0))
+        return int(self.weights + self.optimizer + self.features
+                   + max(training, self.grads + self.step_workspace,
+                         self.grads + (0 if self.loss_in_training else self.loss)))
 
     def to_dict(self) -> dict:
         return {**{k: int(v) for k, v in asdict(self).items()}, "total": self.total}
@@ -239,7 +244,9 @@ def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str
                                    _features(costs, s, P, micro_batches, data_parallel, schedule),
                                    _step_loss(s, P, micro_batches, data_parallel, schedule),
                                    # one pass (one micro-batch per rank), or ZeRO-3's first micro-batch recomputing it
-                                   P == 1 and (micro_batches == 1 or zero_stage == 3)))
+                                   P == 1 and (micro_batches == 1 or zero_stage == 3),
+                                   # (DeepSpeed sets the gradients to None at each step's end)
+                                   micro_batches > k))
     return out
 
 
