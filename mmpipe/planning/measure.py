@@ -17,6 +17,7 @@ from mmpipe.parallel.layers import PipeLayer, plain_state_key
 from mmpipe.parallel.step_loss import frozen_prefix
 from mmpipe.planning.cache import _write_json, cache_dir
 from mmpipe.planning.collectives import fit_comm, measure_p2p
+from mmpipe.planning.memory import adamw_temp_bytes
 from mmpipe.planning.place import layer_costs
 from mmpipe.planning.profiler import median_costs, mixed_costs, profile_layers
 
@@ -260,7 +261,7 @@ def _with_schedule(prof: dict, family, cfg, gpu: Optional[bool] = None) -> dict:
     (``_with_step_loss``) and activation checkpointing (``checkpointing``: every trained layer's
     forward runs again in its backward), so the predictions cost what runs."""
     prof["checkpointing"] = cfg.parallel.activation_checkpointing == "all"
-    prof["adamw_temp"] = 4 if adamw_kernel(cfg, gpu) == "foreach" else 0  # (``gpu``: for a GPU run planned here)
+    prof["adamw_temp"] = adamw_temp_bytes(adamw_kernel(cfg, gpu))  # (``gpu``: for a GPU run planned here)
     prof["ties"] = tied_layers(family)
     mbs = prof.get("key", {}).get("micro_batch_size")
     if mbs:  # one micro-batch as the loader hands it over (inputs and labels)

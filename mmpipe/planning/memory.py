@@ -34,6 +34,13 @@ def optimizer_split(precision: str, zero_stage: int, pipelined: bool) -> tuple[i
     return (per, 0) if zero_stage >= 1 else (0, per)
 
 
+def adamw_temp_bytes(kernel: str) -> int:
+    """Bytes per parameter torch's AdamW step makes beside its state, by kernel
+    (``config.deepspeed.adamw_kernel``): the multi-tensor one an fp32 temporary per parameter, the
+    fused one none, the per-parameter loop a few of one parameter's at a time (none counted)."""
+    return 4 if kernel == "foreach" else 0
+
+
 def step_split(precision: str, zero_stage: int, pipelined: bool) -> tuple[int, int]:
     """Bytes per trainable parameter the optimizer's wrapper makes for its step and frees after it
     (split over the data-parallel ranks, whole), as ``optimizer_split``: the fp32 gradients it hands

@@ -14,7 +14,7 @@ from mmpipe.data.tokenizer import StandInTokenizer, load_tokenizer, tokenizer_ch
 from mmpipe.errors import ConfigError
 from mmpipe.parallel.topology import threads_per_rank
 from mmpipe.planning.measure import get_profile, meta_profile
-from mmpipe.planning.memory import schedule_of, stage_breakdown, stage_memory
+from mmpipe.planning.memory import adamw_temp_bytes, schedule_of, stage_breakdown, stage_memory
 from mmpipe.planning.place import layer_costs, place, predict, stage_times
 from mmpipe.planning.profiler import median_costs
 
@@ -47,7 +47,7 @@ def run_memory(cfg, run_dir: str, world: int, use_cache: bool = True, log=None, 
     if os.path.isfile(ds_file):  # the AdamW kernel the run took (``optim.fused``), wherever it is read
         with open(ds_file) as fh:
             if ((json.load(fh).get("optimizer") or {}).get("params") or {}).get("fused"):
-                prof["adamw_temp"] = 0
+                prof["adamw_temp"] = adamw_temp_bytes("fused")
     parts = parts or [0, len(prof["layers"])]
     return stage_breakdown(layer_costs(prof), parts, M, cfg.train.precision, cfg.parallel.zero_stage, world // P,
                            schedule_of(prof))

@@ -93,8 +93,6 @@ def load(engine, root: str, layout: Optional[dict] = None, inner=None, named_par
     files (and this rank's RNG); in another (P, DP, ZeRO stage, stage boundaries), the plain
     weights and layout-free optimizer state (``load_elsewhere``). Returns the client state. The
     AdamW kernel stays this run's (``keep_adamw_kernel``)."""
-    if inner is None:
-        return _load(engine, root, layout, inner, named_params, aliases, model)
     return keep_adamw_kernel(inner, lambda: _load(engine, root, layout, inner, named_params, aliases, model))
 
 
@@ -104,6 +102,8 @@ def keep_adamw_kernel(inner, load):
     (a checkpoint saved by a CPU run would step a GPU run unfused), and each Adam ``step`` counter
     goes where the kernel reads it (torch's own policy: on the parameter's device, in float32, for
     the fused or capturable kernels; on the CPU otherwise: a layout-free resume makes it there)."""
+    if inner is None:
+        return load()
     kept = [{k: g[k] for k in ("fused", "foreach", "capturable") if k in g} for g in inner.param_groups]
     out = load()
     for g, flags in zip(inner.param_groups, kept):
