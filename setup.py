@@ -26,7 +26,8 @@ setup(
         "psutil",  # device and process memory (planning.memory, parallel.roster)
     ],
     # open_clip: the loss and format parity tests; with what open_clip_train imports (pandas, webdataset), mmpipe
-    # bench peers --family clip and mmpipe bench gpu (test_bench.py runs it at tiny size)
-    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5", "open-clip-torch>=2.20", "pandas", "webdataset", "braceexpand"], "peers": ["open-clip-torch>=2.20", "pandas", "webdataset", "braceexpand"]},
+    # bench peers --family clip and mmpipe bench gpu (test_bench.py runs it at tiny size); timm: open_clip's SigLIP
+    # ViT (mmpipe bench gpu's SigLIP peer)
+    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5", "open-clip-torch>=2.20", "pandas", "webdataset", "braceexpand", "timm>=1.0"], "peers": ["open-clip-torch>=2.20", "pandas", "webdataset", "braceexpand", "timm>=1.0"]},
     entry_points={"console_scripts": ["mmpipe=mmpipe.cli.main:main"]},
 )

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from helpers import TINY, TINY_VLM, launch
+from helpers import TINY, TINY_CONFIGS, TINY_VLM, launch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from mmpipe.cli.main import main
@@ -36,6 +36,8 @@ CPU_SDPA = {aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a
                 lambda g, q, k, v, *a, **kw: sdpa_backward_flop_count(g, q, k, v)}
 CLIP_SETS = ["model.text.vocab_size=300", "model.text.max_position_embeddings=16", "model.negatives=micro_batch"]
 VLM_SETS = ["model.llm.vocab_size=120", "model.image_token_id=5", "model.llm.max_position_embeddings=64"]
+TINY_QWEN = TINY_CONFIGS["qwen2_5_vl"]
+QWEN_SETS = ["model.llm.vocab_size=120", "model.image_token_id=5"]
 VARIANTS = {
     "clip": (TINY, CLIP_SETS),
     "clip-frozen-vision": (TINY, CLIP_SETS + ["optim.freeze_vision=true"]),
@@ -50,15 +52,21 @@ VARIANTS = {
     "vlm-lora": (TINY_VLM, VLM_SETS + ["optim.train_type=lora"]),
     "vlm-checkpointed": (TINY_VLM, VLM_SETS + ["parallel.activation_checkpointing=all"]),
     "vlm-text-only": (TINY_VLM, VLM_SETS),
+    "qwen": (TINY_QWEN, QWEN_SETS),  # 8 x 8 patches each: windows of 4 x 4 (2 x 2 merged tokens)
+    "qwen-frozen-vision-lora": (TINY_QWEN, QWEN_SETS + ["optim.freeze_vit=true", "optim.train_type=lora"]),
+    "qwen-uneven-windows": (TINY_QWEN, QWEN_SETS),  # 6 x 10 patches: windows of 4 x 4, 4 x 2, 2 x 4, 2 x 2
+    "qwen-text-only": (TINY_QWEN, QWEN_SETS),
 }
 
 
 def _batch(family, name: str) -> dict:
-    batch = family.example_batch(4, 24, "cpu")
-    if name == "vlm-text-only":  # no images: the vision blocks run on one zero row (chat.layers.through)
-        ids = batch["input_ids"]
+    batch = family.example_batch(4, 24, "cpu", **({"grid": (1, 6, 10)} if name == "qwen-uneven-windows" else {}))
+    if name in ("vlm-text-only", "qwen-text-only"):  # no images: the vision blocks run on one zero row or
+        ids = batch["input_ids"]                       # merge unit (chat.layers.through)
         ids[ids == family.image_token_id] = 0
         batch["pixel_values"] = batch["pixel_values"][:0]
+        if "image_grid_thw" in batch:
+            batch["image_grid_thw"] = batch["image_grid_thw"][:0]
     return batch
 
 

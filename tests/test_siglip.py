@@ -103,3 +103,42 @@ def test_siglip_trains_like_one_micro_batch_of_the_global_batch(family_runs_of, 
     one = runs.get("sl_one" + ("_frozen" if frozen else ""), 1, ONE + frozen, "python", flags=["--stop-at", "4"])[0]
     run = runs.get(key, nprocs, sets + ["model.loss_block=5"], launcher, flags=["--stop-at", "4"])[0]
     assert_same_training(run, one)
+
+
+def test_the_bench_trains_open_clips_own_siglip_b16_beside_mmpipes(tmp_path):
+    """``mmpipe bench gpu``'s SigLIP peer: the open_clip config written from configs/siglip_b16.yaml is
+    open_clip's ViT-B-16-SigLIP (timm's SigLIP ViT, its text transformer; the hub tokenizer left out):
+    every parameter of the same shape as in open_clip's own, as many as mmpipe's model has; the tiny
+    shape, which timm has no SigLIP ViT of, gets open_clip's own ViT at its sizes, and says so."""
+    import json
+    import math
+
+    import open_clip
+
+    from mmpipe.config.schema import family_of, load_config, replace
+    from mmpipe.data.tokenizer import StandInTokenizer
+    from mmpipe.parallel.plain import plain_model
+
+    def family_and_peer(path):
+        cfg = load_config(path)
+        fam = family_of(cfg)
+        tok = fam.prepare_tokenizer(StandInTokenizer((cfg.model.text.vocab_size or 300) - len(fam.special_tokens),
+                                                     fam.special_tokens))
+        family = fam(replace(cfg, model=fam.resolve(cfg.model, tok, cfg.data)).model, 0)
+        return family, family.open_clip_peer()
+
+    family, (oc_cfg, flags, towers) = family_and_peer(os.path.join(os.path.dirname(TINY_SIGLIP), "siglip_b16.yaml"))
+    assert flags == ["--siglip"] and "timm vit_base_patch16_siglip_224" in towers
+    (tmp_path / "mmpipe-siglip-b16.json").write_text(json.dumps(oc_cfg))
+    open_clip.add_model_config(str(tmp_path))
+    with torch.device("meta"):
+        ours = open_clip.create_model("mmpipe-siglip-b16", init_logit_scale=math.log(10), init_logit_bias=-10,
+                                      device="meta")
+        theirs = open_clip.create_model("ViT-B-16-SigLIP", device="meta")
+        mm = plain_model(family)
+    shapes = lambda model: {k: tuple(v.shape) for k, v in model.state_dict().items()}  # noqa: E731
+    assert shapes(ours) == shapes(theirs)
+    count = lambda model: sum(p.numel() for p in model.parameters())  # noqa: E731
+    assert count(ours) == count(mm) == 203_155_970
+    _, (tiny_cfg, _, tiny_towers) = family_and_peer(TINY_SIGLIP)
+    assert "timm_model_name" not in tiny_cfg["vision_cfg"] and "open_clip's ViT" in tiny_towers

@@ -11,7 +11,15 @@ Jobs (random weights built from config fields, nothing downloaded; bf16):
   rows, by mmpipe and by transformers' ``Trainer`` + peft on ``LlavaForConditionalGeneration`` (the same
   samples, padded per micro-batch, as LLaVA's scripts);
 - ``vlm_full``: the same shape trained in full, its decoder cut to ``--full-layers`` blocks so that
-  weights, gradients and AdamW state fit one device (said in the table).
+  weights, gradients and AdamW state fit one device (said in the table);
+- ``siglip_b16``: SigLIP ViT-B/16 (``configs/siglip_b16.yaml``: transformers' Siglip towers, the sigmoid loss)
+  at 256 pairs per GPU, by mmpipe and by ``open_clip_train --siglip`` on open_clip's SigLIP of that shape
+  (timm's SigLIP ViT, as open_clip ships ``ViT-B-16-SigLIP``; open_clip's own ViT at those sizes without
+  timm, said in the table);
+- ``qwen_lora``: a Qwen2.5-VL-7B shape (``configs/qwen2_5_vl_7b.yaml``: the native-resolution ViT frozen,
+  a 28 x 3584 Qwen2 decoder) with LoRA on the decoder's linears, chat samples with images of four sizes
+  (256 to 972 image tokens each) packed into 2048-token rows, by mmpipe and by transformers' ``Trainer`` +
+  peft on ``Qwen2_5_VLForConditionalGeneration`` (the same samples, padded per micro-batch, as ms-swift).
 
 For each: samples/s (median step after the warm-up), model TFLOP/s per device and MFU (analytic FLOPs:
 ``mmpipe.planning.flops``), the allocator's peak (``max_memory_allocated`` after the first step) beside
@@ -32,7 +40,7 @@ import time
 from mmpipe.bench.common import ROOT, _steps, append_benchmarks, free_port, launch, with_scratch
 from mmpipe.train.metrics import read_memory_record
 
-JOBS = ("clip", "vlm_lora", "vlm_full")
+JOBS = ("clip", "vlm_lora", "vlm_full", "siglip_b16", "qwen_lora")
 _OC_STEP = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/\d+.*?Batch \(t\): ([\d.]+), ([\d.]+)/s,")
 
 
@@ -66,12 +74,23 @@ def job_specs(args) -> dict:
         vlm = (os.path.join(cfgs, "tiny_vlm.yaml"), ["parallel.micro_batch_size=2", "train.batch_size=4",
                                                      "data.max_length=96"])
         full_layers = 2
+        siglip = (os.path.join(cfgs, "tiny_siglip.yaml"), ["parallel.micro_batch_size=16", "train.batch_size=16"])
+        qwen = (os.path.join(cfgs, "tiny_qwen2_5_vl.yaml"), ["parallel.micro_batch_size=2", "train.batch_size=4",
+                                                             "data.max_length=96"])
+        qwen_sizes = [(56, 56), (112, 84)]  # 4 and 12 image tokens
     else:
         clip = (os.path.join(cfgs, "bench_gpu_clip_b16.yaml"), [])
         vlm = (os.path.join(cfgs, "llava_1_5_7b.yaml"), [f"parallel.micro_batch_size={args.vlm_micro_batch}",
                                                          f"train.batch_size={args.vlm_batch}",
                                                          "parallel.activation_checkpointing=none"])
         full_layers = args.full_layers
+        siglip = (os.path.join(cfgs, "siglip_b16.yaml"), ["parallel.micro_batch_size=256", "train.batch_size=256",
+                                                          "parallel.activation_checkpointing=none",
+                                                          "optim.warmup_steps=0", "data.num_workers=8"])
+        qwen = (os.path.join(cfgs, "qwen2_5_vl_7b.yaml"), [f"parallel.micro_batch_size={args.vlm_micro_batch}",
+                                                           f"train.batch_size={args.vlm_batch}",
+                                                           "parallel.activation_checkpointing=none", "data.num_workers=8"])
+        qwen_sizes = [(448, 448), (672, 504), (896, 672), (1008, 756)]  # 256, 432, 768 and 972 image tokens
     vlm_common = ["data.packing=true", "data.padding=batch", "optim.warmup_steps=0", "data.log_samples=true"]
     lora = ["optim.train_type=lora", f"optim.lora_rank={args.lora_rank}", f"optim.lora_alpha={2 * args.lora_rank}",
             "optim.lora_dropout=0.05"]
@@ -80,17 +99,23 @@ def job_specs(args) -> dict:
                          "lora": True},
             "vlm_full": {"config": vlm[0], "sets": common + vlm[1] + vlm_common + [
                 f"model.llm.num_hidden_layers={full_layers}"], "peer": "Trainer", "lora": False,
-                "cut": full_layers}}
+                "cut": full_layers},
+            "siglip_b16": {"config": siglip[0], "sets": common + siglip[1], "peer": "open_clip_train"},
+            "qwen_lora": {"config": qwen[0], "sets": common + qwen[1] + vlm_common + lora, "peer": "Trainer + peft", "lora": True,
+                          "image_sizes": qwen_sizes}}
 
 
-def _data(tmp: str, job: str, cfg, n: int) -> list:
+def _data(tmp: str, job: str, cfg, n: int, sizes=None) -> list:
+    """Synthetic data for ``job``: pairs at the tower's size, or chat samples (one image each, 15% text only:
+    LLaVA's mix, packed into max_length rows) at the tower's size or, native resolution, of ``sizes``."""
     from mmpipe.config.schema import family_of
     from mmpipe.data.synth import synth, synth_vlm
-    size = family_of(cfg).pixels(cfg.model, cfg.data).size
+    size = None if sizes else family_of(cfg).pixels(cfg.model, cfg.data).size
     if family_of(cfg).data_format == "captions":
-        info = synth(os.path.join(tmp, "pairs"), n, val_fraction=0.0, size=size, progress=False)
-    else:  # one image per sample, 15% text-only: LLaVA's mix, packed into max_length rows
-        info = synth_vlm(os.path.join(tmp, "chat"), n, val_fraction=0.0, size=size, text_only=0.15, progress=False)
+        info = synth(os.path.join(tmp, f"pairs_{job}"), n, val_fraction=0.0, size=size, progress=False)
+    else:
+        info = synth_vlm(os.path.join(tmp, f"chat_{job}"), n, val_fraction=0.0, size=size or 64, text_only=0.15,
+                         progress=False, sizes=sizes)
     return [f"data.train={info['train']}"]
 
 
@@ -153,16 +178,16 @@ def run_open_clip(spec: dict, args, tmp: str, on_cpu: bool) -> dict:
     """open_clip_train on the same architecture (one process, its synthetic data, amp_bf16)."""
     from mmpipe.config.schema import family_of, load_config, replace
     from mmpipe.data.tokenizer import StandInTokenizer
-    from mmpipe.families.clip.open_clip_format import open_clip_config
     cfg = load_config(spec["config"], spec["sets"])
     fam_cls = family_of(cfg)
     vocab = cfg.model.text.vocab_size or 49408
     tok = fam_cls.prepare_tokenizer(StandInTokenizer(vocab - len(fam_cls.special_tokens), fam_cls.special_tokens))
     cfg = replace(cfg, model=fam_cls.resolve(cfg.model, tok, cfg.data))
     family = fam_cls(cfg.model, cfg.train.seed)
-    oc_cfg = open_clip_config(family)
+    oc_cfg, loss_flags, towers = family.open_clip_peer()  # the same architecture, or what open_clip has of it
     oc_cfg["text_cfg"]["context_length"] = cfg.data.max_length
-    cfg_dir = os.path.join(tmp, "open_clip_config")
+    job = spec["job"]
+    cfg_dir = os.path.join(tmp, f"open_clip_config_{job}")
     os.makedirs(cfg_dir, exist_ok=True)
     with open(os.path.join(cfg_dir, "mmpipe-bench-gpu.json"), "w") as fh:
         json.dump(oc_cfg, fh)
@@ -170,11 +195,11 @@ def run_open_clip(spec: dict, args, tmp: str, on_cpu: bool) -> dict:
     oc_args = ["--dataset-type", "synthetic", "--train-num-samples", str(batch * args.steps), "--model",
                "mmpipe-bench-gpu", "--batch-size", str(batch), "--epochs", "1", "--lr", str(o.lr), "--wd",
                str(o.weight_decay), "--warmup", "0", "--precision", "amp_bf16",
-               "--workers", str(cfg.data.num_workers), "--log-every-n-steps", "1", "--logs", os.path.join(tmp, "oc_logs"),
-               "--name", "peer", "--save-frequency", "0", "--report-to", "", "--seed", "0"]
+               "--workers", str(cfg.data.num_workers), "--log-every-n-steps", "1", "--logs", os.path.join(tmp, f"oc_logs_{job}"),
+               "--name", "peer", "--save-frequency", "0", "--report-to", "", "--seed", "0", *loss_flags]
     if on_cpu:
         oc_args += ["--device", "cpu"]
-    spec_path = os.path.join(tmp, "open_clip_spec.json")
+    spec_path = os.path.join(tmp, f"open_clip_spec_{job}.json")
     with open(spec_path, "w") as fh:
         json.dump({"args": oc_args, "model_config_dir": cfg_dir, "synthetic": True,
                    "threads": max(1, (os.cpu_count() or 2) // 2)}, fh)
@@ -186,14 +211,14 @@ def run_open_clip(spec: dict, args, tmp: str, on_cpu: bool) -> dict:
     text = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise SystemExit("mmpipe bench gpu: open_clip_train failed:\n" + "\n".join(text.splitlines()[-25:]))
-    with open(os.path.join(tmp, "oc_logs", "peer", "out.log")) as fh:
+    with open(os.path.join(tmp, f"oc_logs_{job}", "peer", "out.log")) as fh:
         times = [float(m.group(2)) for m in _OC_STEP.finditer(fh.read())]
     step = statistics.median(times[args.warmup:])
     peak = re.search(r"PEAK_MB (\d+)", text)
-    res = {"system": "open_clip_train", "job": "clip", "step_s": step, "samples_per_step": batch,
-           "samples_s": batch / step, "peak_mb": float(peak.group(1)) if peak else None, "wall_s": wall,
-           "steps": len(times), "step_times": times}
-    _log(f"open_clip_train: {res['samples_s']:.1f} samples/s, step {step * 1e3:.0f} ms, {wall:.0f} s")
+    res = {"system": " ".join(["open_clip_train", *loss_flags]), "job": spec["job"], "step_s": step,
+           "samples_per_step": batch, "samples_s": batch / step, "peak_mb": float(peak.group(1)) if peak else None,
+           "wall_s": wall, "steps": len(times), "step_times": times, "towers": towers}
+    _log(f"{res['system']} {job}: {res['samples_s']:.1f} samples/s, step {step * 1e3:.0f} ms, {wall:.0f} s")
     return res
 
 
@@ -218,7 +243,8 @@ def run_trainer(name: str, spec: dict, data: list, mm: dict, args, tmp: str) -> 
     step = statistics.median(out["step_times"][args.warmup:])
     res = {"system": spec["peer"], "job": name, "step_s": step, "samples_per_step": out["samples_per_step"],
            "samples_s": out["samples_per_step"] / step, "peak_mb": out["peak_mb"], "wall_s": wall,
-           "steps": len(out["step_times"]), "step_times": out["step_times"], "tokens_per_step": out["tokens_per_step"]}
+           "steps": len(out["step_times"]), "step_times": out["step_times"], "tokens_per_step": out["tokens_per_step"],
+           "images_per_step": out["images_per_step"]}
     _log(f"{spec['peer']} {name}: {res['samples_s']:.1f} samples/s, step {step * 1e3:.0f} ms, {wall:.0f} s")
     return res
 
@@ -267,19 +293,19 @@ def bench_gpu(args, tmp: str) -> int:
                 json.dump({"device": device, "results": results, "args": vars(args) | {"func": None}}, fh, indent=1)
 
     for name in args.jobs:
-        spec = specs[name]
+        spec = dict(specs[name], job=name)
         cfg = load_config(spec["config"], spec["sets"])
         pairs = family_of(cfg).data_format == "captions"
         n = args.n or (2048 if pairs else cfg.train.batch_size * (args.steps + 1) * 4)  # ~3 per packed row
         _log(f"{name}: {n} synthetic samples ...")
-        data = _data(tmp, name, cfg, n)
+        data = _data(tmp, name, cfg, n, spec.get("image_sizes"))
         try:
             mm = run_mmpipe(name, spec, data, args, tmp)
             if spec.get("cut"):
                 mm["label"] = f"{name} ({spec['cut']} decoder blocks)"
             results.append(mm)
             save()
-            if args.peers:
+            if args.peers and spec["peer"]:
                 peer = (run_open_clip(spec, args, tmp, on_cpu) if spec["peer"] == "open_clip_train"
                         else run_trainer(name, spec, data, mm, args, tmp))
                 peer["label"] = mm.get("label", name)
@@ -303,7 +329,11 @@ def bench_gpu(args, tmp: str) -> int:
              "written from mmpipe's), its synthetic data, --precision amp_bf16 (fp32 weights, autocast); mmpipe: "
              "DeepSpeed bf16 (bf16 weights, fp32 master and AdamW state), data from JPEGs decoded by its loader. VLM: "
              "mmpipe packs chat samples into 2048-token rows; the Trainer gets the same samples (mmpipe's token ids "
-             "and labels) padded per micro-batch, bf16 weights.")
+             "and labels) padded per micro-batch, bf16 weights. Qwen2.5-VL: images of mixed sizes at native "
+             "resolution (each its own token count), the ViT frozen.")
+    for r in ok:
+        if r.get("towers") not in (None, "the same architecture"):
+            notes += f" {r['job']}: {r['system']} trains {r['towers']}."
     if not args.no_append and ok:
         cmd = "mmpipe bench gpu " + " ".join(shlex.quote(a) for a in sys.argv[3:])
         append_benchmarks(f"GPU bench at real sizes ({device})" if not on_cpu else "GPU bench (tiny, CPU)", cmd,

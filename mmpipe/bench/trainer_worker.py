@@ -9,7 +9,9 @@ labels). Run by ``mmpipe bench peers --family vlm|qwen2_5_vl`` under the ``deeps
 It writes ``SPEC.json``'s ``out`` (rank 0): each step's seconds and Trainer's logged losses."""
 from __future__ import annotations
 
+import inspect
 import json
+import re
 import sys
 import time
 
@@ -236,14 +238,15 @@ def write_gpu_spec(run_dir: str, spec: dict, mm: dict, args, tmp: str) -> str:
 
 
 def _encoded_samples(run: str, count: int):
-    """(family, config, [(input_ids, labels, pixel_values or None)]) for the first ``count`` usable
-    samples of the run's training file, by mmpipe's own chat encoder and image loader."""
+    """(family, config, [{input_ids, labels, and the images' fields}]) for the first ``count`` usable
+    samples of the run's training file, by mmpipe's own chat encoder and image loader: square images
+    normalised as LLaVA's processor hands them over (mmpipe normalises on the device), native-resolution
+    ones as the family's pixels give them (the model's own processor's patches and grids)."""
     import os
 
     import torch
 
     from mmpipe.config.schema import family_of, load_config
-    from mmpipe.data.decode import load_image
     from mmpipe.data.tokenizer import load_tokenizer
     from mmpipe.families.towers.common import normalize_pixels
     from mmpipe.families.chat import read_chat
@@ -251,7 +254,7 @@ def _encoded_samples(run: str, count: int):
     fam_cls = family_of(cfg)
     family = fam_cls(cfg.model, cfg.train.seed)
     enc = family.encoder(fam_cls.prepare_tokenizer(load_tokenizer(os.path.join(run, "tokenizer"))), cfg.data.max_length, cfg.data)
-    size = fam_cls.pixels(cfg.model, cfg.data).size
+    px = fam_cls.pixels(cfg.model, cfg.data)
     mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
     out = []
     samples = [s for s in read_chat(cfg.data.train) if not s.error]
@@ -260,23 +263,26 @@ def _encoded_samples(run: str, count: int):
             e = enc.encode(s)
             if e.dropped:
                 continue
-            pix = None
+            item = {"input_ids": torch.tensor(e.input_ids), "labels": torch.tensor(e.labels)}
             if e.images:
-                pix = normalize_pixels(torch.stack([load_image(p, size) for p in e.images]), mean, std, torch.float32)
-            out.append((torch.tensor(e.input_ids), torch.tensor(e.labels), pix))
+                item.update(px.batch([px.load(p, "image", 0, 0)[0] for p in e.images]))
+                if item["pixel_values"].dtype == torch.uint8:  # square images, normalised on mmpipe's device
+                    item["pixel_values"] = normalize_pixels(item["pixel_values"], mean, std, torch.float32)
+            out.append(item)
             if len(out) == count:
                 break
     return family, cfg, out
 
 
 def _gpu_model(family, spec: dict, device):
-    """``LlavaForConditionalGeneration`` of the run's config, random bf16 weights made on ``device``;
-    peft LoRA on the decoder's linears (the run had LoRA), else the vision tower frozen (freeze_vit)."""
+    """transformers' model of the run's config (``LlavaForConditionalGeneration``,
+    ``Qwen2_5_VLForConditionalGeneration``), random bf16 weights made on ``device``; peft LoRA on the
+    decoder's linears (the run had LoRA), else the vision tower frozen (freeze_vit)."""
     import torch
-    from transformers import LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
     torch.set_default_dtype(torch.bfloat16)
     with device:  # random weights made where they train (a 7B model made on the host takes minutes)
-        model = LlavaForConditionalGeneration(family.hf.hf_config())
+        model = AutoModelForImageTextToText.from_config(family.hf.hf_config())
     torch.set_default_dtype(torch.float32)
     if spec["lora"]:
         from peft import LoraConfig, get_peft_model
@@ -285,7 +291,7 @@ def _gpu_model(family, spec: dict, device):
                                                 target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|"
                                                                r"gate_proj|up_proj|down_proj)"))
     for n, p in model.named_parameters():
-        if "vision_tower" in n:
+        if re.search(r"(^|\.)(vision_tower|visual)\.", n):
             p.requires_grad_(False)
     return model
 
@@ -310,17 +316,17 @@ def gpu_main(spec_path: str) -> None:
     family, cfg, items = _encoded_samples(spec["run"], per_step * spec["steps"])
     model = _gpu_model(family, spec, torch.device("cpu" if on_cpu else acc.device_name()))
     pad = 0
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if "mm_token_type_ids" in inspect.signature(base.forward).parameters:  # Qwen2.5-VL's M-RoPE reads them
+        for it in items:
+            it["mm_token_type_ids"] = (it["input_ids"] == base.config.image_token_id).long()
 
     class Items(Dataset):
         def __len__(self):
             return len(items)
 
         def __getitem__(self, i):
-            ids, labels, pix = items[i]
-            out = {"input_ids": ids, "labels": labels}
-            if pix is not None:
-                out["pixel_values"] = pix
-            return out
+            return items[i]
 
     InOrder, Clock = trainer_parts(acc.synchronize)
 
@@ -339,10 +345,10 @@ def gpu_main(spec_path: str) -> None:
     trainer = InOrder(model=model, args=args, train_dataset=Items(), data_collator=Collate(pad), callbacks=[clock])
     acc.reset_peak_memory_stats() if not on_cpu else None
     trainer.train()
-    tokens = [sum(len(items[i][0]) for i in range(s * per_step, (s + 1) * per_step)) for s in range(spec["steps"])]
+    tokens = [sum(len(items[i]["input_ids"]) for i in range(s * per_step, (s + 1) * per_step)) for s in range(spec["steps"])]
     with open(spec_path.replace(".json", "_out.json"), "w") as fh:
-        images = [sum(0 if items[i][2] is None else len(items[i][2]) for i in range(s * per_step, (s + 1) * per_step))
-                  for s in range(spec["steps"])]
+        images = [sum(len(items[i].get("image_grid_thw", items[i].get("pixel_values", ()))) for i in
+                      range(s * per_step, (s + 1) * per_step)) for s in range(spec["steps"])]
         json.dump({"step_times": clock.times, "samples_per_step": per_step, "tokens_per_step": tokens,
                    "images_per_step": images, "micro_batch": spec["micro_batch"],
                    "peak_mb": None if on_cpu else acc.max_memory_allocated() / 2**20}, fh)

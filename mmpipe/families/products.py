@@ -11,11 +11,17 @@ class MicroBatch(NamedTuple):
     (samples, or packed rows), ``seq_len`` (tokens per row as the model computes them: the
     micro-batch's own padded length, not ``data.max_length``), ``images`` (images it holds; image
     sizes are the model's), ``negatives`` (rows a contrastive loss scores each row against: the
-    global batch under a step loss; 0 = this micro-batch's rows)."""
+    global batch under a step loss; 0 = this micro-batch's rows); for a native-resolution tower the
+    patch count and attention pairs its image grids give (``patches``, ``full_pairs``, ``window_pairs``)."""
     rows: int
     seq_len: int
     images: int = 0
     negatives: int = 0
+    # native resolution (images of their own sizes): the ViT's patch rows, and the (query, key) pairs its
+    # attention spans: within each frame (full attention) and within each window (windowed blocks)
+    patches: int = 0
+    full_pairs: int = 0
+    window_pairs: int = 0
 
 
 class Matmul(NamedTuple):
@@ -45,6 +51,12 @@ BERT_BLOCK = {"q": "attention.self.query", "k": "attention.self.key", "v": "atte
               "o": "attention.output.dense", "up": "intermediate.dense", "down": "output.dense"}
 DECODER_BLOCK = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
                  "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+def span_attention_products(pairs: int, heads: int, head_dim: int) -> list:
+    """QK^T and AV over variable-length spans (each query attends to its own span's keys only: a
+    varlen kernel, or one sdpa call per span) holding ``pairs`` (query, key) pairs in all."""
+    return [Matmul(heads * pairs, head_dim, 1, rescored=True), Matmul(heads * pairs, 1, head_dim)]
 
 
 def attention_products(rows: int, seq: int, heads: int, head_dim: int) -> list:

@@ -192,6 +192,13 @@ class ClipFamily(ImageTextFamily):
             # BERT's pooler is optional in saved BERTs (sentence encoders drop it): fresh when absent
             hf.load_part_weights(module, name, source, rules, optional=("text.head.pooler.",))
 
+    # ---- open_clip as a peer ---------------------------------------------------------------------
+    def open_clip_peer(self) -> tuple:
+        """(open_clip's model config of this model, open_clip_train's flags for its loss, what open_clip's
+        towers are): the peer run of ``mmpipe bench gpu``."""
+        from mmpipe.families.clip.open_clip_format import open_clip_config
+        return open_clip_config(self), ["--siglip"] if self.cfg.loss == "sigmoid" else [], "the same architecture"
+
     # ---- evaluation and profiling ---------------------------------------------------------------
     def evaluate(self, outputs: list, labels: list, samples: list) -> dict:
         """Zero-shot retrieval both ways over the val pairs; pairs sharing a caption match too."""

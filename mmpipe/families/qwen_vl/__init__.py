@@ -183,6 +183,14 @@ class Qwen25VLFamily(ChatFamily):
                 nn.init.normal_(sub.weight, std=getattr(t, "initializer_range", 0.02))
         return module
 
+    def micro_batch(self, batch: dict):
+        from mmpipe.families.qwen_vl import products
+        return products.micro_batch(self, batch, super().micro_batch(batch))
+
+    def matmuls(self, name: str, mb) -> list:
+        from mmpipe.families.qwen_vl import products
+        return products.matmuls(self, name, mb)
+
     def load_pretrained(self, module: nn.Module, name: str) -> None:
         from mmpipe.families.qwen_vl.adapter import LOAD_RULES
         if self._source is None:

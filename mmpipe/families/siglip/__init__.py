@@ -67,7 +67,9 @@ class SiglipFamily(ClipFamily):
                       "logit_scale": [r"^loss\.logit_scale$", r"^loss\.logit_bias$"]}
     freeze_shortcuts = {"freeze_vision": "vision", "freeze_text": "text"}
     # ``mmpipe bench peers --family siglip``: open_clip_train's --siglip trains SigLIP's loss on CLIP towers
-    # (its SigLIP towers are timm's, not installed here), so both systems train that job
+    # (its SigLIP towers are timm's, under names mmpipe's weights are not converted to, and that bench starts both
+    # systems from the same weights), so both systems train that job; mmpipe bench gpu, which needs no shared
+    # weights, runs open_clip's own SigLIP (open_clip_peer)
     open_clip_peer_sets = ("model.loss=sigmoid",)
 
     # ---- config ---------------------------------------------------------------------------------
@@ -163,6 +165,12 @@ class SiglipFamily(ClipFamily):
         ids = torch.randint(5, max(6, vocab), (micro_batch_size, self.text_length), generator=g)
         return {"pixel_values": pix.to(device), "input_ids": ids.to(device),
                 "attention_mask": torch.ones_like(ids).to(device)}
+
+    # ---- open_clip as a peer ---------------------------------------------------------------------
+    def open_clip_peer(self) -> tuple:
+        from mmpipe.families.siglip.open_clip_format import open_clip_config, open_clip_vision
+        flags = ["--siglip"] if self.cfg.loss == "sigmoid" else []
+        return open_clip_config(self), flags, f"open_clip's SigLIP: {open_clip_vision(self)}, its text transformer"
 
     # ---- transformers format --------------------------------------------------------------------
     def hf_export(self, state, tokenizer, data_cfg=None):
