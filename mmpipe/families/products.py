@@ -84,3 +84,16 @@ def block_products(tokens: int, rows: int, seq: int, names: dict, width: int, in
     out += [Matmul(tokens, width, inter, names[k]) for k in ("gate", "up") if k in names]
     out.append(Matmul(tokens, inter, width, names["down"], recomputed=post_norm))
     return out
+
+
+def decoder_products(name: str, mb: MicroBatch, t) -> list:
+    """A chat decoder's layers on every (padded) token position of ``mb``, from its transformers text
+    config ``t``: ``llm.blocks.i`` (a decoder block of Llama's / Qwen2's module names, grouped key/value
+    heads), ``llm.head`` (its norm, then the LM head), ``llm.embed`` (none: a lookup and a scatter)."""
+    tokens = mb.rows * mb.seq_len
+    if name.startswith("llm.blocks."):
+        return block_products(tokens, mb.rows, mb.seq_len, DECODER_BLOCK, t.hidden_size, t.intermediate_size,
+                              t.num_attention_heads, t.num_key_value_heads, head_dim=getattr(t, "head_dim", None))
+    if name == "llm.head":
+        return [Matmul(tokens, t.hidden_size, t.vocab_size, "lm_head", 1, recomputed=False)]
+    return []

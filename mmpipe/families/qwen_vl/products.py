@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mmpipe.families.products import DECODER_BLOCK, Matmul, MicroBatch, block_products, span_attention_products
+from mmpipe.families.products import Matmul, MicroBatch, decoder_products, span_attention_products
 
 VISION_BLOCK = {"qkv": "attn.qkv", "o": "attn.proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
                 "down": "mlp.down_proj"}
@@ -69,10 +69,4 @@ def matmuls(family, name: str, mb: MicroBatch) -> list:
     if name == "merger":
         tokens, wide = patches // merge ** 2, width * merge ** 2
         return [Matmul(tokens, wide, wide, "mlp.0", 1), Matmul(tokens, wide, v.out_hidden_size, "mlp.2", recomputed=False)]
-    tokens = mb.rows * mb.seq_len
-    if name.startswith("llm.blocks."):
-        return block_products(tokens, mb.rows, mb.seq_len, DECODER_BLOCK, t.hidden_size, t.intermediate_size,
-                              t.num_attention_heads, t.num_key_value_heads, head_dim=getattr(t, "head_dim", None))
-    if name == "llm.head":
-        return [Matmul(tokens, t.hidden_size, t.vocab_size, "lm_head", 1, recomputed=False)]
-    return []  # llm.embed: a lookup and a scatter
+    return decoder_products(name, mb, t)

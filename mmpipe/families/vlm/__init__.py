@@ -14,7 +14,7 @@ from mmpipe.families.base import Layer
 from mmpipe.families.chat.family import ChatFamily
 from mmpipe.families.chat.masks import mark_mask
 from mmpipe.families.chat.records import IMAGE
-from mmpipe.families.products import DECODER_BLOCK, Matmul, block_products
+from mmpipe.families.products import Matmul, decoder_products
 from mmpipe.families.towers import hf
 from mmpipe.families.towers.vision import vit_products
 from mmpipe.families.towers.common import (
@@ -162,13 +162,7 @@ class VlmFamily(ChatFamily):
             tokens = mb.images * self.n_image_tokens()
             return [Matmul(tokens, v.hidden_size, t.hidden_size, "linear_1", 0),
                     Matmul(tokens, t.hidden_size, t.hidden_size, "linear_2", recomputed=False)]
-        tokens = mb.rows * mb.seq_len
-        if name.startswith("llm.blocks."):
-            return block_products(tokens, mb.rows, mb.seq_len, DECODER_BLOCK, t.hidden_size, t.intermediate_size,
-                                  t.num_attention_heads, t.num_key_value_heads, head_dim=getattr(t, "head_dim", None))
-        if name == "llm.head":
-            return [Matmul(tokens, t.hidden_size, t.vocab_size, "lm_head", 1, recomputed=False)]
-        return []  # llm.embed: a lookup and a scatter
+        return decoder_products(name, mb, t)
 
     def _norm_cls(self):
         if self.arch == "llama":
