@@ -138,6 +138,15 @@ def test_the_bench_trains_open_clips_own_siglip_b16_beside_mmpipes(tmp_path):
         mm = plain_model(family)
     shapes = lambda model: {k: tuple(v.shape) for k, v in model.state_dict().items()}  # noqa: E731
     assert shapes(ours) == shapes(theirs)
+    # and the settings without parameters (causal mask, pooling, norms), as open_clip's own config file sets them
+    from open_clip.model import CLIPTextCfg, CLIPVisionCfg
+    ref = open_clip.get_model_config("ViT-B-16-SigLIP")
+    tokenizer_keys = {"hf_tokenizer_name", "tokenizer_kwargs"}
+    assert CLIPTextCfg(**oc_cfg["text_cfg"]) == CLIPTextCfg(**{k: v for k, v in ref["text_cfg"].items()
+                                                                if k not in tokenizer_keys})
+    assert CLIPVisionCfg(**oc_cfg["vision_cfg"]) == CLIPVisionCfg(**ref["vision_cfg"])
+    assert {k: v for k, v in oc_cfg.items() if not k.endswith("_cfg")} == {
+        k: v for k, v in ref.items() if not k.endswith("_cfg")}
     count = lambda model: sum(p.numel() for p in model.parameters())  # noqa: E731
     assert count(ours) == count(mm) == 203_155_970
     _, (tiny_cfg, _, tiny_towers) = family_and_peer(TINY_SIGLIP)

@@ -175,7 +175,8 @@ def run_mmpipe(name: str, spec: dict, data: list, args, tmp: str) -> dict:
 
 # ---- open_clip_train --------------------------------------------------------------------------------
 def run_open_clip(spec: dict, args, tmp: str, on_cpu: bool) -> dict:
-    """open_clip_train on the same architecture (one process, its synthetic data, amp_bf16)."""
+    """open_clip_train on the run's architecture, or on what open_clip has of it (the family's
+    ``open_clip_peer``: SigLIP's is open_clip's own), one process, its synthetic data, amp_bf16."""
     from mmpipe.config.schema import family_of, load_config, replace
     from mmpipe.data.tokenizer import StandInTokenizer
     cfg = load_config(spec["config"], spec["sets"])
@@ -224,7 +225,8 @@ def run_open_clip(spec: dict, args, tmp: str, on_cpu: bool) -> dict:
 
 # ---- transformers' Trainer ---------------------------------------------------------------------------
 def run_trainer(name: str, spec: dict, data: list, mm: dict, args, tmp: str) -> dict:
-    """transformers' Trainer (+ peft) on ``LlavaForConditionalGeneration`` built from the run's config,
+    """transformers' Trainer (+ peft) on the run's model in transformers (``LlavaForConditionalGeneration``,
+    ``Qwen2_5_VLForConditionalGeneration``) built from its config,
     on the samples mmpipe trained, encoded by mmpipe's chat encoder (the same ids and labels), padded
     per micro-batch."""
     from mmpipe.bench.trainer_worker import write_gpu_spec

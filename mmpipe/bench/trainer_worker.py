@@ -265,7 +265,11 @@ def _encoded_samples(run: str, count: int):
                 continue
             item = {"input_ids": torch.tensor(e.input_ids), "labels": torch.tensor(e.labels)}
             if e.images:
-                item.update(px.batch([px.load(p, "image", 0, 0)[0] for p in e.images]))
+                loaded = [px.load(p, f"image {p}", 0, 0) for p in e.images]
+                why = next((why for image, why in loaded if image is None), None)
+                if why:
+                    raise SystemExit(f"mmpipe bench gpu: the Trainer's samples: {why}")
+                item.update(px.batch([image for image, _ in loaded]))
                 if item["pixel_values"].dtype == torch.uint8:  # square images, normalised on mmpipe's device
                     item["pixel_values"] = normalize_pixels(item["pixel_values"], mean, std, torch.float32)
             out.append(item)
@@ -297,10 +301,11 @@ def _gpu_model(family, spec: dict, device):
 
 
 def gpu_main(spec_path: str) -> None:
-    """One process (the deepspeed launcher, one rank): ``LlavaForConditionalGeneration`` built from the
-    run's config on the device in bf16 (random weights), peft LoRA on the decoder's linears when the
-    run had LoRA, transformers' Trainer with DeepSpeed ZeRO-2 and bf16 (LLaVA's scripts), the same
-    samples padded per micro-batch; writes each step's seconds, the samples and tokens per step and
+    """One process (the deepspeed launcher, one rank): transformers' model of the run's config
+    (``LlavaForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``) built on the device in
+    bf16 (random weights), peft LoRA on the decoder's linears when the run had LoRA, transformers'
+    Trainer with DeepSpeed ZeRO-2 and bf16 (LLaVA's and ms-swift's route), the same samples padded per
+    micro-batch; writes each step's seconds, the samples and tokens per step and
     the allocator's peak."""
     import os
 

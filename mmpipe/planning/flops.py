@@ -134,7 +134,10 @@ def stage_flops(layers: list, parts: list) -> list:
 
 class StepCounter:
     """(model, hardware) FLOPs of a run's micro-batches, from their batch dicts (the host tensors'
-    shapes: no device read, no synchronisation), remembered per shape."""
+    shapes, and a native-resolution tower's host image grids: no device read, no synchronisation),
+    remembered per shape (the last ``REMEMBERED``: images of their own sizes make many)."""
+
+    REMEMBERED = 4096
 
     def __init__(self, family, t: Training, negatives: int = 0):
         self.family, self.training, self.negatives = family, t, negatives
@@ -143,6 +146,8 @@ class StepCounter:
     def __call__(self, batch: dict) -> tuple:
         mb = self.family.micro_batch(batch)._replace(negatives=self.negatives)
         if mb not in self._seen:
+            if len(self._seen) >= self.REMEMBERED:
+                self._seen.pop(next(iter(self._seen)))  # the oldest
             layers = layer_flops(self.family, mb, self.training)
             self._seen[mb] = (sum(la.model for la in layers), sum(la.hardware for la in layers))
         return self._seen[mb]

@@ -23,7 +23,8 @@ class DataStats:
     """Per-rank data counters for the current step: the bad-file reports of the micro-batches this
     rank consumed (merged over all ranks by the trainer into the run's ``BadSampleLedger``),
     samples drawn, seconds the training loop waited for the loader, and the analytic model and
-    hardware FLOPs of the micro-batches (``counter``: ``planning.flops.StepCounter``, from their shapes)."""
+    hardware FLOPs of the micro-batches (``counter``: ``planning.flops.StepCounter``, from their shapes
+    and host image grids)."""
 
     def __init__(self, sample_log: Optional[str] = None, rank: int = 0, stage: int = 0, counter=None):
         self.sample_log = open(sample_log, "a") if sample_log else None

@@ -5,6 +5,8 @@ read from the micro-batch's image grids (``micro_batch``: host values, no device
 fixed image size."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from mmpipe.families.products import Matmul, MicroBatch, decoder_products, span_attention_products
@@ -38,7 +40,9 @@ def micro_batch(family, batch: dict, mb: MicroBatch) -> MicroBatch:
         return mb._replace(images=0)
     values = getattr(grid, "_mmpipe_grid", grid)
     if values.device.type != "cpu":  # a device grid: reading it would wait for the device
-        return mb
+        warnings.warn("qwen_vl FLOPs: a micro-batch's image_grid_thw is on the device without its host values: its "
+                      "ViT is priced as one merge unit (tflops / mfu low); count FLOPs on the loader's host batch")
+        return mb._replace(images=int(grid.shape[0]))
     v = family.vision_cfg
     merge = v.spatial_merge_size
     patches, full, windowed = grid_shape(values.tolist(), merge, v.window_size // merge // v.patch_size)
@@ -60,7 +64,7 @@ def matmuls(family, name: str, mb: MicroBatch) -> list:
         kernel = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
         return [Matmul(patches, kernel, width, "proj", 0)]
     if name.startswith("vision.blocks."):
-        pairs = full if int(name.rsplit(".", 1)[1]) in v.fullatt_block_indexes else windowed
+        pairs = full if int(name.rsplit(".", 1)[1]) in (v.fullatt_block_indexes or ()) else windowed
         return ([Matmul(patches, width, 3 * width, VISION_BLOCK["qkv"], 1)]
                 + span_attention_products(pairs, heads, width // heads)
                 + [Matmul(patches, width, width, VISION_BLOCK["o"])]

@@ -3,18 +3,19 @@ beside mmpipe in ``mmpipe bench gpu``. open_clip ships SigLIP as timm's SigLIP V
 its attention-pooling head) and its own text transformer run as SigLIP's (bidirectional, pooled at the
 last position, a projection with bias): ``ViT-B-16-SigLIP``'s config, written here from the family's
 sizes. Without timm, or for a shape timm has no SigLIP ViT of (the tiny test configs), the image tower
-is open_clip's own ViT at the same sizes (a class token and a pre-norm: a few FLOPs more), and
-``open_clip_vision`` says which one it is."""
+is open_clip's own ViT at the same sizes (a class token, and the patches averaged where SigLIP's
+attention-pooling head attends over them), and ``open_clip_vision`` says which one it is."""
 from __future__ import annotations
 
 import importlib.util
 from typing import Optional
 
-# (width, blocks, patch, image size) -> timm's SigLIP ViT of that shape
+# (width, blocks, patch, image size) -> timm's SigLIP ViT of that shape (its MLP width and heads: TIMM_WIDTHS)
 TIMM_SIGLIP = {(768, 12, 16, 224): "vit_base_patch16_siglip_224", (768, 12, 16, 256): "vit_base_patch16_siglip_256",
                (768, 12, 16, 384): "vit_base_patch16_siglip_384", (768, 12, 16, 512): "vit_base_patch16_siglip_512",
                (1024, 24, 16, 256): "vit_large_patch16_siglip_256", (1024, 24, 16, 384): "vit_large_patch16_siglip_384",
                (1152, 27, 14, 224): "vit_so400m_patch14_siglip_224", (1152, 27, 14, 384): "vit_so400m_patch14_siglip_384"}
+TIMM_WIDTHS = {768: (3072, 12), 1024: (4096, 16), 1152: (4304, 16)}  # width -> (MLP width, attention heads)
 
 
 def timm_siglip_name(vision_config) -> Optional[str]:
@@ -22,7 +23,7 @@ def timm_siglip_name(vision_config) -> Optional[str]:
     or timm not installed."""
     v = vision_config
     name = TIMM_SIGLIP.get((v.hidden_size, v.num_hidden_layers, v.patch_size, v.image_size))
-    if name is None or v.intermediate_size != {768: 3072, 1024: 4096, 1152: 4304}[v.hidden_size]:
+    if name is None or (v.intermediate_size, v.num_attention_heads) != TIMM_WIDTHS[v.hidden_size]:
         return None
     return name if importlib.util.find_spec("timm") is not None else None
 
