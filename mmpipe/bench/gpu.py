@@ -185,7 +185,7 @@ def run_open_clip(spec: dict, args, tmp: str, on_cpu: bool) -> dict:
     tok = fam_cls.prepare_tokenizer(StandInTokenizer(vocab - len(fam_cls.special_tokens), fam_cls.special_tokens))
     cfg = replace(cfg, model=fam_cls.resolve(cfg.model, tok, cfg.data))
     family = fam_cls(cfg.model, cfg.train.seed)
-    oc_cfg, loss_flags, towers = family.open_clip_peer()  # the same architecture, or what open_clip has of it
+    oc_cfg, loss_flags, towers = family.open_clip_peer()  # (towers: None where they are the run's own)
     oc_cfg["text_cfg"]["context_length"] = cfg.data.max_length
     job = spec["job"]
     cfg_dir = os.path.join(tmp, f"open_clip_config_{job}")
@@ -216,7 +216,7 @@ def run_open_clip(spec: dict, args, tmp: str, on_cpu: bool) -> dict:
         times = [float(m.group(2)) for m in _OC_STEP.finditer(fh.read())]
     step = statistics.median(times[args.warmup:])
     peak = re.search(r"PEAK_MB (\d+)", text)
-    res = {"system": " ".join(["open_clip_train", *loss_flags]), "job": spec["job"], "step_s": step,
+    res = {"system": " ".join(["open_clip_train", *loss_flags]), "job": job, "step_s": step,
            "samples_per_step": batch, "samples_s": batch / step, "peak_mb": float(peak.group(1)) if peak else None,
            "wall_s": wall, "steps": len(times), "step_times": times, "towers": towers}
     _log(f"{res['system']} {job}: {res['samples_s']:.1f} samples/s, step {step * 1e3:.0f} ms, {wall:.0f} s")
@@ -334,7 +334,7 @@ def bench_gpu(args, tmp: str) -> int:
              "and labels) padded per micro-batch, bf16 weights. Qwen2.5-VL: images of mixed sizes at native "
              "resolution (each its own token count), the ViT frozen.")
     for r in ok:
-        if r.get("towers") not in (None, "the same architecture"):
+        if r.get("towers"):
             notes += f" {r['job']}: {r['system']} trains {r['towers']}."
     if not args.no_append and ok:
         cmd = "mmpipe bench gpu " + " ".join(shlex.quote(a) for a in sys.argv[3:])

@@ -194,10 +194,15 @@ class ClipFamily(ImageTextFamily):
 
     # ---- open_clip as a peer ---------------------------------------------------------------------
     def open_clip_peer(self) -> tuple:
-        """(open_clip's model config of this model, open_clip_train's flags for its loss, what open_clip's
-        towers are): the peer run of ``mmpipe bench gpu``."""
+        """(open_clip's model config, open_clip_train's flags for this model's loss, what open_clip's towers
+        are where they are not this model's, else None): the peer run of ``mmpipe bench gpu``."""
+        config, towers = self.open_clip_model()
+        return config, ["--siglip"] if self.cfg.loss == "sigmoid" else [], towers
+
+    def open_clip_model(self) -> tuple:
+        """(open_clip's model config of this model's architecture, None: its towers are this model's)."""
         from mmpipe.families.clip.open_clip_format import open_clip_config
-        return open_clip_config(self), ["--siglip"] if self.cfg.loss == "sigmoid" else [], "the same architecture"
+        return open_clip_config(self), None
 
     # ---- evaluation and profiling ---------------------------------------------------------------
     def evaluate(self, outputs: list, labels: list, samples: list) -> dict:

@@ -167,10 +167,9 @@ class SiglipFamily(ClipFamily):
                 "attention_mask": torch.ones_like(ids).to(device)}
 
     # ---- open_clip as a peer ---------------------------------------------------------------------
-    def open_clip_peer(self) -> tuple:
+    def open_clip_model(self) -> tuple:
         from mmpipe.families.siglip.open_clip_format import open_clip_config, open_clip_vision
-        flags = ["--siglip"] if self.cfg.loss == "sigmoid" else []
-        return open_clip_config(self), flags, f"open_clip's SigLIP: {open_clip_vision(self)}, its text transformer"
+        return open_clip_config(self), f"open_clip's SigLIP: {open_clip_vision(self)}, its text transformer"
 
     # ---- transformers format --------------------------------------------------------------------
     def hf_export(self, state, tokenizer, data_cfg=None):
