@@ -336,3 +336,72 @@ def test_cost_balance_refuses_a_loss_that_depends_on_the_grouping(capsys, tmp_pa
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert rc == 2 and len(lines) == 1 and "data.balance=cost regroups" in lines[0], lines
     assert "model.negatives=global" in lines[0]
+
+
+# ---- a memory budget bounds every cut -----------------------------------------------------------------
+def _stage_mem(prof, parts, P, M):
+    """The planner's bytes per stage (what ``parallel.memory_budget_gb`` caps): parameters and state, and
+    activations in flight."""
+    from mmpipe.planning.memory import bytes_per_param, in_flight
+    from mmpipe.planning.place import layer_costs
+    per_t, per_f = bytes_per_param("fp32", 0, 1)
+    mem = [c.static_bytes(per_t, per_f) + in_flight(0, P, M) * c.act_bytes for c in layer_costs(prof)]
+    return [sum(mem[a:b]) for a, b in zip(parts, parts[1:])]
+
+
+def test_auto_returns_only_a_cut_under_the_memory_cap_and_says_which_was_over():
+    """The modality cut is as fast as any, but its vision stage holds six layers: under a cap below that,
+    ``auto`` returns a balanced cut that fits and says the modality one was over; ``modality`` alone is
+    one line."""
+    from mmpipe.errors import ConfigError
+    from mmpipe.planning.place import place as plan
+    prof, names, branches = _profile(2.0 / 3, 4.0 / 3)  # both branches 12 units: modality is balanced
+    modality = plan(names, branches, 2, "modality", 4, prof=prof).parts
+    cap = max(_stage_mem(prof, modality, 2, 4)) - 1
+    p = plan(names, branches, 2, "auto", 4, prof=prof, memory_cap=cap)
+    assert p.chosen == "balanced" and max(_stage_mem(prof, p.parts, 2, 4)) <= cap
+    assert set(p.predicted) == {"balanced"} and "over parallel.memory_budget_gb: modality" in p.why
+    assert plan(names, branches, 2, "auto", 4, prof=prof).parts == modality  # (without the cap: modality)
+    with pytest.raises(ConfigError, match="no cut fits the memory cap"):
+        plan(names, branches, 2, "modality", 4, prof=prof, memory_cap=cap)
+
+
+def test_a_replan_moves_only_to_a_cut_under_the_memory_budget():
+    """``parallel.replan: auto`` chooses its new cut under ``parallel.memory_budget_gb``: the first layers
+    hold large activations, so the fastest cut (half the layers each) is over the budget and the move
+    goes to one that fits."""
+    from types import SimpleNamespace
+
+    import mmpipe
+    from helpers import TINY
+
+    from mmpipe.config.resolve import build_family
+    from mmpipe.parallel.plan import Plan
+    from mmpipe.parallel.topology import Topology
+    from mmpipe.planning.profiler import LayerCost
+    from mmpipe.train.replan import Replanner
+    fam = build_family(mmpipe.load_config(TINY, ["model.text.vocab_size=300"]).model, 0)
+    names, segments = fam.layer_names(), fam.segments()
+    n = len(names)
+    prof = {"layers": [LayerCost(name, 1.0, 2.0, act_bytes=10**6 if i < n // 2 else 10**3, out_bytes=100,
+                                 param_bytes=400, params=100, trainable=100).to_dict() for i, name in enumerate(names)],
+            "comm": {"latency_s": 0.0, "s_per_byte": 0.0}}
+    big = _stage_mem(prof, [0, 1, 2], 2, 4)[0]  # one large layer
+    small = _stage_mem(prof, [n - 2, n - 1, n], 2, 4)[0]
+    cap_gb = (n // 2 - 2) * big / 2**30 + (n - n // 2) * small / 2**30 + 1e-12
+
+    def decide(budget):
+        cfg = mmpipe.load_config(TINY, ["model.text.vocab_size=300", "parallel.replan=auto",
+                                        "parallel.replan_window=1", "parallel.replan_margin=0.05"]
+                                 + ([f"parallel.memory_budget_gb={budget}"] if budget else []))
+        run = SimpleNamespace(cfg=cfg, family=fam, frozen=(None, frozenset(), frozenset()), is_reporter=False,
+                              topo=Topology(world_size=2, pipeline_stages=2, micro_batch_size=4, batch_size=16),
+                              plan=Plan(names, segments, [0, 1, n], "modality", 4, 4))
+        r = Replanner(run, 0)
+        r.prof, r.seen = prof, [(0.2, [0.01, 0.19])]  # the poor cut's measured step: stage 1 does all
+        return r._decide(run)
+    free = decide(None)
+    assert max(_stage_mem(prof, free["new_parts"], 2, 4)) > cap_gb * 2**30  # the fastest cut: over the budget
+    capped = decide(cap_gb)
+    assert capped is not None and capped["new_parts"] != [0, 1, n]
+    assert max(_stage_mem(prof, capped["new_parts"], 2, 4)) <= cap_gb * 2**30

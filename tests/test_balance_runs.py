@@ -102,12 +102,7 @@ def test_cost_balanced_micro_batches_train_exactly_like_the_reference(family_run
     # never much slower: the objective may give up a little predicted step for evener slots
     assert all(g >= 0.95 for g in gains), gains
     # every step trained on the reference's samples, grouped otherwise (the sampler's own order: rank 0's log)
-    logged: dict = {}
-    for name in sorted(os.listdir(os.path.join(out, "samples"))):
-        for line in open(os.path.join(out, "samples", name)):
-            r = json.loads(line)
-            if r["stage"] == 0:
-                logged.setdefault(r["step"], []).append(tuple(sorted(r["keys"])))
+    logged = _logged_groups(out)
     ref_logged = _plain_groups(ref, 4)
     assert [sorted(k for g in logged[s] for k in g) for s in range(1, 5)] == \
         [sorted(k for g in ref_logged[s] for k in g) for s in range(1, 5)]
@@ -123,6 +118,23 @@ def test_cost_balanced_micro_batches_train_exactly_like_the_reference(family_run
     for r in refits:
         assert len(r["vision_scale"]) == 2 and all(b >= 0 for b in r["base_ms"])
         assert sum(r["error_after"]) <= sum(r["error_before"]), r
+
+
+def _logged_groups(out: str) -> dict:
+    """{step: the keys of each micro-batch} the first stage's ranks read (``data.log_samples``)."""
+    logged: dict = {}
+    for name in sorted(os.listdir(os.path.join(out, "samples"))):
+        for line in open(os.path.join(out, "samples", name)):
+            r = json.loads(line)
+            if r["stage"] == 0:
+                logged.setdefault(r["step"], []).append(tuple(sorted(r["keys"])))
+    return logged
+
+
+def _regrouped(out: str, steps: int) -> bool:
+    """Whether a ``data.balance: cost`` run grouped some step's samples otherwise than the sampler."""
+    logged, plain = _logged_groups(out), _plain_groups(out, steps)
+    return any(sorted(logged[s]) != sorted(plain[s]) for s in range(1, steps + 1))
 
 
 def _plain_groups(ref: str, steps: int) -> dict:
@@ -173,6 +185,11 @@ def test_replan_moves_a_poor_cut_once_and_trains_exactly_like_the_reference(runs
     np.testing.assert_allclose(train_losses(out), train_losses(ref), rtol=1e-5)
     final = load_model_weights(os.path.join(out, "checkpoints"), "global_step6")
     assert_weights_close(final, _weights(ref, 6), rtol=1e-4)
+    # under torch's elastic agent (accelerate launch, as torchrun): the continued ranks meet again (the agent
+    # serves only its own port), and train the same
+    elastic, proc = runs.get("p2_replan_elastic", 2, sets + ["parallel.replan=auto"], launcher="accelerate")
+    assert len(read_metrics(os.path.join(elastic, "metrics.jsonl"), "replan")) == 1, proc.stdout[-2000:]
+    np.testing.assert_allclose(train_losses(elastic), train_losses(ref), rtol=1e-5)
     stayed, _ = runs.get("p2_replan_off", 2, sets + ["parallel.replan=off"], flags=["--stop-at", "3"])
     assert read_metrics(os.path.join(stayed, "metrics.jsonl"), "replan") == []
     assert json.load(open(os.path.join(stayed, "plan.json")))["parts"] == [0, 1, len(names)]

@@ -243,11 +243,15 @@ def test_bert_and_frozen_towers_train_like_one_micro_batch(runs, name, extra):
                                       "python"), one)
 
 
-def test_dropout_under_data_parallelism_draws_each_micro_batchs_own_masks(runs):
-    """BERT dropout 0.1: rank r's micro-batches draw the masks of their index in the step (r x A + k),
-    so DP2 x 2 micro-batches, at P = 1 and on two stages, trains as one process over the same 4."""
+def test_dropout_is_drawn_per_sample_in_every_grouping_and_layout(runs):
+    """BERT dropout 0.1 (hidden and attention): each sample draws its masks from its own key
+    (``sample_rng``), so one micro-batch of 16 trains as four of 4 (other rows, other padding), and DP2 x
+    2 micro-batches, at P = 1 and on two stages, as one process over the same 4."""
     extra = ["model.text.arch=bert", "model.text.dropout=0.1"]
     p1 = _steps4(runs, "gn_p1x4_dropout", 1, ["parallel.pipeline_stages=1"] + extra, "python")
+    _assert_same_training(_steps4(runs, "gn_one_dropout", 1, ONE_MICRO_BATCH + extra, "python"), p1)
+    assert abs(train_losses(p1)[1] - train_losses(_steps4(runs, "gn_p1x4", 1, ["parallel.pipeline_stages=1"],
+                                                              "python"))[1]) > 1e-4  # (dropout is on)
     dp2 = _steps4(runs, "gn_dp2x2_dropout", 2, ["parallel.pipeline_stages=1", "parallel.micro_batch_size=4"] + extra)
     _assert_same_training(dp2, p1)
     p2dp2 = _steps4(runs, "gn_p2dp2_dropout", 4, ["parallel.pipeline_stages=2", "parallel.zero_stage=1"] + extra)

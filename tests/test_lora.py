@@ -213,9 +213,10 @@ def ours_cfg_data(run):
 
 
 def test_lora_with_dropout_is_the_same_run_in_every_layout_and_resumes_exactly(lora_runs, lora_data, tmp_path):
-    """With ms-swift's LoRA dropout (p > 0) every micro-batch draws its dropout masks from (seed, step,
-    layer, its index in the step): P = 1 and P2 x DP2 give the same losses and adapters, and the P = 1
-    checkpoint at step 4 resumed at P = 2 continues as the straight P2 x DP2 run does to step 6."""
+    """With ms-swift's LoRA dropout (p > 0) every sample draws its dropout masks from (seed, step, layer,
+    its key): P = 1 and P2 x DP2 with ``data.balance: cost`` (the step's samples regrouped) give the same
+    losses and adapters, and the P = 1 checkpoint at step 4 resumed at P = 2 (no regrouping) continues as
+    the straight regrouped P2 x DP2 run does to step 6."""
     import shutil
 
     from helpers import launch
@@ -223,7 +224,10 @@ def test_lora_with_dropout_is_the_same_run_in_every_layout_and_resumes_exactly(l
     from mmpipe.families.lora import adapter_state
     drop = [s for s in LORA_SETS if not s.startswith("optim.lora_dropout")] + ["optim.lora_dropout=0.1"]
     p1 = lora_runs.get("p1_drop", 1, drop + ["parallel.pipeline_stages=1"], "python", flags=["--stop-at", "4"])[0]
-    straight = lora_runs.get("p2dp2_drop", 4, drop + ["parallel.pipeline_stages=2"])[0]  # to step 6
+    straight = lora_runs.get("p2dp2_drop", 4, drop + ["parallel.pipeline_stages=2", "data.balance=cost",
+                                                      "data.log_samples=true"])[0]  # to step 6
+    from test_balance_runs import _regrouped
+    assert _regrouped(straight, 6), "nothing was regrouped: the test would not see a mask that follows the slot"
     ref_losses, _, _, _ = _reference(lora_runs, lora_data)
     assert abs(train_losses(p1)[1] - ref_losses[1]) > 1e-6  # dropout is on: the run is not the dropout-free one
     np.testing.assert_allclose(train_losses(p1), train_losses(straight)[:4], rtol=1e-5, atol=1e-6)

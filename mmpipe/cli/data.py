@@ -29,6 +29,9 @@ def cmd_data_synth(args) -> int:
         print(f"wrote {info['n_train']} train and {info['n_val']} val chat samples (ms-swift JSONL): "
               f"{info['train']} {info['val']}")
         return 0
+    if args.sizes:
+        raise ConfigError(f"--sizes is for the chat kinds (images of several sizes); --kind {args.kind} writes square "
+                          "images of one --size")
     info = synth(args.out, args.n, val_fraction=args.val_fraction, size=args.size or 96, seed=args.seed)
     print(f"wrote {info['n_train']} train and {info['n_val']} val pairs: {info['train']} {info['val']}")
     return 0

@@ -262,6 +262,10 @@ _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "tru
 def _check_type(key: str, tp, value, where: str):
     if tp in (str, "str") and value is False and key in _YAML_OFF:  # YAML 1.1 reads a bare off as false
         return "off"
+    if tp in (str, "str") and isinstance(value, bool) and key in _CHOICES:  # ... and on / yes / true as true
+        typed = "on/yes/true" if value else "off/no/false"
+        raise ConfigError(f"{where}: {key}={typed} (YAML's {str(value).lower()}) is not one of "
+                          f"{', '.join(_CHOICES[key])}")
     origin = typing.get_origin(tp)
     if origin is typing.Union:  # Optional[X] or Union[X, Y]
         args = [a for a in typing.get_args(tp) if a is not type(None)]

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from mmpipe.data.manifest import Sample
 from mmpipe.data.sampler import _item_key
+from mmpipe.data.sample_keys import key_fields, sample_key
 from mmpipe.errors import DataError
 
 
@@ -103,6 +104,7 @@ class Collate:
         for i, x in enumerate(ids):
             input_ids[i, :len(x)] = torch.as_tensor(x, dtype=torch.int64)
             mask[i, :len(x)] = 1
+        keys = [sample_key(it["index"], it.get("key", "")) for it in items]  # each sample's dropout (sample_rng)
         return {
             "pixel_values": torch.stack([it["pixel_values"] for it in items]),
             "input_ids": input_ids,
@@ -110,6 +112,7 @@ class Collate:
             "index": torch.tensor([it["index"] for it in items]),
             "keys": [it.get("key", str(it["index"])) for it in items],
             "bad": [b for it in items for b in it["bad"]],
+            **key_fields([[(k, min(len(x), n))] for k, x in zip(keys, ids)], [(k, -1) for k in keys]),
         }
 
 

@@ -107,6 +107,7 @@ def synth_vlm(out: str, n: int, val_fraction: float = 0.1, size: int = 64, seed:
     ``width``: wider frames (see ``make_vlm_sample``); ``questions``: ask only these; ``sizes``: (width,
     height) frames, each image one of them at random (mixed sizes for native-resolution models; in place
     of ``size`` / ``width``), its shapes in its centre square."""
+    n_val = split_counts(n, val_fraction)  # (the flags checked before any image is written)
     os.makedirs(os.path.join(out, "images"), exist_ok=True)
     rng = random.Random(seed)
     rows = []
@@ -132,7 +133,6 @@ def synth_vlm(out: str, n: int, val_fraction: float = 0.1, size: int = 64, seed:
         for j, (q, a) in enumerate(turns):
             msgs += [{"role": "user", "content": ("<image>\n" if j == 0 else "") + q}, {"role": "assistant", "content": a}]
         rows.append({"messages": msgs, "images": [rel]})
-    n_val = max(1, int(round(n * val_fraction)))
     for name, part in (("val.jsonl", rows[:n_val]), ("train.jsonl", rows[n_val:])):
         with open(os.path.join(out, name), "w") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in part)
@@ -172,10 +172,24 @@ def synth_skewed_chat(out: str, n: int, size: int = 64, seed: int = 0) -> dict:
     return {"train": path, "n_train": n}
 
 
+def split_counts(n: int, val_fraction: float) -> int:
+    """Val samples of ``n`` (at least one, and at least one left to train on); one line for flags that
+    cannot give that (``--n``, ``--val-fraction``)."""
+    from mmpipe.errors import ConfigError
+    if n < 2:
+        raise ConfigError(f"--n {n}: give at least 2 samples (one to train on, one to hold out)")
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(f"--val-fraction {val_fraction}: give a fraction in [0, 1) (the share held out for validation)")
+    n_val = max(1, int(round(n * val_fraction)))
+    if n_val >= n:
+        raise ConfigError(f"--val-fraction {val_fraction} of --n {n} leaves no training sample: lower it or raise --n")
+    return n_val
+
+
 def synth(out: str, n: int, val_fraction: float = 0.1, size: int = 96, seed: int = 0, progress: bool = True) -> dict:
+    n_val = split_counts(n, val_fraction)
     os.makedirs(os.path.join(out, "images"), exist_ok=True)
     rng = random.Random(seed)
-    n_val = max(1, int(round(n * val_fraction)))
     rows = []
     it = range(n)
     if progress:

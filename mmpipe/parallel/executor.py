@@ -9,7 +9,10 @@ time (duck-typed: ``name``, ``step``, ``eval_step``):
   (DeepSpeed sends back a gradient for every float tensor a stage received);
 - **activation checkpointing**: a trained layer keeps only its inputs and recomputes in backward;
 - **dropout replay** (``replay``): each layer's random numbers come from (seed, step, layer,
-  micro-batch), so a step loss's two passes and every layout draw the same masks;
+  micro-batch), so a step loss's two passes and every layout draw the same masks; with ``keyed``
+  (a stochastic model's runs) the micro-batch's inputs end in its sample keys (``sample_rng``), which
+  every layer passes on, and each sample's dropout is drawn from its own key (regrouping and packing
+  keep its masks);
 - **the features pass** (``features``): the step loss's layers hand out their ``eval_step`` outputs;
 - **the frozen-prefix memo** (``memo``): the training pass of a step loss takes the prefix's outputs
   recorded by the forward-only pass instead of recomputing them;
@@ -22,6 +25,8 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+
+from mmpipe.parallel.sample_rng import KEY_FIELDS, Layout
 
 
 class LayerExecutor:
@@ -36,6 +41,8 @@ class LayerExecutor:
         self.replay = None
         self.memo = None
         self.surrogate = None
+        self.keyed = False  # acts end in the sample keys (``sample_rng.KEY_FIELDS``)
+        self.axis_of: dict = {}  # layer -> "vision" | "tokens": which keys its dropout reads
 
     def run(self, layer, module, acts, training: bool, evaluating: bool = False):
         """``layer`` (its ``module``) on the activation tuple ``acts``."""
@@ -44,8 +51,15 @@ class LayerExecutor:
             # the training pass: the prefix ran in the first pass; its last layer hands out the record
             return self._as_forward_only(memo.take(), acts) if layer.name == memo.last else acts
         step = layer.eval_step if (evaluating or self.features) and layer.eval_step is not None else layer.step
+        keys = ()
+        if self.keyed:  # the sample keys ride at the end of the tuple: every layer passes them on
+            acts, keys = acts[:-len(KEY_FIELDS)], acts[-len(KEY_FIELDS):]
+            if training and self.replay is not None:
+                step = self.replay.keyed(step, layer.name, Layout(*keys), self.axis_of.get(layer.name, "tokens"))
         with self.replay.rng(layer.name) if self.replay is not None and training else nullcontext():
             out = self._call(layer.name, step, module, acts, training)
+        if keys and layer.name != self.last:
+            out = tuple(out) + tuple(keys)
         if self.surrogate is not None and layer.name == self.last and torch.is_grad_enabled():
             return self.surrogate(out)
         if memo is not None and layer.name == memo.last:

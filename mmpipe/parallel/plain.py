@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from mmpipe.parallel.executor import LayerExecutor
+from mmpipe.parallel.sample_rng import KEY_FIELDS
 
 
 class PlainModel(nn.Module):
@@ -37,15 +38,19 @@ class PlainModel(nn.Module):
             acts = self.executor.run(layer, self._module_of[layer.name], acts, self.training, evaluating)
         return acts
 
+    def _n_inputs(self) -> int:
+        """The family's first-stage fields, and the sample keys after them in a keyed run (``sample_rng``)."""
+        return len(self.family.inputs) + (len(KEY_FIELDS) if self.executor.keyed else 0)
+
     def forward(self, *fields):
-        n = len(self.family.inputs)
+        n = self._n_inputs()
         out = self.run_layers(tuple(fields[:n]))
         if self.family.labels and not self.executor.features:
             return self.family.loss(out, *fields[n:])
         return out
 
     def eval_outputs(self, *inputs):
-        return self.run_layers(tuple(inputs[:len(self.family.inputs)]), evaluating=True)
+        return self.run_layers(tuple(inputs[:self._n_inputs()]), evaluating=True)
 
 
 _WITH_API: dict = {}

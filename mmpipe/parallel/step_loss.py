@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmpipe.parallel.ds_compat import is_zero3_param
+from mmpipe.parallel.sample_rng import KeyedDropout, mix
 
 
 class StepLossCache:
@@ -152,7 +153,8 @@ def replayed_rng(seed: int, step: int, name: str, micro_batch: int):
 
 
 class Replay:
-    """Per-layer counters of forwards within one pass; ``start(step)`` begins a pass."""
+    """Per-layer counters of forwards within one pass; ``start(step)`` begins a pass. A keyed run's
+    dropout is drawn per sample (``keyed``); what cannot be keyed draws from the micro-batch's slot."""
 
     def __init__(self, seed: int, offset: int = 0):
         """``offset``: the step's index of this rank's first micro-batch (data-parallel rank x
@@ -166,3 +168,13 @@ class Replay:
         k = self.calls.get(name, 0)
         self.calls[name] = k + 1
         return replayed_rng(self.seed, self.step, name, k + self.offset)
+
+    def keyed(self, step, name: str, layout, axis: str):
+        """``step`` drawing its dropout per sample (``sample_rng.KeyedDropout``) from (seed, step, layer):
+        the mode is entered inside the call, so an activation checkpoint's recompute draws alike."""
+        base = mix(self.seed, self.step, int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little"))
+
+        def run(module, acts):
+            with KeyedDropout(base, layout, axis, name):
+                return step(module, acts)
+        return run

@@ -30,6 +30,7 @@ from mmpipe.parallel.module import MMPipelineModule
 from mmpipe.parallel.stage_clock import StageClock
 from mmpipe.parallel.step_loss import FirstPassMemo, Replay, StepLossCache, frozen_prefix, is_stochastic
 from mmpipe.parallel.plain import plain_model
+from mmpipe.parallel.sample_rng import KEY_FIELDS
 
 LABEL_PLACEHOLDER = torch.zeros(1)  # DeepSpeed's last stage reads "labels"; a family without labels gets this
 
@@ -73,6 +74,30 @@ class Pipeline:
         return PipelineRunner(engine, self.topo, stage_timing)
 
 
+def keyed_dropout(module, executor, dp_rank: int, accumulation: int, everywhere: bool) -> bool:
+    """Set up a model that draws dropout (a tower's, LoRA's; ``everywhere``: on any pipeline stage) to draw
+    each sample's from its own key (``sample_rng``) and anything else from (seed, step, layer, the
+    micro-batch's index in the step: rank ``dp_rank``'s first is ``dp_rank`` x ``accumulation``): the same
+    numbers in every layout, grouping and packing. Returns whether the batches carry the sample keys."""
+    mine = is_stochastic(module)
+    if everywhere:  # a stage without dropout still passes the keys on: every stage decides alike
+        flag = torch.tensor([float(mine)], device=_collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        mine = bool(flag.item())
+    if not mine:
+        return False
+    family = module.family
+    executor.replay = Replay(family.seed, offset=dp_rank * accumulation)
+    executor.keyed = True
+    executor.axis_of = {layer.name: family.cost_driver(layer.segment) for layer in family.layers()}
+    return True
+
+
+def _collective_device():
+    from deepspeed.accelerator import get_accelerator
+    return torch.device(get_accelerator().current_device_name())
+
+
 def strategy_for(topo):
     return Pipeline if topo.pipeline_stages > 1 else DataParallel
 
@@ -87,20 +112,19 @@ class PlainRunner:
         module, A, D = engine.module, topo.accumulation_steps, topo.data_parallel
         self.cache = None  # a step loss over more than one micro-batch: the feature cache
         run = module.executor  # how every layer runs (parallel.executor)
-        if not module.family.step_loss and is_stochastic(module):  # dropout (e.g. LoRA's): each micro-batch's
-            # numbers from (seed, step, layer, its index in the step), the same in every layout
-            run.replay = Replay(module.family.seed, offset=(dist.get_rank() if D > 1 else 0) * A)
+        self.keyed = keyed_dropout(module, run, dist.get_rank() if D > 1 else 0, A, everywhere=False)
         if module.family.step_loss and A * D > 1:
             loss_module = module.get_submodule(module.family.layer_names()[-1])
             self.cache = StepLossCache(module.family, loss_module, A, D, dist.get_rank() if D > 1 else 0)
-            if is_stochastic(module):  # offset by rank as above: rank r's micro-batches draw their own masks
-                run.replay = Replay(module.family.seed, offset=(dist.get_rank() if D > 1 else 0) * A)
             prefix = frozen_prefix(module.family.layer_names(), run.forward_only)
             if prefix and A > 1 and engine.zero_optimization_stage() < 3:  # ZeRO-3 traces the modules' order
                 run.memo = FirstPassMemo(prefix)
 
     def _to_device(self, tensors):
-        return tuple(t.to(self.engine.device, non_blocking=True) for t in tensors)
+        """The fields on the engine's device; the sample keys stay on the host, where dropout reads them."""
+        n = len(self.engine.module.family.inputs)
+        keys = range(n, n + len(KEY_FIELDS)) if self.keyed else ()
+        return tuple(t if i in keys else t.to(self.engine.device, non_blocking=True) for i, t in enumerate(tensors))
 
     def _step_loss_step(self, data_iter, step: int) -> torch.Tensor:
         """The step's micro-batches forward-only for their features, the batch loss, then each
@@ -183,9 +207,9 @@ class PipelineRunner:
             self.clock = StageClock(engine)
         self.cache = self.replay = self.memo = None
         family, run = engine.module.family, engine.module.executor  # how this stage's layers run
-        if is_stochastic(engine.module):  # dropout: as PlainRunner's
-            self.replay = run.replay = Replay(family.seed,
-                                              offset=engine.grid.get_data_parallel_rank() * topo.accumulation_steps)
+        self.keyed = keyed_dropout(engine.module, run, engine.grid.get_data_parallel_rank(), topo.accumulation_steps,
+                                   everywhere=True)
+        self.replay = run.replay
         if family.step_loss:  # every layer hands out features; the last stage's loss is the surrogate
             run.features = True
             names = [m.name for m in engine.module.modules() if isinstance(m, PipeLayer)]

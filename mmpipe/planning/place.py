@@ -48,8 +48,8 @@ def place(names: list, segments: list, num_stages: int, placement: str, micro_ba
         plan.parts, plan.costs = ds_parts(weights, num_stages, placement, names), "deepspeed"
     elif prof is not None:
         try:
-            plan.parts, preds = _measured_parts(prof, segments, num_stages, placement, micro_batches, memory_cap,
-                                                precision, zero_stage, data_parallel)
+            plan.parts, preds, over = _measured_parts(prof, segments, num_stages, placement, micro_batches,
+                                                      memory_cap, precision, zero_stage, data_parallel)
         except ValueError as e:
             raise ConfigError(f"parallel.placement={placement}: {e}; raise parallel.memory_budget_gb or use more "
                               "stages") from None
@@ -58,6 +58,9 @@ def place(names: list, segments: list, num_stages: int, placement: str, micro_ba
             ranked = sorted(plan.predicted.items(), key=lambda kv: kv[1]["step_time"])
             plan.chosen = ranked[0][0]
             plan.why = "fastest predicted step: " + ", ".join(f"{k} {1e3 * v['step_time']:.1f} ms" for k, v in ranked)
+            if over:  # a faster cut that does not fit is no candidate: said
+                plan.why += "; over parallel.memory_budget_gb: " + ", ".join(
+                    f"{k} ({v / 2**30:.3g} GB on its fullest stage)" for k, v in over.items())
     else:
         try:
             plan.parts = (modality_partition(param_costs, segments, num_stages) if placement == "modality"
@@ -81,9 +84,10 @@ def place(names: list, segments: list, num_stages: int, placement: str, micro_ba
 
 def _measured_parts(prof: dict, segments: list, num_stages: int, placement: str, micro_batches: int,
                     memory_cap: Optional[int], precision: str, zero_stage: int, data_parallel: int) -> tuple:
-    """(parts, {placement: predicted SimResult}) from measured costs (forward + backward per layer,
-    and the recomputed forward under checkpointing; a frozen forward-only layer costs its forward
-    alone)."""
+    """(parts, {placement: predicted SimResult}, {placement over ``memory_cap``: its fullest stage's bytes})
+    from measured costs (forward + backward per layer, and the recomputed forward under checkpointing; a
+    frozen forward-only layer costs its forward alone). Under ``memory_cap`` only cuts that fit are
+    candidates; none: ValueError."""
     costs = layer_costs(prof)
     recomputed = recomputed_ms(prof, costs)
     per_t, per_f = bytes_per_param(precision, zero_stage, data_parallel)
@@ -103,6 +107,16 @@ def _measured_parts(prof: dict, segments: list, num_stages: int, placement: str,
     if placement in ("balanced", "auto"):
         candidates["balanced"] = min_max_partition(work, num_stages, memory=mem if memory_cap is not None else None,
                                                    memory_cap=memory_cap)
+    over = {}
+    if memory_cap is not None:  # every cut a plan can return fits the cap (the balanced one is cut under it)
+        for name, parts in list(candidates.items()):
+            peak = max(sum(mem[a:b]) for a, b in zip(parts, parts[1:]))
+            if peak > memory_cap:
+                over[name] = peak
+                del candidates[name]
+        if not candidates:
+            raise ValueError(f"no cut fits the memory cap ({memory_cap / 2**30:.3g} GB a stage; the {placement} cut "
+                             f"needs {min(over.values()) / 2**30:.3g} GB)")
     predictions = {name: predict(prof, parts, micro_batches) for name, parts in candidates.items()}
     if placement == "auto":
         if prof.get("timed") is False:  # no times: the placement with the lower peak
@@ -110,8 +124,8 @@ def _measured_parts(prof: dict, segments: list, num_stages: int, placement: str,
                                                                   zero_stage, data_parallel, schedule_of(prof))))
         else:
             best = min(candidates, key=lambda n: predictions[n].step_time)
-        return candidates[best], predictions
-    return candidates[placement], predictions
+        return candidates[best], predictions, over
+    return candidates[placement], predictions, over
 
 
 def layer_costs(prof: dict) -> list:

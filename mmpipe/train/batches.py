@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from mmpipe.data.source import build_train_loader
+from mmpipe.parallel.sample_rng import KEY_FIELDS
 from mmpipe.parallel.strategies import LABEL_PLACEHOLDER
 from mmpipe.planning.flops import step_counter
 from mmpipe.planning.prices import stage_prices
@@ -56,9 +57,11 @@ class DataStats:
         self.reports.extend((str(path), str(why)) for path, why in batch["bad"])
 
 
-def _as_pipe_batches(loader, stats: DataStats, family, count: bool = True):
+def _as_pipe_batches(loader, stats: DataStats, family, count: bool = True, keyed: bool = False):
     """(first-stage fields, last-stage fields) per micro-batch; ``count``: this rank's draws and bad
-    files count for the run (the first stage's; a last stage that reads only for labels does not)."""
+    files count for the run (the first stage's; a last stage that reads only for labels does not);
+    ``keyed``: the first-stage fields end in the sample keys (a model that draws dropout: ``sample_rng``)."""
+    fields = tuple(family.inputs) + (KEY_FIELDS if keyed else ())
     it = iter(loader)
     while True:
         t0 = time.perf_counter()
@@ -69,13 +72,13 @@ def _as_pipe_batches(loader, stats: DataStats, family, count: bool = True):
         if count:
             stats.wait += time.perf_counter() - t0
             stats.add(b)
-        yield tuple(b[f] for f in family.inputs), tuple(b[f] for f in family.labels) or LABEL_PLACEHOLDER
+        yield tuple(b[f] for f in fields), tuple(b[f] for f in family.labels) or LABEL_PLACEHOLDER
 
 
 class TrainData:
     """This rank's training stream and its counters (``None`` stream: a middle stage)."""
 
-    def __init__(self, run, start_step: int, data_position: Optional[dict], clock=None):
+    def __init__(self, run, start_step: int, data_position: Optional[dict], clock=None, keyed: bool = False):
         import itertools
         import os
 
@@ -99,7 +102,7 @@ class TrainData:
                                                             start_at=data_position,
                                                             prices=stage_prices(run.plan)))
             self.sampler = getattr(loader, "batch_sampler", None)
-            self.stream = _as_pipe_batches(loader, self.stats, run.family, count=where.reads_inputs)
+            self.stream = _as_pipe_batches(loader, self.stats, run.family, count=where.reads_inputs, keyed=keyed)
         else:
             agree(rank, lambda: None)  # the data-reading ranks' loader errors reach every rank
             self.stream = (itertools.repeat((None, LABEL_PLACEHOLDER)) if run.topo.is_last_stage(rank) else None)

@@ -31,7 +31,8 @@ class Evaluator:
                 data_cfg = thawed_copy(run.cfg.data)
                 data_cfg.packing = False  # one row per val sample (idx counts samples)
                 ds = family.dataset(val, run.tok, data_cfg)
-                return list(_as_pipe_batches((self.collate([ds[i] for i in mb]) for mb in idx), stats, family))
+                return list(_as_pipe_batches((self.collate([ds[i] for i in mb]) for mb in idx), stats, family,
+                                             keyed=self.eng.runner.keyed))
             return [(None, LABEL_PLACEHOLDER)] * len(idx) if run.topo.is_last_stage(run.rank) else None
 
         # every rank decodes (or waits) here, before any stage enters the pipeline: an error on one

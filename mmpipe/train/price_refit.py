@@ -20,6 +20,8 @@ from typing import Optional
 import numpy as np
 import torch.distributed as dist
 
+from mmpipe.train.faults import _warn
+
 
 class PriceRefit:
     def __init__(self, run, sampler, clock, start_step: int):
@@ -28,6 +30,12 @@ class PriceRefit:
         self.every = cfg.data.balance_refit
         self.prior = stage_prices(run.plan) if cfg.data.balance == "cost" else None
         self.on = self.every > 0 and self.prior is not None and topo.pipeline_stages > 1 and clock is not None
+        if self.every > 0 and not self.on and run.is_reporter:
+            why = ("it refits data.balance=cost's prices" if self.prior is None else
+                   "it reads the stage clock of a pipeline" if topo.pipeline_stages == 1 else
+                   "it reads the stage clock (log.stage_timing=false)")
+            _warn(f"data.balance_refit={self.every} is off: {why}"
+                  f"{'' if self.prior is None else '; the profile prices regroup every step'}")
         self.A, self.D, self.P = topo.accumulation_steps, topo.data_parallel, topo.pipeline_stages
         self.sampler = sampler if getattr(sampler, "balancer", None) is not None else None
         self.clock = clock

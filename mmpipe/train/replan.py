@@ -9,7 +9,8 @@ median of the last ``parallel.replan_window`` steps is slower than that cut's pr
 ``parallel.replan_margin``, and the current cut's own prediction is too (the gain is the cut's, not
 a slow machine's), for ``replan_window`` steps in a row, every rank saves a checkpoint, rank 0 writes
 the new cut as a plan file and a ``replan`` record in metrics.jsonl, and every process replaces itself
-(``os.execv``: the same process, the launcher never notices) with the same command plus ``--resume``
+(``os.execv``: the same process, the launcher never notices; under torch's elastic agent the continued
+ranks leave the agent's store, as under the deepspeed launcher) with the same command plus ``--resume``
 and ``parallel.plan=`` that file: the layout-free resume continues exactly (the same losses and
 weights as a run that never moved). One move per run (no thrash); ``MMPIPE_REPLANNED`` marks the
 continued run, which logs the gain it then measures (a ``replan_measured`` record)."""
@@ -23,6 +24,10 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from mmpipe.errors import ConfigError
+from mmpipe.train.faults import _warn
+from mmpipe.train.setup import cut_limits
+
 MOVED = "MMPIPE_REPLANNED"
 MOVED_FROM = "MMPIPE_REPLANNED_STEP"  # the measured step (seconds) that the move left behind
 
@@ -31,6 +36,8 @@ class Replanner:
     def __init__(self, run, start_step: int):
         p = run.cfg.parallel
         self.on = p.replan == "auto" and run.topo.pipeline_stages > 1 and not os.environ.get(MOVED)
+        if p.replan == "auto" and run.topo.pipeline_stages == 1 and run.is_reporter:
+            _warn("parallel.replan=auto moves pipeline stage boundaries: off at parallel.pipeline_stages=1")
         self.window, self.margin = p.replan_window, p.replan_margin
         self.first = start_step + 2  # the first step after this process's first (warm-up) step
         self.seen: list = []  # (step seconds, [busy seconds per stage]) of the recent steps
@@ -88,9 +95,13 @@ class Replanner:
                 d = c.to_dict()
                 d["fwd_ms"], d["bwd_ms"] = d["fwd_ms"] * scale[s], d["bwd_ms"] * scale[s]
                 scaled["layers"].append(d)
-        best = place(plan.layers, plan.segments, plan.num_stages, "auto", M, prof=scaled,
-                     micro_batch_size=topo.micro_batch_size, precision=cfg.train.precision,
-                     zero_stage=cfg.parallel.zero_stage, data_parallel=topo.data_parallel)
+        try:  # under the run's memory budget, as its own plan was: a cut that does not fit is never a move
+            best = place(plan.layers, plan.segments, plan.num_stages, "auto", M, prof=scaled,
+                         micro_batch_size=topo.micro_batch_size, precision=cfg.train.precision,
+                         zero_stage=cfg.parallel.zero_stage, data_parallel=topo.data_parallel,
+                         **cut_limits(cfg, run.family.meta_params(), run.frozen[1]))
+        except ConfigError:  # no cut fits the budget
+            return None
         now, then = predict(scaled, plan.parts, M).step_time, predict(scaled, best.parts, M).step_time
         slow = measured > then * (1 + self.margin) and now > then * (1 + self.margin) and best.parts != plan.parts
         self.hits = self.hits + 1 if slow else 0
@@ -131,6 +142,10 @@ def move(trainer, step: int, decision: dict, saved: bool) -> None:
     os.environ[MOVED] = "1"
     os.environ[MOVED_FROM] = repr(float(decision["measured_step"]))
     os.environ["MASTER_PORT"] = str(port[0])
+    # under torch's elastic agent (torchrun, accelerate launch) the ranks joined as clients of the agent's
+    # store at its MASTER_PORT; no one serves the new port, and the agent's store still holds the first
+    # group's keys: the continued ranks rendezvous as the deepspeed launcher's do (rank 0 hosts a new store)
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     argv = [a for a in sys.argv if a != "--overwrite"]
     argv += ([] if "--resume" in argv else ["--resume"]) + ["--set", f"parallel.plan={path}"]
     sys.stdout.flush()

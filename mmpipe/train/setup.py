@@ -350,15 +350,22 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
                            measure_comm=p.placement == "auto", log=lambda s: print(f"[mmpipe] {s}", flush=True))
     costs = ([sum(v.values()) for v in params.values()] if p.placement == "parameters" else
              [1 + sum(n for name, n in v.items() if name not in frozen) for v in params.values()])
-    cap = int(p.memory_budget_gb * 2**30) if p.memory_budget_gb else None
     plan = place(names, segments, P, p.placement, M, prof=prof, param_costs=costs, plan_file=p.plan,
-                 micro_batch_size=mbs, memory_cap=cap, precision=cfg.train.precision, zero_stage=p.zero_stage,
-                 data_parallel=topo.data_parallel, trains=[any(n not in frozen for n in v) for v in params.values()])
+                 micro_batch_size=mbs, precision=cfg.train.precision, zero_stage=p.zero_stage,
+                 data_parallel=topo.data_parallel, **cut_limits(cfg, params, frozen))
     if plan.why and "moved onto the stage before" in plan.why and not plan.chosen:
         print(f"[mmpipe] parallel.placement={p.placement}: {plan.why}; stage boundaries {plan.parts}", flush=True)
     if balance:  # a resume keeps the saved prices: its steps are regrouped as the first run's were
         plan.prices = (saved or {}).get("prices") or _prices(cfg, family, mbs, forward_only, frozen, prof)
     return plan
+
+
+def cut_limits(cfg, params: dict, frozen) -> dict:
+    """What bounds any cut of this run (its plan's and a re-plan's): ``memory_cap`` (``parallel.memory_budget_gb``)
+    and ``trains`` (per layer: holds a trained parameter; ``params``: ``Family.meta_params()``)."""
+    gb = cfg.parallel.memory_budget_gb
+    return {"memory_cap": int(gb * 2**30) if gb else None,
+            "trains": [any(n not in frozen for n in v) for v in params.values()]}
 
 
 def _prices(cfg, family, mbs: int, forward_only, frozen, prof) -> dict:

@@ -73,7 +73,7 @@ class Trainer:
         restored = self.ckpt.restore(self.ledger)
         self.start_step, self.skipped_total = restored["step"], restored["skipped_steps"]
         self.writer = write_run_files(run, eng, self.start_step)
-        self.data = TrainData(run, self.start_step, restored["data_position"], eng.runner.clock)
+        self.data = TrainData(run, self.start_step, restored["data_position"], eng.runner.clock, eng.runner.keyed)
         self.evaluate = Evaluator(run, eng, self.data.collate, self.writer)
         self.trace_offset = time.time() - time.perf_counter()
         self.profiler = StepProfiler(self.cfg.log.profile, run.out_dir, run.rank, run.device_name)

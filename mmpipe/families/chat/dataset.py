@@ -7,6 +7,7 @@ from typing import Optional
 
 from mmpipe.data.sampler import _item_key
 from mmpipe.errors import DataError
+from mmpipe.data.sample_keys import image_key, key_fields, sample_key
 from mmpipe.families.chat.encoder import ChatEncoder
 
 class ChatDataset:
@@ -151,7 +152,7 @@ class PackedChatDataset:
             for i in self.unusable.get(j, ()):
                 fields, why = self.chat._load(i, epoch)
                 bad.append(why if fields is None else (self.chat.samples[i].where, "not packed (no tokens)"))
-            ids, labels, segments, images, keys, truncated = [], [], [], [], [], 0
+            ids, labels, segments, images, keys, truncated, members = [], [], [], [], [], 0, []
             for i in self.packs[j]:
                 fields, why = self.chat._load(i, epoch)
                 if fields is None:
@@ -163,10 +164,11 @@ class PackedChatDataset:
                 segments += [len(keys) + 1] * k
                 images += fields["images"]
                 keys.append(self.chat.samples[i].where)
+                members.append((i, k, len(fields["images"])))
                 truncated += bool(fields["truncated"])
             if keys:
                 return {"input_ids": ids, "labels": labels, "segments": segments, "images": images,
-                        "truncated": truncated, "index": j, "keys": keys, "bad": bad}
+                        "truncated": truncated, "index": j, "keys": keys, "bad": bad, "members": members}
         raise DataError(f"no usable sample in the chat data (first failure: {bad[0][0]}: {bad[0][1]})")
 
 
@@ -192,8 +194,21 @@ class ChatCollate:
             labels[i, :k] = torch.as_tensor(it["labels"])
             mask[i, :k] = torch.as_tensor(it["segments"]) if "segments" in it else 1  # packed: segment ids
         pixels = self.pixels.batch([im for it in items for im in it["images"]])
-        return {**pixels, "input_ids": ids, "attention_mask": mask,
+        return {**pixels, **self.sample_keys(items, pixels), "input_ids": ids, "attention_mask": mask,
                 "labels": labels, "index": torch.tensor([it["index"] for it in items]),
                 "keys": [k for it in items for k in (it["keys"] if "keys" in it else [it["key"]])],
                 "bad": [b for it in items for b in it["bad"]],
                 "truncated": sum(int(it["truncated"]) for it in items)}
+
+    @staticmethod
+    def sample_keys(items: list, pixels: dict) -> dict:
+        """Each sample's dropout key (``sample_rng``: its row in the chat data, packed or not) with its tokens
+        per row, and each image's with its patches (a flat tower's ``image_grid_thw``; else one row each)."""
+        rows, images = [], []
+        for it in items:  # a packed row: its samples in order (``members``: index, tokens, images)
+            members = it.get("members") or [(it["index"], len(it["input_ids"]), len(it["images"]))]
+            rows.append([(sample_key(i), n) for i, n, _ in members])
+            images += [image_key(sample_key(i), o) for i, _, m in members for o in range(m)]
+        grid = pixels.get("image_grid_thw")
+        flat = grid.prod(-1).tolist() if grid is not None and len(grid) == len(images) else [-1] * len(images)
+        return key_fields(rows, list(zip(images, flat)))

@@ -60,8 +60,12 @@ class ChatEncoder:
         for im in images:
             try:
                 out.append(int(self.image_tokens(im)))
-            except (OSError, ValueError, SyntaxError) as e:  # PIL's errors for a missing or corrupt file
-                raise DataError(f"{im}: cannot read the image's size ({type(e).__name__})") from None
+            except FileNotFoundError:
+                raise DataError(f"{im}: no such file") from None
+            except (OSError, SyntaxError) as e:  # PIL's errors for a corrupt file
+                raise DataError(f"{im}: cannot read the image's size ({type(e).__name__}: {_first_line(e)})") from None
+            except ValueError as e:  # the processor refuses the size (e.g. an aspect ratio over its limit of 200)
+                raise DataError(f"{im}: the image processor refuses its size: {_first_line(e)}") from None
         return out
 
     def pieces(self, messages) -> list:
@@ -168,3 +172,7 @@ def add_chat_tokens(tokenizer):
     if missing:
         tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
     return tokenizer
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from mmpipe.errors import ConfigError
+from mmpipe.errors import ConfigError, DataError
 from mmpipe.families.chat.records import IMAGE
 
 
@@ -110,12 +110,19 @@ def exact_match(gen: ChatGenerator, run_dir: str, chat_file: str, limit: Optiona
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {max_new_tokens}: give 1 or more (the most tokens an answer gets)")
     # LLaVA JSON names images relative to the run's data.image_folder, as training read them
-    items = [s for s in read_chat(chat_file, gen.cfg.data.image_folder, key="--eval") if s.error is None][:limit]
+    items, skipped = [], []
+    for s in read_chat(chat_file, gen.cfg.data.image_folder, key="--eval"):
+        if limit is not None and len(items) >= limit:
+            break
+        if s.error is None:
+            items.append(s)
+        else:  # a row the reader cannot use (a video, a malformed line): named, as training names it
+            skipped.append(f"{s.where}: {s.error}")
     it = items
     if progress:
         from tqdm import tqdm
         it = tqdm(items, desc="answering", unit="q")
-    rows, skipped = [], []
+    rows = []
     for s in it:
         asked = first_question(s)
         if isinstance(asked, str):
@@ -124,7 +131,7 @@ def exact_match(gen: ChatGenerator, run_dir: str, chat_file: str, limit: Optiona
         history, text, images, want = asked
         try:
             got = gen.answer(text, images, max_new_tokens, history=history, what=f"{s.where}: image")
-        except ConfigError as e:  # an image that does not decode: that question is skipped, and said
+        except (ConfigError, DataError) as e:  # an image that does not decode: that question is skipped, and said
             skipped.append(str(e))
             continue
         rows.append(_scored(text, images[sum(t.count(IMAGE) for _, t in history):], want, got))

@@ -135,8 +135,19 @@ class Qwen25VLFamily(ChatFamily):
         """Native-resolution images through the model's image processor (no augmentation: the
         processor's arithmetic is what an exported model is fed)."""
         from mmpipe.families.qwen_vl.pixels import NativePixels, image_processor
+        if data_cfg is not None:  # the square-image settings have no meaning here: one line, not silence
+            if getattr(data_cfg, "augment", "none") != "none":
+                raise ConfigError(f"data.augment={data_cfg.augment} is not available for model.type={cls.name}: its "
+                                  "images go through the model's own processor at native resolution (what an exported "
+                                  "model is fed); set data.augment=none")
+            if getattr(data_cfg, "decode_size", None):
+                raise ConfigError(f"data.decode_size={data_cfg.decode_size} is not available for model.type={cls.name}: "
+                                  "each image is decoded in full and resized within data.min_pixels / data.max_pixels; "
+                                  "unset data.decode_size")
+        if model_cfg.pretrained:
+            hf.check_dir(model_cfg.pretrained, "model.pretrained")
         bounds = [getattr(data_cfg, k, None) or getattr(model_cfg, k, None) for k in ("min_pixels", "max_pixels")]
-        return NativePixels(image_processor(model_cfg.pretrained, *bounds))
+        return NativePixels(image_processor(model_cfg.pretrained, *bounds)).checked()
 
     def __init__(self, model_cfg, seed: int = 0):
         super().__init__(model_cfg, seed)

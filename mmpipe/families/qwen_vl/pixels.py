@@ -22,6 +22,22 @@ class NativePixels:
         self.patch, self.merge, self.temporal = int(p.patch_size), int(p.merge_size), int(p.temporal_patch_size)
         self.min_pixels, self.max_pixels = int(p.size["shortest_edge"]), int(p.size["longest_edge"])
 
+    def checked(self) -> "NativePixels":
+        """Itself, once its pixel bounds are usable (else one line naming ``data.min_pixels`` / ``data.max_pixels``):
+        ``min_pixels > max_pixels`` would invert the order of sizes (a small image more tokens than a large
+        one), and a bound below one merge unit (``(patch x merge)^2`` pixels) resizes nothing to it."""
+        from mmpipe.errors import ConfigError
+        unit = (self.patch * self.merge) ** 2
+        if self.min_pixels > self.max_pixels:
+            raise ConfigError(f"data.min_pixels={self.min_pixels} is above data.max_pixels={self.max_pixels}: an image "
+                              "under the minimum would grow past the maximum; give min_pixels <= max_pixels")
+        for key in ("min_pixels", "max_pixels"):
+            if getattr(self, key) < unit:
+                raise ConfigError(f"data.{key}={getattr(self, key)} is below one merge unit ({self.patch * self.merge}"
+                                  f" x {self.patch * self.merge} = {unit} pixels: the fewest an image becomes); give at "
+                                  f"least {unit}")
+        return self
+
     @property
     def width(self) -> int:
         """Values per patch: 3 x temporal x patch x patch."""
