@@ -329,3 +329,71 @@ def test_a_shard_caption_list_reads_as_in_a_manifest(tiny_data, tmp_path):
     m = tmp_path / "m.jsonl"
     m.write_text(json.dumps({"image": image, "caption": ["", "a red circle", "other"]}) + "\n")
     assert read_manifest(str(m))[0].text == got["000000"]
+
+
+# ---- the worker hand-off: one buffer a micro-batch -------------------------------------------------
+def test_a_workers_batch_travels_as_one_buffer_and_comes_back_equal():
+    """``data.handoff``: the collate's tensors packed into one buffer (inline in the message under
+    ``INLINE_BYTES``, else one shared-memory storage), rebuilt as equal tensors of the same dtypes and
+    shapes; torch's own hand-off sends one shared-memory storage (a descriptor round trip) per tensor."""
+    import io
+
+    import torch
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers torch's shared-memory reductions with it
+
+    from mmpipe.data.handoff import INLINE_BYTES, PackedBatch
+
+    def storages(obj) -> int:  # shared-memory storages the message carries (torch's storage reducers called)
+        calls, saved = [], dict(ForkingPickler._extra_reducers)
+        for t, f in saved.items():
+            if t is torch.UntypedStorage:
+                ForkingPickler._extra_reducers[t] = lambda x, f=f: calls.append(1) or f(x)
+        try:
+            ForkingPickler(io.BytesIO()).dump(obj)
+        finally:
+            ForkingPickler._extra_reducers.clear()
+            ForkingPickler._extra_reducers.update(saved)
+        return len(calls)
+    small = {"pixel_values": torch.randint(0, 255, (4, 3, 8, 8), dtype=torch.uint8),
+             "input_ids": torch.arange(12).reshape(4, 3), "attention_mask": torch.ones(4, 3, dtype=torch.int64),
+             "row_keys": torch.zeros(4, 1, 2, dtype=torch.int64), "patches": torch.randn(5, 7),
+             "empty": torch.zeros(0, 3), "keys": ["a", "b", "c", "d"], "bad": [("x.jpg", "corrupt")], "truncated": 1}
+    large = dict(small, pixel_values=torch.randint(0, 255, (4, 3, 300, 300), dtype=torch.uint8))
+    assert storages({k: v.clone() if torch.is_tensor(v) else v for k, v in small.items()}) == 6
+    for batch, shared in ((small, 0), (large, 1)):
+        packed = PackedBatch.pack(batch)
+        assert (packed.buffer.numel() > INLINE_BYTES) == bool(shared)
+        assert storages(packed) == shared
+        back = ForkingPickler.loads(ForkingPickler.dumps(packed)).unpack()
+        assert set(back) == set(batch)
+        for k, v in batch.items():
+            if torch.is_tensor(v):
+                assert back[k].dtype == v.dtype and back[k].shape == v.shape and torch.equal(back[k], v), k
+            else:
+                assert back[k] == v, k
+
+
+def test_a_loader_with_workers_gives_the_in_process_loaders_batches(tiny_data, tok):
+    import mmpipe
+    from helpers import TINY
+
+    from mmpipe.config.resolve import build_family
+    from mmpipe.data.source import build_train_loader, open_source
+    from mmpipe.parallel.topology import Topology
+    got = {}
+    for workers in (0, 2):
+        cfg = mmpipe.load_config(TINY, [f"data.train={tiny_data['train']}", f"data.num_workers={workers}", "model.text.vocab_size=300",
+                                        "parallel.pipeline_stages=1", "train.steps=3"])
+        fam = build_family(cfg.model, 0)
+        src = open_source(cfg, True, family=fam)
+        loader = build_train_loader(cfg, src, tok, fam.collate(tok, cfg.data),
+                                    Topology(world_size=1, pipeline_stages=1, micro_batch_size=4, batch_size=16),
+                                    0, 0, True, fam)
+        got[workers] = list(loader)
+    assert len(got[0]) == len(got[2]) == 12
+    for a, b in zip(got[0], got[2]):
+        assert set(a) == set(b)
+        for k in a:
+            assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k

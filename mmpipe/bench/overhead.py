@@ -15,14 +15,17 @@ import subprocess
 import sys
 
 from mmpipe.bench.common import ROOT, append_benchmarks, free_port, launch, with_scratch
+from mmpipe.config.schema import DataConfig
+from mmpipe.parallel.topology import cpu_threads
 
-LAYOUTS = {"P1": (1, 1), "P2": (2, 2), "DP2": (2, 1)}  # name: (ranks, stages)
+# name: (ranks, stages, mmpipe's loader workers: 0 = in the training process, None = data.num_workers' default)
+LAYOUTS = {"P1": (1, 1, 0), "P1-workers": (1, 1, None), "P2": (2, 2, 0), "DP2": (2, 1, 0)}
 
 
 def raw_deepspeed(run: str, ranks: int, stages: int, steps: int, clip: float, tmp: str) -> list:
-    """The raw DeepSpeed baseline's step times on the mmpipe run ``run``'s model and shapes."""
-    spec = {"run": run, "stages": stages, "steps": steps, "clip": clip, "out": os.path.join(tmp, "raw.json"),
-            "threads": max(1, (os.cpu_count() or 2) // ranks)}
+    """The raw DeepSpeed baseline's step times on the mmpipe run ``run``'s model and shapes (each rank at the
+    CPU threads an mmpipe rank takes: ``parallel.topology.cpu_threads``, ``OMP_NUM_THREADS`` first)."""
+    spec = {"run": run, "stages": stages, "steps": steps, "clip": clip, "out": os.path.join(tmp, "raw.json")}
     path = os.path.join(tmp, "raw_spec.json")
     with open(path, "w") as fh:
         json.dump(spec, fh)
@@ -49,20 +52,23 @@ def bench_overhead(args, tmp: str) -> int:
     sets = [f"data.train={info['train']}", f"data.cache={cache}", "data.val=null", "model.negatives=micro_batch", "data.padding=max_length",
             f"train.steps={args.steps}", "train.save=false", "train.eval_every=0", "parallel.profile=false",
             "optim.groups.vision.max_grad_norm=1.0", "optim.groups.text.max_grad_norm=1.0", f"optim.max_grad_norm={clip}",
-            "log.stage_timing=true", "data.num_workers=0", f"train.precision={args.precision}"]
+            "log.stage_timing=true", f"train.precision={args.precision}"]
     rows = []
     for name in args.layouts:
-        ranks, stages = LAYOUTS[name]
+        ranks, stages, workers = LAYOUTS[name]
+        loader = [f"data.num_workers={DataConfig().num_workers if workers is None else workers}"]
         mm, raw = [], []
         for r in range(args.rounds):
             print(f"[bench] overhead {name}: mmpipe, round {r + 1} ...", flush=True)
             out = os.path.join(tmp, f"{name}_{r}")
-            launch(ranks, args.config, sets + [f"parallel.pipeline_stages={stages}", "parallel.placement=parameters"], out)
+            launch(ranks, args.config, sets + loader + [f"parallel.pipeline_stages={stages}",
+                                                        "parallel.placement=parameters"], out)
             mm += [x["step_time"] for x in read_metrics(os.path.join(out, "metrics.jsonl"))][args.warmup:]
             print(f"[bench] overhead {name}: raw DeepSpeed, round {r + 1} ...", flush=True)
             raw += raw_deepspeed(out, ranks, stages, args.steps, clip, tmp)[args.warmup:]
         m, d = statistics.median(mm), statistics.median(raw)
         rows.append((name, ranks, stages, d, m))
+    threads, why = cpu_threads(1, os.cpu_count() or 1)
     lines = ["| layout | ranks | raw DeepSpeed step ms | mmpipe step ms | mmpipe / DeepSpeed |", "|---|---|---|---|---|"]
     lines += [f"| {n} | {k} | {d * 1e3:.1f} | {m * 1e3:.1f} | {m / d:.2f}x |" for n, k, _, d, m in rows]
     table = "\n".join(lines)
@@ -70,11 +76,14 @@ def bench_overhead(args, tmp: str) -> int:
     notes = (f"{os.path.basename(args.config)} in {args.precision} with micro-batch negatives, padded to data.max_length, {args.steps} steps x "
              f"{args.rounds} rounds interleaved, median step after the first {args.warmup} of each. mmpipe: grouped clipping "
              "(vision, text at 1.0, global 1.0), the stage clock and every metric on, its loader reading the "
-             "pre-decoded cache (mmpipe data prepare) in the training process (num_workers 0: on 2 cores a worker "
-             "process takes a core from the step; the read is counted in mmpipe's step); raw "
+             "pre-decoded cache (mmpipe data prepare) in the training process (num_workers 0; the read is counted "
+             f"in mmpipe's step), and in P1-workers with data.num_workers' default ({DataConfig().num_workers} worker "
+             f"processes, each micro-batch handed over as one buffer: mmpipe.data.handoff). Both sides at the same CPU "
+             f"threads per rank (P = 1: {threads}, {why}; 2 ranks: each its share). Raw "
              "DeepSpeed: the same plain module (mmpipe.build_model of mmpipe's resolved config) or a PipelineModule "
              "of the same layers (P = 2, partitioned by parameters as mmpipe's run), torch AdamW, DeepSpeed's global "
              "clipping at 1.0, micro-batches of the same shapes made up front, a host read of the loss per step.")
+    print(notes)
     if not args.no_append:
         append_benchmarks("Overhead: mmpipe's step vs a raw DeepSpeed engine",
                           "mmpipe bench overhead " + " ".join(shlex.quote(a) for a in sys.argv[3:]), table, notes)

@@ -43,7 +43,9 @@ def main(spec_path: str) -> None:
     with open(spec_path) as fh:
         spec = json.load(fh)
     deepspeed.init_distributed(dist_backend="gloo" if get_accelerator().device_name() == "cpu" else None)
-    torch.set_num_threads(spec["threads"])
+    from mmpipe.parallel.topology import cpu_threads
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or torch.distributed.get_world_size())
+    torch.set_num_threads(cpu_threads(local, os.cpu_count() or 1)[0])  # as an mmpipe rank (OMP_NUM_THREADS first)
     cfg = load_config(os.path.join(spec["run"], "config.yaml"))
     family = build_family(cfg, cfg.train.seed)
     P, world = spec["stages"], torch.distributed.get_world_size()

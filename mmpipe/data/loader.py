@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from mmpipe.data.manifest import Sample
 from mmpipe.data.sampler import _item_key
+from mmpipe.data.handoff import Packed, Unpacking
 from mmpipe.data.sample_keys import key_fields, sample_key
 from mmpipe.errors import DataError
 
@@ -118,8 +119,11 @@ class Collate:
 
 def make_loader(dataset, batch_sampler, collate, data_cfg, device_is_cpu: bool) -> DataLoader:
     workers = data_cfg.num_workers
-    kw = {}
-    if workers > 0:
-        kw = {"prefetch_factor": data_cfg.prefetch_factor, "persistent_workers": data_cfg.persistent_workers}
-    return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate, num_workers=workers,
-                      pin_memory=data_cfg.pin_memory and not device_is_cpu, **kw)
+    if workers == 0:
+        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate, num_workers=0,
+                          pin_memory=data_cfg.pin_memory and not device_is_cpu)
+    # each batch handed over as one buffer (``data.handoff``), not a shared-memory file per tensor
+    return Unpacking(DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=Packed(collate), num_workers=workers,
+                                pin_memory=data_cfg.pin_memory and not device_is_cpu,
+                                prefetch_factor=data_cfg.prefetch_factor,
+                                persistent_workers=data_cfg.persistent_workers))

@@ -19,6 +19,7 @@ from mmpipe.data.cache import (
     open_meta,
     tokenizer_digest,
 )
+from mmpipe.data.handoff import Packed, Unpacking
 from mmpipe.data.loader import make_loader
 from mmpipe.data.sampler import MicroBatchSampler
 from mmpipe.data.manifest import require_manifest
@@ -142,12 +143,14 @@ def build_train_loader(cfg, source: TrainSource, tok, collate, topo, dp_rank: in
                           "data.balance=none")
     if source.kind == "shards":
         stream = ShardStream(source.shard_urls, topo.data_parallel, dp_rank, d.num_workers, topo.micro_batch_size,
-                             collate, family.pixels(cfg.model, d, cfg.train.seed), cfg.train.seed, start_step,
-                             d.shuffle_buffer,
-                             d.group_by_length, d.group_window)
-        kw = {"prefetch_factor": d.prefetch_factor, "persistent_workers": d.persistent_workers} if d.num_workers else {}
-        return DataLoader(stream, batch_size=None, num_workers=stream.workers if d.num_workers else 0,
-                          pin_memory=d.pin_memory and not device_is_cpu, **kw)
+                             Packed(collate) if d.num_workers else collate,
+                             family.pixels(cfg.model, d, cfg.train.seed), cfg.train.seed, start_step,
+                             d.shuffle_buffer, d.group_by_length, d.group_window)
+        if not d.num_workers:
+            return DataLoader(stream, batch_size=None, num_workers=0, pin_memory=d.pin_memory and not device_is_cpu)
+        return Unpacking(DataLoader(stream, batch_size=None, num_workers=stream.workers,
+                                    pin_memory=d.pin_memory and not device_is_cpu, prefetch_factor=d.prefetch_factor,
+                                    persistent_workers=d.persistent_workers))
     dataset = source.dataset(cfg, cfg.train.seed, family=family, tok=tok)
     lengths = None
     if d.group_by_length:  # the cache and chat data count their tokens; a manifest's are counted here
