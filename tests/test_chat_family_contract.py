@@ -240,6 +240,30 @@ def test_the_profile_weighs_the_familys_shapes(mixed_chat):
     assert mixed == [max(x, y) for x, y in zip(small, large)] and small[0] < large[0]
 
 
+def test_the_profile_shows_its_progress_is_bounded_by_the_run_and_says_when_it_is_reused(mixed_chat, tmp_path,
+                                                                                          monkeypatch):
+    """Per shape, a progress line; a profile that would cost more than ``PROFILE_SHARE`` of the run it plans
+    (here: a run of one micro-batch) is cut to one pass a shape and fewer timed rounds, and says so; the next
+    run's reuse of the cached profile is said."""
+    import mmpipe
+    from mmpipe.planning.measure import PROFILE_SHARE, get_profile
+    from mmpipe.planning.offline import resolve_for_plan
+    monkeypatch.setenv("MMPIPE_CACHE", str(tmp_path / "cache"))
+    cfg, fam = resolve_for_plan(mmpipe.load_config(mixed_chat["config"]))
+    lines = []
+    prof = get_profile(cfg, fam, 2, measure_comm=False, passes=3, log=lines.append, run_micro_batches=1)
+    assert prof["passes"] == 1, lines
+    assert any(f"profile bounded to {PROFILE_SHARE:.0%} of the run it plans: 1 pass(es) a shape (was 3), 1 warm-up + 2 "
+               "timed rounds" in x for x in lines), lines
+    assert [x.split(" (")[0] for x in lines if x.startswith("profiled shape")] == ["profiled shape 1/2",
+                                                                                 "profiled shape 2/2"], lines
+    long_run = get_profile(cfg, fam, 2, measure_comm=False, passes=2, use_cache=False, run_micro_batches=10**9)
+    assert long_run["passes"] == 2  # a long run keeps its passes
+    lines.clear()
+    get_profile(cfg, fam, 2, measure_comm=False, passes=3, log=lines.append, run_micro_batches=1)
+    assert len(lines) == 1 and lines[0].startswith("reusing the cached layer profile of this model"), lines
+
+
 LAYOUTS = {"p1": (1, ["parallel.pipeline_stages=1"], "python"), "p2": (2, ["parallel.pipeline_stages=2"], "deepspeed"),
            "p2dp2": (4, ["parallel.pipeline_stages=2"], "deepspeed")}
 

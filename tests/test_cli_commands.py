@@ -146,6 +146,26 @@ def test_generate_arguments(vlm_run, tiny_chat_data, tmp_path, capsys, monkeypat
     assert "on 3 held-out questions" in capsys.readouterr().out
 
 
+@pytest.mark.dist
+def test_generate_takes_several_images_in_order(vlm_run, tiny_chat_data, capsys, monkeypatch):
+    """``--image`` repeated: a multi-image prompt, the images in order (all first when the prompt has no
+    marker; else one per marker); a marker count that differs is one line. (It kept the last image.)"""
+    from mmpipe.families.chat.generate import ChatGenerator as Generator
+    a, b = _images(tiny_chat_data, 2)
+    asked, real = [], Generator.generate_ids
+
+    def recorded(self, prompt, image=None, *args, **kw):
+        asked.append((prompt, image))
+        return real(self, prompt, image, *args, **kw)
+    monkeypatch.setattr(Generator, "generate_ids", recorded)
+    base = ["generate", "--run", vlm_run, "--max-new-tokens", "1", "--image", a, "--image", b]
+    assert main(base + ["--prompt", "what colour are the shapes?"]) == 0
+    assert asked[-1] == ("<image>\n<image>\nwhat colour are the shapes?", [a, b])
+    assert main(base + ["--prompt", "<image> left, <image> right: same colour?"]) == 0
+    assert asked[-1] == ("<image> left, <image> right: same colour?", [a, b])
+    assert "2 image(s)" in _one_line_error(capsys, base + ["--prompt", "<image>\nwhat colour?"])
+
+
 # ---- mmpipe plan ------------------------------------------------------------------------------------------------
 def test_plan_refuses_odd_world_and_budget_in_one_line(capsys, tmp_path, monkeypatch):
     """Item 14: --world below 1 and --memory-gb of 0 or less are one line naming the flag."""

@@ -10,6 +10,7 @@ from typing import Optional
 
 from mmpipe.errors import ConfigError
 from mmpipe.families.chat import generate as chat
+from mmpipe.families.chat.records import IMAGE
 
 
 def Generator(run_dir: str, step: Optional[int] = None, device: str = "cpu") -> chat.ChatGenerator:  # noqa: N802
@@ -63,6 +64,9 @@ def cmd_generate(args) -> int:
         return 0
     if not args.prompt:
         raise ConfigError("mmpipe generate: give --prompt (and --image), or --eval CHAT_FILE")
+    images, prompt = args.image or [], args.prompt
+    if len(images) > 1 and IMAGE not in prompt:  # several images, no markers: all of them first, in order
+        prompt = f"{IMAGE}\n" * len(images) + prompt
     g = Generator(args.run, step=args.step)
-    print(g.answer(args.prompt, args.image, max_new_tokens=args.max_new_tokens))
+    print(g.answer(prompt, images[0] if len(images) == 1 else images or None, max_new_tokens=args.max_new_tokens))
     return 0

@@ -23,9 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = _train_parser(sub.add_parser("train", help="train (run under deepspeed / accelerate launch / python)"))
     t.set_defaults(func=cmd_train)
-    g = sub.add_parser("generate", help="greedy answer of a VLM run's checkpoint (any layout) to an image + prompt")
-    g.add_argument("--run", required=True, help="run directory (train.output_dir of a model.type=vlm run)")
-    g.add_argument("--image", help="image file (omit for a text-only prompt)")
+    g = sub.add_parser("generate", help="greedy answer of a chat family's run (any layout's checkpoint) to images + "
+                       "a prompt")
+    g.add_argument("--run", required=True, help="run directory (train.output_dir of a chat family's run: model.type "
+                   "vlm, qwen2_5_vl)")
+    g.add_argument("--image", action="append", help="image file (omit for a text-only prompt); repeat it for a "
+                   "multi-image prompt: the images in order, one per <image> marker of --prompt (none: all first)")
     g.add_argument("--prompt", help="the user's question")
     g.add_argument("--eval", metavar="CHAT_FILE", help="instead: exact-match accuracy on the first question of each "
                    "conversation in a chat file (vs constant-answer baselines); written to RUN/exact_match.json")

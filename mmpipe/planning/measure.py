@@ -91,13 +91,16 @@ def synthetic_batch(family, m: int, max_length: int, device, with_loss: bool = F
 def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = frozenset(),
                 frozen: frozenset = frozenset(), threads: Optional[int] = None, repeats: int = 5,
                 use_cache: bool = True, measure_comm: bool = True, log: Optional[Callable[[str], None]] = None,
-                refresh: bool = False, passes: Optional[int] = None) -> dict:
+                refresh: bool = False, passes: Optional[int] = None,
+                run_micro_batches: Optional[float] = None) -> dict:
     """Per-layer costs at the run's micro-batch shape, precision, device and threads per rank, plus
     the stage-to-stage transfer model; cached as JSON keyed by all of these.
 
     ``passes``: the layers are profiled this many times over and each layer keeps its median (3 on
     a CPU, 1 on an accelerator): a shared CPU has slowdowns lasting seconds - one single-pass profile
-    here came out 30% slow while the next three agreed within 8%."""
+    here came out 30% slow while the next three agreed within 8%. ``run_micro_batches``: the micro-batches
+    one rank of the run computes (steps x micro-batches per step / stages): the profile's cost is bounded
+    against that run (``PROFILE_SHARE``), by fewer passes and timed rounds, said in the log."""
     import hashlib
     import json
 
@@ -111,37 +114,112 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
         with open(path) as fh:
             prof = json.load(fh)
         if log:
-            log(f"layer profile from cache {path}")
+            log(f"reusing the cached layer profile of this model, shapes and threads: {path} (delete it to "
+                "measure again)")
         if measure_comm and not prof["comm"].get("measured"):  # cached without transfers: measure them now
             prof["comm"] = _measure_comm(layer_costs(prof))
             _write_json(path, prof)
         return _with_schedule(prof, family, cfg)
+    shapes = family.example_batches(micro_batch_size, cfg.data.max_length, device, packed=cfg.data.packing,
+                                     data_cfg=cfg.data)
     if log:
-        log(f"profiling {len(family.layer_names())} layers (micro-batch {micro_batch_size}, {cfg.train.precision}, "
-            f"{device.type}, {threads} thread(s)) ...")
+        log(f"profiling {len(family.layer_names())} layers at {len(shapes)} micro-batch shape(s) (micro-batch "
+            f"{micro_batch_size}, {cfg.train.precision}, {device.type}, {threads} thread(s)); cached for the next run "
+            f"in {path} ...")
     if device.type == "cpu":  # as a training rank computes (mmpipe.parallel.cpu_process)
         keep_freed_memory()
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        shapes = []  # the family's distribution of micro-batch shapes, each profiled
-        for weight, b in family.example_batches(micro_batch_size, cfg.data.max_length, device, packed=cfg.data.packing,
-                                                data_cfg=cfg.data):
-            batch, loss_fn = synthetic_batch(family, micro_batch_size, cfg.data.max_length, device, with_loss=True, b=b)
-            runs = [profile_layers(iter_layers(family, forward_only, frozen, device,  # one layer alive at a time
-                                               precision_dtype(cfg.train.precision)), batch, repeats=repeats,
-                                   n_layers=len(family.layer_names()), loss_fn=loss_fn, workspace=i == 0)
-                    for i in range(passes or (3 if device.type == "cpu" else 1))]
-            shapes.append((weight, median_costs(runs)))
-        costs = mixed_costs(shapes)
+        costs, passes = _profile_shapes(cfg, family, micro_batch_size, forward_only, frozen, device, shapes,
+                                        repeats, passes or (3 if device.type == "cpu" else 1), run_micro_batches, log)
     finally:
         torch.set_num_threads(old)
     comm = _measure_comm(costs) if measure_comm else {"latency_s": 0.0, "s_per_byte": 0.0, "samples": {},
                                                        "measured": False}
-    prof = {"key": key, "layers": [c.to_dict() for c in costs], "comm": comm, "passes": len(runs)}
+    prof = {"key": key, "layers": [c.to_dict() for c in costs], "comm": comm, "passes": passes}
     if use_cache:
         _write_json(path, prof)
     return _with_schedule(prof, family, cfg)
+
+
+PROFILE_SHARE = 0.1  # a profile's timed passes take at most about this share of the run they plan (past the first)
+
+
+def _profile_shapes(cfg, family, mbs: int, forward_only, frozen, device, shapes: list, repeats: int, passes: int,
+                    run_micro_batches: Optional[float], log) -> tuple:
+    """(costs, passes) of the family's example shapes (``[(weight, batch)]``): each timed shape ``passes``
+    times (the median per layer), a weight-0 shape (memory only) once, one round; progress per shape (and a
+    bar per layer with ``log.progress``). After the first timed pass, the rest is cut to fit ``PROFILE_SHARE``
+    of ``run_micro_batches`` micro-batches at the measured speed: fewer passes, then fewer timed rounds."""
+    import time
+
+    n_layers, dtype = len(family.layer_names()), precision_dtype(cfg.train.precision)
+    timed = sum(1 for w, _ in shapes if w > 0)
+    bar = _progress_bar(cfg, n_layers * (timed * passes + len(shapes) - timed))
+    warmup, out, seen, first = 2, [], 0, None
+    try:
+        for k, (weight, b) in enumerate(shapes):
+            batch, loss_fn = synthetic_batch(family, mbs, cfg.data.max_length, device, with_loss=True, b=b)
+            runs, t0 = [], time.perf_counter()
+            while len(runs) < (passes if weight > 0 else 1):  # (``passes`` may be cut after the first timed pass)
+                i = len(runs)
+                layers = _counted(iter_layers(family, forward_only, frozen, device, dtype), bar,
+                                  f"profile shape {k + 1}/{len(shapes)}")
+                runs.append(profile_layers(layers, batch, repeats=repeats if weight > 0 else 1,
+                                           warmup=warmup if weight > 0 else 0, n_layers=n_layers, loss_fn=loss_fn,
+                                           workspace=i == 0))
+                if weight > 0:
+                    seen += 1
+                if weight > 0 and first is None:  # the first timed pass prices the rest against the run
+                    first = time.perf_counter() - t0
+                    passes, repeats, warmup, why = _bounded(first, runs[0], timed * passes - 1, passes, repeats,
+                                                            warmup, run_micro_batches)
+                    if why and log:
+                        log(f"profile bounded to {PROFILE_SHARE:.0%} of the run it plans: {why}")
+            out.append((weight, median_costs(runs)))
+            if log:
+                log(f"profiled shape {k + 1}/{len(shapes)} ({'memory only' if weight == 0 else f'weight {weight:.2f}'}"
+                    f", {len(runs)} pass(es)) in {time.perf_counter() - t0:.0f} s")
+    finally:
+        if bar is not None:
+            bar.close()
+    return mixed_costs(out), passes
+
+
+def _bounded(first_s: float, costs: list, left: int, passes: int, repeats: int, warmup: int,
+             run_micro_batches: Optional[float]) -> tuple:
+    """(passes, repeats, warmup, why): the remaining ``left`` timed passes (each ~``first_s``) cut to about
+    ``PROFILE_SHARE`` of the run (``run_micro_batches`` at the pass's measured forward + backward)."""
+    if not run_micro_batches or left <= 0:
+        return passes, repeats, warmup, ""
+    budget = PROFILE_SHARE * run_micro_batches * sum(c.fwd_ms + c.bwd_ms for c in costs) / 1e3
+    if first_s * left <= budget:
+        return passes, repeats, warmup, ""
+    shapes = max(1, round((left + 1) / passes))  # the timed shapes
+    p = max(1, min(passes, int(budget / (first_s * shapes))))
+    rounds = warmup + repeats
+    if first_s * (shapes * p - 1) > budget:  # one pass each is still over: fewer timed rounds (1 warm-up, 2 timed)
+        warmup, repeats = 1, 2
+    why = (f"{p} pass(es) a shape (was {passes}), {warmup} warm-up + {repeats} timed rounds a layer (was {rounds}): "
+           f"{first_s:.0f} s a pass against about {run_micro_batches * sum(c.fwd_ms + c.bwd_ms for c in costs) / 1e3:.0f}"
+           " s of the run's own compute")
+    return p, repeats, warmup, why
+
+
+def _progress_bar(cfg, total: int):
+    if not cfg.log.progress:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, unit="layer", desc="profile", leave=False)
+
+
+def _counted(layers, bar, desc: str):
+    for layer in layers:
+        yield layer
+        if bar is not None:
+            bar.set_description(desc)
+            bar.update(1)
 
 
 META_PARAMS = 100_000_000  # above this, ``mmpipe plan`` sizes the model on the meta device

@@ -30,7 +30,7 @@ class PriceRefit:
         self.every = cfg.data.balance_refit
         self.prior = stage_prices(run.plan) if cfg.data.balance == "cost" else None
         self.on = self.every > 0 and self.prior is not None and topo.pipeline_stages > 1 and clock is not None
-        if self.every > 0 and not self.on and run.is_reporter:
+        if self.every > 0 and not self.on and run.is_reporter and "data.balance_refit" in cfg.explicit:
             why = ("it refits data.balance=cost's prices" if self.prior is None else
                    "it reads the stage clock of a pipeline" if topo.pipeline_stages == 1 else
                    "it reads the stage clock (log.stage_timing=false)")

@@ -347,7 +347,8 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
     prof = None
     if measured:
         prof = get_profile(cfg, family, mbs, forward_only, frozen, threads=torch.get_num_threads(),
-                           measure_comm=p.placement == "auto", log=lambda s: print(f"[mmpipe] {s}", flush=True))
+                           measure_comm=p.placement == "auto", log=lambda s: print(f"[mmpipe] {s}", flush=True),
+                           run_micro_batches=cfg.train.steps * M / P)
     costs = ([sum(v.values()) for v in params.values()] if p.placement == "parameters" else
              [1 + sum(n for name, n in v.items() if name not in frozen) for v in params.values()])
     plan = place(names, segments, P, p.placement, M, prof=prof, param_costs=costs, plan_file=p.plan,

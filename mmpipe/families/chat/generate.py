@@ -132,7 +132,7 @@ def exact_match(gen: ChatGenerator, run_dir: str, chat_file: str, limit: Optiona
         try:
             got = gen.answer(text, images, max_new_tokens, history=history, what=f"{s.where}: image")
         except (ConfigError, DataError) as e:  # an image that does not decode: that question is skipped, and said
-            skipped.append(str(e))
+            skipped.append(str(e) if s.where in str(e) else f"{s.where}: {e}")
             continue
         rows.append(_scored(text, images[sum(t.count(IMAGE) for _, t in history):], want, got))
     n = max(1, len(rows))

@@ -12,17 +12,25 @@ _VISION_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "in
 _LLM_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                "vocab_size", "max_position_embeddings", "tie_word_embeddings")
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")  # transformers' model_type of the towers it takes
-FEATURE_DEFAULTS = {"vision_feature_layer": -2, "vision_feature_select_strategy": "default"}
+# unset, by the tower: LLaVA-1.5's CLIP ViT (the second-to-last block, its class token dropped); a SigLIP tower
+# has no class token, so its last block in full (LLaVA-OneVision's)
+FEATURE_DEFAULTS = {"clip_vision_model": {"vision_feature_layer": -2, "vision_feature_select_strategy": "default"},
+                    "siglip_vision_model": {"vision_feature_layer": -1, "vision_feature_select_strategy": "full"}}
 
 
 def feature_choice(model_cfg):
     """A copy with ``vision_feature_layer`` / ``vision_feature_select_strategy`` decided: unset, a
-    LLaVA directory's own (``model.pretrained``), else LLaVA's -2 / default; set, it must agree with
-    the directory's (one line if not)."""
+    LLaVA directory's own (``model.pretrained``), else the tower's (``FEATURE_DEFAULTS``); set, it must
+    agree with the directory's (one line if not). ``default`` (drop the class token) with a SigLIP tower,
+    which has none, would drop a real patch of every image: one line."""
     from mmpipe.config.fields import thawed_copy
     out = thawed_copy(model_cfg)
     top = llava_config(out) if out.pretrained else None
-    for key, default in FEATURE_DEFAULTS.items():
+    tower = vision_config(out).model_type
+    if tower == "siglip_vision_model" and out.vision_feature_select_strategy == "default":
+        raise ConfigError("model.vision_feature_select_strategy=default drops the class token, and a SigLIP vision "
+                          "tower has none (it would drop the first patch of every image): use full, or leave it unset")
+    for key, default in FEATURE_DEFAULTS[tower].items():
         theirs, mine = getattr(top, key, None), getattr(out, key)
         if isinstance(theirs, (list, tuple)):
             raise ConfigError(f"model.pretrained: {out.pretrained} reads several vision layers ({key}={theirs}); mmpipe's "
