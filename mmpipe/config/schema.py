@@ -67,8 +67,9 @@ class DataConfig(Section):
                                "(less padding; batches then share caption lengths, which changes the negatives)")
     balance: str = _f("none", "none: each step's micro-batches as the sampler cuts them; cost: each step's samples "
                       "regrouped among its micro-batches and data-parallel ranks so every slot costs about the same "
-                      "on every stage (priced from the measured layer profile; the same samples per step, so the "
-                      "same loss; see docs/balancing.md)")
+                      "on every stage (priced from the measured layer profile; the same samples per step, each with its "
+                      "own dropout masks, so the same loss: in fp32 to rtol 1e-5, in bf16 to its precision; see "
+                      "docs/balancing.md)")
     balance_evenness: float = _f(0.25, "data.balance=cost in a pipeline: the weight of the slot spread (max / mean slot "
                                  "time - 1) against the predicted step in the regrouping's objective; higher trades "
                                  "predicted speed for evener slots (see docs/balancing.md)", ge=0.0)
