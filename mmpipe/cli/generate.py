@@ -55,6 +55,9 @@ def cmd_generate(args) -> int:
               f"{r['exact_match_image_questions']:.3f}); best constant answer '{r['constant_answer']}' "
               f"{r['constant_baseline']:.3f} ({r['exact_match'] / max(r['constant_baseline'], 1e-9):.1f}x); best "
               f"answer per question without the image {r['question_prior_baseline']:.3f}")
+        for q, v in r["by_question"].items():  # what the image taught: each image question against its prior
+            if v["n"] >= 10 and q in r["image_questions"]:
+                print(f"  {q:<34} {v['exact_match']:.3f} on {v['n']} (without the image {v['without_the_image']:.3f})")
         for e in r["examples"][:3]:
             print(f"  Q: {e['question']}  A: {e['got']!r}  (want {e['want']!r})")
         for why in r["skipped"][:5]:

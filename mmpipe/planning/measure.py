@@ -177,6 +177,10 @@ def _profile_shapes(cfg, family, mbs: int, forward_only, frozen, device, shapes:
                                                             warmup, run_micro_batches)
                     if why and log:
                         log(f"profile bounded to {PROFILE_SHARE:.0%} of the run it plans: {why}")
+                    if why and bar is not None:  # the passes left
+                        memory_only = sum(1 for w, _ in shapes[k + 1:] if w == 0)
+                        bar.total = bar.n + n_layers * (passes - 1 + passes * (timed - 1) + memory_only)
+                        bar.refresh()
             out.append((weight, median_costs(runs)))
             if log:
                 log(f"profiled shape {k + 1}/{len(shapes)} ({'memory only' if weight == 0 else f'weight {weight:.2f}'}"

@@ -146,6 +146,7 @@ def exact_match(gen: ChatGenerator, run_dir: str, chat_file: str, limit: Optiona
     out = {"n": len(rows), "exact_match": acc, "constant_answer": constant[0], "constant_baseline": constant[1] / n,
            "question_prior_baseline": prior,
            "exact_match_image_questions": sum(r["want"] == r["got"] for r in image_rows) / max(1, len(image_rows)),
+           "image_questions": sorted({r["question"] for r in image_rows}),
            "by_question": {q: {"n": sum(c.values()), "exact_match": sum(r["want"] == r["got"] for r in rows
                                                                         if r["question"] == q) / sum(c.values()),
                                "without_the_image": c.most_common(1)[0][1] / sum(c.values())}
