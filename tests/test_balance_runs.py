@@ -76,7 +76,7 @@ def test_mmpipe_plan_reports_every_placement_and_compares_with_a_run(runs, capsy
     assert open(out / "plan.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert len(os.listdir(tmp_path / "cache")) == 1  # the profile is cached ...
     assert main(["plan", "--config", TINY, "--set", "model.text.vocab_size=300", "--out", str(out)]) == 0
-    assert "layer profile from cache" in capsys.readouterr().out  # ... and reused
+    assert "reusing the cached layer profile" in capsys.readouterr().out  # ... and reused, said
     ref, _ = runs.get(*REF)
     assert main(["plan", "--run", ref]) == 0
     text = capsys.readouterr().out

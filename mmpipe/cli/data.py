@@ -22,7 +22,8 @@ def _sizes(text):
 
 def cmd_data_synth(args) -> int:
     from mmpipe.config.registry import get_family
-    from mmpipe.data.synth import synth, synth_vlm
+    from mmpipe.data.synth import check_split, synth, synth_vlm
+    check_split(args.n, args.val_fraction)  # before any image is written
     if get_family(args.kind, "--kind").data_format == "chat":
         info = synth_vlm(args.out, args.n, val_fraction=args.val_fraction, size=args.size or 64, seed=args.seed,
                          sizes=_sizes(args.sizes))

@@ -107,7 +107,7 @@ def synth_vlm(out: str, n: int, val_fraction: float = 0.1, size: int = 64, seed:
     ``width``: wider frames (see ``make_vlm_sample``); ``questions``: ask only these; ``sizes``: (width,
     height) frames, each image one of them at random (mixed sizes for native-resolution models; in place
     of ``size`` / ``width``), its shapes in its centre square."""
-    n_val = split_counts(n, val_fraction)  # (the flags checked before any image is written)
+    n_val = split_counts(n, val_fraction)
     os.makedirs(os.path.join(out, "images"), exist_ok=True)
     rng = random.Random(seed)
     rows = []
@@ -173,17 +173,19 @@ def synth_skewed_chat(out: str, n: int, size: int = 64, seed: int = 0) -> dict:
 
 
 def split_counts(n: int, val_fraction: float) -> int:
-    """Val samples of ``n`` (at least one, and at least one left to train on); one line for flags that
-    cannot give that (``--n``, ``--val-fraction``)."""
+    """Val samples of ``n``: the rounded fraction, at least one, at most ``n`` (what is written and said)."""
+    return min(n, max(1, int(round(n * val_fraction))))
+
+
+def check_split(n: int, val_fraction: float) -> None:
+    """``mmpipe data synth``'s flags: one line for a count or fraction that leaves nothing to train or hold out."""
     from mmpipe.errors import ConfigError
     if n < 2:
         raise ConfigError(f"--n {n}: give at least 2 samples (one to train on, one to hold out)")
     if not 0 <= val_fraction < 1:
         raise ConfigError(f"--val-fraction {val_fraction}: give a fraction in [0, 1) (the share held out for validation)")
-    n_val = max(1, int(round(n * val_fraction)))
-    if n_val >= n:
+    if split_counts(n, val_fraction) >= n:
         raise ConfigError(f"--val-fraction {val_fraction} of --n {n} leaves no training sample: lower it or raise --n")
-    return n_val
 
 
 def synth(out: str, n: int, val_fraction: float = 0.1, size: int = 96, seed: int = 0, progress: bool = True) -> dict:

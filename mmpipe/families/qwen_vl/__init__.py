@@ -80,6 +80,8 @@ class Qwen25VLFamily(ChatFamily):
                         "freeze_vision": "vision", "freeze_projector": "merger", "freeze_text": "llm"}
     lr_shortcuts = {"vit_lr": "vision", "aligner_lr": "merger"}
     decay_split = 2  # embedding tables undecayed, as the VLM's
+    hf_adapter = "QwenVLHF"  # (its transformers names and model class: ``adapter``)
+    processor_classes = ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor")  # what an export saves beside the model
 
     # ---- config ------------------------------------------------------------------------------------
     @classmethod
@@ -127,8 +129,8 @@ class Qwen25VLFamily(ChatFamily):
     @classmethod
     def validate(cls, model_cfg, where: str) -> None:
         if not model_cfg.pretrained and (model_cfg.llm.hidden_size is None or model_cfg.llm.num_hidden_layers is None):
-            raise ConfigError(f"{where}: model.type=qwen2_5_vl needs model.pretrained (a local directory) or the sizes "
-                              "model.llm.hidden_size and model.llm.num_hidden_layers (see configs/qwen2_5_vl_7b.yaml)")
+            raise ConfigError(f"{where}: model.type={cls.name} needs model.pretrained (a local directory) or the sizes "
+                              f"model.llm.hidden_size and model.llm.num_hidden_layers (see configs/{cls.name}*.yaml)")
 
     @classmethod
     def pixels(cls, model_cfg, data_cfg, seed=None):
@@ -147,7 +149,12 @@ class Qwen25VLFamily(ChatFamily):
         if model_cfg.pretrained:
             hf.check_dir(model_cfg.pretrained, "model.pretrained")
         bounds = [getattr(data_cfg, k, None) or getattr(model_cfg, k, None) for k in ("min_pixels", "max_pixels")]
-        return NativePixels(image_processor(model_cfg.pretrained, *bounds)).checked()
+        return NativePixels(image_processor(model_cfg.pretrained, *bounds, cls.processor_defaults(model_cfg))).checked()
+
+    @classmethod
+    def processor_defaults(cls, model_cfg) -> dict:
+        """The image processor's settings without a directory (transformers' Qwen2-VL defaults: patch 14)."""
+        return {}
 
     def __init__(self, model_cfg, seed: int = 0):
         super().__init__(model_cfg, seed)
@@ -203,9 +210,9 @@ class Qwen25VLFamily(ChatFamily):
         return products.matmuls(self, name, mb)
 
     def load_pretrained(self, module: nn.Module, name: str) -> None:
-        from mmpipe.families.qwen_vl.adapter import LOAD_RULES
         if self._source is None:
             return
+        LOAD_RULES = self.hf.load_rules
         src, sd = self._source, {}
         for k, v in module.state_dict().items():
             mine = f"{name}.{k}"
@@ -229,8 +236,8 @@ class Qwen25VLFamily(ChatFamily):
 
     @property
     def hf(self):
-        from mmpipe.families.qwen_vl.adapter import QwenVLHF
-        return QwenVLHF(self)
+        from mmpipe.families.qwen_vl import adapter
+        return getattr(adapter, self.hf_adapter)(self)
 
     # ---- data ------------------------------------------------------------------------------------------
     def native(self, data_cfg=None):
@@ -331,9 +338,9 @@ class Qwen25VLFamily(ChatFamily):
         return {**image_inputs, "mm_token_type_ids": (input_ids == self.image_token_id).to(torch.int32)}
 
     def hf_export(self, state, tokenizer, data_cfg=None):
-        """``Qwen2_5_VLForConditionalGeneration`` + ``Qwen2_5_VLProcessor`` (the run's image processor,
-        tokenizer and chat template)."""
-        from transformers import Qwen2_5_VLProcessor
+        """The family's transformers model + processor (``Qwen2_5_VLForConditionalGeneration`` +
+        ``Qwen2_5_VLProcessor``: the run's image processor, tokenizer and chat template)."""
+        import transformers
 
         from mmpipe.families.chat.export_format import no_added_special_tokens, plain_template, set_generation_defaults
         stop = self.encoder(tokenizer, 1).end_of_turn_ids()  # before the template is set: as training rendered
@@ -344,10 +351,10 @@ class Qwen25VLFamily(ChatFamily):
                          ("video_token_id", VIDEO_PAD)):
             setattr(cfg, key, tokenizer.convert_tokens_to_ids(tok))
         no_added_special_tokens(tokenizer)
-        from transformers import Qwen2VLVideoProcessor
-        proc = Qwen2_5_VLProcessor(image_processor=self.native(data_cfg).processor, tokenizer=tokenizer,
-                                   video_processor=Qwen2VLVideoProcessor(),  # (required; mmpipe trains no video yet)
-                                   chat_template=getattr(tokenizer, "chat_template", None))
+        processor, video = (getattr(transformers, c) for c in self.processor_classes)
+        proc = processor(image_processor=self.native(data_cfg).processor, tokenizer=tokenizer,
+                         video_processor=video(),  # (required; mmpipe trains no video yet)
+                         chat_template=getattr(tokenizer, "chat_template", None))
         model = self.hf.hf_model(state)
         set_generation_defaults(model, tokenizer, stop)
         return model, proc

@@ -11,7 +11,6 @@ LOAD_RULES = [("vision.embed.", ["visual.patch_embed.", "model.visual.patch_embe
               ("llm.blocks.", ["model.layers.", "model.language_model.layers."]),
               ("llm.head.norm.", ["model.norm.", "model.language_model.norm."]),
               ("llm.head.lm_head.", ["lm_head."])]
-RULES = [(mine, names[-1]) for mine, names in LOAD_RULES]  # -> the in-memory names
 
 
 def _translate(name: str, rules) -> str:
@@ -22,33 +21,39 @@ def _translate(name: str, rules) -> str:
 
 
 class QwenVLHF:
-    """``hf_config()``, ``to_hf`` / ``from_hf`` (in-memory names), ``adapter_name`` (peft's), ``hf_model``."""
+    """``hf_config()``, ``to_hf`` / ``from_hf`` (in-memory names), ``adapter_name`` (peft's), ``hf_model``;
+    ``load_rules`` (mmpipe prefix -> the directory's names tried in order) and ``model_class`` (transformers')
+    are a family's."""
+
+    load_rules = LOAD_RULES
+    model_class = "Qwen2_5_VLForConditionalGeneration"
 
     def __init__(self, family):
         self.family = family
+        self.rules = [(mine, names[-1]) for mine, names in self.load_rules]  # -> the in-memory names
 
     def hf_config(self):
         return self.family.hf_cfg
 
     def to_hf(self, state: dict) -> dict:
-        return {_translate(k, RULES): v for k, v in state.items()}
+        return {_translate(k, self.rules): v for k, v in state.items()}
 
     def from_hf(self, hf_state: dict) -> dict:
-        inverse = sorted(((theirs, mine) for mine, theirs in RULES), key=lambda r: -len(r[0]))
+        inverse = sorted(((theirs, mine) for mine, theirs in self.rules), key=lambda r: -len(r[0]))
         return {_translate(k, inverse): v for k, v in hf_state.items()}
 
     def adapter_name(self, plain: str) -> str:
         """A plain LoRA parameter name -> its name inside the transformers model as peft wraps it."""
         stem, rest = plain.split(".lora_", 1)
-        return _translate(stem + ".weight", RULES)[:-len(".weight")] + ".lora_" + rest
+        return _translate(stem + ".weight", self.rules)[:-len(".weight")] + ".lora_" + rest
 
     def unused_hf_keys(self, hf_keys) -> list:
         return []
 
     def hf_model(self, state: dict):
-        """A ``Qwen2_5_VLForConditionalGeneration`` holding ``state`` (eval mode)."""
-        from transformers import Qwen2_5_VLForConditionalGeneration
-        model = Qwen2_5_VLForConditionalGeneration(self.hf_config())
+        """The family's transformers model (``model_class``) holding ``state`` (eval mode)."""
+        import transformers
+        model = getattr(transformers, self.model_class)(self.hf_config())
         theirs = self.to_hf(state)
         missing = [k for k in model.state_dict() if k not in theirs and not (self.family.tied and k == "lm_head.weight")]
         if missing:
@@ -57,3 +62,13 @@ class QwenVLHF:
         if self.family.tied:
             model.tie_weights()
         return model.eval()
+
+
+class Qwen35HF(QwenVLHF):
+    """Qwen3.5's names: ``model.visual.*`` (the position grid beside the patch embedding), ``model.language_model.*``."""
+
+    load_rules = [("vision.embed.", ["model.visual."]), ("vision.blocks.", ["model.visual.blocks."]),
+                  ("merger.", ["model.visual.merger."]), ("llm.embed.", ["model.language_model."]),
+                  ("llm.blocks.", ["model.language_model.layers."]),
+                  ("llm.head.norm.", ["model.language_model.norm."]), ("llm.head.lm_head.", ["lm_head."])]
+    model_class = "Qwen3_5ForConditionalGeneration"

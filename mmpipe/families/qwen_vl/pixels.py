@@ -89,16 +89,17 @@ class NativePixels:
                 "image_grid_thw": torch.tensor([list(grid)] * n, dtype=torch.int64)}
 
 
-def image_processor(pretrained: Optional[str], lo: Optional[int] = None, hi: Optional[int] = None):
-    """The directory's image processor (``model.pretrained``), else transformers' Qwen2-VL defaults;
-    ``lo`` / ``hi`` (``data.min_pixels`` / ``data.max_pixels``: ms-swift's MIN_PIXELS / MAX_PIXELS)
-    override its bounds."""
+def image_processor(pretrained: Optional[str], lo: Optional[int] = None, hi: Optional[int] = None,
+                    defaults: Optional[dict] = None):
+    """The directory's image processor (``model.pretrained``), else transformers' Qwen2-VL processor with
+    ``defaults`` (a family's geometry and normalisation: Qwen3.5's patch 16, mean and std 0.5); ``lo`` / ``hi``
+    (``data.min_pixels`` / ``data.max_pixels``: ms-swift's MIN_PIXELS / MAX_PIXELS) override its bounds."""
     if pretrained:
         from transformers import AutoImageProcessor
         proc = AutoImageProcessor.from_pretrained(pretrained, local_files_only=True)
     else:
         from transformers import Qwen2VLImageProcessor
-        proc = Qwen2VLImageProcessor()
+        proc = Qwen2VLImageProcessor(**(defaults or {}))
     if lo or hi:
         size = dict(proc.size)
         size["shortest_edge"] = int(lo or size["shortest_edge"])
