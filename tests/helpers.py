@@ -18,6 +18,7 @@ TINY_VLM = os.path.join(ROOT, "configs", "tiny_vlm.yaml")
 # resume tests (conftest's PARITY_FAMILIES) run on it, on the tiny data of its ``data_format``
 # (test_structure holds the table to the registry's built-ins)
 TINY_CONFIGS = {"clip": TINY, "vlm": TINY_VLM, "qwen2_5_vl": os.path.join(ROOT, "configs", "tiny_qwen2_5_vl.yaml"),
+                "qwen3_5": os.path.join(ROOT, "configs", "tiny_qwen3_5.yaml"),
                 "siglip": os.path.join(ROOT, "configs", "tiny_siglip.yaml")}
 
 
