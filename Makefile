@@ -4,7 +4,7 @@ PIP ?= $(PYTHON) -m pip
 NPROC ?= 2
 DEMO_N ?= 4200
 
-.PHONY: install test test-fast demo demo-vlm demo-qwen clean
+.PHONY: install test test-fast demo demo-vlm demo-qwen demo-qwen3_5 clean
 
 install:
 	$(PIP) install -q -e ".[test]"
@@ -40,6 +40,14 @@ demo-qwen: install
 	deepspeed --num_gpus $(NPROC) launch/train.py --config configs/demo_qwen.yaml --overwrite
 	mmpipe generate --run runs/demo_qwen --eval data/synth_qwen/val.jsonl --limit 200
 	mmpipe generate --run runs/demo_qwen --image data/synth_qwen/images/000000.jpg --prompt "what colour are the shapes?"
+
+# Qwen3.5 on the same data: a hybrid decoder (GatedDeltaNet + gated full attention), packed rows (three
+# samples or so a row, none leaking state into the next), P = 2, then the held-out answers.
+demo-qwen3_5: install
+	@test -f data/synth_qwen/train.jsonl || mmpipe data synth --kind qwen2_5_vl --out data/synth_qwen --n 4000 --sizes mixed
+	deepspeed --num_gpus $(NPROC) launch/train.py --config configs/demo_qwen3_5.yaml --overwrite
+	mmpipe generate --run runs/demo_qwen3_5 --eval data/synth_qwen/val.jsonl --limit 200
+	mmpipe generate --run runs/demo_qwen3_5 --image data/synth_qwen/images/000000.jpg --prompt "what colour are the shapes?"
 
 clean:
 	rm -rf runs build *.egg-info .pytest_cache

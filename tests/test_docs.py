@@ -25,7 +25,7 @@ RULES = [  # (command regex, RUN or the reason it is not run here)
     (r"^mmpipe data prepare ", RUN),
     (r"^pip install ", "installs the package; .ci/run does it on a fresh machine"),
     (r"^make (test|test-fast)$", "the test suite itself"),
-    (r"^make demo(-vlm|-qwen)?$", "trains for minutes (the demo); its parts run in tests/test_parity.py and test_vlm_runs.py"),
+    (r"^make demo(-vlm|-qwen|-qwen3_5)?$", "trains for minutes (the demo); its parts run in tests/test_parity.py and test_vlm_runs.py"),
     (r"^mmpipe plan --config configs/demo\.yaml$", "profiles every layer of the demo model (a minute); "
                                                     "tests/test_balance_runs.py runs mmpipe plan on the tiny config"),
     (r"^mmpipe plan .*--run ", "needs a finished demo run (make demo)"),
@@ -37,6 +37,7 @@ RULES = [  # (command regex, RUN or the reason it is not run here)
     (r"^mmpipe bench ", "a benchmark (minutes): results in BENCHMARKS.md"),
     (r"^mmpipe generate --run runs/demo_vlm ", "needs make demo-vlm's run; tests/test_vlm_runs.py generates from a run"),
     (r"^mmpipe generate --run runs/demo_qwen ", "needs make demo-qwen's run; tests/test_qwen2_5_vl.py generates from a run"),
+    (r"^mmpipe generate --run runs/demo_qwen3_5 ", "needs make demo-qwen3_5's run; tests/test_qwen3_5.py generates from a run"),
     (r"^(deepspeed|torchrun|accelerate launch|python launch/train\.py) .*--config configs/demo\.yaml", LONG_RUN),
     (r"--config C\b", "C stands for the reader's config; these launch lines run on the tiny config in "
                       "tests/test_launch.py, test_faults.py (--stop-at, --resume) and test_new_user.py (--overwrite)"),

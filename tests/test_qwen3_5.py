@@ -173,11 +173,15 @@ CUTS = [["vision.embed", "vision.blocks.0"],  # a cut inside the ViT ...
 @pytest.mark.parametrize("key,nprocs,launcher,sets", [
     ("p1", 1, "python", ["parallel.pipeline_stages=1"]),
     ("p3_cuts", 3, "deepspeed", ["parallel.pipeline_stages=3"]),
+    # ZeRO-3 over two ranks whose micro-batches differ in images, every block recomputed from its input
+    # (activation checkpointing), each step's samples regrouped among the ranks (data.balance: cost)
+    ("dp2_z3_ckpt_cost", 2, "deepspeed", ["parallel.pipeline_stages=1", "parallel.zero_stage=3",
+                                          "parallel.activation_checkpointing=all", "data.balance=cost"]),
 ])
 def test_layouts_train_as_the_reference(family_runs_of, tmp_path, key, nprocs, launcher, sets):
-    """P = 1, and P = 3 cut inside the ViT and between linear-attention blocks (patches, tokens and segment
-    ids cross both cuts): the losses (rtol 1e-5) and weights of the P = 2 reference; P2 x DP2 and the resume
-    in tests/test_parity.py."""
+    """P = 1; P = 3 cut inside the ViT and between linear-attention blocks (patches, tokens and segment ids
+    cross both cuts); DP2 with ZeRO-3, activation checkpointing and cost-balanced micro-batches: the losses
+    (rtol 1e-5) and weights of the P = 2 reference; P2 x DP2 and the resume in tests/test_parity.py."""
     runs = family_runs_of("qwen3_5")
     ref = reference(runs)
     if key == "p3_cuts":

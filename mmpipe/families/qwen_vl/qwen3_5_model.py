@@ -75,8 +75,9 @@ def vision_classes():
 
         def forward(self, pixels, grid):
             h = self.patch_embed(pixels)
-            if not h.shape[0]:
-                return h
+            if not h.shape[0]:  # no image: the position grid still runs (on no index: ZeRO-3 gathers it on every
+                idx = torch.zeros((0, 4), dtype=torch.int64, device=h.device)  # rank alike, DeepSpeed #7170)
+                return h + self.pos_embed(idx).sum(1).to(h.dtype)
             meta = vision_meta(grid, self.cfg)
             pos = (self.pos_embed(meta.interp_indices) * meta.interp_weights[:, :, None]).sum(1)
             return h + pos.to(h.dtype)
