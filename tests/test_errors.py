@@ -53,6 +53,19 @@ def test_zero3_from_deepspeed_json_refused_too(capsys, tiny_data, tmp_path):
     assert "parallel.zero_stage=3" in line
 
 
+@pytest.mark.parametrize("config", ["tiny_qwen2_5_vl.yaml", "tiny_qwen3_5.yaml"])
+def test_zero3_with_checkpointing_refused_for_native_resolution_families(capsys, tiny_data, tmp_path, config):
+    """ZeRO-3 + activation checkpointing hangs in backward when data-parallel ranks' micro-batches differ in
+    images (measured at DP2 on both families): refused as one line; the layout chooser leaves it out
+    (tests/test_layout.py)."""
+    import os
+    argv = _train(tiny_data, tmp_path, "parallel.pipeline_stages=1", "parallel.zero_stage=3",
+                  "parallel.activation_checkpointing=all")
+    argv[2] = os.path.join(os.path.dirname(TINY), config)
+    line = _one_line_error(capsys, argv)
+    assert "parallel.zero_stage=3 with parallel.activation_checkpointing=all" in line and "zero_stage 2" in line
+
+
 def test_batch_arithmetic_must_divide(capsys, tiny_data, tmp_path):
     line = _one_line_error(capsys, _train(tiny_data, tmp_path, "parallel.pipeline_stages=1", "train.batch_size=10"))
     assert "train.batch_size=10" in line and "parallel.micro_batch_size=4" in line

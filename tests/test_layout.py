@@ -373,3 +373,18 @@ def test_layout_auto_validates_and_opens_the_data_once_and_keeps_a_type_placemen
     assert "parallel.layout=auto -> single process: pipeline_stages=1" in proc.stdout + proc.stderr
     import mmpipe
     assert mmpipe.load_config(os.path.join(out, "config.yaml")).parallel.placement == "type:Embed"
+
+
+def test_a_family_that_cannot_run_zero3_with_checkpointing_has_those_rows_refused_with_its_reason():
+    """The chooser never picks what the config check refuses (native-resolution Qwen families: ZeRO-3 +
+    checkpointing hangs): those rows do not fit and say why; the same layouts without it still fit."""
+    layers = [_layer(n, 2.0, 4.0, 1000, opt=0.5) for n in NAMES]
+    comm = CommModel(ops={"allreduce": {2: (1e-3, 2e-9)}, "allgather": {2: (5e-4, 1e-9)},
+                          "reduce_scatter": {2: (5e-4, 1e-9)}})
+    kw = dict(world=2, batch_size=16, micro_batch_size=4, precision="fp32", names=NAMES, segments=SEGS,
+              fetch_units=10, checkpointing=(False, True))
+    free = _by_name(predict_layouts(_prof(layers), comm, **kw))
+    rows = _by_name(predict_layouts(_prof(layers), comm, zero3_checkpointing_why="it hangs", **kw))
+    assert free["DP2 ZeRO-3 +ckpt"].fits
+    assert not rows["DP2 ZeRO-3 +ckpt"].fits and rows["DP2 ZeRO-3 +ckpt"].why == "it hangs"
+    assert {n for n, r in rows.items() if r.fits} == {n for n, r in free.items() if r.fits} - {"DP2 ZeRO-3 +ckpt"}

@@ -172,15 +172,15 @@ CUTS = [["vision.embed", "vision.blocks.0"],  # a cut inside the ViT ...
 
 @pytest.mark.parametrize("key,nprocs,launcher,sets", [
     ("p1", 1, "python", ["parallel.pipeline_stages=1"]),
-    ("p3_cuts", 3, "deepspeed", ["parallel.pipeline_stages=3"]),
-    # ZeRO-3 over two ranks whose micro-batches differ in images, every block recomputed from its input
-    # (activation checkpointing), each step's samples regrouped among the ranks (data.balance: cost)
-    ("dp2_z3_ckpt_cost", 2, "deepspeed", ["parallel.pipeline_stages=1", "parallel.zero_stage=3",
-                                          "parallel.activation_checkpointing=all", "data.balance=cost"]),
+    # every block recomputed from its input in backward (activation checkpointing)
+    ("p3_cuts", 3, "deepspeed", ["parallel.pipeline_stages=3", "parallel.activation_checkpointing=all"]),
+    # ZeRO-3 over two ranks whose micro-batches differ in images, each step's samples regrouped among the
+    # ranks (data.balance: cost); ZeRO-3 with checkpointing is refused (tests/test_errors.py)
+    ("dp2_z3_cost", 2, "deepspeed", ["parallel.pipeline_stages=1", "parallel.zero_stage=3", "data.balance=cost"]),
 ])
 def test_layouts_train_as_the_reference(family_runs_of, tmp_path, key, nprocs, launcher, sets):
     """P = 1; P = 3 cut inside the ViT and between linear-attention blocks (patches, tokens and segment ids
-    cross both cuts); DP2 with ZeRO-3, activation checkpointing and cost-balanced micro-batches: the losses
+    cross both cuts) with activation checkpointing; DP2 with ZeRO-3 and cost-balanced micro-batches: the losses
     (rtol 1e-5) and weights of the P = 2 reference; P2 x DP2 and the resume in tests/test_parity.py."""
     runs = family_runs_of("qwen3_5")
     ref = reference(runs)
@@ -196,7 +196,9 @@ def test_layouts_train_as_the_reference(family_runs_of, tmp_path, key, nprocs, l
         assert [fam.layer_kind(n) for n in ("llm.blocks.0", "llm.blocks.1", "llm.blocks.3")] == \
             ["linear_attention", "linear_attention", "full_attention"]
     np.testing.assert_allclose(train_losses(out), train_losses(ref)[:4], rtol=1e-5)
-    assert_weights_close(_weights(out, 4), _weights(ref, 4), rtol=1e-5)
+    # regrouped samples sum their gradients in another order: Adam's first steps lift that float noise
+    # on a rarely-seen embedding row to a few 1e-6 (measured 3.9e-6 on one element of 3296)
+    assert_weights_close(_weights(out, 4), _weights(ref, 4), rtol=1e-5, atol=1e-5 if key == "dp2_z3_cost" else 1e-6)
 
 
 def test_exported_run_answers_through_transformers_as_mmpipe_generate(family_runs_of, q35_dir, tmp_path):

@@ -109,14 +109,15 @@ def predict_layouts(prof: dict, comm: CommModel, world: int, batch_size: int, mi
                     precision: str, names: list, segments: list, memory_budget: Optional[int] = None,
                     cores: Optional[int] = None, zero_stages=(0, 1, 2, 3), placements=("modality", "auto"),
                     max_pipeline: Optional[int] = None, grouped_clip: bool = False,
-                    fetch_units=None, checkpointing=(False,)) -> list:
+                    fetch_units=None, checkpointing=(False,), zero3_checkpointing_why: str = "") -> list:
     """Every layout of ``world`` ranks (see the module doc), predicted; a list of ``LayoutPrediction``.
     ``fetch_units``: (modules whose parameters ZeRO-3 partitions, modules whose parameters it keeps
     persistent, the persistent parameters' element count, parameter tensors), or one count of
     partitioned modules; ZeRO-3 fetches each partitioned module separately, twice per micro-batch,
     and all-gathers the persistent parameters after each step; ZeRO-2 hooks every parameter tensor.
     Default: one partitioned module (and one tensor) per layer. ``checkpointing``: predict each
-    layout without and/or with activation checkpointing."""
+    layout without and/or with activation checkpointing; ``zero3_checkpointing_why``: the family cannot
+    run ZeRO-3 with it (those rows do not fit, and say why)."""
     out = []
     for ck in checkpointing:
         ctx = _Ctx({**prof, "checkpointing": ck}, comm, world, batch_size, micro_batch_size, precision, cores)
@@ -134,6 +135,8 @@ def predict_layouts(prof: dict, comm: CommModel, world: int, batch_size: int, mi
             row.checkpointing = ck
             if ck:
                 row.name += " +ckpt"
+                if row.zero_stage == 3 and zero3_checkpointing_why and row.fits:
+                    row.fits, row.why = False, zero3_checkpointing_why
         out += rows
     if memory_budget:
         for row in out:
@@ -384,7 +387,8 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
     rows = predict_layouts(prof, comm, world, cfg.train.batch_size, mbs, cfg.train.precision, family.layer_names(),
                            family.segments(), memory_budget=budget, cores=cores() if on_cpu else None,
                            grouped_clip=grouped_clip, fetch_units=fetch_units(family),
-                           checkpointing=checkpointing_choices(cfg))
+                           checkpointing=checkpointing_choices(cfg),
+                           zero3_checkpointing_why=family.zero3_checkpointing_why)
     if unfit_ok and not any(r.fits for r in rows):  # (mmpipe plan: the table all the same; chosen None)
         best, why = None, "no layout fits"
     else:
