@@ -11,7 +11,7 @@ install:
 
 # two workers, a module's tests on one (tests/conftest.py): 1.35x faster on a 2-core machine
 test: install
-	$(PYTHON) -m pytest -q --durations=25 -n 2 --dist loadfile tests
+	$(PYTHON) -m pytest -q --durations=60 -n 2 --dist loadfile tests
 
 test-fast: install
 	$(PYTHON) -m pytest -q -m "not dist" tests
