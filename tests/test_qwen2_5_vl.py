@@ -1,8 +1,8 @@
 """Qwen2.5-VL at native resolution (``model.type: qwen2_5_vl``): transformers' arithmetic, multimodal
 rotary positions (packed rows restart per sample in all three sections), cuts inside the ViT and
 the decoder, export back to ``Qwen2_5_VLForConditionalGeneration`` answering as ``mmpipe generate``.
-Layout parity and resume on the mixed-size chat data: tests/test_parity.py, test_elastic.py
-(``TINY_CONFIGS``)."""
+Layout parity (P2 x DP2) and resume with ``test_parity``'s checks, here (the family's reference run made
+once); on another layout: test_elastic.py."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import TINY_CONFIGS, train_losses
 from PIL import Image
-from test_parity import _weights, assert_weights_close, reference
+from test_parity import _weights, assert_weights_close, check_layout_parity, check_resume, reference
 
 import mmpipe
 
@@ -309,3 +309,11 @@ def test_checkpointing_and_zero3_train_as_the_reference(family_runs_of, key, npr
     out, _ = runs.get(key, nprocs, sets, flags=["--stop-at", "4"])
     np.testing.assert_allclose(train_losses(out), train_losses(ref)[:4], rtol=1e-5)
     assert_weights_close(_weights(out, 4), _weights(ref, 4), rtol=1e-5)
+
+
+def test_pipeline_times_data_parallel_trains_as_the_reference_and_resumes_exactly(family_runs_of):
+    """Every family's P2 x DP2 parity and stop-and-resume (``test_parity``'s checks), here beside the family's
+    other layouts so its reference run is made once per CI worker."""
+    runs = family_runs_of("qwen2_5_vl")
+    check_layout_parity("qwen2_5_vl", runs, "p2dp2", 4, "deepspeed", ["parallel.pipeline_stages=2"], loss_rtol=1e-4)
+    check_resume("qwen2_5_vl", runs)

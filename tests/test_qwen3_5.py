@@ -2,7 +2,7 @@
 processor), packed rows whose samples never share a GatedDeltaNet's conv window or recurrent state (and a test
 that sees the leak when they do), cuts inside the ViT and between linear-attention layers, LoRA against peft,
 export back to ``Qwen3_5ForConditionalGeneration`` answering as ``mmpipe generate``. Layout parity (P2 x DP2)
-and resume on the mixed-size chat data: tests/test_parity.py (``TINY_CONFIGS``)."""
+and resume with ``test_parity``'s checks, here (the family's reference run made once)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import TINY_CONFIGS, train_losses
 from PIL import Image
-from test_parity import _weights, assert_weights_close, reference
+from test_parity import _weights, assert_weights_close, check_layout_parity, check_resume, reference
 
 import mmpipe
 
@@ -181,7 +181,7 @@ CUTS = [["vision.embed", "vision.blocks.0"],  # a cut inside the ViT ...
 def test_layouts_train_as_the_reference(family_runs_of, tmp_path, key, nprocs, launcher, sets):
     """P = 1; P = 3 cut inside the ViT and between linear-attention blocks (patches, tokens and segment ids
     cross both cuts) with activation checkpointing; DP2 with ZeRO-3 and cost-balanced micro-batches: the losses
-    (rtol 1e-5) and weights of the P = 2 reference; P2 x DP2 and the resume in tests/test_parity.py."""
+    (rtol 1e-5) and weights of the P = 2 reference; P2 x DP2 and the resume below."""
     runs = family_runs_of("qwen3_5")
     ref = reference(runs)
     if key == "p3_cuts":
@@ -199,6 +199,14 @@ def test_layouts_train_as_the_reference(family_runs_of, tmp_path, key, nprocs, l
     # regrouped samples sum their gradients in another order: Adam's first steps lift that float noise
     # on a rarely-seen embedding row to a few 1e-6 (measured 3.9e-6 on one element of 3296)
     assert_weights_close(_weights(out, 4), _weights(ref, 4), rtol=1e-5, atol=1e-5 if key == "dp2_z3_cost" else 1e-6)
+
+
+def test_pipeline_times_data_parallel_trains_as_the_reference_and_resumes_exactly(family_runs_of):
+    """Every family's P2 x DP2 parity and stop-and-resume (``test_parity``'s checks), here beside the family's
+    other layouts so its reference run is made once per CI worker."""
+    runs = family_runs_of("qwen3_5")
+    check_layout_parity("qwen3_5", runs, "p2dp2", 4, "deepspeed", ["parallel.pipeline_stages=2"], loss_rtol=1e-5)
+    check_resume("qwen3_5", runs)
 
 
 def test_exported_run_answers_through_transformers_as_mmpipe_generate(family_runs_of, q35_dir, tmp_path):
