@@ -161,9 +161,20 @@ class Qwen25VLFamily(ChatFamily):
         """The image processor's settings without a directory (transformers' Qwen2-VL defaults: patch 14)."""
         return {}
 
+    @classmethod
+    def hf_config(cls, model_cfg):
+        """transformers' config of a ``model:`` section (a later Qwen family: its own)."""
+        return qwen_config(model_cfg)
+
+    def model_parts(self):
+        """(the module whose ``vision_classes`` / ``decoder_block_cls`` build the layers, the decoder's RMSNorm):
+        what a later Qwen family swaps; the layer steps (``model``) are every Qwen family's."""
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
+        return m, Qwen2_5_VLRMSNorm
+
     def __init__(self, model_cfg, seed: int = 0):
         super().__init__(model_cfg, seed)
-        self.hf_cfg = qwen_config(model_cfg)
+        self.hf_cfg = self.hf_config(model_cfg)
         self.vision_cfg, self.text_cfg = self.hf_cfg.vision_config, self.hf_cfg.text_config
         self.image_token_id = self.hf_cfg.image_token_id
         self.tied = bool(getattr(self.hf_cfg, "tie_word_embeddings", False))
@@ -183,9 +194,9 @@ class Qwen25VLFamily(ChatFamily):
 
     def build_unseeded(self, name: str) -> nn.Module:
         from mmpipe.families.chat.layers import LmHead, TokenEmbed
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
+        parts, RMSNorm = self.model_parts()
         v, t = self.vision_cfg, self.text_cfg
-        PatchEmbed, VisionBlock, Merger = m.vision_classes()
+        PatchEmbed, VisionBlock, Merger = parts.vision_classes()
         if name == "vision.embed":
             module = PatchEmbed(v)
         elif name.startswith("vision.blocks."):
@@ -195,9 +206,9 @@ class Qwen25VLFamily(ChatFamily):
         elif name == "llm.embed":
             module = TokenEmbed(t.vocab_size, t.hidden_size, getattr(t, "pad_token_id", None), self.image_token_id)
         elif name.startswith("llm.blocks."):
-            module = m.decoder_block_cls()(t, int(name.rsplit(".", 1)[1]))
+            module = parts.decoder_block_cls()(t, int(name.rsplit(".", 1)[1]))
         elif name == "llm.head":
-            module = LmHead(Qwen2_5_VLRMSNorm(t.hidden_size, eps=t.rms_norm_eps), t.hidden_size, t.vocab_size)
+            module = LmHead(RMSNorm(t.hidden_size, eps=t.rms_norm_eps), t.hidden_size, t.vocab_size)
         else:
             raise KeyError(name)
         init_transformer_part(module, std=getattr(t, "initializer_range", 0.02))

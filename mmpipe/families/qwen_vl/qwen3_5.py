@@ -9,17 +9,13 @@ A packed row's samples never share a linear-attention layer's conv window or rec
 (``qwen3_5_model``): ARCHITECTURE.md states the rule every recurrent family follows."""
 from __future__ import annotations
 
-from torch import nn
 
 from mmpipe.config.registry import register_family
 from mmpipe.errors import ConfigError
-from mmpipe.families.base import Layer
 from mmpipe.families.qwen_vl import Qwen25VLFamily
 from mmpipe.families.qwen_vl import qwen3_5_model as m
-from mmpipe.families.qwen_vl.model import llm_block_step, llm_embed_step, llm_head_step
 from mmpipe.families.qwen_vl.qwen3_5_config import Qwen35Config
 from mmpipe.families.towers import hf
-from mmpipe.families.towers.common import init_transformer_part
 
 _VISION_FIELDS = ("depth", "hidden_size", "num_heads", "intermediate_size", "patch_size", "temporal_patch_size",
                   "spatial_merge_size", "num_position_embeddings")
@@ -99,21 +95,13 @@ class Qwen35Family(Qwen25VLFamily):
         return {"patch_size": v.patch_size or 16, "temporal_patch_size": v.temporal_patch_size or 2,
                 "merge_size": v.spatial_merge_size or 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 
-    def __init__(self, model_cfg, seed: int = 0):
-        super(Qwen25VLFamily, self).__init__(model_cfg, seed)
-        self.hf_cfg = qwen3_5_config(model_cfg)
-        self.vision_cfg, self.text_cfg = self.hf_cfg.vision_config, self.hf_cfg.text_config
-        self.image_token_id = self.hf_cfg.image_token_id
-        self.tied = bool(getattr(self.hf_cfg, "tie_word_embeddings", False))
-        self._source = hf.WeightSource(model_cfg.pretrained, "model.pretrained") if model_cfg.pretrained else None
-        self._native = {}
-        D, L = self.vision_cfg.depth, self.text_cfg.num_hidden_layers
-        self._layers = ([Layer("vision.embed", "vision", m.vision_embed_step)]
-                        + [Layer(f"vision.blocks.{i}", "vision", m.vision_block_step) for i in range(D)]
-                        + [Layer("merger", "merger", m.merger_step, takes=("vision",)),
-                           Layer("llm.embed", "llm", llm_embed_step, takes=("merger",))]
-                        + [Layer(f"llm.blocks.{i}", "llm", llm_block_step) for i in range(L)]
-                        + [Layer("llm.head", "llm", llm_head_step)])
+    @classmethod
+    def hf_config(cls, model_cfg):
+        return qwen3_5_config(model_cfg)
+
+    def model_parts(self):
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+        return m, Qwen3_5RMSNorm
 
     def layer_kind(self, name: str) -> str:
         """A decoder block's kind (``linear_attention`` | ``full_attention``, from ``layer_types``); other layers:
@@ -121,32 +109,6 @@ class Qwen35Family(Qwen25VLFamily):
         if name.startswith("llm.blocks."):
             return self.text_cfg.layer_types[int(name.rsplit(".", 1)[1])]
         return self.layer(name).segment
-
-    def build_unseeded(self, name: str) -> nn.Module:
-        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
-
-        from mmpipe.families.chat.layers import LmHead, TokenEmbed
-        v, t = self.vision_cfg, self.text_cfg
-        PatchEmbed, VisionBlock, Merger = m.vision_classes()
-        if name == "vision.embed":
-            module = PatchEmbed(v)
-        elif name.startswith("vision.blocks."):
-            module = VisionBlock(v, int(name.rsplit(".", 1)[1]))
-        elif name == "merger":
-            module = Merger(v)
-        elif name == "llm.embed":
-            module = TokenEmbed(t.vocab_size, t.hidden_size, getattr(t, "pad_token_id", None), self.image_token_id)
-        elif name.startswith("llm.blocks."):
-            module = m.decoder_block_cls()(t, int(name.rsplit(".", 1)[1]))
-        elif name == "llm.head":
-            module = LmHead(Qwen3_5RMSNorm(t.hidden_size, eps=t.rms_norm_eps), t.hidden_size, t.vocab_size)
-        else:
-            raise KeyError(name)
-        init_transformer_part(module, std=getattr(t, "initializer_range", 0.02))
-        for sub in module.modules():  # (init_transformer_part knows Conv2d; the patch embedding is 3-D)
-            if isinstance(sub, nn.Conv3d):
-                nn.init.normal_(sub.weight, std=getattr(t, "initializer_range", 0.02))
-        return module
 
     def matmuls(self, name: str, mb) -> list:
         raise NotImplementedError("qwen3_5: no analytic FLOPs yet (its runs log no TFLOP/s)")

@@ -19,7 +19,6 @@ from typing import NamedTuple
 
 import torch
 
-from mmpipe.families.chat.layers import through
 from mmpipe.families.chat.masks import attention_inputs, mask_kind
 
 
@@ -162,30 +161,3 @@ def _spans(segments: list) -> list:
         if start is None and s > 0:
             start = t
     return out
-
-
-# ---- layer steps (the tuple contract of ``qwen_vl.model``: the same activations) ------------------------
-def vision_embed_step(part, acts):
-    pixels, grid, ids, mask, pos = acts
-    return part(pixels, grid), grid, ids, mask, pos
-
-
-def vision_block_step(part, acts):
-    h, grid, ids, mask, pos = acts
-    if h.shape[0]:
-        return part(h, grid), grid, ids, mask, pos
-    dummy = _dummy_grid(part.cfg, h.device)  # no image: one merge unit of zeros runs (chat.layers.through)
-    return through(lambda z: part(z.expand(int(dummy.prod()), -1), dummy), h), grid, ids, mask, pos
-
-
-def merger_step(part, acts):
-    h, grid, ids, mask, pos = acts
-    if h.shape[0]:
-        return part(h, grid), grid, ids, mask, pos
-    dummy = _dummy_grid(part.cfg, h.device)
-    zero = part(h.new_zeros((int(dummy.prod()), h.shape[-1])), dummy)
-    return h.new_zeros((0, zero.shape[-1])) + (zero.sum() + h.sum()) * 0.0, grid, ids, mask, pos  # (tied to h)
-
-
-def _dummy_grid(cfg, device) -> torch.Tensor:
-    return torch.tensor([[1, cfg.spatial_merge_size, cfg.spatial_merge_size]], dtype=torch.int64, device=device)
