@@ -28,21 +28,28 @@ _TEXT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_
                 "max_position_embeddings")
 
 
+def pretrained_config(cfg, model_type: str, model_class: str, vision_fields, text_fields):
+    """``model.pretrained``'s transformers config, checked: a ``model_type`` directory, the ``model:`` fields set
+    beside it agree, the vocabulary grown to the tokens the tokenizer added."""
+    top = hf.load_hf_config(cfg.pretrained, "model.pretrained")
+    if getattr(top, "model_type", None) != model_type:
+        raise ConfigError(f"model.pretrained: {cfg.pretrained} holds a {getattr(top, 'model_type', '?')}, not a "
+                          f"{model_class} directory")
+    hf.check_fields_agree(cfg.vision, [f for f in vision_fields if getattr(cfg.vision, f) is not None],
+                          top.vision_config, "model.vision", "model.pretrained")
+    hf.check_fields_agree(cfg.llm, [f for f in text_fields if getattr(cfg.llm, f) is not None],
+                          top.text_config, "model.llm", "model.pretrained")
+    if cfg.llm.vocab_size and cfg.llm.vocab_size > top.text_config.vocab_size:
+        top.text_config.vocab_size = cfg.llm.vocab_size
+    return top
+
+
 def qwen_config(cfg):
     """The ``Qwen2_5_VLConfig`` of a ``model:`` section: ``model.pretrained``'s (fields set beside it must
     agree), else built from the fields (transformers' defaults for the rest)."""
     from transformers import Qwen2_5_VLConfig
     if cfg.pretrained:
-        top = hf.load_hf_config(cfg.pretrained, "model.pretrained")
-        if getattr(top, "model_type", None) != "qwen2_5_vl":
-            raise ConfigError(f"model.pretrained: {cfg.pretrained} holds a {getattr(top, 'model_type', '?')}, not a "
-                              "Qwen2_5_VLForConditionalGeneration directory")
-        hf.check_fields_agree(cfg.vision, [f for f in _VISION_FIELDS if getattr(cfg.vision, f) is not None],
-                              top.vision_config, "model.vision", "model.pretrained")
-        hf.check_fields_agree(cfg.llm, [f for f in _TEXT_FIELDS if getattr(cfg.llm, f) is not None],
-                              top.text_config, "model.llm", "model.pretrained")
-        if cfg.llm.vocab_size and cfg.llm.vocab_size > top.text_config.vocab_size:  # tokens the tokenizer added
-            top.text_config.vocab_size = cfg.llm.vocab_size
+        top = pretrained_config(cfg, "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", _VISION_FIELDS, _TEXT_FIELDS)
     else:
         v, t = cfg.vision, cfg.llm
         vision = {f: getattr(v, f) for f in _VISION_FIELDS if getattr(v, f) is not None}

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from mmpipe.config.registry import register_family
 from mmpipe.errors import ConfigError
-from mmpipe.families.qwen_vl import Qwen25VLFamily
+from mmpipe.families.qwen_vl import Qwen25VLFamily, pretrained_config
 from mmpipe.families.qwen_vl import qwen3_5_model as m
 from mmpipe.families.qwen_vl.qwen3_5_config import Qwen35Config
-from mmpipe.families.towers import hf
 
 _VISION_FIELDS = ("depth", "hidden_size", "num_heads", "intermediate_size", "patch_size", "temporal_patch_size",
                   "spatial_merge_size", "num_position_embeddings")
@@ -29,16 +28,7 @@ def qwen3_5_config(cfg):
     else built from the fields (transformers' defaults for the rest)."""
     from transformers import Qwen3_5Config
     if cfg.pretrained:
-        top = hf.load_hf_config(cfg.pretrained, "model.pretrained")
-        if getattr(top, "model_type", None) != "qwen3_5":
-            raise ConfigError(f"model.pretrained: {cfg.pretrained} holds a {getattr(top, 'model_type', '?')}, not a "
-                              "Qwen3_5ForConditionalGeneration directory")
-        hf.check_fields_agree(cfg.vision, [f for f in _VISION_FIELDS if getattr(cfg.vision, f) is not None],
-                              top.vision_config, "model.vision", "model.pretrained")
-        hf.check_fields_agree(cfg.llm, [f for f in _TEXT_FIELDS if getattr(cfg.llm, f) is not None],
-                              top.text_config, "model.llm", "model.pretrained")
-        if cfg.llm.vocab_size and cfg.llm.vocab_size > top.text_config.vocab_size:  # tokens the tokenizer added
-            top.text_config.vocab_size = cfg.llm.vocab_size
+        top = pretrained_config(cfg, "qwen3_5", "Qwen3_5ForConditionalGeneration", _VISION_FIELDS, _TEXT_FIELDS)
     else:
         v, t = cfg.vision, cfg.llm
         vision = {f: getattr(v, f) for f in _VISION_FIELDS if getattr(v, f) is not None}
