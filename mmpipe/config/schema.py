@@ -473,9 +473,10 @@ def validate(cfg: RunConfig) -> None:
             f"{where}: parallel.zero_stage={cfg.parallel.zero_stage} with parallel.pipeline_stages="
             f"{cfg.parallel.pipeline_stages}: DeepSpeed's pipeline engine supports ZeRO 0/1 only "
             "(ZeRO-2/3 partition gradients the pipeline schedule reduces itself); use zero_stage 0 or 1, or pipeline_stages 1")
-    if cfg.parallel.zero_stage == 3 and cfg.parallel.activation_checkpointing == "all" and fam.zero3_checkpointing_why:
+    refusal = fam.zero3_checkpointing_refusal()
+    if cfg.parallel.zero_stage == 3 and cfg.parallel.activation_checkpointing == "all" and refusal:
         raise ConfigError(f"{where}: parallel.zero_stage=3 with parallel.activation_checkpointing=all: model.type="
-                          f"{cfg.model.type}: {fam.zero3_checkpointing_why}; use zero_stage 2, a pipeline "
+                          f"{cfg.model.type}: {refusal}; use zero_stage 2, a pipeline "
                           "(pipeline_stages >= 2) with checkpointing, or activation_checkpointing none")
     if cfg.optim.max_grad_norm is not None and cfg.optim.max_grad_norm <= 0:
         raise ConfigError(f"{where}: optim.max_grad_norm must be > 0 (or unset for no clipping), got {cfg.optim.max_grad_norm}")

@@ -57,9 +57,6 @@ class Family:
     # per-micro-batch means: ``loss_units`` counts them and ``loss`` takes the normaliser
     token_mean: ClassVar[bool] = False
     packs: ClassVar[bool] = False  # data.packing: several samples per sequence
-    # why ZeRO-3 with activation checkpointing cannot train it ("" where it can): refused by the config
-    # check and left out of the layout chooser
-    zero3_checkpointing_why: ClassVar[str] = ""
     data_format: ClassVar[str] = ""  # what it trains on: "captions" (image-caption pairs), "chat"
     generates: ClassVar[bool] = False  # mmpipe generate answers with it (chat families)
     # how its parameters split into decayed / undecayed optimizer groups, recorded with checkpoints
@@ -70,6 +67,12 @@ class Family:
     plain_api: ClassVar[Optional[type]] = None
 
     # ---- config: class methods, no model built ------------------------------------------------
+    @classmethod
+    def zero3_checkpointing_refusal(cls) -> str:
+        """Why ZeRO-3 with activation checkpointing cannot train this family ("" where it can): the config
+        check refuses it in one line and the layout chooser leaves it out."""
+        return ""
+
     @classmethod
     def validate(cls, model_cfg, where: str) -> None:
         """Choices and ranges of the ``model:`` section (one-line ConfigError)."""

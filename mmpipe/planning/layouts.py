@@ -388,7 +388,7 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
                            family.segments(), memory_budget=budget, cores=cores() if on_cpu else None,
                            grouped_clip=grouped_clip, fetch_units=fetch_units(family),
                            checkpointing=checkpointing_choices(cfg),
-                           zero3_checkpointing_why=family.zero3_checkpointing_why)
+                           zero3_checkpointing_why=family.zero3_checkpointing_refusal())
     if unfit_ok and not any(r.fits for r in rows):  # (mmpipe plan: the table all the same; chosen None)
         best, why = None, "no layout fits"
     else:

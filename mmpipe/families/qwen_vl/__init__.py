@@ -89,11 +89,14 @@ class Qwen25VLFamily(ChatFamily):
     decay_split = 2  # embedding tables undecayed, as the VLM's
     hf_adapter = "QwenVLHF"  # (its transformers names and model class: ``adapter``)
     processor_classes = ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor")  # what an export saves beside the model
-    # measured (tiny Qwen2.5-VL and Qwen3.5, DP2, native-resolution micro-batches that differ in images per
-    # rank): DeepSpeed's ZeRO-3 hooks and torch's non-reentrant recompute (which stops early where the saved
-    # tensors run out) leave the ranks' gradient reductions unequal: the run hangs in backward at step 2-3
-    zero3_checkpointing_why = ("ZeRO-3 with activation checkpointing hangs when data-parallel ranks' micro-batches "
-                               "differ in images (DeepSpeed's gradient reduce-scatters fall out of step)")
+
+    @classmethod
+    def zero3_checkpointing_refusal(cls) -> str:
+        # measured (tiny Qwen2.5-VL and Qwen3.5, DP2, native-resolution micro-batches that differ in images per
+        # rank): DeepSpeed's ZeRO-3 hooks and torch's non-reentrant recompute (which stops early where the saved
+        # tensors run out) leave the ranks' gradient reductions unequal: the run hangs in backward at step 2-3
+        return ("ZeRO-3 with activation checkpointing hangs when data-parallel ranks' micro-batches differ in "
+                "images (DeepSpeed's gradient reduce-scatters fall out of step)")
 
     # ---- config ------------------------------------------------------------------------------------
     @classmethod
