@@ -1,5 +1,6 @@
 """What tests share besides fixtures: paths, the environment of a launched run, launching one
-(deepspeed, torchrun or accelerate), the lazily launched multi-process runs, and reading a run's losses."""
+(DeepSpeed's ranks, the deepspeed command or accelerate), the lazily launched multi-process runs, and reading
+a run's losses."""
 from __future__ import annotations
 
 import os
@@ -42,26 +43,74 @@ def _env(extra=None):
 
 def launch(nprocs: int, args: list, launcher: str = "deepspeed", timeout: int = 600,
            env: dict = None) -> subprocess.CompletedProcess:
-    """Run launch/train.py under the given launcher; return the completed process (output kept)."""
+    """Run launch/train.py under the given launcher; return the completed process (output kept).
+    ``deepspeed``: the ranks DeepSpeed's single-node launcher starts, started here (``spawn_like_deepspeed``);
+    ``deepspeed-cli``: the ``deepspeed`` command itself (the tests of launching, signals and faults)."""
     from mmpipe.bench.common import free_port
     for attempt in range(3):
         port = str(free_port())  # (tests run on two workers: never the launchers' default port)
-        if launcher == "python":
-            cmd = [sys.executable, TRAIN_PY] + args
-        elif launcher == "accelerate":
-            cmd = [shutil.which("accelerate") or "accelerate", "launch", "--config_file", ACCEL_YAML,
-                   "--num_processes", str(nprocs), "--main_process_port", port, TRAIN_PY] + args
+        if launcher == "deepspeed":
+            proc = spawn_like_deepspeed(nprocs, [TRAIN_PY] + args, port, _env(env), timeout)
         else:
-            cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(nprocs), "--master_port", port,
-                   TRAIN_PY] + args
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout)
+            if launcher == "python":
+                cmd = [sys.executable, TRAIN_PY] + args
+            elif launcher == "accelerate":
+                cmd = [shutil.which("accelerate") or "accelerate", "launch", "--config_file", ACCEL_YAML,
+                       "--num_processes", str(nprocs), "--main_process_port", port, TRAIN_PY] + args
+            else:
+                cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(nprocs), "--master_port", port,
+                       TRAIN_PY] + args
+            proc = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout)
         # the port was free when drawn; the other worker's launch may bind it first: draw again
         if not (proc.returncode == 2 and "(MASTER_PORT) is already in use" in proc.stderr):
             break
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-        raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
+        raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(proc.args)}\n{tail}")
     return proc
+
+
+def spawn_like_deepspeed(nprocs: int, script: list, port: str, env: dict, timeout: int) -> subprocess.CompletedProcess:
+    """The ranks of ``deepspeed --num_gpus N script`` on one node, without its two launcher processes (the
+    runner and ``deepspeed.launcher.launch`` each import DeepSpeed: ~6 s of CPU per launch, a tenth of the
+    suite on two cores). The same contract as ``deepspeed.launcher.launch``: MASTER_ADDR / MASTER_PORT,
+    WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_SIZE, CROSS_RANK / CROSS_SIZE, the visible-devices variable, ``python
+    -u script --local_rank=i``, one output for all ranks, and a rank that exits non-zero takes the others
+    down (SIGTERM, as its launcher does) and is the exit status. tests/test_launch.py and test_faults.py run
+    the ``deepspeed`` command itself."""
+    import signal
+    import tempfile
+    import time
+    base = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(nprocs), LOCAL_SIZE=str(nprocs),
+                CROSS_RANK="0", CROSS_SIZE="1", CUDA_VISIBLE_DEVICES=",".join(map(str, range(nprocs))))
+    cmd = [sys.executable, "-u"] + script
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        procs = [subprocess.Popen(cmd + [f"--local_rank={r}"], cwd=ROOT, stdout=out, stderr=err,
+                                  env=dict(base, RANK=str(r), LOCAL_RANK=str(r))) for r in range(nprocs)]
+        deadline, code = time.monotonic() + timeout, 0
+        try:
+            while any(p.poll() is None for p in procs):
+                failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+                if failed:
+                    code = failed[0]
+                    for p in procs:
+                        if p.poll() is None:
+                            p.send_signal(signal.SIGTERM)
+                    break
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+                time.sleep(0.05)
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        code = code or next((p.returncode for p in procs if p.returncode), 0)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, code, out.read(), err.read())
 
 
 class Runs:

@@ -15,11 +15,18 @@ import pytest
 
 from mmpipe.bench.common import free_port
 import torch
-from helpers import ROOT, TRAIN_PY, _env, launch
+from helpers import ROOT, TRAIN_PY, _env
+from helpers import launch as _launch
 from test_parity import REF, assert_weights_close, reference
 
 from mmpipe.train.checkpoint_weights import load_model_weights
 from mmpipe.train.metrics import read_metrics
+
+
+def launch(nprocs, args, launcher="deepspeed-cli", **kw):
+    """Faults and signals under the ``deepspeed`` command itself (its launcher's own handling of a rank that
+    dies is part of what these tests check)."""
+    return _launch(nprocs, args, launcher, **kw)
 
 
 def _latest(out):

@@ -209,6 +209,13 @@ def test_pipeline_times_data_parallel_trains_as_the_reference_and_resumes_exactl
     check_resume("qwen3_5", runs)
 
 
+def test_resume_from_the_pipeline_onto_one_process_is_exact(family_runs_of, tmp_path):
+    """The P = 2 reference's step-4 checkpoint continued at P = 1 (``test_elastic``'s check): steps 5-6 equal."""
+    from test_elastic import check_resume_on_another_layout
+    check_resume_on_another_layout(family_runs_of("qwen3_5"), tmp_path, "el_p1", 1, "python",
+                                   ["parallel.pipeline_stages=1"])
+
+
 def test_exported_run_answers_through_transformers_as_mmpipe_generate(family_runs_of, q35_dir, tmp_path):
     """A run from the offline directory (its byte-level BPE tokenizer: AutoTokenizer gives a ``qwen3_5`` directory
     ``Qwen3_5Tokenizer`` whatever it saved) exported -> ``Qwen3_5ForConditionalGeneration`` + ``AutoProcessor``
