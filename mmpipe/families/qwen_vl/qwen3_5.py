@@ -9,7 +9,6 @@ A packed row's samples never share a linear-attention layer's conv window or rec
 (``qwen3_5_model``): ARCHITECTURE.md states the rule every recurrent family follows."""
 from __future__ import annotations
 
-
 from mmpipe.config.registry import register_family
 from mmpipe.errors import ConfigError
 from mmpipe.families.qwen_vl import Qwen25VLFamily, pretrained_config
