@@ -53,7 +53,8 @@ def test_activations_and_gradients_cross_with_their_own_costs():
 
 def test_shared_cores_stretch_each_instruction_by_the_ranks_computing_with_it():
     """Ranks sharing cores: an instruction runs slower by how many ranks compute while it runs."""
-    from mmpipe.planning.simulate import _ds_streams, simulate_shared_cores
+    from mmpipe.parallel.schedules import stream
+    from mmpipe.planning.simulate import simulate_shared_cores
     plain = simulate([1.0], [2.0], 4).step_time
     # data parallel: 4 copies of one stage always compute together on 2 cores -> 2x, or 2.3x when
     # the measured slowdown per unit of oversubscription is 1.3 (1 + (2 - 1) x 1.3)
@@ -69,7 +70,7 @@ def test_shared_cores_stretch_each_instruction_by_the_ranks_computing_with_it():
     r, stretch = simulate_shared_cores(F, B, 8, [0.0], [0.0] * 2, None, 1, 1, 1)
     base = simulate(F, B, 8).step_time
     assert 1.3 * base < r.step_time < 2 * base
-    first_fwd = [i for i, (k, _) in enumerate(_ds_streams(2, 8)[0]) if k == "ForwardPass"][0]
+    first_fwd = [i for i, a in enumerate(stream("1f1b", 2, 8, 0)) if a.kind == "ForwardPass"][0]
     assert stretch[0][first_fwd] == pytest.approx(1.0, abs=0.02)
     assert max(max(s) for s in stretch) == pytest.approx(2.0, abs=0.05)
 
@@ -342,10 +343,10 @@ def test_cost_balance_refuses_a_loss_that_depends_on_the_grouping(capsys, tmp_pa
 def _stage_mem(prof, parts, P, M):
     """The planner's bytes per stage (what ``parallel.memory_budget_gb`` caps): parameters and state, and
     activations in flight."""
-    from mmpipe.planning.memory import bytes_per_param, in_flight
+    from mmpipe.planning.memory import bytes_per_param, held
     from mmpipe.planning.place import layer_costs
     per_t, per_f = bytes_per_param("fp32", 0, 1)
-    mem = [c.static_bytes(per_t, per_f) + in_flight(0, P, M) * c.act_bytes for c in layer_costs(prof)]
+    mem = [c.static_bytes(per_t, per_f) + held(0, P, M) * c.act_bytes for c in layer_costs(prof)]
     return [sum(mem[a:b]) for a, b in zip(parts, parts[1:])]
 
 

@@ -413,7 +413,7 @@ def test_the_step_temporaries_the_memory_model_prices_are_what_each_adamw_kernel
     import torch
 
     from mmpipe.parallel.live_bytes import LiveBytes
-    from mmpipe.planning.memory import Schedule, adamw_temp_bytes, stage_breakdown
+    from mmpipe.planning.memory import RunShape, adamw_temp_bytes, stage_breakdown
     from mmpipe.planning.place import layer_costs
     made = {}
     for kernel, kw in (("foreach", {"foreach": True}), ("fused", {"fused": True}), ("single", {"foreach": False})):
@@ -434,7 +434,7 @@ def test_the_step_temporaries_the_memory_model_prices_are_what_each_adamw_kernel
     costs = layer_costs({"layers": [dict(name="a", fwd_ms=1.0, bwd_ms=1.0, act_bytes=0, out_bytes=0, param_bytes=0,
                                          params=n, trainable=n)]})
     for kernel, bytes_made in made.items():
-        step = stage_breakdown(costs, [0, 1], 1, "fp32", schedule=Schedule(adamw_temp=adamw_temp_bytes(kernel)))[0]
+        step = stage_breakdown(costs, [0, 1], 1, "fp32", shape=RunShape(adamw_temp=adamw_temp_bytes(kernel)))[0]
         assert abs(step.step_workspace - bytes_made) <= 4 * (4 * 64 * 64), (kernel, step.step_workspace, bytes_made)
 
 

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from mmpipe.parallel.plain import plain_model
+from mmpipe.parallel.runtime import initialize
 
 
 class _Step:
@@ -64,7 +65,7 @@ def main(spec_path: str) -> None:
     if P == 1:
         model = plain_model(family)
         opt = torch.optim.AdamW(model.parameters(), **adamw)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+        engine, _, _, _ = initialize(model=model, optimizer=opt, config=ds)
 
         def step():
             loss = None
@@ -84,7 +85,7 @@ def main(spec_path: str) -> None:
         if not labels:
             labels = (torch.zeros(1),)
         opt = torch.optim.AdamW([p for p in module.parameters()], **adamw)
-        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=ds)
+        engine, _, _, _ = initialize(model=module, optimizer=opt, config=ds)
         data = iter(lambda: (inputs, labels), None)
 
         def step():

@@ -100,6 +100,11 @@ class ParallelConfig(Section):
                         "one-layer segment rides with the stage before it), "
                         "balanced (boundaries anywhere), auto (whichever the simulator predicts faster), or "
                         "DeepSpeed's uniform, parameters, type:REGEX")
+    schedule: str = _f("auto", "the pipeline order (mmpipe.parallel.schedules): 1f1b (DeepSpeed's TrainSchedule); "
+                       "frozen_first (leading stages whose layers are all frozen run their forwards back to back and "
+                       "never wait for or receive a gradient; 1F1B after them); gpipe (every forward, then every "
+                       "backward); auto: frozen_first where leading stages train nothing and the simulator predicts "
+                       "it faster, else 1f1b")
     profile: bool = _f(True, "cost layers by measured forward/backward time (rank 0 profiles at start, cached in "
                        "~/.cache/mmpipe or $MMPIPE_CACHE); false: by trainable parameter count")
     plan: Optional[str] = _f(None, "JSON file with \"stages\": per-stage lists of layer names (e.g. a run's plan.json); overrides placement")
@@ -403,6 +408,7 @@ _CHOICES = {
     "parallel.activation_checkpointing": ("none", "all", "auto"),
     "data.balance": ("none", "cost"),
     "parallel.replan": ("off", "auto"),
+    "parallel.schedule": ("auto", "1f1b", "frozen_first", "gpipe"),
 }
 
 

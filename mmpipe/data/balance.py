@@ -22,54 +22,13 @@ from typing import Optional
 
 import numpy as np
 
-
-def _schedule(M: int, P: int) -> list:
-    """1F1B's operations in an order where each comes after what it waits for: per stage ``s``,
-    ``min(P - 1 - s, M)`` warm-up forwards, then a forward and a backward in turn, then the remaining
-    backwards (DeepSpeed's TrainSchedule); as (kind 0 forward / 1 backward, micro-batch, stage)."""
-    streams = []
-    for st in range(P):
-        w = min(P - 1 - st, M)
-        ops = [(0, m) for m in range(w)]
-        for m in range(M - w):
-            ops += [(0, w + m), (1, m)]
-        ops += [(1, m) for m in range(M - w, M)]
-        streams.append(ops)
-    done, order, pos = set(), [], [0] * P
-    while len(order) < 2 * M * P:
-        for st in range(P):
-            while pos[st] < len(streams[st]):
-                k, m = streams[st][pos[st]]
-                need = (0, m, st - 1) if k == 0 else (1, m, st + 1)
-                if (k == 0 and st == 0) or (k == 1 and st == P - 1 and (0, m, st) in done) or need in done:
-                    order.append((k, m, st))
-                    done.add((k, m, st))
-                    pos[st] += 1
-                else:
-                    break
-    return order
+from mmpipe.parallel.schedules import step_seconds
 
 
-_SCHEDULES: dict = {}
-
-
-def one_f_one_b(C: np.ndarray) -> np.ndarray:
-    """Predicted seconds of 1F1B over micro-batches with per-stage costs ``C`` [..., M, P] (forward one
-    third, backward two thirds of each): [...]. One stage: the sum."""
-    M, P = C.shape[-2], C.shape[-1]
-    if P == 1:
-        return C.sum(axis=(-1, -2))
-    if (M, P) not in _SCHEDULES:
-        _SCHEDULES[(M, P)] = _schedule(M, P)
-    lead = C.shape[:-2]
-    free = [np.zeros(lead) for _ in range(P)]
-    fin = {}
-    for k, m, st in _SCHEDULES[(M, P)]:
-        dur = C[..., m, st] * (1 / 3 if k == 0 else 2 / 3)
-        dep = fin.get((0, m, st - 1)) if k == 0 else fin.get((1, m, st + 1), fin.get((0, m, st)))
-        start = free[st] if dep is None else np.maximum(free[st], dep)
-        free[st] = fin[(k, m, st)] = start + dur
-    return np.max(np.stack(free), axis=0)
+def one_step(C: np.ndarray) -> np.ndarray:
+    """Predicted seconds of the run's pipeline schedule over micro-batches with per-stage costs ``C``
+    [..., M, P] (``schedules.step_seconds``: the simulator's replay of the stream): [...]."""
+    return step_seconds("1f1b", C)
 
 
 @dataclass
@@ -219,13 +178,13 @@ class StepBalancer:
     def step_time(self, groups: list) -> float:
         """Predicted step: the slowest rank's 1F1B (rank r holds micro-batches r*A .. r*A+A-1)."""
         C = self.slot_costs(groups)
-        return float(one_f_one_b(C.reshape(self.ranks, -1, C.shape[1])).max())
+        return float(one_step(C.reshape(self.ranks, -1, C.shape[1])).max())
 
     # ---- search ------------------------------------------------------------------------------
     def _objective(self, C: np.ndarray) -> float:
         """Slowest rank + half the mean rank + the slot spread's excess (weighed by ``EVEN``: even slots
         keep the pipeline's pace when the predictions err) + a small sum of squared stage costs."""
-        T = one_f_one_b(C.reshape(self.ranks, -1, C.shape[1]))
+        T = one_step(C.reshape(self.ranks, -1, C.shape[1]))
         pace = C.max(axis=1)
         spread = pace.max() / pace.mean() if pace.mean() > 0 else 1.0
         return float(T.max() + 0.5 * T.mean() + self.EVEN * (spread - 1) * T.mean() + self._kappa * (C * C).sum())
@@ -304,7 +263,7 @@ class StepBalancer:
             C = pv * V[:, None] + pt * (rows * self._padded(np.maximum(top1, 0)))[:, None] + pb
             pace = C.max(axis=1)
             Cr = C.reshape(R, A, -1)
-            T = one_f_one_b(Cr)
+            T = one_step(Cr)
             spread = pace.max() / pace.mean() if pace.mean() > 0 else 1.0
             obj = T.max() + 0.5 * T.mean() + self.EVEN * (spread - 1) * T.mean() + self._kappa * (C * C).sum()
             order = np.argsort(-pace, kind="stable")
@@ -361,12 +320,12 @@ class StepBalancer:
         X[:, g % A] = Cg
         same = h // A == rg
         X[same, h[same] % A] = Ch[same]
-        Tn[:, rg] = one_f_one_b(X)
+        Tn[:, rg] = one_step(X)
         for r in set((h // A).tolist()) - {rg}:  # the other rank h is on
             sel = np.nonzero(h // A == r)[0]
             Y = np.repeat(Cr[r][None], len(sel), axis=0)
             Y[np.arange(len(sel)), h[sel] % A] = Ch[sel]
-            Tn[sel, r] = one_f_one_b(Y)
+            Tn[sel, r] = one_step(Y)
         sq = (C * C).sum() - (C[g] ** 2).sum() - (C[h] ** 2).sum(axis=1) + (Cg ** 2).sum(axis=1) + (Ch ** 2).sum(axis=1)
         pg, ph = Cg.max(axis=1), Ch.max(axis=1)
         mean = (pace.sum() - pace[g] - pace[h] + pg + ph) / G

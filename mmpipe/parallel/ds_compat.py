@@ -11,6 +11,7 @@ that exercises the patch's behaviour.
 | ``check_version`` | ``deepspeed.__version__`` (public) | a DeepSpeed newer than ``CHECKED`` is named once |
 | ``fix_recv_buffer_dtype`` | ``PipelineEngine._allocate_or_extend_buffers``, ``_grad_layer_buf``, ``_allocate_buffer`` | buffers reused across dtypes with 3+ stages |
 | ``wrap_instructions`` | ``PipelineEngine._INSTRUCTION_MAP`` | the per-instruction stage clock |
+| ``set_train_schedule`` | ``PipelineEngine._train_schedule``, ``deepspeed.runtime.pipe.schedule`` (``PipeSchedule`` and its instruction classes) | the run's pipeline order (``parallel.schedules``) as the engine's schedule |
 | ``is_zero_optimizer`` | the class name ``DeepSpeedZeroOptimizer`` | grouped clipping under ZeRO-1/2 |
 | ``wrap_zero_step``, ``zero_group_grads`` | ``DeepSpeedZeroOptimizer.step``, ``_get_preflattened_grad_partition``, ``averaged_gradients`` | grouped clipping under ZeRO-1/2 |
 | ``ensure_zero_optimizer_state`` | ``DeepSpeedZeroOptimizer.single_partition_of_fp32_groups``, ``BF16_Optimizer.fp32_groups_flat_partition``, ``DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat``, ``_lazy_init_hp_params_optimizer_state``, ``_hp_optimizer_states_linked`` | a layout-free resume before any step |
@@ -74,6 +75,29 @@ def wrap_instructions(engine, wrap: Callable) -> None:
     dispatches through its class-level ``_INSTRUCTION_MAP``; this instance gets its own copy)."""
     table = dict(type(engine)._INSTRUCTION_MAP)
     engine._INSTRUCTION_MAP = {cls: wrap(cls.__name__, fn) for cls, fn in table.items()}
+
+
+def set_train_schedule(engine, actions: list) -> None:
+    """Make ``engine.train_batch`` run ``actions`` (``parallel.schedules.Action``: DeepSpeed's instruction
+    names, with micro-batches) instead of its ``TrainSchedule``: ``PipelineEngine._train_schedule`` is
+    overridden on this instance (as DeepSpeed's own ``DualPipeVEngine`` overrides it on its class); a
+    micro-batch's buffer is its index modulo the buffers the stream needs."""
+    from deepspeed.runtime.pipe import schedule as S
+
+    from mmpipe.parallel.schedules import buffers
+    n = buffers(actions)
+    cmds = [getattr(S, a.kind)(a.micro_batch % n) if a.micro_batch is not None else getattr(S, a.kind)()
+            for a in actions]
+
+    class Stream(S.PipeSchedule):
+        def steps(self):
+            for c in cmds:
+                yield [c]
+
+        def num_pipe_buffers(self):
+            return n
+
+    engine._train_schedule = lambda: Stream(engine.micro_batches, engine.num_stages, engine.stage_id)
 
 
 def is_zero_optimizer(optimizer) -> bool:

@@ -43,9 +43,12 @@ class LayerExecutor:
         self.surrogate = None
         self.keyed = False  # acts end in the sample keys (``sample_rng.KEY_FIELDS``)
         self.axis_of: dict = {}  # layer -> "vision" | "tokens": which keys its dropout reads
+        self.detach = ""  # a layer whose float inputs are constants (``frozen_first``: no gradient goes back)
 
     def run(self, layer, module, acts, training: bool, evaluating: bool = False):
         """``layer`` (its ``module``) on the activation tuple ``acts``."""
+        if layer.name == self.detach:
+            acts = tuple(t.detach() if torch.is_tensor(t) and t.is_floating_point() else t for t in acts)
         memo = self.memo if training and self.features and self.memo is not None else None
         if memo is not None and not memo.recording and layer.name in memo.names:
             # the training pass: the prefix ran in the first pass; its last layer hands out the record

@@ -1,5 +1,6 @@
 """The ``Plan`` contract between planning and the runtime: layers, segments, stage boundaries
-(``parts``: P+1 layer indices, DeepSpeed's convention), placement, micro-batches and predictions,
+(``parts``: P+1 layer indices, DeepSpeed's convention), placement, the pipeline schedule, micro-batches and
+predictions,
 with one JSON schema (the run's ``plan.json`` and ``mmpipe plan``'s are the same)."""
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ class Plan:
     why: Optional[str] = None
     predicted: Optional[dict] = field(default=None)
     prices: Optional[dict] = field(default=None)  # data.balance=cost: ``mmpipe.planning.prices.layer_prices``
+    schedule: str = "1f1b"  # the pipeline order (``mmpipe.parallel.schedules``); a schema-2 plan ran 1F1B
+    frozen_stages: int = 0  # leading stages that train nothing (``frozen_first`` runs them forward only)
+    schedules: Optional[dict] = field(default=None)  # predicted step seconds per schedule considered (measured costs)
 
     @property
     def num_stages(self) -> int:
@@ -63,4 +67,4 @@ def parts_from_lists(names: Sequence[str], lists: Sequence[Sequence[str]]) -> li
     return parts
 
 
-SCHEMA = 2
+SCHEMA = 3

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 
 from mmpipe.parallel.ds_compat import wrap_instructions
+from mmpipe.parallel.schedules import PASSES
 
 CATEGORY = {"ForwardPass": "fwd", "BackwardPass": "bwd", "OptimizerStep": "opt", "LoadMicroBatch": "data",
             "SendActivation": "comm", "RecvActivation": "comm", "SendGrad": "comm", "RecvGrad": "comm",
@@ -36,6 +37,7 @@ class StageClock:
         self._pending: list = []
         self.totals = dict.fromkeys(FIELDS, 0.0)
         self.passes: list = []  # the step's forward / backward passes in order: (is backward, seconds)
+        self.stream: list = []  # this stage's actions in a step (``parallel.schedules``)
         self._t0 = None
         wrap_instructions(engine, self._wrap)
 
@@ -89,13 +91,12 @@ class StageClock:
         return [self.totals.get(k, 0.0) for k in FIELDS]
 
     def micro_batch_busy(self, micro_batches: int) -> list[float]:
-        """Forward + backward seconds of each of the step's micro-batches on this stage: the k-th forward
-        pass is micro-batch k (modulo the count: a step loss's forward-only pass comes first), the k-th
-        backward micro-batch k."""
-        out, k = [0.0] * micro_batches, [0, 0]
-        for back, dur in self.passes:
-            out[k[back] % micro_batches] += dur
-            k[back] += 1
+        """Forward + backward seconds of each of the step's micro-batches on this stage: the k-th pass it
+        ran is the k-th pass of its stream (``runtime.install_schedule``; a step loss's features pass
+        first)."""
+        out = [0.0] * micro_batches
+        for (_, dur), a in zip(self.passes, [a for a in self.stream if a.kind in PASSES]):
+            out[a.micro_batch] += dur
         return out
 
 

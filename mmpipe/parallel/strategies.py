@@ -3,7 +3,7 @@
 - ``DataParallel`` (P = 1; ZeRO 0-3): the plain model composed of the family's layers under
   DeepSpeed's engine; accumulation by calling ``step()`` once per micro-batch.
 - ``Pipeline`` (P >= 2, x data parallel; ZeRO 0-1): the same layers as a DeepSpeed
-  ``PipelineModule`` cut at the plan's boundaries; DeepSpeed's 1F1B schedule runs the step.
+  ``PipelineModule`` cut at the plan's boundaries; the plan's schedule (1F1B by default) runs the step.
 
 Both build their module from a ``Family`` and a ``Plan``, and give the trainer a runner with one
 interface: ``train_step(data_iter, step, trace) -> loss`` (a 0-dim tensor on the device: the trainer reads it
@@ -27,6 +27,7 @@ from mmpipe.parallel.ds_compat import (
 )
 from mmpipe.parallel.layers import PipeLayer
 from mmpipe.parallel.module import MMPipelineModule
+from mmpipe.parallel.runtime import install_schedule
 from mmpipe.parallel.stage_clock import StageClock
 from mmpipe.parallel.step_loss import FirstPassMemo, Replay, StepLossCache, frozen_prefix, is_stochastic
 from mmpipe.parallel.plain import plain_model
@@ -71,7 +72,7 @@ class Pipeline:
     def runner(self, engine, stage_timing: bool = True) -> "PipelineRunner":
         check_version()
         fix_recv_buffer_dtype(engine)
-        return PipelineRunner(engine, self.topo, stage_timing)
+        return PipelineRunner(engine, self.topo, self.plan, stage_timing)
 
 
 def keyed_dropout(module, executor, dp_rank: int, accumulation: int, everywhere: bool) -> bool:
@@ -198,13 +199,16 @@ class PlainRunner:
 
 
 class PipelineRunner:
-    """P >= 2: DeepSpeed's pipeline engine runs the 1F1B schedule over the accumulation steps."""
+    """P >= 2: DeepSpeed's pipeline engine runs the plan's schedule (``parallel.schedules``, installed by
+    ``runtime.install_schedule``) over the accumulation steps."""
 
-    def __init__(self, engine, topo, stage_timing: bool = True):
+    def __init__(self, engine, topo, plan, stage_timing: bool = True):
         self.engine, self.topo = engine, topo
         self.clock = None
         if stage_timing:
             self.clock = StageClock(engine)
+        self.stream = install_schedule(engine, plan, topo.accumulation_steps, engine.module.family.step_loss,
+                                       self.clock)
         self.cache = self.replay = self.memo = None
         family, run = engine.module.family, engine.module.executor  # how this stage's layers run
         self.keyed = keyed_dropout(engine.module, run, engine.grid.get_data_parallel_rank(), topo.accumulation_steps,

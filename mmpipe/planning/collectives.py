@@ -14,6 +14,7 @@ import torch
 
 from mmpipe.parallel.cpu_process import keep_freed_memory
 from mmpipe.parallel.ds_compat import skip_cpu_shm_allreduce
+from mmpipe.parallel.runtime import initialize
 from mmpipe.planning.cache import _write_json, cache_dir
 
 
@@ -276,7 +277,6 @@ def _zero3_probe(device: str, repeats: int, modules: int = 16) -> dict:
     and the optimizer step's cost per module beyond ZeRO-0's, timed alone."""
     import logging
 
-    import deepspeed
     import torch
     from deepspeed.utils import logger
     from torch import nn
@@ -302,7 +302,7 @@ def _zero3_probe(device: str, repeats: int, modules: int = 16) -> dict:
             net = Chain(big)
             cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                    "zero_optimization": {"stage": z}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
-            eng, *_ = deepspeed.initialize(model=net, config=cfg, model_parameters=net.parameters())
+            eng, *_ = initialize(model=net, config=cfg, model_parameters=net.parameters())
             x = torch.randn(1, 512 if big else 256, device=device)
             # forward + backward timed, each followed by a step, as in training; then the step alone
             t[z] = _median_time(lambda: eng.backward(eng(x)), repeats, after=eng.step)

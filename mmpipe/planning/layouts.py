@@ -44,7 +44,7 @@ from mmpipe.planning.measure import META_PARAMS, get_profile, meta_profile, para
 from mmpipe.planning.offline import resolve_for_plan
 from mmpipe.planning.memory import (
     device_memory_bytes,
-    schedule_of,
+    run_shape,
     stage_breakdown,
     state_bytes,
 )
@@ -270,7 +270,7 @@ def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: l
 
 def _memory(row, ctx: _Ctx, parts: list, M: int, z: int, dp: int) -> None:
     """The row's predicted peak per stage (``mmpipe.planning.memory``), totals and breakdowns."""
-    mem = stage_breakdown(ctx.costs, parts, M, ctx.precision, z, dp, schedule_of(ctx.raw))
+    mem = stage_breakdown(ctx.costs, parts, M, ctx.precision, z, dp, run_shape(ctx.raw))
     row.memory = [m.total for m in mem]
     row.breakdown = [m.to_dict() for m in mem]
 

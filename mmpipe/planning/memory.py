@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 from mmpipe.errors import ConfigError
+from mmpipe.parallel.schedules import leading_frozen, live_activations, streams
 
 
 # ---- memory model --------------------------------------------------------------------------------
@@ -82,13 +83,14 @@ def bytes_per_param(precision: str, zero_stage: int, data_parallel: int,
     return w + g + optimizer_bytes(precision, zero_stage, data_parallel, pipelined), w
 
 
-def in_flight(stage: int, stages: int, micro_batches: int) -> int:
-    """Micro-batches whose activations a stage holds at once under DeepSpeed's 1F1B schedule."""
-    return max(1, min(stages - stage, micro_batches))
+def held(stage: int, stages: int, micro_batches: int, order: str = "1f1b", frozen: int = 0) -> int:
+    """Micro-batches whose activations a stage holds at once: its stream's (``schedules.live_activations``
+    under the pipeline schedule ``order``; ``frozen`` leading stages train nothing)."""
+    return live_activations(streams(order, stages, micro_batches, frozen)[stage])
 
 
 @dataclass(frozen=True)
-class Schedule:
+class RunShape:
     """What a run does beyond one forward and backward per micro-batch that changes its memory:
     activation checkpointing (every layer but the forward-only ones keeps only its input and
     recomputes its forward in backward), and a loss over the step (``features_bytes``: one
@@ -108,13 +110,14 @@ class Schedule:
     loss_block_pair_bytes: int = 0  # ... and the bytes per pair the blocked computation holds
     adamw_temp: int = 4  # bytes per parameter AdamW's step makes (``config.deepspeed.adamw_kernel``: multi-tensor 4,
     # fused none, the CPU's per-parameter loop one parameter's at a time: none counted)
+    order: str = "1f1b"  # the pipeline schedule (``parallel.schedules``)
 
 
-def schedule_of(prof: dict, checkpointing: Optional[bool] = None) -> Schedule:
-    """The ``Schedule`` a profile was made for (``planning.measure.get_profile`` marks it);
+def run_shape(prof: dict, checkpointing: Optional[bool] = None) -> RunShape:
+    """The ``RunShape`` a profile was made for (``planning.measure.get_profile`` marks it);
     ``checkpointing`` overrides the profile's."""
     sl = prof.get("step_loss") or {}
-    return Schedule(bool(prof.get("checkpointing")) if checkpointing is None else checkpointing,
+    return RunShape(bool(prof.get("checkpointing")) if checkpointing is None else checkpointing,
                     frozenset(prof.get("key", {}).get("forward_only", [])),
                     int(sl.get("features_bytes", 0)), int(sl.get("frozen_prefix", 0)),
                     tuple(tuple(t) for t in prof.get("ties", ())), int(prof.get("batch_bytes", 0)),
@@ -162,7 +165,7 @@ def _in_bytes(costs: list, i: int) -> int:
     return costs[i - 1].out_bytes if i else c.act_bytes  # profiles older than in_bytes
 
 
-def activation_bytes(costs: list, a: int, b: int, k: int, sch: Schedule) -> float:
+def activation_bytes(costs: list, a: int, b: int, k: int, sch: RunShape) -> float:
     """Bytes layers ``a..b-1`` keep for backward with ``k`` micro-batches in flight: every layer's saved
     tensors and input per micro-batch; checkpointed, only the inputs per micro-batch plus one layer's
     saved tensors while its forward runs again in the backward."""
@@ -175,7 +178,7 @@ def activation_bytes(costs: list, a: int, b: int, k: int, sch: Schedule) -> floa
 def _states(costs: list, a: int, b: int, precision: str, zero: int, dp: int, ties: tuple = (),
             pipelined: bool = False) -> tuple:
     """(weights, gradients, optimizer state) bytes of layers ``a..b-1`` on one rank; a parameter tied
-    between two of them (``Schedule.ties``) counted once; the optimizer's per ``optimizer_bytes``."""
+    between two of them (``RunShape.ties``) counted once; the optimizer's per ``optimizer_bytes``."""
     w, g, _ = state_bytes(precision)
     trainable = sum(c.trainable for c in costs[a:b])
     frozen = sum(c.params - c.trainable for c in costs[a:b])
@@ -197,15 +200,15 @@ def _states(costs: list, a: int, b: int, precision: str, zero: int, dp: int, tie
     return (trainable + frozen) * w / n + gathered, trainable * g / n, opt
 
 
-def _features(costs: list, stage: int, stages: int, micro_batches: int, dp: int, sch: Schedule) -> float:
+def _features(costs: list, stage: int, stages: int, micro_batches: int, dp: int, sch: RunShape) -> float:
     """A step loss's feature cache (last stage) and frozen-prefix memo (first stage), and the step's
-    micro-batches on the first stage (``in_flight`` of them: the engine's input buffers); the last stage
+    micro-batches on the first stage (``held`` of them: the engine's input buffers); the last stage
     keeps their labels only."""
     out = 0.0
     if stage == 0:  # handed out as the engine takes them (``TrainData.step_batches``); a pipeline's input
         # buffers keep those in flight; one process, or a step loss's first pass, holds the step's all
-        held = micro_batches if stages == 1 or sch.features_bytes else in_flight(stage, stages, micro_batches)
-        out += held * sch.batch_bytes
+        kept = micro_batches if stages == 1 or sch.features_bytes else held(stage, stages, micro_batches)
+        out += kept * sch.batch_bytes
     elif stage == stages - 1 and sch.last_reads:  # it keeps the labels only; a batch is whole while the
         out += sch.batch_bytes  # loader makes it (its pieces too, but at the step's start: not the peak)
     if sch.features_bytes and stage == stages - 1:  # the global batch's features and their gradients
@@ -216,7 +219,7 @@ def _features(costs: list, stage: int, stages: int, micro_batches: int, dp: int,
 
 
 def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str, zero_stage: int = 0,
-                    data_parallel: int = 1, schedule: Schedule = Schedule()) -> list:
+                    data_parallel: int = 1, shape: RunShape = RunShape()) -> list:
     """Predicted peak per pipeline stage (``MemoryBreakdown``): weights, gradients, optimizer state
     (sharded over ``data_parallel`` from ZeRO-1 on), activations of the micro-batches in flight
     under 1F1B (``activation_bytes``), the boundary buffers (the stage's outputs kept per micro-batch
@@ -225,10 +228,11 @@ def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str
     feature cache. ``parts`` of one stage (P = 1) is the whole model on each data-parallel rank."""
     P = len(parts) - 1
     out = []
+    frozen = leading_frozen(parts, [c.name for c in costs], shape.forward_only)
     for s in range(P):
         a, b = parts[s], parts[s + 1]
-        k = in_flight(s, P, micro_batches) if P > 1 else 1
-        w, g, o = _states(costs, a, b, precision, zero_stage, data_parallel, schedule.ties, pipelined=P > 1)
+        k = held(s, P, micro_batches, shape.order, frozen) if P > 1 else 1
+        w, g, o = _states(costs, a, b, precision, zero_stage, data_parallel, shape.ties, pipelined=P > 1)
         # the outputs of each micro-batch in flight are kept for its backward (the last stage's for the
         # loss), and a non-last stage receives their gradient into one more buffer of that size
         buffers = (k + (s < P - 1)) * costs[b - 1].out_bytes
@@ -236,20 +240,20 @@ def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str
             buffers += _in_bytes(costs, a)
         workspace = max(c.workspace for c in costs[a:b])
         last = costs[b - 1]
-        if s == P - 1 and schedule.checkpointing and last.name not in schedule.forward_only:
+        if s == P - 1 and shape.checkpointing and last.name not in shape.forward_only:
             # the loss's backward holds its input's gradient (a decoder's logits) beside the last layer's
             # recomputed tensors: measured on the VLM's head stage (tiny VLM, P = 3: 11% short without it)
             workspace += last.out_bytes
         # torch's multi-tensor AdamW makes one fp32 temporary per (sharded) parameter in its step (its fused
-        # kernel none: ``Schedule.adamw_temp``), beside the fp32 gradients DeepSpeed's wrapper makes for it
+        # kernel none: ``RunShape.adamw_temp``), beside the fp32 gradients DeepSpeed's wrapper makes for it
         # (``step_split``)
         trainable = sum(c.trainable for c in costs[a:b])
         sharded = optimizer_split(precision, zero_stage, P > 1)[0] > 0
         made_split, made_whole = step_split(precision, zero_stage, P > 1)
-        step = trainable * (schedule.adamw_temp / (data_parallel if sharded else 1) + made_split / data_parallel + made_whole)
-        out.append(MemoryBreakdown(w, g, o, activation_bytes(costs, a, b, k, schedule), buffers, workspace, step,
-                                   _features(costs, s, P, micro_batches, data_parallel, schedule),
-                                   _step_loss(s, P, micro_batches, data_parallel, schedule),
+        step = trainable * (shape.adamw_temp / (data_parallel if sharded else 1) + made_split / data_parallel + made_whole)
+        out.append(MemoryBreakdown(w, g, o, activation_bytes(costs, a, b, k, shape), buffers, workspace, step,
+                                   _features(costs, s, P, micro_batches, data_parallel, shape),
+                                   _step_loss(s, P, micro_batches, data_parallel, shape),
                                    # one pass (one micro-batch per rank), or ZeRO-3's first micro-batch recomputing it
                                    P == 1 and (micro_batches == 1 or zero_stage == 3),
                                    # (DeepSpeed sets the gradients to None at each step's end)
@@ -257,7 +261,7 @@ def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str
     return out
 
 
-def _step_loss(stage: int, stages: int, micro_batches: int, dp: int, sch: Schedule) -> float:
+def _step_loss(stage: int, stages: int, micro_batches: int, dp: int, sch: RunShape) -> float:
     """A loss over the global batch (``parallel.step_loss.StepLossCache.fill``), on the last stage of
     every data-parallel rank: ``loss_pair_bytes`` per pair of the rows it holds at once (CLIP's softmax: 5
     fp32 matrices at the peak: the logits, a log-softmax per direction, their gradients), ``loss_block``
@@ -274,16 +278,16 @@ def _step_loss(stage: int, stages: int, micro_batches: int, dp: int, sch: Schedu
 
 
 def stage_memory(costs: list, parts: list, micro_batches: int, precision: str, zero_stage: int = 0,
-                 data_parallel: int = 1, schedule: Schedule = Schedule()) -> list[int]:
+                 data_parallel: int = 1, shape: RunShape = RunShape()) -> list[int]:
     """Peak bytes per stage (``stage_breakdown``'s totals)."""
     return [m.total for m in stage_breakdown(costs, parts, micro_batches, precision, zero_stage, data_parallel,
-                                             schedule)]
+                                             shape)]
 
 
-def dp_memory(costs: list, precision: str, zero: int, n: int, schedule: Schedule = Schedule(),
+def dp_memory(costs: list, precision: str, zero: int, n: int, shape: RunShape = RunShape(),
               micro_batches: int = 1) -> int:
     """Peak bytes of one data-parallel rank holding the whole model (ZeRO 0-3)."""
-    return stage_memory(costs, [0, len(costs)], micro_batches, precision, zero, n, schedule)[0]
+    return stage_memory(costs, [0, len(costs)], micro_batches, precision, zero, n, shape)[0]
 
 
 # ---- micro_batch_size: auto --------------------------------------------------------------------

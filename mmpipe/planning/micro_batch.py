@@ -9,7 +9,7 @@ from mmpipe.config.schema import RunConfig, replace
 from mmpipe.data.shards import iter_tar
 from mmpipe.errors import ConfigError, DataError
 from mmpipe.planning.measure import _with_schedule, iter_layers, precision_dtype
-from mmpipe.planning.memory import pick_micro_batch, schedule_of, stage_memory
+from mmpipe.planning.memory import pick_micro_batch, run_shape, stage_memory
 from mmpipe.planning.profiler import profile_layers
 
 
@@ -51,7 +51,7 @@ def auto_micro_batch(cfg, family, source, tok, pipeline_stages: int, data_parall
         micro_batches = per_rank // m
         # what the run does beyond forward and backward (checkpointing, ties, the step's batches, a
         # step loss's feature cache), as the layout model reads it from a profile
-        schedule = schedule_of(_with_schedule({"key": {"micro_batch_size": m, "forward_only": sorted(forward_only),
+        schedule = run_shape(_with_schedule({"key": {"micro_batch_size": m, "forward_only": sorted(forward_only),
                                                         "precision": cfg.train.precision},
                                                "layers": [c.to_dict() for c in costs]}, family, cfg))
         return max(stage_memory(costs, parts, micro_batches, cfg.train.precision, cfg.parallel.zero_stage,

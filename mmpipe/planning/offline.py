@@ -14,7 +14,7 @@ from mmpipe.data.tokenizer import StandInTokenizer, load_tokenizer, tokenizer_ch
 from mmpipe.errors import ConfigError
 from mmpipe.parallel.topology import threads_per_rank
 from mmpipe.planning.measure import get_profile, meta_profile
-from mmpipe.planning.memory import adamw_temp_bytes, schedule_of, stage_breakdown, stage_memory
+from mmpipe.planning.memory import adamw_temp_bytes, run_shape, stage_breakdown, stage_memory
 from mmpipe.planning.place import layer_costs, place, predict, stage_times
 from mmpipe.planning.profiler import median_costs
 
@@ -50,7 +50,7 @@ def run_memory(cfg, run_dir: str, world: int, use_cache: bool = True, log=None, 
                 prof["adamw_temp"] = adamw_temp_bytes("fused")
     parts = parts or [0, len(prof["layers"])]
     return stage_breakdown(layer_costs(prof), parts, M, cfg.train.precision, cfg.parallel.zero_stage, world // P,
-                           schedule_of(prof))
+                           run_shape(prof))
 
 
 # ---- mmpipe plan ----------------------------------------------------------------------------------
@@ -116,7 +116,7 @@ def plan_all(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = 
         parts = plan.parts
         sim = predict(prof, parts, M)
         mem = stage_memory(costs, parts, M, cfg.train.precision, cfg.parallel.zero_stage, data_parallel,
-                           schedule_of(prof))
+                           run_shape(prof))
         out["plans"][pl] = plan
         out["placements"][pl] = {"parts": parts, "stages": plan.stages, "sim": sim.to_dict(),
                                  "stage_times": stage_times(prof, parts), "memory": mem}

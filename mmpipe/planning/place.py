@@ -16,7 +16,8 @@ from typing import Optional
 
 from mmpipe.errors import ConfigError
 from mmpipe.parallel.plan import Plan, parts_from_lists
-from mmpipe.planning.memory import bytes_per_param, in_flight, schedule_of, stage_memory
+from mmpipe.parallel.schedules import leading_frozen
+from mmpipe.planning.memory import bytes_per_param, held, run_shape, stage_memory
 from mmpipe.planning.partition import every_stage_trains, min_max_partition, modality_partition
 from mmpipe.planning.profiler import LayerCost
 from mmpipe.planning.simulate import simulate
@@ -93,7 +94,7 @@ def _measured_parts(prof: dict, segments: list, num_stages: int, placement: str,
     per_t, per_f = bytes_per_param(precision, zero_stage, data_parallel)
     # worst case in flight (stage 0) for every stage: conservative, keeps the DP additive; checkpointed
     # (recomputed_ms > 0), a layer keeps its input per micro-batch in flight
-    k = in_flight(0, num_stages, micro_batches)
+    k = held(0, num_stages, micro_batches)
     ckpt = bool(prof.get("checkpointing"))
     forward_only = set(prof.get("key", {}).get("forward_only", []))
     kept = [c.in_bytes if ckpt and c.name not in forward_only and c.in_bytes is not None else c.act_bytes
@@ -121,7 +122,7 @@ def _measured_parts(prof: dict, segments: list, num_stages: int, placement: str,
     if placement == "auto":
         if prof.get("timed") is False:  # no times: the placement with the lower peak
             best = min(candidates, key=lambda n: max(stage_memory(costs, candidates[n], micro_batches, precision,
-                                                                  zero_stage, data_parallel, schedule_of(prof))))
+                                                                  zero_stage, data_parallel, run_shape(prof))))
         else:
             best = min(candidates, key=lambda n: predictions[n].step_time)
         return candidates[best], predictions, over
@@ -167,12 +168,39 @@ def stage_times(prof: dict, parts: list) -> dict:
 
 
 def predict(prof: dict, parts: list, micro_batches: int, schedule: str = "1f1b"):
-    """The simulated step of ``parts`` (a step loss's forward-only pass included, ``prof["step_loss"]``)."""
+    """The simulated step of ``parts`` under ``schedule`` (a step loss's forward-only pass included,
+    ``prof["step_loss"]``)."""
     t = stage_times(prof, parts)
+    frozen = leading_frozen(parts, [c["name"] for c in prof["layers"]], set(prof.get("key", {}).get("forward_only", [])))
     r = simulate(t["F"], t["B"], micro_batches, t["comm"], t["opt"], schedule=schedule, comm_grad=t["comm_grad"],
-                 step_loss=bool(prof.get("step_loss")), first_pass=t.get("F1"))
+                 step_loss=bool(prof.get("step_loss")), first_pass=t.get("F1"), frozen=frozen)
     r.parts = list(parts)
     return r
+
+
+def pick_schedule(requested: str, plan: Plan, prof: Optional[dict], forward_only) -> Plan:
+    """``parallel.schedule`` for ``plan``: sets its ``schedule``, ``frozen_stages`` (leading stages of forward-only
+    layers) and, with measured costs, ``schedules`` (the predicted step of each candidate). ``auto``:
+    ``frozen_first`` where leading stages train nothing and the simulator predicts it no slower (it does a
+    subset of 1F1B's work: no gradient sent to or awaited by those stages, no input gradient computed after
+    them, one micro-batch's outputs held on them; the same without a profile), else ``1f1b``."""
+    plan.frozen_stages = leading_frozen(plan.parts, plan.layers, forward_only) if plan.num_stages > 1 else 0
+    if plan.num_stages == 1:
+        plan.schedule = "1f1b"
+        return plan
+    if requested == "frozen_first" and not plan.frozen_stages:
+        raise ConfigError(f"parallel.schedule=frozen_first: stage 0 ({plan.stages[0][0]} .. {plan.stages[0][-1]}) "
+                          "trains a layer; it needs leading stages whose layers are all frozen (optim.freeze_vit, "
+                          "fp32 with zero_stage 0); use parallel.schedule=1f1b or auto")
+    names = ["1f1b"] + (["frozen_first"] if plan.frozen_stages else []) + (["gpipe"] if requested == "gpipe" else [])
+    plan.schedules = {n: predict(prof, plan.parts, plan.micro_batches, n).step_time for n in names} if prof else None
+    if requested != "auto":
+        plan.schedule = requested
+    elif plan.frozen_stages and (not prof or plan.schedules["frozen_first"] <= plan.schedules["1f1b"]):
+        plan.schedule = "frozen_first"
+    else:
+        plan.schedule = "1f1b"
+    return plan
 
 
 def ds_parts(weights: Optional[list], num_stages: int, method: str, names: list) -> list:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from mmpipe.parallel.schedules import replay, streams
 from mmpipe.planning.memory import divisors
 
 
@@ -33,62 +34,16 @@ class SimResult:
                 "parts": self.parts}
 
 
-def _ds_streams(stages: int, micro_batches: int, step_loss: bool = False) -> list[list[tuple[str, Optional[int]]]]:
-    """Per stage: DeepSpeed's TrainSchedule flattened to (instruction name, buffer id). With
-    ``step_loss`` (``mmpipe.parallel.step_loss``) its InferenceSchedule runs first (the forward-only
-    pass for the features: its forwards are ``FeaturesPass``), then the last stage gathers the
-    features (``GatherFeatures``)."""
-    from deepspeed.runtime.pipe import schedule as S
-    out = []
-    for s in range(stages):
-        cmds = []
-        kinds = ([S.InferenceSchedule] if step_loss else []) + [S.TrainSchedule]
-        for kind in kinds:
-            first = kind is not S.TrainSchedule
-            for step in kind(micro_batches=micro_batches, stages=stages, stage_id=s).steps():
-                for c in step:
-                    name = type(c).__name__
-                    cmds.append(("FeaturesPass" if first and name == "ForwardPass" else name, c.kwargs.get("buffer_id")))
-            if kind is not S.TrainSchedule and s == stages - 1:
-                cmds.append(("GatherFeatures", None))
-        out.append(cmds)
-    return out
-
-
-def _gpipe_streams(stages: int, micro_batches: int) -> list[list[tuple[str, Optional[int]]]]:
-    out = []
-    for s in range(stages):
-        first, last = s == 0, s == stages - 1
-        cmds = []
-        for m in range(micro_batches):
-            if not first:
-                cmds.append(("RecvActivation", m))
-            if first or last:
-                cmds.append(("LoadMicroBatch", m))
-            cmds.append(("ForwardPass", m))
-            if not last:
-                cmds.append(("SendActivation", m))
-        for m in reversed(range(micro_batches)):
-            if not last:
-                cmds.append(("RecvGrad", m))
-            cmds.append(("BackwardPass", m))
-            if not first:
-                cmds.append(("SendGrad", m))
-        cmds += [("ReduceTiedGrads", None), ("ReduceGrads", None), ("OptimizerStep", None)]
-        out.append(cmds)
-    return out
-
-
-_PARTNER = {"SendActivation": (1, "RecvActivation"), "RecvActivation": (-1, "SendActivation"),
-            "SendGrad": (-1, "RecvGrad"), "RecvGrad": (1, "SendGrad")}
 BUSY_KINDS = ("ForwardPass", "BackwardPass", "OptimizerStep", "LoadMicroBatch", "FeaturesPass")
 
 
 def simulate(F: list, B: list, micro_batches: int, comm: Optional[list] = None, opt: Optional[list] = None,
              load: Optional[list] = None, schedule: str = "1f1b", comm_grad: Optional[list] = None,
              stretch: Optional[list] = None, step_loss: bool = False, gather: float = 0.0,
-             first_pass: Optional[list] = None) -> SimResult:
-    """``F``, ``B``, ``opt``, ``load``: seconds per stage; ``comm[s]``: seconds to move one
+             first_pass: Optional[list] = None, frozen: int = 0) -> SimResult:
+    """The step of ``schedule`` (``mmpipe.parallel.schedules``; ``frozen``: leading stages that train
+    nothing, for ``frozen_first``). ``F``, ``B``, ``opt``, ``load``: seconds per stage (``F``/``B``: or per
+    stage a list over micro-batches); ``comm[s]``: seconds to move one
     micro-batch's activations across the boundary between stage s and s+1, ``comm_grad[s]`` its
     gradients back (default: ``comm[s]``); ``stretch[s][i]``: a factor on the duration of stage s's
     i-th instruction (``simulate_shared_cores``); ``step_loss``: a forward-only pass first, its
@@ -101,43 +56,30 @@ def simulate(F: list, B: list, micro_batches: int, comm: Optional[list] = None, 
     opt = opt if opt is not None else [0.0] * P
     load = load if load is not None else [0.0] * P
     first_pass = first_pass if first_pass is not None else F
-    streams = _ds_streams(P, M, step_loss) if schedule == "1f1b" else _gpipe_streams(P, M)
-    ptr, clock = [0] * P, [0.0] * P
+    sts = streams(schedule, P, M, frozen, step_loss)
+    per = {"ForwardPass": F, "FeaturesPass": first_pass, "BackwardPass": B}
+    own = {"OptimizerStep": opt, "LoadMicroBatch": load}
+
+    def duration(s, a, i):
+        if a.kind in per:
+            d = per[a.kind][s]
+            d = d[a.micro_batch] if isinstance(d, (list, tuple)) else d
+        elif a.kind in own:
+            d = own[a.kind][s]
+        else:
+            d = gather if a.kind == "GatherFeatures" else 0.0
+        return d * stretch[s][i] if stretch else d
+
+    def transfer(s, t, a):
+        return (comm if a.kind in ("SendActivation", "RecvActivation") else back)[min(s, t)]
+
+    steps = []
+    clock = replay(sts, duration, transfer, steps)
+    timeline = [e[:5] for e in steps]
     busy = [0.0] * P
-    timeline = []
-    done = 0
-    total = sum(len(s) for s in streams)
-    while done < total:
-        progressed = False
-        for s in range(P):
-            while ptr[s] < len(streams[s]):
-                kind, _ = streams[s][ptr[s]]
-                if kind in _PARTNER:
-                    d, other = _PARTNER[kind]
-                    t = s + d
-                    if ptr[t] >= len(streams[t]) or streams[t][ptr[t]][0] != other:
-                        break  # blocked until the neighbour reaches the matching instruction
-                    boundary = min(s, t)
-                    start = max(clock[s], clock[t])
-                    end = start + (comm if kind in ("SendActivation", "RecvActivation") else back)[boundary]
-                    for x in (s, t):
-                        timeline.append((x, streams[x][ptr[x]][0], streams[x][ptr[x]][1], start, end))
-                        clock[x] = end
-                        ptr[x] += 1
-                    done += 2
-                    progressed = True
-                    continue
-                dur = {"ForwardPass": F[s], "FeaturesPass": first_pass[s], "BackwardPass": B[s], "OptimizerStep": opt[s],
-                       "LoadMicroBatch": load[s], "GatherFeatures": gather}.get(kind, 0.0) * (stretch[s][ptr[s]] if stretch else 1.0)
-                timeline.append((s, kind, streams[s][ptr[s]][1], clock[s], clock[s] + dur))
-                clock[s] += dur
-                if kind in BUSY_KINDS:
-                    busy[s] += dur
-                ptr[s] += 1
-                done += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"schedule deadlock at {[streams[s][ptr[s]] if ptr[s] < len(streams[s]) else None for s in range(P)]}")
+    for s, kind, _, a, b in timeline:
+        if kind in BUSY_KINDS:
+            busy[s] += b - a
     step = max(clock)
     idle = [1.0 - b / step if step > 0 else 0.0 for b in busy]
     return SimResult(step, busy, idle, sum(idle) / P, timeline)
@@ -146,7 +88,7 @@ def simulate(F: list, B: list, micro_batches: int, comm: Optional[list] = None, 
 def simulate_shared_cores(F: list, B: list, micro_batches: int, comm: Optional[list], opt: Optional[list],
                           comm_grad: Optional[list], replicas: int, threads: int, cores: int, slope: float = 1.0,
                           iters: int = 40, step_loss: bool = False, gather: float = 0.0,
-                          first_pass: Optional[list] = None) -> tuple:
+                          first_pass: Optional[list] = None, schedule: str = "1f1b", frozen: int = 0) -> tuple:
     """The schedule when the stages' ranks (``replicas`` data-parallel copies of the pipeline, each
     rank ``threads`` threads) share ``cores``: each compute instruction runs slower by the
     oversubscription o = ranks computing at once x threads / cores while it runs: 1 + (o - 1) x
@@ -156,10 +98,10 @@ def simulate_shared_cores(F: list, B: list, micro_batches: int, comm: Optional[l
     predicted 4 stages on 2 cores 8-11% fast). Returns (SimResult, stretch per instruction)."""
     import bisect
     P = len(F)
-    streams = _ds_streams(P, micro_batches, step_loss)
-    stretch = [[1.0] * len(st) for st in streams]
-    kinds_of = [[i for i, (kind, _) in enumerate(st) if kind in BUSY_KINDS] for st in streams]
-    extra = {"step_loss": step_loss, "gather": gather, "first_pass": first_pass}
+    sts = streams(schedule, P, micro_batches, frozen, step_loss)
+    stretch = [[1.0] * len(st) for st in sts]
+    kinds_of = [[i for i, a in enumerate(st) if a.kind in BUSY_KINDS] for st in sts]
+    extra = {"step_loss": step_loss, "gather": gather, "first_pass": first_pass, "schedule": schedule, "frozen": frozen}
     r = simulate(F, B, micro_batches, comm, opt, comm_grad=comm_grad, **extra)
     for it in range(iters):
         busy = [(s, a, b) for s, kind, _, a, b in r.timeline if kind in BUSY_KINDS]  # stream order per stage
@@ -168,7 +110,7 @@ def simulate_shared_cores(F: list, B: list, micro_batches: int, comm: Optional[l
         for _, a, b in busy:
             for k in range(bisect.bisect_left(edges, a), bisect.bisect_left(edges, b)):
                 count[k] += 1
-        new = [[1.0] * len(st) for st in streams]
+        new = [[1.0] * len(st) for st in sts]
         idx = [0] * P  # the timeline's busy entries of a stage, in stream order
         for s, a, b in busy:
             i = kinds_of[s][idx[s]]

@@ -17,6 +17,7 @@ from mmpipe.parallel.ds_compat import (
     one_read_overflow_check,
 )
 from mmpipe.parallel.layers import set_activation_checkpointing
+from mmpipe.parallel.runtime import initialize
 from mmpipe.parallel.strategies import strategy_for
 from mmpipe.train.checkpoint_record import layout_record, run_record
 from mmpipe.train.clipping import GradClipper, innermost_optimizer
@@ -56,8 +57,6 @@ def mark_embeddings(model, strategy, family) -> None:
 
 
 def build_engine(run) -> Engine:
-    import deepspeed
-
     cfg, topo, family = run.cfg, run.topo, run.family
     forward_only = run.frozen.forward_only
     strategy = strategy_for(topo)(family, run.plan, topo, forward_only)
@@ -79,7 +78,7 @@ def build_engine(run) -> Engine:
         one_read_overflow_check()
         foreach_unfused_step()  # and its step: a few multi-tensor kernels, not five per parameter
     with no_initial_unfused_step():  # bf16 at P = 1 without ZeRO: Adam's first step is the first training step
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=torch_groups, config=run.where.ds_cfg,
+        engine, _, _, _ = initialize(model=model, model_parameters=torch_groups, config=run.where.ds_cfg,
                                                lr_scheduler=scheduler)
     no_single_rank_allreduce(engine)  # ZeRO-0 on one rank: no identity all-reduce after each backward
     monitor = getattr(engine, "monitor", None)

@@ -282,6 +282,9 @@ def place(cfg: RunConfig, family, where: Placement, tok, source, frozen: FrozenL
     plan = _rank0_decides(rank, lambda: make_plan(cfg, family, where.topo, frozen_names, forward_only, saved))
     if plan.chosen and rank == 0:
         _warn(f"parallel.placement=auto -> {plan.chosen} ({plan.why})")
+    if cfg.parallel.schedule == "auto" and plan.schedule != "1f1b" and rank == 0:
+        print(f"[mmpipe] parallel.schedule=auto -> {plan.schedule}" + (" (predicted " + ", ".join(
+            f"{k} {1e3 * v:.1f} ms" for k, v in plan.schedules.items()) + ")" if plan.schedules else ""), flush=True)
     check_frozen_stages(cfg, plan, part_params, frozen_names)
     return cfg, where, plan
 
@@ -328,7 +331,7 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
     """The run's ``Plan`` (``mmpipe.planning.place.place``), computed once, on rank 0: on a resume of a
     measured placement, the checkpoint's plan (a new profile could differ); else from measured costs
     (``parallel.profile``, unless ``measure`` is False), else from trainable parameters."""
-    from mmpipe.planning.place import place
+    from mmpipe.planning.place import pick_schedule, place
     names, segments, P = family.layer_names(), family.segments(), topo.pipeline_stages
     M, mbs = topo.accumulation_steps, topo.micro_batch_size
     p = cfg.parallel
@@ -340,8 +343,11 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
             plan = Plan.from_json(saved)
             if balance and not plan.prices:
                 plan.prices = _prices(cfg, family, mbs, forward_only, frozen, None)
-            return plan
-        return Plan(names, segments, parts_from_lists(names, stages), p.placement, M, mbs, "checkpoint")
+        else:
+            plan = Plan(names, segments, parts_from_lists(names, stages), p.placement, M, mbs, "checkpoint")
+        # the order holds no state: a resume runs the schedule this config names (auto: the saved one)
+        return pick_schedule(p.schedule, plan, None, forward_only) if p.schedule not in ("auto", plan.schedule) \
+            else plan
     # (a different model: the layout check says what the checkpoint holds)
     params = family.meta_params()
     prof = None
@@ -358,7 +364,7 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
         print(f"[mmpipe] parallel.placement={p.placement}: {plan.why}; stage boundaries {plan.parts}", flush=True)
     if balance:  # a resume keeps the saved prices: its steps are regrouped as the first run's were
         plan.prices = (saved or {}).get("prices") or _prices(cfg, family, mbs, forward_only, frozen, prof)
-    return plan
+    return pick_schedule(p.schedule, plan, prof, forward_only)
 
 
 def cut_limits(cfg, params: dict, frozen) -> dict:

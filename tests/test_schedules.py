@@ -1,0 +1,151 @@
+"""The pipeline order as data (``mmpipe.parallel.schedules``): ``1f1b`` is DeepSpeed's own schedule instruction
+for instruction, and every planner reads the same streams (the simulator, the memory model, the cost
+balancer's step price, the stage clock's attribution). No processes."""
+import numpy as np
+import pytest
+
+from mmpipe.parallel import schedules as S
+
+
+def _deepspeed(P: int, M: int, s: int, step_loss: bool) -> list:
+    """DeepSpeed's schedules for stage s flattened to (instruction, buffer id); a step loss's forward-only pass
+    (its InferenceSchedule) first, its forwards named FeaturesPass, then the last stage's gather."""
+    from deepspeed.runtime.pipe import schedule as D
+    out = []
+    for kind in ([D.InferenceSchedule] if step_loss else []) + [D.TrainSchedule]:
+        first = kind is D.InferenceSchedule
+        for step in kind(micro_batches=M, stages=P, stage_id=s).steps():
+            for c in step:
+                name = type(c).__name__
+                out.append(("FeaturesPass" if first and name == "ForwardPass" else name, c.kwargs.get("buffer_id")))
+        if first and s == P - 1:
+            out.append(("GatherFeatures", None))
+    return out
+
+
+def _ours(P: int, M: int, s: int, step_loss: bool) -> list:
+    """The stream with DeepSpeed's buffer ids: micro-batch modulo the buffers of its pass (the forward-only
+    pass two, the training pass ``schedules.buffers``)."""
+    train = S.stream("1f1b", P, M, s)
+    whole = S.stream("1f1b", P, M, s, step_loss=step_loss)
+    first = len(whole) - len(train)
+    n = S.buffers(train)
+    return [(a.kind, None if a.micro_batch is None else a.micro_batch % (2 if i < first else n))
+            for i, a in enumerate(whole)]
+
+
+@pytest.mark.parametrize("step_loss", [False, True])
+def test_1f1b_is_deepspeeds_train_schedule_instruction_for_instruction(step_loss):
+    for P in range(2, 7):
+        for M in range(1, 13):
+            for s in range(P):
+                assert _ours(P, M, s, step_loss) == _deepspeed(P, M, s, step_loss), (P, M, s)
+
+
+def test_the_memory_model_holds_the_streams_activations():
+    """``planning.memory.held`` is the stream's count: 1F1B's min(P - s, M), GPipe's M, and a forward-only
+    stage of ``frozen_first`` keeps none for a backward (one micro-batch at a time)."""
+    from mmpipe.planning.memory import held
+    for P in range(2, 7):
+        for M in range(1, 13):
+            for s in range(P):
+                assert held(s, P, M) == S.live_activations(S.stream("1f1b", P, M, s)) == min(P - s, M)
+                assert held(s, P, M, "gpipe") == M
+                assert held(s, P, M, "frozen_first", 1) == (1 if s == 0 else min(P - s, M))
+
+
+def test_memory_breakdown_reads_the_schedule():
+    """The stage breakdown of a cut under ``frozen_first``: the forward-only stage keeps one micro-batch's
+    outputs in flight, not P of them; the stages after it what 1F1B holds."""
+    from mmpipe.planning.memory import RunShape, stage_breakdown
+    from mmpipe.planning.profiler import LayerCost
+    costs = [LayerCost(f"l{i}", fwd_ms=1.0, bwd_ms=0.0 if i < 2 else 2.0, act_bytes=1000, out_bytes=100,
+                       param_bytes=40, params=10, trainable=0 if i < 2 else 10) for i in range(6)]
+    shape = RunShape(forward_only=frozenset({"l0", "l1"}))
+    plain = stage_breakdown(costs, [0, 2, 4, 6], 8, "fp32", shape=shape)
+    first = stage_breakdown(costs, [0, 2, 4, 6], 8, "fp32", shape=RunShape(forward_only=shape.forward_only,
+                                                                           order="frozen_first"))
+    assert first[0].buffers == 2 * 100 < plain[0].buffers == (3 + 1) * 100
+    assert [m.total for m in first[1:]] == [m.total for m in plain[1:]]
+
+
+def test_the_balancers_step_price_is_the_simulators_step():
+    """``schedules.step_seconds`` (the cost balancer's price of a rank's micro-batches, vectorised over
+    candidates) equals ``simulate`` with each micro-batch's own forward (a third) and backward (two thirds)
+    on every stage, for every schedule, on random costs."""
+    from mmpipe.planning.simulate import simulate
+    rng = np.random.default_rng(0)
+    for name, frozen in (("1f1b", 0), ("gpipe", 0), ("frozen_first", 1)):
+        for P in range(2, 6):
+            for M in range(1, 9):
+                C = rng.random((5, M, P))
+                got = S.step_seconds(name, C, frozen)
+                for i in range(5):
+                    only = [S.forward_only(x) for x in S.streams(name, P, M, frozen)]
+                    F = [[C[i, m, s] * (1.0 if only[s] else 1 / 3) for m in range(M)] for s in range(P)]
+                    B = [[C[i, m, s] * 2 / 3 for m in range(M)] for s in range(P)]
+                    want = simulate(F, B, M, schedule=name, frozen=frozen).step_time
+                    assert got[i] == pytest.approx(want, abs=1e-9), (name, P, M)
+
+
+def test_frozen_first_stages_never_wait_for_a_gradient_and_every_order_runs():
+    """The forward-only stages' streams hold no backward, no gradient receive or send; the first trained
+    stage receives its inputs and sends no gradient back; each micro-batch is forwarded (and, on a stage
+    that trains, backpropagated) once; every schedule replays without a deadlock."""
+    for P in range(2, 6):
+        for M in range(1, 9):
+            for k in range(1, P):
+                sts = S.streams("frozen_first", P, M, k)
+                for s, st in enumerate(sts):
+                    kinds = [a.kind for a in st]
+                    assert sorted(a.micro_batch for a in st if a.kind == "ForwardPass") == list(range(M))
+                    if s < k:
+                        assert not {"BackwardPass", "RecvGrad", "SendGrad"} & set(kinds), (P, M, k, s)
+                    else:
+                        assert sorted(a.micro_batch for a in st if a.kind == "BackwardPass") == list(range(M))
+                    if s == k:
+                        assert "SendGrad" not in kinds and kinds.count("RecvActivation") == M
+                S.order(sts)
+            for name in S.SCHEDULES:
+                S.order(S.streams(name, P, M, 1))
+    assert S.streams("frozen_first", 4, 6, 0) == S.streams("1f1b", 4, 6)  # nothing frozen: 1F1B
+
+
+def test_a_registered_schedule_is_read_by_the_simulator():
+    """The registry is open: a schedule added by ``register`` is simulated by name, and an unknown name is
+    one line that lists the known ones."""
+    @S.register("test_gpipe_alias")
+    def alias(P, M, s, frozen=0):
+        return S.gpipe(P, M, s)
+    try:
+        from mmpipe.planning.simulate import simulate
+        a = simulate([1.0, 2.0], [2.0, 3.0], 4, [0.1], schedule="test_gpipe_alias").step_time
+        assert a == simulate([1.0, 2.0], [2.0, 3.0], 4, [0.1], schedule="gpipe").step_time
+    finally:
+        del S.SCHEDULES["test_gpipe_alias"]
+        S.streams.cache_clear()
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'.*1f1b"):
+        S.stream("zb", 2, 2, 0)
+
+
+def test_auto_picks_frozen_first_when_the_simulator_predicts_it_faster():
+    """``pick_schedule``: a frozen first stage and measured costs: ``auto`` takes the faster prediction and
+    keeps both; nothing frozen: 1F1B; ``frozen_first`` asked for where stage 0 trains is one line."""
+    from mmpipe.errors import ConfigError
+    from mmpipe.parallel.plan import Plan
+    from mmpipe.planning.place import pick_schedule
+    layers = [{"name": f"l{i}", "fwd_ms": 2.0, "bwd_ms": 0.0 if i < 2 else 4.0, "act_bytes": 1000, "out_bytes": 100,
+               "param_bytes": 40, "params": 10, "trainable": 0 if i < 2 else 10}  for i in range(4)]
+    prof = {"layers": layers, "comm": {"latency_s": 1e-3, "s_per_byte": 1e-6},
+            "key": {"forward_only": ["l0", "l1"]}}
+    plan = pick_schedule("auto", Plan([f"l{i}" for i in range(4)], ["v", "v", "t", "t"], [0, 2, 4], "modality", 8),
+                         prof, {"l0", "l1"})
+    assert plan.frozen_stages == 1 and set(plan.schedules) == {"1f1b", "frozen_first"}
+    assert plan.schedules["frozen_first"] < plan.schedules["1f1b"] and plan.schedule == "frozen_first"
+    kept = pick_schedule("1f1b", Plan([f"l{i}" for i in range(4)], ["v"] * 4, [0, 2, 4], "modality", 8), prof,
+                         {"l0", "l1"})
+    assert kept.schedule == "1f1b" and kept.frozen_stages == 1
+    none = pick_schedule("auto", Plan([f"l{i}" for i in range(4)], ["v"] * 4, [0, 1, 4], "modality", 8), prof, set())
+    assert none.schedule == "1f1b" and none.frozen_stages == 0
+    with pytest.raises(ConfigError, match="parallel.schedule=frozen_first: stage 0 .* trains a layer"):
+        pick_schedule("frozen_first", Plan(["l0", "l1"], ["v", "t"], [0, 1, 2], "modality", 4), None, set())
