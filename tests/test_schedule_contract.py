@@ -1,0 +1,52 @@
+"""``parallel.schedule`` on real runs: the tiny VLM with its vision tower and projector frozen (ms-swift's
+default for LoRA) trains under ``frozen_first`` bit for bit as under ``1f1b``, at P = 2, P = 3 and P2 x DP2;
+``auto`` chooses it; the frozen stage's trace holds no backward and no gradient receive."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import train_losses
+
+import mmpipe
+from mmpipe.train.checkpoint_weights import load_model_weights
+
+FROZEN = ["optim.freeze_vit=true", "optim.freeze_aligner=true"]
+LAYOUTS = {"p2": (2, ["parallel.pipeline_stages=2"]), "p3": (3, ["parallel.pipeline_stages=3"]),
+           "p2dp2": (4, ["parallel.pipeline_stages=2"])}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_frozen_first_trains_bit_for_bit_as_1f1b(family_runs_of, layout):
+    runs = family_runs_of("vlm")
+    n, sets = LAYOUTS[layout]
+    trace = ["log.trace=[2,3]"] if layout == "p3" else []
+    plain, _ = runs.get(f"sched_1f1b_{layout}", n, sets + FROZEN + ["parallel.schedule=1f1b"], flags=["--stop-at", "3"])
+    first, proc = runs.get(f"sched_auto_{layout}", n, sets + FROZEN + trace, flags=["--stop-at", "3"])
+    with open(os.path.join(first, "plan.json")) as fh:
+        plan = json.load(fh)
+    with open(os.path.join(plain, "plan.json")) as fh:
+        assert json.load(fh)["schedule"] == "1f1b"
+    # auto: the frozen leading stages run forward only (predicted no slower; the prediction is in the plan)
+    assert plan["schedule"] == "frozen_first" and plan["frozen_stages"] >= 1, plan
+    assert set(plan["schedules"]) == {"1f1b", "frozen_first"}
+    assert "parallel.schedule=auto -> frozen_first" in proc.stdout + proc.stderr
+    losses = train_losses(first)
+    assert len(losses) == 3 and losses == train_losses(plain)
+    a = load_model_weights(os.path.join(first, "checkpoints"), "global_step3")
+    b = load_model_weights(os.path.join(plain, "checkpoints"), "global_step3")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    init = mmpipe.build_model(mmpipe.load_config(os.path.join(first, "config.yaml"))).state_dict()
+    assert any(not torch.equal(a[k], init[k]) for k in a if k.startswith("llm."))  # the decoder trained
+    assert all(torch.equal(a[k], init[k]) for k in a if k.startswith(("vision.", "projector.")))
+    if trace:  # what each stage ran, as the engine executed it
+        with open(os.path.join(first, "trace.json")) as fh:
+            events = [e for e in json.load(fh)["traceEvents"] if e["ph"] == "X"]
+        ran = {s: {e["name"] for e in events if e["pid"] == s} for s in range(3)}
+        k = plan["frozen_stages"]
+        for s in range(k):
+            assert ran[s] & {"ForwardPass", "SendActivation"} and not ran[s] & {"BackwardPass", "RecvGrad", "SendGrad"}
+        assert "BackwardPass" in ran[k] and "SendGrad" not in ran[k]
+        assert "BackwardPass" in ran[2] and ("SendGrad" in ran[2]) == (k < 2)
