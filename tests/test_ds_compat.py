@@ -45,6 +45,27 @@ def test_instruction_map_is_what_the_schedule_dispatches_through():
     assert "self._INSTRUCTION_MAP[type(cmd)]" in _src(PipelineEngine._exec_schedule)
 
 
+def test_a_stream_becomes_the_engines_train_schedule():
+    """``set_train_schedule``: ``train_batch`` asks the instance for its schedule, and the installed one yields
+    DeepSpeed's instruction for every action with the micro-batch's buffer (DeepSpeed's own TrainSchedule when
+    the stream is ``1f1b``). Behaviour: test_schedule_contract.py (frozen_first runs)."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.pipe import schedule as D
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from mmpipe.parallel.ds_compat import set_train_schedule
+    from mmpipe.parallel.schedules import stream
+    assert "self._train_schedule()" in _src(PipelineEngine.train_batch)
+    for P, M, s in ((2, 4, 0), (3, 5, 1), (4, 8, 3)):
+        engine = SimpleNamespace(micro_batches=M, num_stages=P, stage_id=s)
+        set_train_schedule(engine, stream("1f1b", P, M, s))
+        sched = engine._train_schedule()
+        ours = [(type(c), c.kwargs) for step in sched for c in step]
+        theirs = [(type(c), c.kwargs) for step in D.TrainSchedule(micro_batches=M, stages=P, stage_id=s) for c in step]
+        assert ours == theirs and sched.num_pipe_buffers() == D.TrainSchedule(M, P, s).num_pipe_buffers()
+
+
 def test_zero_optimizer_step_and_group_gradients():
     """Behaviour: test_groups.py (grouped clipping at P = 2 x DP = 2 with ZeRO-1)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer

@@ -3,6 +3,7 @@ included) and no function longer than 80 lines."""
 from __future__ import annotations
 
 import ast
+import re
 import os
 
 from helpers import ROOT
@@ -204,3 +205,21 @@ def test_every_built_in_family_has_a_tiny_config_for_the_shared_tests():
 
     from mmpipe.config.registry import BUILTIN
     assert set(TINY_CONFIGS) == set(BUILTIN) and all(os.path.isfile(p) for p in TINY_CONFIGS.values())
+
+
+def owners_of(sources: dict, pattern: str) -> set:
+    """The modules whose source matches ``pattern`` (a regular expression)."""
+    return {m for m, text in sources.items() if re.search(pattern, text)}
+
+
+def test_the_pipeline_order_lives_in_one_module_and_deepspeed_is_initialized_in_one():
+    """DeepSpeed's schedule classes are named only by ``parallel/schedules.py`` (which reproduces them) and
+    ``parallel/ds_compat.py`` (which installs a stream as the engine's); the re-derivations of 1F1B that
+    ``schedules`` replaced are gone; ``deepspeed.initialize`` is called only by the runtime."""
+    sources = {m: open(p).read() for m, p in _modules().items()}
+    schedule_classes = r"\b(TrainSchedule|InferenceSchedule)\b"
+    assert owners_of(dict(sources, planted="S.TrainSchedule(micro_batches=2)"), schedule_classes) == \
+        {"mmpipe.parallel.schedules", "mmpipe.parallel.ds_compat", "planted"}
+    assert owners_of(sources, schedule_classes) <= {"mmpipe.parallel.schedules", "mmpipe.parallel.ds_compat"}
+    assert owners_of(sources, r"def (in_flight|one_f_one_b|_ds_streams|_gpipe_streams)\b") == set()
+    assert owners_of(sources, r"deepspeed\.initialize\(") == {"mmpipe.parallel.runtime"}

@@ -62,7 +62,7 @@ def bench_negatives(args, tmp: str) -> int:
              f"first {args.warmup}. `global` runs every stage's forward twice (a forward-only pass for the "
              "features, then 1F1B) and gathers the features on the last stage; a frozen tower runs in the first "
              "pass only (the training pass takes its recorded output). Predicted: the simulator replaying "
-             "DeepSpeed's InferenceSchedule then its TrainSchedule with layer costs profiled in this run.")
+             "the step loss's forward-only pass then 1F1B (parallel.schedules) with layer costs profiled in this run.")
     if not args.no_append:
         cmd = "mmpipe bench negatives " + " ".join(shlex.quote(a) for a in sys.argv[3:])
         append_benchmarks("Contrastive negatives: global batch vs micro-batch", cmd, table, notes)

@@ -100,7 +100,7 @@ class ParallelConfig(Section):
                         "one-layer segment rides with the stage before it), "
                         "balanced (boundaries anywhere), auto (whichever the simulator predicts faster), or "
                         "DeepSpeed's uniform, parameters, type:REGEX")
-    schedule: str = _f("auto", "the pipeline order (mmpipe.parallel.schedules): 1f1b (DeepSpeed's TrainSchedule); "
+    schedule: str = _f("auto", "the pipeline order (mmpipe.parallel.schedules): 1f1b (DeepSpeed's default order); "
                        "frozen_first (leading stages whose layers are all frozen run their forwards back to back and "
                        "never wait for or receive a gradient; 1F1B after them); gpipe (every forward, then every "
                        "backward); auto: frozen_first where leading stages train nothing and the simulator predicts "

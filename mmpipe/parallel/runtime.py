@@ -16,7 +16,7 @@ def initialize(**kwargs):
 
 def install_schedule(engine, plan, micro_batches: int, step_loss: bool, clock=None) -> list:
     """Stage ``engine.stage_id``'s stream under ``plan.schedule`` (a step loss's features pass first, which
-    DeepSpeed's ``eval_batch`` runs as its ``InferenceSchedule``: the same order); its training part becomes
+    DeepSpeed's ``eval_batch`` runs in the same order); its training part becomes
     the engine's schedule. The first stage that trains after ``frozen_first``'s forward-only stages takes its
     inputs as constants (no gradient goes back). Returns the whole stream."""
     P, s = engine.num_stages, engine.stage_id

@@ -89,9 +89,10 @@ def _step_micro_batch(step: int, P: int, s: int) -> tuple:
 
 
 @register("1f1b")
-def one_f_one_b(P: int, M: int, s: int, frozen: int = 0) -> list:
-    """DeepSpeed's ``TrainSchedule``: ``P - 1 - s`` warm-up forwards, then a forward and a backward in
-    turn; an activation is sent one slot late (before the next backward's gradient is received)."""
+def pipedream_flush(P: int, M: int, s: int, frozen: int = 0) -> list:
+    """1F1B (PipeDream-Flush) as DeepSpeed's ``TrainSchedule`` runs it: ``P - 1 - s`` warm-up forwards, then
+    a forward and a backward in turn; an activation is sent one slot late (before the next backward's
+    gradient is received)."""
     out, prev = [], -1
     for step in range(2 * (M + P - 1)):
         m, fwd = _step_micro_batch(step, P, s)
@@ -134,7 +135,7 @@ def frozen_first(P: int, M: int, s: int, frozen: int = 0) -> list:
             out += [Action("RecvActivation", m)] if s > 0 else [Action("LoadMicroBatch", m)]
             out += [Action("ForwardPass", m), Action("SendActivation", m)]
         return out + list(TAIL)
-    sub = one_f_one_b(P - k, M, s - k)
+    sub = pipedream_flush(P - k, M, s - k)
     if s > k or k == 0:
         return sub
     out = []  # the first trained stage: its inputs come from stage k - 1, no gradient goes back

@@ -1,12 +1,12 @@
 """Pipeline schedule simulator: predicts step time, per-stage busy/idle and the bubble.
 
-It replays DeepSpeed's own instruction streams (``deepspeed.runtime.pipe.schedule.TrainSchedule``,
-one per stage, so DeepSpeed's deferred activation sends are modelled as they run) with given
-durations: ``ForwardPass`` = F[s], ``BackwardPass`` = B[s], ``OptimizerStep`` = opt[s],
+It replays the run's pipeline order (``mmpipe.parallel.schedules``: per stage the stream the runtime
+installs as the engine's schedule; ``1f1b`` is DeepSpeed's own, its deferred activation sends included)
+with given durations: ``ForwardPass`` = F[s], ``BackwardPass`` = B[s], ``OptimizerStep`` = opt[s],
 ``LoadMicroBatch`` = load[s]. Sends and receives are blocking rendezvous between neighbours (as
 ``torch.distributed.send/recv`` are): a pair starts when both sides reach it and takes the
-boundary's transfer time. ``schedule="gpipe"`` replays all forwards, then all backwards
-(same instruction kinds), for comparison.
+boundary's transfer time. Any registered schedule (``gpipe``, ``frozen_first``, a plugin's) is
+simulated by name.
 
 Busy = forward + backward + optimizer + load; everything else in the step (waiting in a
 send/receive, transfers) is idle. ``bubble`` is the mean idle fraction over stages.
