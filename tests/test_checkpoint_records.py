@@ -146,6 +146,9 @@ def test_a_precision_change_resumes_through_the_layout_free_files(lora_run, tmp_
     saved = checkpoint_record.layout_record(_Topo(), _cfg("fp32"), None, None)
     assert not resume_checks.same_layout(saved, checkpoint_record.layout_record(_Topo(), _cfg("bf16"), None, None))
     assert resume_checks.same_layout(saved, checkpoint_record.layout_record(_Topo(), _cfg("fp32"), None, None))
+    # the pipeline schedule is recorded, and holds no state: another one reads the same per-stage files
+    other = checkpoint_record.layout_record(_Topo(), _cfg("fp32"), None, None, "frozen_first")
+    assert other["schedule"] == "frozen_first" and saved["schedule"] == "1f1b" and resume_checks.same_layout(saved, other)
     run = _copy(lora_run, tmp_path)
     sets = LORA + [f"data.train={lora_run['train']}", f"train.output_dir={run}", "train.precision=bf16"]
     proc = _train(lora_run["work"], sets, ["--resume"])

@@ -9,6 +9,7 @@ from mmpipe.errors import ConfigError
 from mmpipe.planning.charts import write_memory_png, write_plan_png, write_png
 from mmpipe.planning.layouts import format_table, layouts_json, plan_layouts
 from mmpipe.planning.offline import _profile_for, format_plan, plan_all
+from mmpipe.planning.place import pick_schedule
 
 
 def cmd_plan_world(args) -> int:
@@ -121,6 +122,11 @@ def cmd_plan(args) -> int:
     os.makedirs(out, exist_ok=True)
     chosen_plan = plan["plans"][chosen]
     chosen_plan.predicted = {k: v["sim"] for k, v in plan["placements"].items()}
+    pick_schedule(cfg.parallel.schedule, chosen_plan, plan["profile"],
+                  set(plan["profile"].get("key", {}).get("forward_only", [])))
+    print(f"\npipeline schedule: {chosen_plan.schedule}" + (" (parallel.schedule=auto)" if cfg.parallel.schedule == "auto"
+                                                           else "") + "; predicted step " + ", ".join(
+        f"{k} {1e3 * v:.1f} ms" for k, v in chosen_plan.schedules.items()))
     chosen_plan.write(os.path.join(out, "plan.json"))
     write_plan_png(os.path.join(out, "plan.png"), plan)
     print(f"\nwrote {out}/plan.json (train with --set parallel.plan={out}/plan.json) and {out}/plan.png")

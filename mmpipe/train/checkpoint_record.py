@@ -20,10 +20,11 @@ RECORD_FILE = "mmpipe_checkpoint.json"  # self-describing: family, model config,
 FROZEN_EXCLUDED = "frozen_excluded"  # the record's flag: the checkpoint holds no frozen weight (a LoRA base)
 
 
-def layout_record(topo, cfg, layer_names: Optional[list], parts: Optional[list]) -> dict:
+def layout_record(topo, cfg, layer_names: Optional[list], parts: Optional[list], schedule: str = "1f1b") -> dict:
     """What a checkpoint's DeepSpeed files are tied to: stages, their layers, data-parallel degree
-    (with ZeRO, optimizer state is partitioned over it) and ZeRO stage."""
-    return {"pipeline_stages": topo.pipeline_stages, "data_parallel": topo.data_parallel,
+    (with ZeRO, optimizer state is partitioned over it) and ZeRO stage; and the pipeline schedule that
+    wrote it (the order holds no state: a resume under another one reads the same files)."""
+    return {"pipeline_stages": topo.pipeline_stages, "data_parallel": topo.data_parallel, "schedule": schedule,
             "zero_stage": cfg.parallel.zero_stage, "placement": cfg.parallel.placement,
             "stages": stage_lists(layer_names, parts) if layer_names is not None else None,
             "decay_split": family_of(cfg).decay_split, "precision": cfg.train.precision}
