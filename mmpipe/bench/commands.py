@@ -11,6 +11,7 @@ and ratios against a baseline measured in the same run.
     mmpipe bench peers --family clip  # the same CLIP job by open_clip_train and by mmpipe: samples/s, recall
     mmpipe bench packing     # VLM samples/s with sequence packing vs padding per micro-batch (length-skewed chat)
     mmpipe bench overhead    # mmpipe's step vs a raw DeepSpeed engine on the same module (P = 1, P = 2, DP = 2)
+    mmpipe bench schedule    # pipeline schedules side by side (1f1b vs frozen_first, frozen vision tower)
     mmpipe bench gpu         # real sizes on one GPU: samples/s, MFU, memory vs open_clip_train and the Trainer
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mmpipe.bench.negatives import add_arguments as add_negatives
 from mmpipe.bench.overhead import add_arguments as add_overhead
 from mmpipe.bench.packing import add_arguments as add_packing
 from mmpipe.bench.peers import add_arguments as add_peers
+from mmpipe.bench.schedule import add_arguments as add_schedule
 from mmpipe.bench.strategies import bench_strategies
 from mmpipe.config.registry import BUILTIN
 
@@ -73,6 +75,8 @@ def add_parser(sub) -> None:
                     help="skewed: the VLM on a skewed chat mix, data.balance none vs cost at P = 2, DP = 2 and P2 x DP2")
     bb.add_argument("--no-append", action="store_true")
     bb.set_defaults(func=bench_balance)
+    add_schedule(bs.add_parser("schedule", help="pipeline schedules side by side: 1f1b vs frozen_first on the VLM with a "
+                               "frozen vision tower, measured and predicted (P = 2, 3)"))
     add_memory(bs.add_parser("memory", help="every stage's predicted peak memory beside the live count of a real run "
                              "(CLIP and VLM, P = 2 and 3, with and without activation checkpointing)"))
     add_negatives(bs.add_parser("negatives", help="CLIP's global-batch negatives vs per-micro-batch: measured and "
