@@ -3,7 +3,8 @@
 - ``DataParallel`` (P = 1; ZeRO 0-3): the plain model composed of the family's layers under
   DeepSpeed's engine; accumulation by calling ``step()`` once per micro-batch.
 - ``Pipeline`` (P >= 2, x data parallel; ZeRO 0-1): the same layers as a DeepSpeed
-  ``PipelineModule`` cut at the plan's boundaries; the plan's schedule (1F1B by default) runs the step.
+  ``PipelineModule`` cut at the plan's boundaries; the plan's schedule (1F1B by default) runs the step
+  (``runtime.PipelineRunner``).
 
 Both build their module from a ``Family`` and a ``Plan``, and give the trainer a runner with one
 interface: ``train_step(data_iter, step, trace) -> loss`` (a 0-dim tensor on the device: the trainer reads it
@@ -13,25 +14,17 @@ are ``(inputs, labels)`` tuples: the family's first-stage fields and its last-st
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from mmpipe.parallel.ds_compat import (
-    check_version,
-    eval_batch_in_train_mode,
-    fix_recv_buffer_dtype,
-    reset_total_loss,
-)
-from mmpipe.parallel.layers import PipeLayer
+from mmpipe.parallel.ds_compat import check_version, fix_recv_buffer_dtype
 from mmpipe.parallel.module import MMPipelineModule
-from mmpipe.parallel.runtime import install_schedule
-from mmpipe.parallel.stage_clock import StageClock
-from mmpipe.parallel.step_loss import FirstPassMemo, Replay, StepLossCache, frozen_prefix, is_stochastic
 from mmpipe.parallel.plain import plain_model
+from mmpipe.parallel.runtime import PipelineRunner, keyed_dropout
 from mmpipe.parallel.sample_rng import KEY_FIELDS
+from mmpipe.parallel.step_loss import FirstPassMemo, StepLossCache, frozen_prefix
 
 LABEL_PLACEHOLDER = torch.zeros(1)  # DeepSpeed's last stage reads "labels"; a family without labels gets this
 
@@ -73,30 +66,6 @@ class Pipeline:
         check_version()
         fix_recv_buffer_dtype(engine)
         return PipelineRunner(engine, self.topo, self.plan, stage_timing)
-
-
-def keyed_dropout(module, executor, dp_rank: int, accumulation: int, everywhere: bool) -> bool:
-    """Set up a model that draws dropout (a tower's, LoRA's; ``everywhere``: on any pipeline stage) to draw
-    each sample's from its own key (``sample_rng``) and anything else from (seed, step, layer, the
-    micro-batch's index in the step: rank ``dp_rank``'s first is ``dp_rank`` x ``accumulation``): the same
-    numbers in every layout, grouping and packing. Returns whether the batches carry the sample keys."""
-    mine = is_stochastic(module)
-    if everywhere:  # a stage without dropout still passes the keys on: every stage decides alike
-        flag = torch.tensor([float(mine)], device=_collective_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        mine = bool(flag.item())
-    if not mine:
-        return False
-    family = module.family
-    executor.replay = Replay(family.seed, offset=dp_rank * accumulation)
-    executor.keyed = True
-    executor.axis_of = {layer.name: family.cost_driver(layer.segment) for layer in family.layers()}
-    return True
-
-
-def _collective_device():
-    from deepspeed.accelerator import get_accelerator
-    return torch.device(get_accelerator().current_device_name())
 
 
 def strategy_for(topo):
@@ -196,106 +165,3 @@ class PlainRunner:
             out.append(stats(o, *self._to_device(labels)) if stats is not None else o)
         module.train()
         return out
-
-
-class PipelineRunner:
-    """P >= 2: DeepSpeed's pipeline engine runs the plan's schedule (``parallel.schedules``, installed by
-    ``runtime.install_schedule``) over the accumulation steps."""
-
-    def __init__(self, engine, topo, plan, stage_timing: bool = True):
-        self.engine, self.topo = engine, topo
-        self.clock = None
-        if stage_timing:
-            self.clock = StageClock(engine)
-        self.stream = install_schedule(engine, plan, topo.accumulation_steps, engine.module.family.step_loss,
-                                       self.clock)
-        self.cache = self.replay = self.memo = None
-        family, run = engine.module.family, engine.module.executor  # how this stage's layers run
-        self.keyed = keyed_dropout(engine.module, run, engine.grid.get_data_parallel_rank(), topo.accumulation_steps,
-                                   everywhere=True)
-        self.replay = run.replay
-        if family.step_loss:  # every layer hands out features; the last stage's loss is the surrogate
-            run.features = True
-            names = [m.name for m in engine.module.modules() if isinstance(m, PipeLayer)]
-            prefix = frozen_prefix(names, run.forward_only)
-            if prefix and engine.is_first_stage():  # a frozen prefix runs once per step (FirstPassMemo)
-                self.memo = run.memo = FirstPassMemo(prefix)
-            if engine.is_last_stage():
-                last = next(m for m in engine.module.modules() if isinstance(m, PipeLayer) and m.name == run.last)
-                self.cache = StepLossCache(family, last.part, topo.accumulation_steps, topo.data_parallel,
-                                           engine.grid.get_data_parallel_rank(),
-                                           engine.grid.get_data_parallel_group())
-                run.surrogate = self.cache.surrogate
-
-    def train_step(self, data_iter, step: int = 0, trace: bool = False) -> torch.Tensor:
-        if self.clock is not None:
-            self.clock.begin_step(step, trace)
-        if self.engine.module.family.step_loss:
-            loss = self._step_loss_step(data_iter, step)
-        else:
-            if self.replay is not None:
-                self.replay.start(step)
-            loss = self.engine.train_batch(data_iter).detach()
-        if self.clock is not None:
-            self.timings = self.clock.end_step()
-        return loss
-
-    def _step_loss_step(self, data_iter, step: int) -> torch.Tensor:
-        """Pass 1: the step's micro-batches forward-only through every stage (DeepSpeed's inference
-        schedule, training mode) for the last layer's features; the last stage's batch loss; pass 2:
-        DeepSpeed's 1F1B over the same micro-batches, the last stage backpropagating surrogates."""
-        engine = self.engine
-        batches = ([next(data_iter) for _ in range(self.topo.accumulation_steps)] if data_iter is not None
-                   else None)
-        reset_total_loss(engine)
-        if self.replay is not None:
-            self.replay.start(step)
-        if self.memo is not None:
-            self.memo.start(recording=True)
-        with eval_batch_in_train_mode(engine), _monitors_off(engine):
-            out = engine.eval_batch(iter(batches) if batches is not None else None, compute_loss=False,
-                                    reduce_output=None, bcast_loss=False,
-                                    num_micro_batches=self.topo.accumulation_steps)
-        if self.cache is not None:
-            self.cache.fill(list(out))
-        if self.replay is not None:
-            self.replay.start(step)
-        if self.memo is not None:
-            self.memo.start(recording=False)
-        loss = engine.train_batch(iter(batches) if batches is not None else None).detach()
-        if self.memo is not None:
-            self.memo.clear()
-        return loss
-
-    def eval_outputs(self, batches, n_micro: int) -> Optional[list]:
-        reset_total_loss(self.engine)
-        module = self.engine.module
-        stats = module.family.eval_stats
-        loss_fn = module.loss_fn
-        if stats is not None:  # the last stage reduces each micro-batch against its labels
-            module.loss_fn = lambda outputs, labels: stats(outputs, *labels)
-        try:
-            with _monitors_off(self.engine):
-                out = self.engine.eval_batch(iter(batches) if batches is not None else None,
-                                             compute_loss=stats is not None, reduce_output=None, bcast_loss=False,
-                                             num_micro_batches=n_micro)
-        finally:
-            module.loss_fn = loss_fn
-        if not self.engine.is_last_stage():
-            return None
-        return list(out)
-
-
-@contextlib.contextmanager
-def _monitors_off(engine):
-    """DeepSpeed's monitors (tensorboard/csv blocks) make ``eval_batch`` log a mean eval loss from
-    rank 0, which may hold no outputs (and fails on them): mmpipe logs its own metrics."""
-    monitor = getattr(engine, "monitor", None)
-    enabled = monitor.enabled if monitor is not None else False
-    try:
-        if monitor is not None:
-            monitor.enabled = False
-        yield
-    finally:
-        if monitor is not None:
-            monitor.enabled = enabled
