@@ -138,7 +138,7 @@ class ToyFamily(ImageTextFamily):
     def collate(self, tokenizer, data_cfg):
         return ToyCollate(tokenizer, data_cfg.max_length, data_cfg.padding, data_cfg.pad_multiple)
 
-    def example_batch(self, m, max_length, device):
+    def example_batch(self, m, max_length, device, packed=False):
         g = torch.Generator().manual_seed(0)
         s = self.cfg.image_size
         ids = torch.randint(0, self.cfg.vocab_size, (m, max_length), generator=g)

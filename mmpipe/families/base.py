@@ -22,6 +22,17 @@ from mmpipe.families.products import Matmul, MicroBatch  # noqa: F401 - part of 
 from mmpipe.families.towers.common import part_seed
 
 
+class HFAdapter:
+    """How a family's weights meet transformers' (``Family.hf``): ``hf_config()``, ``to_hf`` / ``from_hf``,
+    ``hf_model``; ``adapter_name`` (a plain LoRA parameter name -> peft's inside the transformers model) on
+    a family whose LoRA runs export as peft adapter directories, else None."""
+
+    adapter_name = None
+
+    def __init__(self, family):
+        self.family = family
+
+
 class Layer(NamedTuple):
     """One pipeline layer. ``name``: the plain model's parameter-name prefix (its weights are
     ``<name>.<key>`` in every checkpoint); ``segment``: the tag placement keeps stages apart by
@@ -283,6 +294,7 @@ class Family:
     # (LiveBytes: 20.0 bytes per pair); the dual encoders' blocked losses (softmax and sigmoid) 6 fp32
     # block x B matrices (24.0, ``ClipFamily.step_loss_block_pair_bytes``)
     step_loss_pair_bytes = 20
+    step_loss_block_pair_bytes = 0  # the same for the blocked computation (``step_loss_block_rows`` > 0)
 
     def batch_loss(self, loss_module: nn.Module, features: torch.Tensor) -> torch.Tensor:
         """With ``step_loss``: the loss of a whole batch's features (rows = samples), computed by
@@ -317,9 +329,9 @@ class Family:
         ``inputs`` and ``labels`` fields (plus ``index``, ``keys``, ``bad``). Must be picklable."""
         raise NotImplementedError
 
-    def example_batch(self, micro_batch_size: int, max_length: int, device) -> dict:
+    def example_batch(self, micro_batch_size: int, max_length: int, device, packed: bool = False) -> dict:
         """A batch of the configured shapes (inputs and labels) for the profiler: timing does not
-        depend on the values."""
+        depend on the values. ``packed`` (``data.packing``, a family that ``packs``): rows of several samples."""
         raise NotImplementedError
 
     def example_batches(self, micro_batch_size: int, max_length: int, device, packed: bool = False,
@@ -328,4 +340,4 @@ class Family:
         variable-resolution family: several image sizes, read from ``data_cfg``'s records); the profiler
         weighs each layer's times by it and keeps the largest memory (a weight-0 shape: priced for memory
         only). One shape (``example_batch``) by default."""
-        return [(1.0, self.example_batch(micro_batch_size, max_length, device, **({"packed": True} if packed else {})))]
+        return [(1.0, self.example_batch(micro_batch_size, max_length, device, packed=packed))]

@@ -80,7 +80,7 @@ def synthetic_batch(family, m: int, max_length: int, device, with_loss: bool = F
     last layer computes it). ``packed`` (``data.packing``): rows of several samples, as a packed run
     feeds them (its attention takes the block-diagonal mask). ``b``: one of the family's
     ``example_batches`` instead of its ``example_batch``."""
-    b = b if b is not None else family.example_batch(m, max_length, device, **({"packed": True} if packed else {}))
+    b = b if b is not None else family.example_batch(m, max_length, device, packed=packed)
     inputs = tuple(b[f] for f in family.inputs)
     if not with_loss:
         return inputs
@@ -385,9 +385,9 @@ def _with_step_loss(prof: dict, family) -> dict:
                              "frozen_prefix": len(frozen_prefix(family.layer_names(), set(forward_only))),
                              # the batch loss's B x B transient: rows per micro-batch, bytes per pair
                              "rows": int(prof.get("key", {}).get("micro_batch_size") or 0),
-                             "pair_bytes": int(getattr(family, "step_loss_pair_bytes", 0)),
+                             "pair_bytes": int(family.step_loss_pair_bytes),
                              "block_rows": int(getattr(family, "step_loss_block_rows", 0)),
-                             "block_pair_bytes": int(getattr(family, "step_loss_block_pair_bytes", 0))}
+                             "block_pair_bytes": int(family.step_loss_block_pair_bytes)}
     return prof
 
 

@@ -140,7 +140,7 @@ def _write_adapter(cfg, family, spec, base: dict, adapters: dict, tok, out: str,
     except NoHFFormat as e:
         raise ConfigError(f"a LoRA run of model.type={cfg.model.type} has no transformers base class ({e}); "
                           "export with --merge --format mmpipe") from None
-    if not hasattr(family.hf, "adapter_name"):
+    if family.hf.adapter_name is None:
         raise ConfigError(f"a LoRA run of model.type={cfg.model.type}: mmpipe writes peft adapter directories for the "
                           "VLM only; export with --merge (full weights)")
     # the base as the run trained on it (its generation config stops at the end of a turn), written beside

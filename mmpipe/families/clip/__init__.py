@@ -218,7 +218,7 @@ class ClipFamily(ImageTextFamily):
                 + ("" if record.get("finite", True) else
                    f" -- NOT FINITE: {record['nonfinite']} feature rows hold NaN/inf (scored as misses)"))
 
-    def example_batch(self, micro_batch_size: int, max_length: int, device) -> dict:
+    def example_batch(self, micro_batch_size: int, max_length: int, device, packed: bool = False) -> dict:
         g = torch.Generator().manual_seed(0)
         size, vocab = self.vision.image_size, self.text.hf_config.vocab_size
         pix = torch.randint(0, 256, (micro_batch_size, 3, size, size), dtype=torch.uint8, generator=g)

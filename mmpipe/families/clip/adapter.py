@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from mmpipe.errors import ConfigError
+from mmpipe.families.base import HFAdapter
 from mmpipe.families.towers import hf
 
 # transformers 5 names CLIPVisionModel's weights without its inner ``vision_model.`` (4.x: nested)
@@ -40,7 +41,7 @@ def format_of(family) -> tuple[Optional[str], str]:
                   "CLIPModel and VisionTextDualEncoderModel need model.vision.arch=clip_vit")
 
 
-class ClipHF:
+class ClipHF(HFAdapter):
     def __init__(self, family):
         self.family = family
         self.kind, why = format_of(family)

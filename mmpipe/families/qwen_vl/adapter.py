@@ -3,6 +3,8 @@
 the transformers config of a family, and the transformers model holding a plain state dict."""
 from __future__ import annotations
 
+from mmpipe.families.base import HFAdapter
+
 # mmpipe prefix -> transformers prefixes tried in order (the saved layout, then the in-memory one)
 LOAD_RULES = [("vision.embed.", ["visual.patch_embed.", "model.visual.patch_embed."]),
               ("vision.blocks.", ["visual.blocks.", "model.visual.blocks."]),
@@ -20,7 +22,7 @@ def _translate(name: str, rules) -> str:
     raise KeyError(f"no transformers name for {name}")
 
 
-class QwenVLHF:
+class QwenVLHF(HFAdapter):
     """``hf_config()``, ``to_hf`` / ``from_hf`` (in-memory names), ``adapter_name`` (peft's), ``hf_model``;
     ``load_rules`` (mmpipe prefix -> the directory's names tried in order) and ``model_class`` (transformers')
     are a family's."""

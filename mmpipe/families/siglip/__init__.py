@@ -12,7 +12,7 @@ from torch import nn
 
 from mmpipe.config.registry import register_family
 from mmpipe.errors import ConfigError, one_line
-from mmpipe.families.base import Layer
+from mmpipe.families.base import HFAdapter, Layer
 from mmpipe.families.clip import ClipFamily
 from mmpipe.families.clip import model as m
 from mmpipe.families.image_text import ImageTextFamily
@@ -158,7 +158,7 @@ class SiglipFamily(ClipFamily):
         from mmpipe.data.loader import Collate
         return Collate(tokenizer, self.text_length, "max_length", 1)
 
-    def example_batch(self, micro_batch_size: int, max_length: int, device) -> dict:
+    def example_batch(self, micro_batch_size: int, max_length: int, device, packed: bool = False) -> dict:
         g = torch.Generator().manual_seed(0)
         size, vocab = self.vision_config.image_size, self.text_config.vocab_size
         pix = torch.randint(0, 256, (micro_batch_size, 3, size, size), dtype=torch.uint8, generator=g)
@@ -193,7 +193,7 @@ class SiglipFamily(ClipFamily):
         return SiglipHF(self)
 
 
-class SiglipHF:
+class SiglipHF(HFAdapter):
     """State dicts between mmpipe's plain names and ``SiglipModel``'s (``parts.RULES``)."""
 
     def __init__(self, family):

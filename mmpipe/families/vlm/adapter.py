@@ -4,6 +4,8 @@ by (today's ``save_pretrained`` layout, llava-hf's older one, the in-memory name
 vision-only (CLIP) or LM-only (Llama, Qwen2) directory."""
 from __future__ import annotations
 
+from mmpipe.families.base import HFAdapter
+
 # mmpipe name prefix -> transformers names tried in order (the layout save_pretrained writes today,
 # then llava-hf's older one, then the in-memory names)
 LOAD_RULES = [("vision.embed.", ["vision_tower.", "vision_tower.vision_model.", "model.vision_tower."]),
@@ -33,10 +35,7 @@ def _translate(name: str, rules) -> str:
     raise KeyError(f"no transformers name for {name}")
 
 
-class VlmHF:
-    def __init__(self, family):
-        self.family = family
-
+class VlmHF(HFAdapter):
     def hf_config(self):
         from transformers import LlavaConfig
         f = self.family
