@@ -252,13 +252,13 @@ def test_refit_prices_regroup_from_their_step_and_a_resume_keeps_them():
     for s in range(3):
         assert refit.micro_batches(s, True) == plain.micro_batches(s, True)
     with pytest.raises(RuntimeError, match="regrouped before"):
-        refit.reprice(prices.scaled([20.0, 1.0], [1.0, 1.0], [0.0, 0.0]), 2)
-    refit.reprice(prices.scaled([20.0, 1.0], [1.0, 1.0], [1e-3, 0.0]), 3)
+        refit.reprice(prices.scaled([20.0, 1.0], [1.0, 1.0], [0.0, 0.0]), 3)  # (optimizer steps count from 1)
+    refit.reprice(prices.scaled([20.0, 1.0], [1.0, 1.0], [1e-3, 0.0]), 4)
     changed = [refit.micro_batches(s, True) != plain.micro_batches(s, True) for s in range(3, 6)]
     assert any(changed) and refit.balancer.prices.vision[0] == pytest.approx(2e-3)
     again = make()
     again.micro_batches(1)
-    again.reprice(prices.scaled([20.0, 1.0], [1.0, 1.0], [1e-3, 0.0]), 3)
+    again.reprice(prices.scaled([20.0, 1.0], [1.0, 1.0], [1e-3, 0.0]), 4)
     resumed = make(2, again.position(2))
     assert [resumed.micro_batches(s, True) for s in range(2, 6)] == [refit.micro_batches(s, True) for s in range(2, 6)]
 
@@ -305,9 +305,10 @@ def test_regrouping_ahead_in_a_worker_process_gives_the_same_groups():
         for s in range(5):
             if s == 2:  # told at step 1's end, as the trainer does; step 2 was already asked of the worker
                 for smp in (inline, ahead):
-                    smp.reprice(prices.scaled([5.0, 1.0], [1.0, 1.0], [1e-3, 0.0]), 2)
+                    smp.reprice(prices.scaled([5.0, 1.0], [1.0, 1.0], [1e-3, 0.0]), 3)
             assert ahead.micro_batches(s, True) == inline.micro_batches(s, True)
-            assert ahead.balance_log[s]["step_after"] == inline.balance_log[s]["step_after"]
+            a, b = ahead.step_plan(s + 1), inline.step_plan(s + 1)  # (the trainer's steps count from 1)
+            assert a.predicted["step_after"] == b.predicted["step_after"] and (a.features == b.features).all()
         assert set(ahead.balancer.ahead.pending) == {5} and len(here) == 2  # steps 0 and 2: the rest came ahead
         # a lost worker: a warning, and the steps are regrouped here, the same
         import time

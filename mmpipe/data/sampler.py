@@ -8,6 +8,7 @@ the identical stream, and it can start at any step (resume). ``eval_batches`` cu
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import numpy as np
@@ -21,6 +22,16 @@ from mmpipe.errors import DataError
 def _item_key(item) -> tuple[int, int]:
     """Sampler items are ``index`` or ``(index, epoch)``; the epoch seeds augmentation."""
     return (item, 0) if isinstance(item, int) else (int(item[0]), int(item[1]))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """``data.balance: cost``'s record of one optimizer step, as the trainer reads it: ``features``, per
+    (data-parallel rank, micro-batch) slot its vision units and token slots [D x A, 2]; ``predicted``, the
+    regrouping's spread and step times before and after (``StepBalancer.last``)."""
+    step: int
+    features: np.ndarray
+    predicted: dict
 
 
 class MicroBatchSampler(Sampler):
@@ -143,13 +154,29 @@ class MicroBatchSampler(Sampler):
             mbs = self.balanced[step]
         return mbs if all_ranks else mbs[self.rank * self.acc:(self.rank + 1) * self.acc]
 
-    def reprice(self, prices, first_step: int) -> None:
-        """``data.balance: cost`` refit (``mmpipe.train.price_refit``): regroup from step ``first_step`` on
-        with ``prices``. Every data-reading rank is told the same step, one its loader has not reached."""
-        if self.balanced and max(self.balanced) >= first_step:
-            raise RuntimeError(f"internal: step {first_step} was regrouped before its refit prices came "
-                               f"(the loader reads {max(self.balanced) - first_step + 1} steps further ahead)")
-        self.balancer.reprice(prices, first_step)
+    def step_plan(self, step: int) -> Optional[StepPlan]:
+        """``data.balance: cost``'s record of optimizer step ``step`` (counted from 1, as the trainer does), or
+        None (no balancer, or a step not regrouped here)."""
+        rec = self.balance_log.get(step - 1)
+        if rec is None:
+            return None
+        return StepPlan(step, np.asarray(rec["features"], dtype=np.float64),
+                        {k: v for k, v in rec.items() if k != "features"})
+
+    def reprice(self, prices, from_step: int) -> None:
+        """``data.balance: cost`` refit (``mmpipe.train.price_refit``): regroup optimizer steps ``from_step``
+        (counted from 1) on with ``prices``. Every data-reading rank is told the same step, one its loader has
+        not reached."""
+        first = from_step - 1  # (this sampler counts from 0)
+        if self.balanced and max(self.balanced) >= first:
+            raise RuntimeError(f"internal: step {from_step} was regrouped before its refit prices came "
+                               f"(the loader reads {max(self.balanced) - first + 1} steps further ahead)")
+        self.balancer.reprice(prices, first)
+
+    def close(self) -> None:
+        """Stop ``data.balance: cost``'s worker process, if any."""
+        if self.balancer is not None:
+            self.balancer.close()
 
     def __iter__(self) -> Iterator[list]:
         step = self.start_step

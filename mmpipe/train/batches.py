@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from mmpipe.data.sampler import MicroBatchSampler
 from mmpipe.data.source import build_train_loader
 from mmpipe.parallel.sample_rng import KEY_FIELDS
 from mmpipe.parallel.strategies import LABEL_PLACEHOLDER
@@ -101,7 +102,8 @@ class TrainData:
                                                             run.device_name == "cpu", run.family,
                                                             start_at=data_position,
                                                             prices=stage_prices(run.plan)))
-            self.sampler = getattr(loader, "batch_sampler", None)
+            sampler = loader.batch_sampler  # torch's DataLoader holds the run's sampler there
+            self.sampler = sampler if isinstance(sampler, MicroBatchSampler) else None
             self.stream = _as_pipe_batches(loader, self.stats, run.family, count=where.reads_inputs, keyed=keyed)
         else:
             agree(rank, lambda: None)  # the data-reading ranks' loader errors reach every rank
@@ -110,11 +112,19 @@ class TrainData:
 
     def balance_fields(self, step: int) -> dict:
         """``data.balance: cost``: the sampler's prediction for step ``step`` (its spread and step times
-        before and after the regrouping), on a rank that reads data; else {}."""
-        return dict(getattr(self.sampler, "balance_log", {}).get(step - 1, {}))  # the sampler counts from 0
+        before and after the regrouping, and the slots' features), on a rank that reads data; else {}."""
+        plan = self.sampler.step_plan(step) if self.sampler is not None else None
+        return {**plan.predicted, "features": plan.features.tolist()} if plan is not None else {}
+
+    def close(self) -> None:
+        """The loader's workers exit with its iterator; ``data.balance: cost``'s worker process too."""
+        if hasattr(self.stream, "close"):
+            self.stream.close()
+        if self.sampler is not None:
+            self.sampler.close()
 
     def position(self, step: int) -> Optional[dict]:
-        if not hasattr(self.sampler, "position"):
+        if self.sampler is None:
             return None
         pos = self.sampler.position(step)
         return {**pos, "balance_parts": self.parts} if "balance_prices" in pos else pos

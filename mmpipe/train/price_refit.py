@@ -37,7 +37,7 @@ class PriceRefit:
             _warn(f"data.balance_refit={self.every} is off: {why}"
                   f"{'' if self.prior is None else '; the profile prices regroup every step'}")
         self.A, self.D, self.P = topo.accumulation_steps, topo.data_parallel, topo.pipeline_stages
-        self.sampler = sampler if getattr(sampler, "balancer", None) is not None else None
+        self.sampler = sampler if sampler is not None and sampler.balancer is not None else None
         self.clock = clock
         self.coords = [topo.coords(r) for r in range(run.world)]
         self.first = start_step + 2  # this process's first step warms up: not measured
@@ -52,8 +52,9 @@ class PriceRefit:
         if not self.on:
             return []
         feats = np.zeros(2 * self.D * self.A)
-        if self.sampler is not None and step - 1 in self.sampler.balance_log:  # (the sampler counts from 0)
-            feats = np.asarray(self.sampler.balance_log[step - 1]["features"], dtype=np.float64).reshape(-1)
+        plan = self.sampler.step_plan(step) if self.sampler is not None else None
+        if plan is not None:
+            feats = plan.features.reshape(-1)
         return self.clock.micro_batch_busy(self.A) + feats.tolist()
 
     def after_step(self, step: int, refit_cols: np.ndarray) -> Optional[dict]:
@@ -76,7 +77,7 @@ class PriceRefit:
         rec = box[0]
         prices = self.prior.scaled(rec["vision_scale"], rec["token_scale"], [b / 1e3 for b in rec["base_ms"]])
         if self.sampler is not None:
-            self.sampler.reprice(prices, step + self.lead - 1)  # (the sampler counts from 0)
+            self.sampler.reprice(prices, step + self.lead)
         return {"step": step, "from_step": step + self.lead, **rec}
 
     def _fit(self) -> dict:

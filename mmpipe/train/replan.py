@@ -111,13 +111,11 @@ class Replanner:
                 "predicted_now": now, "predicted_new": then, "stage_scale": scale}
 
 
-def move(trainer, step: int, decision: dict, saved: bool) -> None:
-    """Every rank: checkpoint at ``step``, then continue on the new cut in this same process (``os.execv``)."""
+def continue_on_new_cut(run, writer, step: int, decision: dict) -> None:
+    """Every rank, after its checkpoint at ``step`` and with its data closed (the trainer's part of the
+    decision): the new cut as a plan file, then this same process again on it (``os.execv``)."""
     from mmpipe.parallel.startup import close_distributed, free_port  # (free_port: below the ephemeral range)
     from mmpipe.parallel.plan import stage_lists
-    run = trainer.run
-    if not saved:
-        trainer.save(step)
     path = os.path.join(run.out_dir, f"replan_step{step}.json")
     port = [None]
     if run.rank == 0:
@@ -125,19 +123,13 @@ def move(trainer, step: int, decision: dict, saved: bool) -> None:
             json.dump({"stages": stage_lists(run.plan.layers, decision["new_parts"])}, fh, indent=2)
         port[0] = free_port()
     if run.is_reporter:
-        trainer.writer.log_event("replan", {"step": step, **decision})
-        trainer.writer.info(f"replan at step {step}: stage boundaries {decision['old_parts']} -> "
-                            f"{decision['new_parts']} (measured {1e3 * decision['measured_step']:.0f} ms/step, "
-                            f"predicted {1e3 * decision['predicted_new']:.0f} ms on the new cut); continuing from "
-                            f"the step-{step} checkpoint")
+        writer.log_event("replan", {"step": step, **decision})
+        writer.info(f"replan at step {step}: stage boundaries {decision['old_parts']} -> "
+                    f"{decision['new_parts']} (measured {1e3 * decision['measured_step']:.0f} ms/step, "
+                    f"predicted {1e3 * decision['predicted_new']:.0f} ms on the new cut); continuing from "
+                    f"the step-{step} checkpoint")
     dist.broadcast_object_list(port, src=0)
-    trainer.writer.close()
-    stream = getattr(trainer.data, "stream", None)
-    if hasattr(stream, "close"):
-        stream.close()  # the loader's workers exit with its iterator
-    balancer = getattr(getattr(trainer.data, "sampler", None), "balancer", None)
-    if balancer is not None:
-        balancer.close()  # (data.balance=cost's worker process)
+    writer.close()
     close_distributed(force=True)  # every rank is here: a barrier, then the groups go (a caller's too: execv)
     os.environ[MOVED] = "1"
     os.environ[MOVED_FROM] = repr(float(decision["measured_step"]))

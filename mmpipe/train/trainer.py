@@ -32,7 +32,7 @@ from mmpipe.train.evaluate import Evaluator
 from mmpipe.train.faults import FaultGuard, _everywhere, _warn
 from mmpipe.train.memory_meter import MemoryMeter, write_memory
 from mmpipe.train.profiling import StepProfiler
-from mmpipe.train.replan import Replanner, move
+from mmpipe.train.replan import Replanner, continue_on_new_cut
 from mmpipe.train.run_dir import write_run_files
 from mmpipe.train.setup import resolve_run
 from mmpipe.train.step_stats import (
@@ -113,8 +113,11 @@ class Trainer:
                 self.save(step)
                 saved_at = step
             moving = self.replanner.after_step(self.run, step, record) if step < end else None
-            if moving is not None:
-                move(self, step, moving, saved=saved_at == step)  # (does not return)
+            if moving is not None:  # the re-planner's decision: checkpoint, let the data go, continue on the new cut
+                if saved_at != step:
+                    self.save(step)
+                self.data.close()
+                continue_on_new_cut(self.run, self.writer, step, moving)  # (does not return)
             gain = self.replanner.measured(step, record)
             if gain is not None:
                 self.writer.log_event("replan_measured", gain)
