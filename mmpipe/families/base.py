@@ -289,12 +289,6 @@ class Family:
         surrogate with the same gradients (``mmpipe.parallel.step_loss``)."""
         return False
 
-    # bytes per pair of the global batch that ``batch_loss_grads`` holds at once (the memory model's
-    # B x B term, or block x B): autograd through CLIP's whole softmax loss holds 5 fp32 B x B matrices
-    # (LiveBytes: 20.0 bytes per pair); the dual encoders' blocked losses (softmax and sigmoid) 6 fp32
-    # block x B matrices (24.0, ``ClipFamily.step_loss_block_pair_bytes``)
-    step_loss_pair_bytes = 20
-    step_loss_block_pair_bytes = 0  # the same for the blocked computation (``step_loss_block_rows`` > 0)
 
     def batch_loss(self, loss_module: nn.Module, features: torch.Tensor) -> torch.Tensor:
         """With ``step_loss``: the loss of a whole batch's features (rows = samples), computed by

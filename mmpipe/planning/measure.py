@@ -17,7 +17,7 @@ from mmpipe.parallel.layers import PipeLayer, plain_state_key
 from mmpipe.parallel.step_loss import frozen_prefix
 from mmpipe.planning.cache import _write_json, cache_dir
 from mmpipe.planning.collectives import fit_comm, measure_p2p
-from mmpipe.planning.memory import adamw_temp_bytes
+from mmpipe.planning.memory import STEP_LOSS_BLOCK_PAIR_BYTES, STEP_LOSS_PAIR_BYTES, adamw_temp_bytes
 from mmpipe.planning.place import layer_costs
 from mmpipe.planning.profiler import median_costs, mixed_costs, profile_layers
 
@@ -385,9 +385,9 @@ def _with_step_loss(prof: dict, family) -> dict:
                              "frozen_prefix": len(frozen_prefix(family.layer_names(), set(forward_only))),
                              # the batch loss's B x B transient: rows per micro-batch, bytes per pair
                              "rows": int(prof.get("key", {}).get("micro_batch_size") or 0),
-                             "pair_bytes": int(family.step_loss_pair_bytes),
-                             "block_rows": int(getattr(family, "step_loss_block_rows", 0)),
-                             "block_pair_bytes": int(family.step_loss_block_pair_bytes)}
+                             "pair_bytes": STEP_LOSS_PAIR_BYTES,
+                             "block_rows": int(family.step_loss_block_rows),
+                             "block_pair_bytes": STEP_LOSS_BLOCK_PAIR_BYTES}
     return prof
 
 

@@ -89,6 +89,14 @@ def held(stage: int, stages: int, micro_batches: int, order: str = "1f1b", froze
     return live_activations(streams(order, stages, micro_batches, frozen)[stage])
 
 
+# bytes per pair of the global batch a step loss (``Family.batch_loss_grads``) holds at once: autograd
+# through CLIP's whole softmax loss holds 5 fp32 B x B matrices (LiveBytes: 20.0 per pair); the blocked
+# losses of the dual encoders (softmax and sigmoid, ``Family.step_loss_block_rows`` > 0) 6 fp32 block x B
+# matrices (24.0)
+STEP_LOSS_PAIR_BYTES = 20
+STEP_LOSS_BLOCK_PAIR_BYTES = 24
+
+
 @dataclass(frozen=True)
 class RunShape:
     """What a run does beyond one forward and backward per micro-batch that changes its memory:

@@ -111,7 +111,6 @@ class ClipFamily(ImageTextFamily):
         loss, gi, gt, gp = loss_and_grads(loss_module, img, txt, params, self.cfg.loss_block)
         return loss, torch.cat([gi, gt], dim=-1), gp
 
-    step_loss_block_pair_bytes = 24  # the blocked loss's 6 fp32 block x B matrices (LiveBytes, both losses)
 
     @property
     def step_loss_block_rows(self) -> int:
