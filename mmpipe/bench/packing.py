@@ -47,12 +47,12 @@ def attention_memory(seq: int = 2048, width: int = 256, heads: int = 4, batch: i
     import torch
     from transformers import LlamaConfig
 
-    from mmpipe.families.towers.common import causal_padding_mask
+    from mmpipe.families.towers.common import causal_padding_mask, use_attention
     from mmpipe.families.vlm import model as m
     from mmpipe.parallel.live_bytes import LiveBytes
     cfg = LlamaConfig(hidden_size=width, intermediate_size=2 * width, num_attention_heads=heads,
                       num_key_value_heads=heads, max_position_embeddings=seq)
-    cfg._attn_implementation = "sdpa"
+    use_attention(cfg)
     block = m.decoder_block_cls("llama")(cfg, 0)
     base = type(block).__mro__[1]
     mask = torch.ones(batch, seq, dtype=torch.long)

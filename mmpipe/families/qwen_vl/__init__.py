@@ -19,7 +19,7 @@ from mmpipe.families.chat.masks import mark_mask
 from mmpipe.families.qwen_vl import model as m
 from mmpipe.families.qwen_vl.config import Qwen25VLConfig
 from mmpipe.families.towers import hf
-from mmpipe.families.towers.common import init_transformer_part
+from mmpipe.families.towers.common import init_transformer_part, use_attention
 
 IMAGE_PAD, VISION_START, VISION_END, VIDEO_PAD = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"
 _VISION_FIELDS = ("depth", "hidden_size", "num_heads", "intermediate_size", "patch_size", "temporal_patch_size",
@@ -71,7 +71,7 @@ def qwen_config(cfg):
                           f"{head_dim}-wide head is {head_dim // 2}: give sections that sum to {head_dim // 2}")
     if cfg.image_token_id is not None:
         top.image_token_id = cfg.image_token_id
-    top.vision_config._attn_implementation = top.text_config._attn_implementation = "sdpa"
+    use_attention(top.vision_config, top.text_config)
     return top
 
 

@@ -14,6 +14,7 @@ from mmpipe.errors import ConfigError
 from mmpipe.families.qwen_vl import Qwen25VLFamily, pretrained_config
 from mmpipe.families.qwen_vl import qwen3_5_model as m
 from mmpipe.families.qwen_vl.qwen3_5_config import Qwen35Config
+from mmpipe.families.towers.common import use_attention
 
 _VISION_FIELDS = ("depth", "hidden_size", "num_heads", "intermediate_size", "patch_size", "temporal_patch_size",
                   "spatial_merge_size", "num_position_embeddings")
@@ -47,7 +48,7 @@ def qwen3_5_config(cfg):
     _check_text(top.text_config)
     if cfg.image_token_id is not None:
         top.image_token_id = cfg.image_token_id
-    top.vision_config._attn_implementation = top.text_config._attn_implementation = "sdpa"
+    use_attention(top.vision_config, top.text_config)
     return top
 
 

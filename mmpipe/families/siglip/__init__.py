@@ -18,6 +18,7 @@ from mmpipe.families.clip import model as m
 from mmpipe.families.image_text import ImageTextFamily
 from mmpipe.families.products import Matmul
 from mmpipe.families.towers import siglip as parts
+from mmpipe.families.towers.common import use_attention
 from mmpipe.families.siglip.config import SiglipConfig
 from mmpipe.families.towers import hf
 
@@ -51,7 +52,7 @@ def _tower_configs(model_cfg):
                 c = cls(**set_fields, **extra)
             except Exception as e:  # noqa: BLE001
                 raise ConfigError(f"model.{tower}: {one_line(e, last=True)}") from None
-        c._attn_implementation = "sdpa"
+        use_attention(c)
         out[tower] = c
     if out["text"].projection_size != out["vision"].hidden_size:
         raise ConfigError(f"model.pretrained: the text head projects to {out['text'].projection_size} but the image "

@@ -1,4 +1,5 @@
-"""Small helpers shared by the towers: per-part seeding, init, masks, pixel normalisation."""
+"""Small helpers shared by the towers: per-part seeding, init, masks, pixel normalisation, the attention
+implementation."""
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +12,17 @@ OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+# the one attention implementation every tower and decoder built from a transformers config runs: torch's
+# fused sdpa (flash / memory-efficient kernels on GPUs, its causal path for right-padded rows; mmpipe's
+# keyed dropout routes an attention with dropout through the eager path itself). A varlen kernel for
+# packed rows would be chosen here.
+ATTENTION = "sdpa"
+
+
+def use_attention(*configs) -> None:
+    """Give transformers ``configs`` the run's attention implementation (``ATTENTION``)."""
+    for c in configs:
+        c._attn_implementation = ATTENTION
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from mmpipe.families.towers.common import (
     causal_padding_mask,
     init_transformer_part,
     padding_mask,
+    use_attention,
 )
 
 _HF_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
@@ -124,7 +125,7 @@ class TextSpec:
                                                                           "attention_probs_dropout_prob")
             for name in names:
                 setattr(c, name, float(cfg.dropout))
-        c._attn_implementation = "sdpa"
+        use_attention(c)
         self.hf_config = c
         self.num_blocks = c.num_hidden_layers
         self.width = c.hidden_size

@@ -22,6 +22,7 @@ from mmpipe.families.towers.common import (
     init_transformer_part,
     normalize_pixels,
     param_dtype,
+    use_attention,
 )
 
 _HF_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "image_size",
@@ -148,7 +149,7 @@ class VisionSpec:
                     c = CLIPVisionConfig(**{f: getattr(cfg, f) for f in set_fields})
                 except Exception as e:  # noqa: BLE001
                     raise ConfigError(f"model.vision: {one_line(e, last=True)}") from None
-            c._attn_implementation = "sdpa"
+            use_attention(c)
             self.hf_config = c
             self.num_blocks = c.num_hidden_layers
             self.width = c.hidden_size

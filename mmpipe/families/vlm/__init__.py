@@ -21,6 +21,7 @@ from mmpipe.families.towers.common import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
     init_transformer_part,
+    use_attention,
 )
 from mmpipe.families.vlm import model as m
 from mmpipe.families.vlm.adapter import LLM_RULES, LOAD_RULES, VISION_RULES
@@ -95,7 +96,7 @@ class VlmFamily(ChatFamily):
         super().__init__(model_cfg, seed)
         check_shapes(model_cfg)
         self.vision_cfg, self.text_cfg, self.image_token_id = hf_configs(model_cfg)
-        self.vision_cfg._attn_implementation = self.text_cfg._attn_implementation = "sdpa"
+        use_attention(self.vision_cfg, self.text_cfg)
         L, k = self.vision_cfg.num_hidden_layers, model_cfg.vision_feature_layer
         self.vision_blocks = L + 1 + k if k < 0 else k  # hidden_states[i] = output after i blocks
         if not 0 <= self.vision_blocks <= L:
