@@ -9,9 +9,9 @@ DEMO_N ?= 4200
 install:
 	$(PIP) install -q -e ".[test]"
 
-# two workers, a module's tests on one (tests/conftest.py): 1.35x faster on a 2-core machine
+# two workers, a module's tests on one, the longest modules first (tests/conftest.py, tests/durations.json)
 test: install
-	$(PYTHON) -m pytest -q --durations=60 -n 2 --dist loadfile tests
+	$(PYTHON) -m pytest -q --durations=60 -n 2 --dist loadfile --no-loadscope-reorder tests
 
 test-fast: install
 	$(PYTHON) -m pytest -q -m "not dist" tests

@@ -1,6 +1,7 @@
 """``parallel.schedule`` on real runs: the tiny VLM with its vision tower and projector frozen (ms-swift's
-default for LoRA) trains under ``frozen_first`` bit for bit as under ``1f1b``, at P = 2, P = 3 and P2 x DP2;
-``auto`` chooses it; the frozen stage's trace holds no backward and no gradient receive."""
+default for LoRA) trains under ``frozen_first`` bit for bit as under ``1f1b`` at P = 3 and P2 x DP2 (P = 2 on a
+plan file's cut: tests/test_vlm_runs.py); ``auto`` chooses it from the profiled costs; the frozen stage's trace
+holds no backward and no gradient receive."""
 from __future__ import annotations
 
 import json
@@ -14,8 +15,7 @@ import mmpipe
 from mmpipe.train.checkpoint_weights import load_model_weights
 
 FROZEN = ["optim.freeze_vit=true", "optim.freeze_aligner=true"]
-LAYOUTS = {"p2": (2, ["parallel.pipeline_stages=2"]), "p3": (3, ["parallel.pipeline_stages=3"]),
-           "p2dp2": (4, ["parallel.pipeline_stages=2"])}
+LAYOUTS = {"p3": (3, ["parallel.pipeline_stages=3"]), "p2dp2": (4, ["parallel.pipeline_stages=2"])}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

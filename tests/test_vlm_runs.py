@@ -52,16 +52,24 @@ def test_micro_batch_means_would_differ(family_runs_of, tiny_chat_data):
     assert any(b["pixel_values"].shape[0] > 0 for b in batches)
 
 
-def test_freeze_vit_and_aligner_stage0_forward_only(family_runs_of, tmp_path):
-    runs = family_runs_of("vlm")
+def frozen_run(runs, tmp_path, schedule: str = "auto") -> tuple:
+    """P = 2 with the vision tower and projector frozen, cut after the projector by a plan file (no profile):
+    ``parallel.schedule`` auto (which takes frozen_first) or another."""
     cfg = mmpipe.load_config(runs.config, ["model.llm.vocab_size=200", "model.image_token_id=199"])
     from mmpipe.config.resolve import build_family
     names = build_family(cfg.model, 0).layer_names()
     vision = [n for n in names if n.startswith("vision.")]
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"stages": [vision, names[len(vision):]]}))
-    out, proc = runs.get("frozen", 2, ["parallel.pipeline_stages=2", "optim.freeze_vit=true", "optim.freeze_aligner=true",
-                                       f"parallel.plan={plan}"], flags=["--stop-at", "3"])
+    return runs.get("frozen" if schedule == "auto" else f"frozen_{schedule}", 2,
+                    ["parallel.pipeline_stages=2", "optim.freeze_vit=true", "optim.freeze_aligner=true",
+                     f"parallel.plan={plan}", f"parallel.schedule={schedule}"], flags=["--stop-at", "3"])
+
+
+def test_freeze_vit_and_aligner_stage0_forward_only(family_runs_of, tmp_path):
+    runs = family_runs_of("vlm")
+    out, proc = frozen_run(runs, tmp_path)
+    vision = [n for n in json.load(open(os.path.join(out, "plan.json")))["layers"] if n.startswith("vision.")]
     log = proc.stdout + proc.stderr
     assert f"stage 0: vision.embed .. {vision[-1]} ({len(vision)} layers, forward-only)" in log
     init = mmpipe.build_model(mmpipe.load_config(os.path.join(out, "config.yaml"))).state_dict()
@@ -74,6 +82,21 @@ def test_freeze_vit_and_aligner_stage0_forward_only(family_runs_of, tmp_path):
     stage1 = torch.load(os.path.join(ckpt, "mp_rank_01_model_states.pt"), weights_only=False)["optimizer"]
     assert stage0["state"] == {}  # the frozen vision stage holds no optimizer state
     assert {g["name"] for g in stage1["param_groups"]} == {"llm"}  # nor does the frozen projector
+
+
+def test_frozen_first_at_p2_trains_bit_for_bit_as_1f1b(family_runs_of, tmp_path):
+    """The frozen stage forward only (``parallel.schedule: auto`` takes frozen_first, without a profile: it does
+    a subset of 1F1B's work) against 1F1B on the same cut: the same losses and weights, bit for bit (P = 3 and
+    P2 x DP2: tests/test_schedule_contract.py)."""
+    runs = family_runs_of("vlm")
+    first, _ = frozen_run(runs, tmp_path)
+    plain, _ = frozen_run(runs, tmp_path, "1f1b")
+    plans = [json.load(open(os.path.join(o, "plan.json"))) for o in (first, plain)]
+    assert [(p["schedule"], p["frozen_stages"]) for p in plans] == [("frozen_first", 1), ("1f1b", 1)]
+    assert train_losses(first) == train_losses(plain) and len(train_losses(first)) == 3
+    a = load_model_weights(os.path.join(first, "checkpoints"), "global_step3")
+    b = load_model_weights(os.path.join(plain, "checkpoints"), "global_step3")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_unusable_chat_lines_are_skipped_with_one_line_each(family_runs_of, tiny_chat_data):
