@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from mmpipe.parallel.ds_compat import eval_batch_in_train_mode, reset_total_loss, set_train_schedule
 from mmpipe.parallel.layers import PipeLayer
-from mmpipe.parallel.schedules import stream
+from mmpipe.parallel.schedules import forward_only, stream
 from mmpipe.parallel.stage_clock import StageClock
 from mmpipe.parallel.step_loss import FirstPassMemo, Replay, StepLossCache, frozen_prefix, is_stochastic
 
@@ -28,16 +28,22 @@ def initialize(**kwargs):
 def install_schedule(engine, plan, micro_batches: int, step_loss: bool, clock=None) -> list:
     """Stage ``engine.stage_id``'s stream under ``plan.schedule`` (a step loss's features pass first, which
     DeepSpeed's ``eval_batch`` runs in the same order); its training part becomes
-    the engine's schedule. The first stage that trains after ``frozen_first``'s forward-only stages takes its
-    inputs as constants (no gradient goes back). Returns the whole stream."""
+    the engine's schedule. The executor reads the stream: a stage that runs no backward leaves its outputs
+    untied to its inputs (``executor.anchor``), a stage that receives activations but sends no gradient back
+    (the first that trains after ``frozen_first``'s forward-only stages) takes its inputs as constants.
+    Returns the whole stream."""
     P, s = engine.num_stages, engine.stage_id
     kw = {"frozen": plan.frozen_stages}
-    set_train_schedule(engine, stream(plan.schedule, P, micro_batches, s, **kw))
+    train = stream(plan.schedule, P, micro_batches, s, **kw)
+    set_train_schedule(engine, train)
     whole = stream(plan.schedule, P, micro_batches, s, step_loss=step_loss, **kw)
     if clock is not None:
         clock.stream = whole
-    if plan.schedule == "frozen_first" and 0 < plan.frozen_stages == s:
-        engine.module.executor.detach = plan.layers[plan.parts[s]]
+    executor = engine.module.executor
+    if forward_only(train):  # no gradient ever comes back: outputs need no tie to the inputs
+        executor.anchor = False
+    if any(a.kind == "RecvActivation" for a in train) and not any(a.kind == "SendGrad" for a in train):
+        executor.detach = plan.layers[plan.parts[s]]  # received inputs whose gradient nobody takes
     return whole
 
 
