@@ -68,7 +68,10 @@ def bench_schedule(args, tmp: str) -> int:
              f"after the first {args.warmup}, pooled over {args.rounds} interleaved rounds; 'vs 1f1b' > 1 is faster. "
              "Predicted: the simulator replaying each schedule's streams with the run's profiled layer costs. "
              "frozen_first runs the frozen stage's forwards back to back and never sends it a gradient; timelines: "
-             "benchmarks/schedule_p*_*_timeline.png.")
+             "benchmarks/schedule_p*_*_timeline.png. The prediction does not see what frozen_first saves here: the "
+             "links were not timed (modality placement profiles no transfers) and the first trained stage's input "
+             "gradient is inside its profiled backward, so both schedules predict the same step and auto takes "
+             "frozen_first on the tie; at P = 3 the three ranks share 2 cores (the prediction assumes a core each).")
     print(table)
     print(notes)
     if not args.no_append:
