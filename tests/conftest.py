@@ -3,7 +3,6 @@ config, and the multi-process runs, each launched once per session and shared by
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from helpers import TINY_CONFIGS, Runs
@@ -130,14 +129,6 @@ def pytest_configure(config):
 # takes a free rendezvous port (helpers.launch), never the launchers' default.
 
 
-# The longest modules start first (`--no-loadscope-reorder` keeps this order): with two workers taking one
-# module at a time, a long module begun last would leave the other worker idle at the end.
-# ``tests/durations.json`` holds each module's seconds in a CI run; `MMPIPE_DURATIONS=FILE make test` writes
-# them anew. A module not in it counts as ``NEW_MODULE_SECONDS``.
-DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
-NEW_MODULE_SECONDS = 60.0
-
-
 def pytest_collection_modifyitems(config, items):
     import inspect
     for item in items:
@@ -145,21 +136,4 @@ def pytest_collection_modifyitems(config, items):
         src = inspect.getsource(fn) if fn is not None else ""
         if DIST_FIXTURES & set(getattr(item, "fixturenames", ())) or any(c in src for c in DIST_CALLS):
             item.add_marker(pytest.mark.dist)
-    seconds = json.load(open(DURATIONS)) if os.path.isfile(DURATIONS) else {}
-    items.sort(key=lambda it: -seconds.get(it.nodeid.split("::")[0], NEW_MODULE_SECONDS))  # (stable: modules stay whole)
 
-
-_SPENT: dict = {}
-
-
-def pytest_runtest_logreport(report):
-    if os.environ.get("MMPIPE_DURATIONS"):  # (on the controller, which sees every worker's reports)
-        module = report.nodeid.split("::")[0]
-        _SPENT[module] = _SPENT.get(module, 0.0) + report.duration
-
-
-def pytest_sessionfinish(session):
-    path = os.environ.get("MMPIPE_DURATIONS")
-    if path and _SPENT and not hasattr(session.config, "workerinput"):
-        with open(path, "w") as fh:
-            json.dump({k: round(v, 1) for k, v in sorted(_SPENT.items(), key=lambda kv: -kv[1])}, fh, indent=1)

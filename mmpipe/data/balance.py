@@ -8,10 +8,9 @@ backward, from the measured layer profile: ``mmpipe.planning.balance_prices``). 
 stage s is ``vision[s] x its vision units + tokens[s] x rows x padded length`` (padding as the collate
 pads: to the longest row, rounded up to ``pad_multiple``, at most ``max_length``; or always
 ``max_length``), so grouping similar lengths (less padding) and spreading the heavy samples are one
-objective. A rank's step is its micro-batches run through 1F1B (``one_f_one_b``: each stage's forwards
-and backwards in the schedule's order, a forward waiting for the stage before, a backward for the stage
-after; backward = 2 x forward), so uneven slots cost the bubbles they cause; the step is the slowest
-rank's. ``regroup`` searches swaps of samples between micro-batches of the step
+objective. A rank's step is its micro-batches run through the run's pipeline schedule
+(``parallel.schedules.step_seconds``: the simulator's replay of the stages' streams, backward = 2 x forward),
+so uneven slots cost the bubbles they cause; the step is the slowest rank's. ``regroup`` searches swaps of samples between micro-batches of the step
 (the same sizes, the same set of samples: the step's loss and gradients are the same sums) that
 lower (slowest rank, mean rank, sum of squared stage costs), deterministically, and reports the
 predicted spread (max / mean slot pace) before and after."""
@@ -23,12 +22,6 @@ from typing import Optional
 import numpy as np
 
 from mmpipe.parallel.schedules import step_seconds
-
-
-def one_step(C: np.ndarray) -> np.ndarray:
-    """Predicted seconds of the run's pipeline schedule over micro-batches with per-stage costs ``C``
-    [..., M, P] (``schedules.step_seconds``: the simulator's replay of the stream): [...]."""
-    return step_seconds("1f1b", C)
 
 
 @dataclass
@@ -53,6 +46,8 @@ class StagePrices:
     pad_multiple: int = 1
     fixed_length: bool = False
     base: Optional[list] = None  # seconds per micro-batch per stage, whatever it holds (a refit's intercept)
+    order: str = "1f1b"  # the run's pipeline schedule and its leading stages that train nothing: how a rank's
+    frozen: int = 0  # micro-batches are priced as a step (``schedules.step_seconds``)
 
     def __post_init__(self):
         self.base = list(self.base) if self.base is not None else [0.0] * len(self.vision)
@@ -60,7 +55,11 @@ class StagePrices:
     def scaled(self, vision: list, tokens: list, base: list) -> "StagePrices":
         """These prices with each stage's vision and token price multiplied and its base set."""
         return StagePrices([p * a for p, a in zip(self.vision, vision)], [p * b for p, b in zip(self.tokens, tokens)],
-                           self.max_length, self.pad_multiple, self.fixed_length, list(base))
+                           self.max_length, self.pad_multiple, self.fixed_length, list(base), self.order, self.frozen)
+
+    def step(self, C: np.ndarray) -> np.ndarray:
+        """Predicted seconds of a rank's step over micro-batches with per-stage costs ``C`` [..., M, P]."""
+        return step_seconds(self.order, C, self.frozen)
 
 
 class StepBalancer:
@@ -146,7 +145,8 @@ class StepBalancer:
         return [[max(s, step), asdict(p)] for s, p in self.schedule if s >= now]
 
     def restore_schedule(self, saved: list) -> None:
-        self.schedule = [(int(s), StagePrices(**p)) for s, p in saved]
+        order = {"order": self.prices.order, "frozen": self.prices.frozen}  # this run's pipeline order
+        self.schedule = [(int(s), StagePrices(**{**p, **order})) for s, p in saved]
 
     # ---- costs -------------------------------------------------------------------------------
     def features(self, groups: list) -> np.ndarray:
@@ -178,13 +178,13 @@ class StepBalancer:
     def step_time(self, groups: list) -> float:
         """Predicted step: the slowest rank's 1F1B (rank r holds micro-batches r*A .. r*A+A-1)."""
         C = self.slot_costs(groups)
-        return float(one_step(C.reshape(self.ranks, -1, C.shape[1])).max())
+        return float(self.prices.step(C.reshape(self.ranks, -1, C.shape[1])).max())
 
     # ---- search ------------------------------------------------------------------------------
     def _objective(self, C: np.ndarray) -> float:
         """Slowest rank + half the mean rank + the slot spread's excess (weighed by ``EVEN``: even slots
         keep the pipeline's pace when the predictions err) + a small sum of squared stage costs."""
-        T = one_step(C.reshape(self.ranks, -1, C.shape[1]))
+        T = self.prices.step(C.reshape(self.ranks, -1, C.shape[1]))
         pace = C.max(axis=1)
         spread = pace.max() / pace.mean() if pace.mean() > 0 else 1.0
         return float(T.max() + 0.5 * T.mean() + self.EVEN * (spread - 1) * T.mean() + self._kappa * (C * C).sum())
@@ -263,7 +263,7 @@ class StepBalancer:
             C = pv * V[:, None] + pt * (rows * self._padded(np.maximum(top1, 0)))[:, None] + pb
             pace = C.max(axis=1)
             Cr = C.reshape(R, A, -1)
-            T = one_step(Cr)
+            T = self.prices.step(Cr)
             spread = pace.max() / pace.mean() if pace.mean() > 0 else 1.0
             obj = T.max() + 0.5 * T.mean() + self.EVEN * (spread - 1) * T.mean() + self._kappa * (C * C).sum()
             order = np.argsort(-pace, kind="stable")
@@ -320,12 +320,12 @@ class StepBalancer:
         X[:, g % A] = Cg
         same = h // A == rg
         X[same, h[same] % A] = Ch[same]
-        Tn[:, rg] = one_step(X)
+        Tn[:, rg] = self.prices.step(X)
         for r in set((h // A).tolist()) - {rg}:  # the other rank h is on
             sel = np.nonzero(h // A == r)[0]
             Y = np.repeat(Cr[r][None], len(sel), axis=0)
             Y[np.arange(len(sel)), h[sel] % A] = Ch[sel]
-            Tn[sel, r] = one_step(Y)
+            Tn[sel, r] = self.prices.step(Y)
         sq = (C * C).sum() - (C[g] ** 2).sum() - (C[h] ** 2).sum(axis=1) + (Cg ** 2).sum(axis=1) + (Ch ** 2).sum(axis=1)
         pg, ph = Cg.max(axis=1), Ch.max(axis=1)
         mean = (pace.sum() - pace[g] - pace[h] + pg + ph) / G

@@ -41,7 +41,8 @@ def stage_prices(plan):
         span = range(plan.parts[s], plan.parts[s + 1])
         vision.append(sum(p["seconds"][i] for i in span if p["drivers"][i] == "vision"))
         tokens.append(sum(p["seconds"][i] for i in span if p["drivers"][i] == "tokens"))
-    return StagePrices(vision, tokens, p["max_length"], p["pad_multiple"], p["fixed_length"])
+    return StagePrices(vision, tokens, p["max_length"], p["pad_multiple"], p["fixed_length"], order=plan.schedule,
+                       frozen=plan.frozen_stages)
 
 
 def refit_stage(vision_price: float, token_price: float, features, busy, weight: float = 1.0) -> dict:
