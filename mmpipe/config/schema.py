@@ -104,7 +104,7 @@ class ParallelConfig(Section):
                        "frozen_first (leading stages whose layers are all frozen run their forwards back to back and "
                        "never wait for or receive a gradient; 1F1B after them); gpipe (every forward, then every "
                        "backward); auto: frozen_first where leading stages train nothing and the simulator predicts "
-                       "it faster, else 1f1b")
+                       "it no slower, else 1f1b")
     profile: bool = _f(True, "cost layers by measured forward/backward time (rank 0 profiles at start, cached in "
                        "~/.cache/mmpipe or $MMPIPE_CACHE); false: by trainable parameter count")
     plan: Optional[str] = _f(None, "JSON file with \"stages\": per-stage lists of layer names (e.g. a run's plan.json); overrides placement")
