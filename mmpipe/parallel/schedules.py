@@ -175,8 +175,22 @@ def forward_only(actions) -> bool:
     return not any(a.kind == "BackwardPass" for a in actions)
 
 
-@lru_cache(maxsize=256)
+_ORDERS: dict = {}  # id(streams) -> (streams, order): ``streams()`` hands out the same tuples, and a tuple of
+# tuples is hashed anew on every lookup (the balancer replays thousands of candidates a step)
+
+
 def order(sts: tuple) -> tuple:
+    hit = _ORDERS.get(id(sts))
+    if hit is not None and hit[0] is sts:
+        return hit[1]
+    out = _order(sts)
+    if len(_ORDERS) > 256:
+        _ORDERS.clear()
+    _ORDERS[id(sts)] = (sts, out)
+    return out
+
+
+def _order(sts: tuple) -> tuple:
     """A dependency order over every stage's actions: ``(s, i, t, j)`` for a send/receive pair (stage s's
     i-th action with stage t's j-th: blocking rendezvous, as ``torch.distributed.send/recv``) or
     ``(s, i, -1, -1)`` for one stage's own action. Raises on a deadlock."""
