@@ -7,6 +7,7 @@ and ratios against a baseline measured in the same run.
     mmpipe bench balance   # samples/s of every stage placement vs the single-process baseline
     mmpipe bench strategies  # every layout at 1, 2, 4 ranks: measured beside the layout cost model
     mmpipe bench memory      # predicted vs measured memory per stage (P = 2, 3; checkpointing on and off)
+    mmpipe bench local-loss  # the global contrastive loss: each rank its own rows vs the whole B x B (DP = 2)
     mmpipe bench negatives   # CLIP's global-batch negatives vs per-micro-batch: step time measured and predicted
     mmpipe bench peers --family clip  # the same CLIP job by open_clip_train and by mmpipe: samples/s, recall
     mmpipe bench packing     # VLM samples/s with sequence packing vs padding per micro-batch (length-skewed chat)
@@ -24,6 +25,7 @@ from mmpipe.bench.data import bench_data
 from mmpipe.bench.gpu import add_arguments as add_gpu
 from mmpipe.bench.groups import bench_groups
 from mmpipe.bench.memory import add_arguments as add_memory
+from mmpipe.bench.local_loss import add_arguments as add_local_loss
 from mmpipe.bench.negatives import add_arguments as add_negatives
 from mmpipe.bench.overhead import add_arguments as add_overhead
 from mmpipe.bench.packing import add_arguments as add_packing
@@ -81,6 +83,9 @@ def add_parser(sub) -> None:
                              "(CLIP and VLM, P = 2 and 3, with and without activation checkpointing)"))
     add_negatives(bs.add_parser("negatives", help="CLIP's global-batch negatives vs per-micro-batch: measured and "
                                 "predicted step time (P = 2, vision trained and frozen)"))
+    add_local_loss(bs.add_parser("local-loss", help="the global contrastive loss, each data-parallel rank its own rows "
+                                 "vs the whole B x B: step time at P = 1 and DP = 2, the loss's time and peak memory "
+                                 "per rank beside the memory model"))
     add_packing(bs.add_parser("packing", help="VLM samples/s with data.packing vs padding per micro-batch, on a "
                               "length-skewed chat set (P = 2)"))
     add_peers(bs.add_parser("peers", help="the same job by a peer (open_clip_train) and by mmpipe's chosen layout: "

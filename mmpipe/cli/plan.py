@@ -7,7 +7,7 @@ import os
 
 from mmpipe.errors import ConfigError
 from mmpipe.planning.charts import write_memory_png, write_plan_png, write_png
-from mmpipe.planning.layouts import format_table, layouts_json, plan_layouts
+from mmpipe.planning.layouts import format_table, layouts_json, plan_layouts, step_loss_summary
 from mmpipe.planning.offline import _profile_for, format_plan, plan_all
 from mmpipe.planning.place import pick_schedule
 
@@ -35,6 +35,9 @@ def cmd_plan_world(args) -> int:
                           f"{source} (the table above gives each one's peak): raise it, give more ranks (--world), "
                           "or freeze/shrink the model")
     print(f"\nchosen: {res['chosen'].name} ({res['why']})")
+    loss = step_loss_summary(res["profile"], cfg.train.batch_size, res["chosen"])
+    if loss:
+        print(loss)
     out = args.out or os.path.join(cfg.train.output_dir, "plan")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "layouts.json"), "w") as fh:

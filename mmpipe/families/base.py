@@ -290,18 +290,33 @@ class Family:
         return False
 
 
-    def batch_loss(self, loss_module: nn.Module, features: torch.Tensor) -> torch.Tensor:
+    @property
+    def local_step_loss(self) -> bool:
+        """The step loss splits into shares of rows (``batch_loss_grads(rows=...)``) that sum to it and
+        to its gradients: each data-parallel rank computes only its own samples' share, and the feature
+        gradients are summed across ranks (``parallel.step_loss``); otherwise each computes all of it."""
+        return False
+
+    def batch_loss(self, loss_module: nn.Module, features: torch.Tensor, rows=None, cols=None) -> torch.Tensor:
         """With ``step_loss``: the loss of a whole batch's features (rows = samples), computed by
-        calling ``loss_module`` (the last layer's module, which holds the loss's parameters)."""
+        calling ``loss_module`` (the last layer's module, which holds the loss's parameters). With
+        ``local_step_loss`` and ``rows`` = (start, stop): a function of the parameters whose gradient
+        is those rows' share (``cols``: what ``batch_loss_grads``'s ``combine`` returned)."""
         raise NotImplementedError
 
     # rows of the B x B term ``batch_loss_grads`` holds at once (0: all B; the memory model's block)
     step_loss_block_rows = 0
 
-    def batch_loss_grads(self, loss_module: nn.Module, features: torch.Tensor, params: list) -> tuple:
+    def batch_loss_grads(self, loss_module: nn.Module, features: torch.Tensor, params: list, rows=None,
+                         combine=None) -> tuple:
         """``batch_loss`` with its gradient for ``features`` and for each of ``params`` (the loss
         module's trainable parameters; None where unused): (loss, feature grad, [param grads]).
-        Here by autograd through the whole loss; a family may compute it in blocks."""
+        Here by autograd through the whole loss; a family may compute it in blocks. With
+        ``local_step_loss``: ``rows`` = (start, stop) gives only those rows' share of the loss and of every
+        gradient, ``combine(partial)`` completing from the other shares what a share needs of them
+        (a collective over the data-parallel group)."""
+        if rows is not None:
+            raise NotImplementedError(f"{type(self).__name__} does not split its step loss into rows")
         with torch.enable_grad():
             feats = features.detach().clone().requires_grad_(True)
             loss = self.batch_loss(loss_module, feats)

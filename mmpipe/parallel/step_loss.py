@@ -37,24 +37,39 @@ from mmpipe.parallel.sample_rng import KeyedDropout, mix
 
 
 class StepLossCache:
-    """The last stage's cache of one step's features and the surrogate of each micro-batch."""
+    """The last stage's cache of one step's features and the surrogate of each micro-batch.
+
+    With D > 1 data-parallel ranks and a family whose loss splits into rows (``Family.local_step_loss``),
+    rank r computes only its own samples' share of the loss (its rows of the global batch against all of
+    it: rows x B pairs, not B x B) and that share's gradient for every feature and loss parameter; a
+    reduce-scatter sums the feature gradients across ranks and hands each rank its own rows; the
+    parameters' shares are summed by DeepSpeed's gradient all-reduce (each rank backpropagates
+    <p, D x share>); the value reported is the shares' all-reduced sum: the global loss."""
 
     def __init__(self, family, loss_module: nn.Module, accumulation: int, data_parallel: int, dp_rank: int,
                  group=None):
         self.family, self.module = family, loss_module
         self.A, self.D, self.dp_rank, self.group = accumulation, data_parallel, dp_rank, group
-        self.features = self.loss = None
+        self.local = data_parallel > 1 and bool(getattr(family, "local_step_loss", False))
+        self.features = self.loss = self.cols = None
         self.rows = self.k = 0
+
+    def own_rows(self, total: int) -> tuple:
+        """This rank's rows of the gathered batch (its micro-batches, in order)."""
+        n = total // self.D
+        return self.dp_rank * n, (self.dp_rank + 1) * n
 
     def fill(self, outputs: list) -> None:
         """This rank's last-layer outputs of the step (one per micro-batch, in order), gathered over
-        the data-parallel group; the loss of the whole batch and its gradient for every feature."""
+        the data-parallel group; the loss of the whole batch and its gradient for every feature (or,
+        ``local``, this rank's share of it and the summed gradient of its own features)."""
         local = torch.cat([o.detach().float() for o in outputs])
         self.rows = outputs[0].shape[0]
         if self.D > 1:
             parts = [torch.empty_like(local) for _ in range(self.D)]
             dist.all_gather(parts, local, group=self.group)
             local = torch.cat(parts)
+            del parts
         self.features = local
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         gather = contextlib.nullcontext()
@@ -62,25 +77,48 @@ class StepLossCache:
             import deepspeed                                          # (computed in blocks, not through forward)
             gather = deepspeed.zero.GatheredParameters(list(self.module.parameters()))
         with gather:
-            loss, self.grad, param_grads = self.family.batch_loss_grads(self.module, local, self.params)
+            if self.local:
+                loss, grad, param_grads = self.family.batch_loss_grads(
+                    self.module, local, self.params, rows=self.own_rows(local.shape[0]), combine=self._combine)
+            else:
+                loss, grad, param_grads = self.family.batch_loss_grads(self.module, local, self.params)
         self.param_grads = [torch.zeros_like(p, dtype=torch.float32) if g is None else g.detach().float()
                             for p, g in zip(self.params, param_grads)]
-        self.loss = loss.detach().float()
+        loss = loss.detach().float()
+        if self.local:  # the shares of every rank: summed, each rank keeping its own rows' gradient
+            mine = torch.empty_like(grad[:grad.shape[0] // self.D])
+            dist.reduce_scatter(mine, list(grad.contiguous().chunk(self.D)), group=self.group)
+            grad = mine
+            loss = loss.reshape(1)
+            dist.all_reduce(loss, group=self.group)
+            loss = loss[0]
+        self.grad, self.loss = grad, loss
         self.k = 0
+
+    def _combine(self, partial: torch.Tensor) -> torch.Tensor:
+        """The softmax columns' log-sum-exp over every rank's rows from this rank's own: B numbers
+        gathered, reduced in rank order (the same on every rank)."""
+        parts = [torch.empty_like(partial) for _ in range(self.D)]
+        dist.all_gather(parts, partial.contiguous(), group=self.group)
+        self.cols = torch.logsumexp(torch.stack(parts), dim=0)
+        return self.cols
 
     def surrogate(self, outputs: torch.Tensor) -> torch.Tensor:
         """The loss to backpropagate for the next micro-batch (forward order) from its live features:
-        n <live, cached gradient> (n = A x D), plus A L(cached features) on the rank's first
-        micro-batch, for the loss module's own parameters; its value is L."""
-        start = (self.dp_rank * self.A + self.k) * self.rows
+        n <live, cached gradient> (n = A x D), plus, on the rank's first micro-batch, A <p, dL/dp> for
+        the loss module's own parameters (``local``: A x D <p, this rank's share>, summed by the
+        data-parallel all-reduce); its value is L."""
+        start = ((0 if self.local else self.dp_rank * self.A) + self.k) * self.rows
         first = self.k == 0
         self.k += 1
         s = self.A * self.D * (outputs.float() * self.grad[start:start + self.rows]).sum()
+        n = self.A * (self.D if self.local else 1)
         if first and self.params and not any(is_zero3_param(p) for p in self.params):
             # A dL/dp through <p, A dL/dp>: no B x B graph kept until this micro-batch's backward
-            s = s + self.A * sum((p.float() * g).sum() for p, g in zip(self.params, self.param_grads))
+            s = s + n * sum((p.float() * g).sum() for p, g in zip(self.params, self.param_grads))
         elif first and self.params:  # ZeRO-3 partitions p: the loss module's forward gathers it
-            s = s + self.A * self.family.batch_loss(self.module, self.features)
+            rows = self.own_rows(self.features.shape[0]) if self.local else None
+            s = s + n * self.family.batch_loss(self.module, self.features, rows=rows, cols=self.cols)
         return s + (self.loss - s).detach()
 
 

@@ -46,6 +46,7 @@ from mmpipe.planning.memory import (
     device_memory_bytes,
     run_shape,
     stage_breakdown,
+    step_loss_bytes,
     state_bytes,
 )
 from mmpipe.planning.place import recomputed_ms, layer_costs, place, predict, stage_times
@@ -170,6 +171,35 @@ class _Ctx:
         return self.batch // (self.mbs * dp)
 
 
+def loss_seconds(step_loss: Optional[dict], batch: int, dp: int, micro_batches: int) -> float:
+    """One rank's step loss over the global batch (``parallel.step_loss``): the profiled seconds per pair
+    times the pairs it computes, its own B / D rows x B with ``model.local_loss`` (else B x B); none with one
+    micro-batch on one rank (the loss layer then runs in the graph, profiled with it)."""
+    if not step_loss or dp * micro_batches == 1:
+        return 0.0
+    own = batch // dp if step_loss.get("local") and dp > 1 else batch
+    return float(step_loss.get("pair_s", 0.0)) * own * batch
+
+
+def step_loss_summary(prof: dict, batch: int, row: "LayoutPrediction") -> Optional[str]:
+    """One line on a layout's step loss per rank: its pairs, FLOPs and peak bytes (``memory.step_loss_bytes``),
+    beside what every rank computing the whole B x B would cost; None without a step loss."""
+    sl = prof.get("step_loss")
+    if not sl or not row.micro_batches:
+        return None
+    D, M, mbs = row.data_parallel, row.micro_batches, int(sl.get("rows") or 1)
+    own = batch // D if sl.get("local") and D > 1 else batch
+    width = sl["features_bytes"] / (4 * mbs) / 2  # one side's features (image | text)
+    flops = 2 * own * batch * width * 3  # the logits, then their gradient for both sides' features
+    if D * M == 1:
+        return f"step loss: one micro-batch on one rank, {batch} x {batch} in the graph ({flops / 1e12:.2f} TFLOP)"
+    mem = step_loss_bytes(run_shape(prof), M, D)
+    how = (f"its own {own} of {batch} rows (model.local_loss); every rank the whole B x B would be {D}x the work"
+           if own < batch else "all of them" + (" (model.local_loss=false)" if D > 1 else ""))
+    return (f"step loss per rank ({row.name}): {own} x {batch} pairs = {own * batch / 1e6:.1f}M, "
+            f"{flops / 1e12:.2f} TFLOP a step, {mem / 2**30:.2f} GB at its peak: {how}")
+
+
 def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple) -> LayoutPrediction:
     n, comm, costs = ctx.world, ctx.comm, ctx.costs
     row = LayoutPrediction(f"DP{n} ZeRO-{z}" if n > 1 else "single process", 1, n, z, None, 0,
@@ -215,7 +245,7 @@ def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple) -> LayoutPredic
         fb += sum(c.fwd_ms for c in costs[step_loss.get("frozen_prefix", 0) if z < 3 else 0:]) / 1e3
     if step_loss and n > 1:  # the features' all-gather
         cm += comm.time("allgather", n, M * step_loss["features_bytes"])
-    row.compute = M * fb + (opt / n if z >= 1 else opt)
+    row.compute = M * fb + (opt / n if z >= 1 else opt) + loss_seconds(step_loss, ctx.batch, n, M) * ctx.over
     row.comm = cm * ctx.over + fixed  # collectives between oversubscribed ranks wait for the cores too
     row.step_time = row.compute + row.comm
     row.samples_per_s = ctx.batch / row.step_time if row.step_time > 0 else 0.0
@@ -259,7 +289,8 @@ def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: l
         dp_comm = max(dp_comm, c_s)
         if z == 1:
             opt_saving = max(opt_saving, t["opt"][s] * (1 - 1 / D))
-    row.step_time = sim.step_time - opt_saving + dp_comm + gather * f
+    # the last stage's loss over the step, between the two passes (its rows only with model.local_loss)
+    row.step_time = sim.step_time - opt_saving + dp_comm + gather * f + loss_seconds(step_loss, ctx.batch, D, M) * f
     row.compute = M * max(a + b + a1 for a, b, a1 in zip(t["F"], t["B"], t.get("F1", [0.0] * P)))
     row.comm = dp_comm + sim.step_time - max(sim.busy)  # waiting, transfers and the reduction
     row.bubble = sim.bubble

@@ -119,6 +119,9 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
         if measure_comm and not prof["comm"].get("measured"):  # cached without transfers: measure them now
             prof["comm"] = _measure_comm(layer_costs(prof))
             _write_json(path, prof)
+        if family.step_loss and "loss_pair_s" not in prof:  # cached before the step loss was timed
+            prof["loss_pair_s"] = _time_loss_pair(family, prof, device, threads)
+            _write_json(path, prof)
         return _with_schedule(prof, family, cfg)
     shapes = family.example_batches(micro_batch_size, cfg.data.max_length, device, packed=cfg.data.packing,
                                      data_cfg=cfg.data)
@@ -138,6 +141,8 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
     comm = _measure_comm(costs) if measure_comm else {"latency_s": 0.0, "s_per_byte": 0.0, "samples": {},
                                                        "measured": False}
     prof = {"key": key, "layers": [c.to_dict() for c in costs], "comm": comm, "passes": passes}
+    if family.step_loss:
+        prof["loss_pair_s"] = _time_loss_pair(family, prof, device, threads)
     if use_cache:
         _write_json(path, prof)
     return _with_schedule(prof, family, cfg)
@@ -371,6 +376,38 @@ def tied_layers(family) -> list:
     return out
 
 
+LOSS_PAIR_ROWS = 512  # ``_time_loss_pair``: a share of 256 rows against 512
+
+
+def _time_loss_pair(family, prof: dict, device, threads: int) -> float:
+    """Seconds per pair of the step loss (its value and every gradient, ``Family.batch_loss_grads``: a
+    share of 256 rows against 512, the median of 3 after one warm-up) at the features' real width: what
+    the layout chooser multiplies by each rank's rows x B."""
+    import time
+    mbs = int(prof.get("key", {}).get("micro_batch_size") or 1)
+    widen = 1 if prof.get("key", {}).get("precision", "fp32") == "fp32" else 2
+    width = max(2, widen * layer_costs(prof)[-2].out_bytes // (4 * mbs))  # fp32 elements per row
+    name = family.layer_names()[-1]
+    module = family.build_layer(name).to(device)
+    params = [p for p in module.parameters() if p.requires_grad]
+    feats = torch.randn(LOSS_PAIR_ROWS, width, device=device)
+    rows = (0, LOSS_PAIR_ROWS // 2) if family.local_step_loss else None
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        times = []
+        for _ in range(4):
+            t0 = time.perf_counter()
+            out = family.batch_loss_grads(module, feats, params, rows=rows) if rows else \
+                family.batch_loss_grads(module, feats[:LOSS_PAIR_ROWS // 2], params)
+            float(out[0])  # (waits for the device)
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(old)
+    pairs = (LOSS_PAIR_ROWS // 2) * (LOSS_PAIR_ROWS if rows else LOSS_PAIR_ROWS // 2)
+    return sorted(times[1:])[1] / pairs
+
+
 def _with_step_loss(prof: dict, family) -> dict:
     """A family whose loss spans the step (``Family.step_loss``) runs a forward-only pass first and
     gathers the last layer's inputs (its features; fp32, one micro-batch's: ``features_bytes``)
@@ -387,7 +424,11 @@ def _with_step_loss(prof: dict, family) -> dict:
                              "rows": int(prof.get("key", {}).get("micro_batch_size") or 0),
                              "pair_bytes": STEP_LOSS_PAIR_BYTES,
                              "block_rows": int(family.step_loss_block_rows),
-                             "block_pair_bytes": STEP_LOSS_BLOCK_PAIR_BYTES}
+                             "block_pair_bytes": STEP_LOSS_BLOCK_PAIR_BYTES,
+                             # with D > 1, each rank its own rows of the loss (model.local_loss)
+                             "local": bool(getattr(family, "local_step_loss", False)),
+                             # seconds per pair of the loss and its gradients (0: not timed)
+                             "pair_s": float(prof.get("loss_pair_s", 0.0))}
     return prof
 
 

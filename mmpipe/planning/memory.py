@@ -95,6 +95,11 @@ def held(stage: int, stages: int, micro_batches: int, order: str = "1f1b", froze
 # matrices (24.0)
 STEP_LOSS_PAIR_BYTES = 20
 STEP_LOSS_BLOCK_PAIR_BYTES = 24
+# ... and copies of the gathered features (fp32, every row of the global batch) beside them at the peak: the
+# gathered batch and, through autograd in one piece, its normalized copy and gradient (4); in blocks, also the
+# blocks' accumulated gradient and the returned one (6) (LiveBytes around ``StepLossCache.fill``)
+STEP_LOSS_FEATURE_COPIES = 4
+STEP_LOSS_BLOCK_FEATURE_COPIES = 6
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,7 @@ class RunShape:
     loss_pair_bytes: int = 0  # a step loss: bytes per pair of the global batch its loss holds at once (B x B)
     loss_block: int = 0  # a step loss computed in blocks of this many rows (0: all B at once): block x B pairs held
     loss_block_pair_bytes: int = 0  # ... and the bytes per pair the blocked computation holds
+    loss_local: bool = False  # with D > 1 each rank computes only its own rows x B of the loss (``model.local_loss``)
     adamw_temp: int = 4  # bytes per parameter AdamW's step makes (``config.deepspeed.adamw_kernel``: multi-tensor 4,
     # fused none, the CPU's per-parameter loop one parameter's at a time: none counted)
     order: str = "1f1b"  # the pipeline schedule (``parallel.schedules``)
@@ -130,7 +136,7 @@ def run_shape(prof: dict, checkpointing: Optional[bool] = None) -> RunShape:
                     int(sl.get("features_bytes", 0)), int(sl.get("frozen_prefix", 0)),
                     tuple(tuple(t) for t in prof.get("ties", ())), int(prof.get("batch_bytes", 0)),
                     bool(prof.get("last_reads", False)), int(sl.get("rows", 0)), int(sl.get("pair_bytes", 0)),
-                    int(sl.get("block_rows", 0)), int(sl.get("block_pair_bytes", 0)),
+                    int(sl.get("block_rows", 0)), int(sl.get("block_pair_bytes", 0)), bool(sl.get("local", False)),
                     int(prof.get("adamw_temp", 4)))
 
 
@@ -220,7 +226,7 @@ def _features(costs: list, stage: int, stages: int, micro_batches: int, dp: int,
     elif stage == stages - 1 and sch.last_reads:  # it keeps the labels only; a batch is whole while the
         out += sch.batch_bytes  # loader makes it (its pieces too, but at the step's start: not the peak)
     if sch.features_bytes and stage == stages - 1:  # the global batch's features and their gradients
-        out += 2 * micro_batches * dp * sch.features_bytes
+        out += cached_features(sch, micro_batches, dp)
     if sch.frozen_prefix and stage == 0 and micro_batches > 1:  # the prefix's output per micro-batch
         out += micro_batches * costs[sch.frozen_prefix - 1].out_bytes
     return out
@@ -273,16 +279,36 @@ def _step_loss(stage: int, stages: int, micro_batches: int, dp: int, sch: RunSha
     """A loss over the global batch (``parallel.step_loss.StepLossCache.fill``), on the last stage of
     every data-parallel rank: ``loss_pair_bytes`` per pair of the rows it holds at once (CLIP's softmax: 5
     fp32 matrices at the peak: the logits, a log-softmax per direction, their gradients), ``loss_block``
-    rows x B (at ``loss_block_pair_bytes``) when it is computed in blocks (B x B otherwise), and a copy of the gathered features.
-    None when the step is one micro-batch on one rank (the loss layer then runs in the graph: profiled)."""
-    if not sch.loss_pair_bytes or stage != stages - 1 or micro_batches * dp == 1:
+    rows x B (at ``loss_block_pair_bytes``) when it is computed in blocks (B x B otherwise), and copies of
+    the gathered features (``STEP_LOSS_*FEATURE_COPIES``). With ``loss_local`` and D > 1 a rank computes
+    only its own rows (B / D) against all B, in blocks of at most ``loss_block``. None when the step is one
+    micro-batch on one rank (the loss layer then runs in the graph: profiled)."""
+    if stage != stages - 1 or not step_loss_bytes(sch, micro_batches, dp):
+        return 0.0
+    return step_loss_bytes(sch, micro_batches, dp) - cached_features(sch, micro_batches, dp)
+
+
+def cached_features(sch: RunShape, micro_batches: int, dp: int) -> float:
+    """What the feature cache keeps through the training pass: the gathered features of the global
+    batch and their gradient (this rank's rows only with ``loss_local``)."""
+    grad_rows = micro_batches if sch.loss_local and dp > 1 else micro_batches * dp
+    return (micro_batches * dp + grad_rows) * sch.features_bytes
+
+
+def step_loss_bytes(sch: RunShape, micro_batches: int, dp: int) -> float:
+    """The peak of one rank's ``StepLossCache.fill`` (the last stage's): the loss's transient and the
+    features it gathers and keeps (``_step_loss`` and ``cached_features``)."""
+    if not sch.loss_pair_bytes or micro_batches * dp == 1:
         return 0.0
     rows = sch.loss_rows * micro_batches * dp
-    if sch.loss_block and rows > sch.loss_block:  # in blocks (``Family.batch_loss_grads``)
-        held = float(sch.loss_block_pair_bytes or sch.loss_pair_bytes) * sch.loss_block * rows
+    own = rows // dp if sch.loss_local and dp > 1 else rows
+    features = micro_batches * dp * sch.features_bytes
+    if sch.loss_block and (own < rows or rows > sch.loss_block):  # in blocks (``Family.batch_loss_grads``)
+        held = float(sch.loss_block_pair_bytes or sch.loss_pair_bytes) * min(sch.loss_block, own) * rows
+        copies = STEP_LOSS_BLOCK_FEATURE_COPIES if own > sch.loss_block else STEP_LOSS_FEATURE_COPIES
     else:  # autograd through the whole B x B loss
-        held = float(sch.loss_pair_bytes) * rows * rows
-    return held + micro_batches * dp * sch.features_bytes
+        held, copies = float(sch.loss_pair_bytes) * rows * rows, STEP_LOSS_FEATURE_COPIES
+    return held + copies * features
 
 
 def stage_memory(costs: list, parts: list, micro_batches: int, precision: str, zero_stage: int = 0,

@@ -95,22 +95,28 @@ class ClipFamily(ImageTextFamily):
     def step_loss(self) -> bool:
         return self.cfg.negatives == "global"
 
-    def batch_loss(self, loss_module, features):
-        """The loss (``model.loss``) over every pair of ``features`` (image and text features side by
-        side, as the loss layer's ``eval_step`` gives them), with the loss module's parameters."""
-        img, txt = features.split(features.shape[-1] // 2, dim=-1)
-        return loss_module(img, txt)
+    @property
+    def local_step_loss(self) -> bool:
+        return self.cfg.local_loss
 
-    def batch_loss_grads(self, loss_module, features, params: list) -> tuple:
+    def batch_loss(self, loss_module, features, rows=None, cols=None):
+        """The loss (``model.loss``) over every pair of ``features`` (image and text features side by
+        side, as the loss layer's ``eval_step`` gives them), with the loss module's parameters; with
+        ``rows``, a function whose parameter gradient is those rows' share (``losses.rows_surrogate``)."""
+        img, txt = features.split(features.shape[-1] // 2, dim=-1)
+        return loss_module(img, txt) if rows is None else loss_module(img, txt, rows=rows, cols=cols)
+
+    def batch_loss_grads(self, loss_module, features, params: list, rows=None, combine=None) -> tuple:
         """``batch_loss`` and its gradients for ``features`` and ``params``, ``model.loss_block`` rows
-        of the B x B logits at a time (``losses.loss_and_grads``): (loss, feature grad, param grads)."""
-        if features.shape[0] <= self.cfg.loss_block:  # one block: autograd through the whole loss, as the loss layer
-            return super().batch_loss_grads(loss_module, features, params)
+        of the B x B logits at a time (``losses.loss_and_grads``): (loss, feature grad, param grads);
+        with ``rows`` only their share (its texts against every image), ``combine`` completing the
+        softmax columns' log-sum-exp over the other shares."""
+        if rows is None and features.shape[0] <= self.cfg.loss_block:  # one block: autograd through the whole
+            return super().batch_loss_grads(loss_module, features, params)  # loss, as the loss layer
         from mmpipe.families.clip.losses import loss_and_grads
         img, txt = features.split(features.shape[-1] // 2, dim=-1)
-        loss, gi, gt, gp = loss_and_grads(loss_module, img, txt, params, self.cfg.loss_block)
+        loss, gi, gt, gp = loss_and_grads(loss_module, img, txt, params, self.cfg.loss_block, rows, combine)
         return loss, torch.cat([gi, gt], dim=-1), gp
-
 
     @property
     def step_loss_block_rows(self) -> int:

@@ -53,6 +53,11 @@ class ClipConfig(Section):
     loss_block: int = option(1024, "rows of the global batch's B x B logits its loss holds at once (a step loss is "
                                    "computed, with its gradients, in blocks of this many rows: memory O(block x B))",
                              ge=1)
+    local_loss: bool = option(True, "with data parallelism, each rank computes only its own samples' rows of the "
+                                    "global loss (its texts against every image) and the feature gradients are "
+                                    "summed across ranks: the same loss and gradients with 1/D of its logits, "
+                                    "computed and held (open_clip's --local-loss --gather-with-grad); false: every rank "
+                                    "computes the whole B x B")
     negatives: str = option("global", "global: the contrastive loss of a step spans its whole global batch (every "
                                       "micro-batch of every data-parallel rank), as open_clip; micro_batch: only the "
                                       "pairs of the same micro-batch are negatives")

@@ -39,6 +39,11 @@ class SiglipConfig(Section):
     logit_scale_init: Optional[float] = option(None, "initial log temperature; unset = log 10 (sigmoid) or 2.6592")
     logit_bias_init: float = option(-10.0, "initial logit bias of the sigmoid loss (SigLIP: -10)")
     loss_block: int = option(1024, "rows of the global batch's B x B logits its loss holds at once", ge=1)
+    local_loss: bool = option(True, "with data parallelism, each rank computes only its own samples' rows of the "
+                                    "global loss (its texts against every image) and the feature gradients are "
+                                    "summed across ranks: the same loss and gradients with 1/D of its logits, "
+                                    "computed and held (open_clip's --local-loss --gather-with-grad); false: every rank "
+                                    "computes the whole B x B")
     negatives: str = option("global", "global: the loss of a step spans its whole global batch; micro_batch: only "
                                       "the pairs of the same micro-batch")
     vision: SiglipVisionSection = field(default_factory=SiglipVisionSection, metadata={"help": "SigLIP image tower"})
