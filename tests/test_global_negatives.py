@@ -314,6 +314,19 @@ def test_dropout_is_drawn_per_sample_in_every_grouping_and_layout(runs):
     _assert_same_training(dp4, p1)
 
 
+def test_bf16_data_parallel_own_rows_train_as_the_whole_matrix(runs):
+    """bf16 at DP2 x 2 micro-batches: each rank its own rows of the loss (computed in fp32 on the gathered
+    features) trains as every rank computing the whole B x B, to fp32's precision (the towers' bf16
+    arithmetic is the same in both); and within bf16's precision of fp32."""
+    sets = ["parallel.pipeline_stages=1", "parallel.micro_batch_size=4", "train.precision=bf16"]
+    own = _steps4(runs, "gn_dp2x2_bf16", 2, sets)
+    whole = _steps4(runs, "gn_dp2x2_bf16_whole", 2, sets + ["model.local_loss=false"])
+    np.testing.assert_allclose(train_losses(own)[:4], train_losses(whole)[:4], rtol=1e-5)
+    assert_same_training(own, whole, 4, rtol=1e-2, atol=1e-3)  # (weights: bf16's own rounding of an update)
+    fp32 = _steps4(runs, "gn_one", 1, ONE_MICRO_BATCH, "python")
+    np.testing.assert_allclose(train_losses(own)[:4], train_losses(fp32)[:4], rtol=2e-2)
+
+
 def test_micro_batch_negatives_train_differently(runs):
     """The comparison above can fail: with each micro-batch its own negatives the losses differ."""
     one = _steps4(runs, "gn_one", 1, ONE_MICRO_BATCH, "python")
@@ -394,3 +407,32 @@ def test_layout_predictions_cost_the_extra_forward_and_the_all_gather():
     assert step["DP2 ZeRO-0"].step_time == pytest.approx(plain["DP2 ZeRO-0"].step_time + extra, rel=1e-9)
     pp = [n for n in plain if n.startswith("PP2")]
     assert pp and all(step[n].step_time > plain[n].step_time for n in pp)
+
+
+def test_layout_predictions_price_each_ranks_share_of_the_loss():
+    """The loss over the step costs its profiled seconds per pair times the pairs a rank computes: its own
+    B / D rows x B with ``model.local_loss`` (the step at DP2 falls by half the whole matrix's time), all
+    B x B without; ``mmpipe plan --world``'s line on the chosen layout says the share."""
+    from test_layout import NAMES, SEGS, _layer, _prof
+
+    from mmpipe.planning.collectives import CommModel
+    from mmpipe.planning.layouts import loss_seconds, predict_layouts, step_loss_summary
+    layers = [_layer(n, 2.0, 4.0, 1000, out=4000) for n in NAMES]
+    comm = CommModel(ops={"allreduce": {2: (1e-3, 2e-9)}, "allgather": {2: (5e-4, 1e-9)},
+                          "reduce_scatter": {2: (5e-4, 1e-9)}})
+    kw = dict(world=2, batch_size=16, micro_batch_size=4, precision="fp32", names=NAMES, segments=SEGS,
+              fetch_units=10, zero_stages=(0,))
+    sl = {"features_bytes": 4000, "pair_s": 1e-4, "rows": 4, "pair_bytes": 20, "block_rows": 1024,
+          "block_pair_bytes": 24}
+    whole = {r.name: r for r in predict_layouts({**_prof(layers), "step_loss": {**sl, "local": False}}, comm, **kw)}
+    own = {r.name: r for r in predict_layouts({**_prof(layers), "step_loss": {**sl, "local": True}}, comm, **kw)}
+    assert loss_seconds({**sl, "local": True}, 16, 2, 2) == pytest.approx(1e-4 * 8 * 16)
+    assert loss_seconds({**sl, "local": False}, 16, 2, 2) == pytest.approx(1e-4 * 16 * 16)
+    assert loss_seconds({**sl, "local": True}, 16, 1, 1) == 0.0  # one micro-batch on one rank: in the graph
+    for name in whole:
+        if whole[name].fits and whole[name].data_parallel == 2:
+            assert whole[name].step_time - own[name].step_time == pytest.approx(1e-4 * 8 * 16, rel=1e-6), name
+    line = step_loss_summary({**_prof(layers), "step_loss": {**sl, "local": True}}, 16, own["DP2 ZeRO-0"])
+    assert "its own 8 of 16 rows" in line and "8 x 16 pairs" in line
+    line = step_loss_summary({**_prof(layers), "step_loss": {**sl, "local": False}}, 16, whole["DP2 ZeRO-0"])
+    assert "16 x 16 pairs" in line and "model.local_loss=false" in line

@@ -54,12 +54,14 @@ def with_scratch(name: str):
     return wrap
 
 
-def launch(nprocs: int, config: str, sets: list, out: str) -> str:
+def launch(nprocs: int, config: str, sets: list, out: str, env: dict = None) -> str:
+    """``deepspeed --num_gpus nprocs launch/train.py`` on ``config`` with ``sets``, into ``out`` (``env``: more
+    environment variables); its output, or the bench stops with its last lines."""
     cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(nprocs), "--master_port", str(free_port()),
            os.path.join(ROOT, "launch", "train.py"), "--config", config, "--set", f"train.output_dir={out}", "--set", "log.progress=false", "--overwrite"]
     for s in sets:
         cmd += ["--set", s]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, **(env or {}), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=os.getcwd())
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])

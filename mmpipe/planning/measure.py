@@ -422,7 +422,7 @@ def _with_step_loss(prof: dict, family) -> dict:
                              "frozen_prefix": len(frozen_prefix(family.layer_names(), set(forward_only))),
                              # the batch loss's B x B transient: rows per micro-batch, bytes per pair
                              "rows": int(prof.get("key", {}).get("micro_batch_size") or 0),
-                             "pair_bytes": STEP_LOSS_PAIR_BYTES,
+                             "pair_bytes": int(getattr(family, "step_loss_pair_bytes", STEP_LOSS_PAIR_BYTES)),
                              "block_rows": int(family.step_loss_block_rows),
                              "block_pair_bytes": STEP_LOSS_BLOCK_PAIR_BYTES,
                              # with D > 1, each rank its own rows of the loss (model.local_loss)

@@ -93,13 +93,16 @@ def held(stage: int, stages: int, micro_batches: int, order: str = "1f1b", froze
 # through CLIP's whole softmax loss holds 5 fp32 B x B matrices (LiveBytes: 20.0 per pair); the blocked
 # losses of the dual encoders (softmax and sigmoid, ``Family.step_loss_block_rows`` > 0) 6 fp32 block x B
 # matrices (24.0)
-STEP_LOSS_PAIR_BYTES = 20
+STEP_LOSS_PAIR_BYTES = 20  # (a family may say its own: ``Family.step_loss_pair_bytes``; SigLIP's loss 24)
 STEP_LOSS_BLOCK_PAIR_BYTES = 24
-# ... and copies of the gathered features (fp32, every row of the global batch) beside them at the peak: the
-# gathered batch and, through autograd in one piece, its normalized copy and gradient (4); in blocks, also the
-# blocks' accumulated gradient and the returned one (6) (LiveBytes around ``StepLossCache.fill``)
-STEP_LOSS_FEATURE_COPIES = 4
-STEP_LOSS_BLOCK_FEATURE_COPIES = 6
+# ... and copies of the gathered features (fp32, every row of the global batch; F bytes) beside them, counted by
+# LiveBytes around ``StepLossCache.fill`` (B 1024-4096, width 256-2048, blocks 128-4096): through autograd in one
+# piece (or one block of a rank's own rows) 4 F; in blocks 5 F (the batch, its normalized copy, the blocks'
+# accumulated gradient, one block's full-size gradient); and after the blocks, the gradient back through the
+# normalization: 7.5 F with no pairs held (the larger of the two moments is the peak)
+STEP_LOSS_FEATURE_COPIES = 4.0
+STEP_LOSS_BLOCK_FEATURE_COPIES = 5.0
+STEP_LOSS_END_FEATURE_COPIES = 7.5
 
 
 @dataclass(frozen=True)
@@ -306,9 +309,9 @@ def step_loss_bytes(sch: RunShape, micro_batches: int, dp: int) -> float:
     if sch.loss_block and (own < rows or rows > sch.loss_block):  # in blocks (``Family.batch_loss_grads``)
         held = float(sch.loss_block_pair_bytes or sch.loss_pair_bytes) * min(sch.loss_block, own) * rows
         copies = STEP_LOSS_BLOCK_FEATURE_COPIES if own > sch.loss_block else STEP_LOSS_FEATURE_COPIES
-    else:  # autograd through the whole B x B loss
-        held, copies = float(sch.loss_pair_bytes) * rows * rows, STEP_LOSS_FEATURE_COPIES
-    return held + copies * features
+        return max(held + copies * features, STEP_LOSS_END_FEATURE_COPIES * features)
+    # autograd through the whole B x B loss
+    return float(sch.loss_pair_bytes) * rows * rows + STEP_LOSS_FEATURE_COPIES * features
 
 
 def stage_memory(costs: list, parts: list, micro_batches: int, precision: str, zero_stage: int = 0,

@@ -122,6 +122,12 @@ class ClipFamily(ImageTextFamily):
     def step_loss_block_rows(self) -> int:
         return self.cfg.loss_block
 
+    @property
+    def step_loss_pair_bytes(self) -> int:
+        """Bytes per pair autograd holds through the whole loss (``planning.memory``; LiveBytes counted)."""
+        from mmpipe.families.clip.losses import ClipLoss, SigmoidLoss
+        return (SigmoidLoss if self.cfg.loss == "sigmoid" else ClipLoss).pair_bytes
+
     # ---- structure ------------------------------------------------------------------------------
     def __init__(self, model_cfg, seed: int = 0):
         super().__init__(model_cfg, seed)

@@ -41,6 +41,7 @@ class ClipLoss(nn.Module):
     it on one micro-batch and a step's loss is the mean over its micro-batches."""
     kind = "softmax"
     needs_columns = True  # its image->text term: each column's log-sum-exp over every row
+    pair_bytes = 20  # held per pair by autograd through the whole loss (5 fp32 B x B matrices at the peak)
 
     def __init__(self, logit_scale_init: float):
         super().__init__()
@@ -100,6 +101,7 @@ class SigmoidLoss(nn.Module):
     arithmetic)."""
     kind = "sigmoid"
     needs_columns = False
+    pair_bytes = 24  # (6 fp32 B x B matrices)
 
     def __init__(self, logit_scale_init: float, logit_bias_init: float):
         super().__init__()
