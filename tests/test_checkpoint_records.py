@@ -4,7 +4,7 @@ load_weights and --resume refuse another base; config.yaml names it by an absolu
 LoRA spec (a resume with other settings is refused naming the key; a precision change resumes through
 the layout-free files; a checkpoint
 without that record still refuses adapters other than its own instead of dropping them), the data
-position's unit (data.packing); the adapter export loads with peft after it is moved; damaged
+position's unit (data.packing); the adapter export loads with peft from anywhere and after a move; damaged
 record / COMPLETE / RNG files and a lost ``latest`` are one line naming the file or the complete
 checkpoints. One tiny LoRA run (P = 1, 3 steps) on a LLaVA directory given by a relative path."""
 from __future__ import annotations
@@ -104,10 +104,11 @@ def test_lora_checkpoint_records_its_frozen_base_and_refuses_another(lora_run, t
     resume_checks.check_resume(os.path.join(run, "checkpoints"), *_current(run))  # its own base: fine
 
 
-def test_lora_adapter_export_loads_with_auto_peft_model_after_a_move(lora_run, tmp_path, monkeypatch):
-    """adapter_config.json names its base relatively ("base", inside the export): the export moved
-    elsewhere loads with peft's AutoPeftModel from inside it (the path peft reads from the working
-    directory), and with PeftModel + OUT/base from anywhere."""
+def test_lora_adapter_export_loads_with_auto_peft_model_from_anywhere(lora_run, tmp_path, monkeypatch):
+    """adapter_config.json names its base as peft users expect: the absolute path of the base copy inside
+    the export (AutoPeftModel.from_pretrained(OUT) from another directory); moved elsewhere, the copy still
+    serves (PeftModel + OUT/base). A run whose base was a hub id names that id and its commit instead, and
+    AutoPeftModel loads the base from the Hugging Face cache (offline)."""
     from peft import AutoPeftModel, PeftModel
     from transformers import LlavaForConditionalGeneration
 
@@ -115,14 +116,32 @@ def test_lora_adapter_export_loads_with_auto_peft_model_after_a_move(lora_run, t
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = str(tmp_path / "exp")
     export(lora_run["run"], out)
-    assert json.load(open(os.path.join(out, "adapter_config.json")))["base_model_name_or_path"] == "base"
+    assert json.load(open(os.path.join(out, "adapter_config.json")))["base_model_name_or_path"] == \
+        os.path.join(out, "base")
+    monkeypatch.chdir(tmp_path)
+    model = AutoPeftModel.from_pretrained(out)
+    assert any("lora_A" in n for n, _ in model.named_parameters())
     moved = str(tmp_path / "elsewhere" / "adapter")
     shutil.move(out, moved)
-    monkeypatch.chdir(moved)
-    model = AutoPeftModel.from_pretrained(".")
-    assert any("lora_A" in n for n, _ in model.named_parameters())
-    monkeypatch.chdir(tmp_path)
     PeftModel.from_pretrained(LlavaForConditionalGeneration.from_pretrained(os.path.join(moved, "base")), moved)
+
+    # the same run as if started from the hub id tiny-org/llava (config.yaml keeps the pin)
+    cache, commit = str(tmp_path / "hub"), "5" * 40
+    repo_dir = os.path.join(cache, "models--tiny-org--llava")
+    shutil.copytree(lora_run["base"], os.path.join(repo_dir, "snapshots", commit))
+    os.makedirs(os.path.join(repo_dir, "refs"))
+    open(os.path.join(repo_dir, "refs", "main"), "w").write(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", cache)
+    pinned = _copy(lora_run, tmp_path, "pinned")
+    text = open(os.path.join(pinned, "config.yaml")).read().replace(f"pretrained: {lora_run['base']}",
+                                                                    f"pretrained: tiny-org/llava@{commit}")
+    open(os.path.join(pinned, "config.yaml"), "w").write(text)
+    out = str(tmp_path / "exp_pinned")
+    export(pinned, out)
+    adapter_cfg = json.load(open(os.path.join(out, "adapter_config.json")))
+    assert adapter_cfg["base_model_name_or_path"] == "tiny-org/llava" and adapter_cfg["revision"] == commit
+    model = AutoPeftModel.from_pretrained(out)  # the base from the cache, by id
+    assert any("lora_A" in n for n, _ in model.named_parameters())
 
 
 @pytest.mark.parametrize("change,key", [("optim.target_modules=[q_proj,v_proj]", "optim.target_modules"),

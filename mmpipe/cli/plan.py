@@ -16,7 +16,7 @@ def cmd_plan_world(args) -> int:
     """``mmpipe plan --world N [--memory-gb M]``: every layout of N ranks predicted, the fastest that
     fits marked; layouts.json and layouts.png. When none fits: the table, then one line."""
     from mmpipe.config.schema import load_config
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, weights=False)  # (a hub id: its config files, not its weights)
     log = lambda m: print(f"[plan] {m}", flush=True)  # noqa: E731
     res = plan_layouts(cfg, args.world, args.memory_gb, use_cache=not args.no_cache, log=log,
                        meta=True if args.meta or args.gpu_kernels else None, unfit_ok=True,
@@ -101,7 +101,7 @@ def cmd_plan(args) -> int:
         cfg = load_config(args.config or saved, args.overrides)
         print(compare_with_run(cfg, args.run, use_cache=not args.no_cache, log=log))
         return 0
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, weights=False)
     stages = args.stages or cfg.parallel.pipeline_stages
     if stages < 2:
         raise ConfigError("mmpipe plan: parallel.pipeline_stages is 1; give --stages P (P >= 2) to plan a pipeline")

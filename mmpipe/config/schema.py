@@ -38,7 +38,7 @@ class DataConfig(Section):
     val: Optional[str] = _f(None, "held-out data in the same format (retrieval eval; VLM: loss and token accuracy)")
     image_folder: Optional[str] = _f(None, "LLaVA JSON: directory its image paths are relative to; unset = the "
                                      "JSON's own directory")
-    tokenizer: Optional[str] = _f(None, "local transformers tokenizer dir; unset = train WordPiece on the captions")
+    tokenizer: Optional[str] = _f(None, "hub id (org/name[@revision]) or local transformers tokenizer dir; unset = train WordPiece on the captions")
     tokenizer_vocab_size: int = _f(2000, "vocabulary size when mmpipe trains the tokenizer", ge=1)
     max_length: int = _f(32, "tokens per caption (padded/truncated)", ge=1)
     num_workers: int = _f(2, "DataLoader worker processes per data-reading rank", ge=0)
@@ -230,6 +230,9 @@ class RunConfig(Section):
     # dotted keys set explicitly by the YAML file or --set (used to detect DeepSpeed-JSON conflicts)
     explicit: frozenset = field(default=frozenset(), repr=False, compare=False, metadata={"internal": True})
     source: Optional[str] = field(default=None, repr=False, compare=False, metadata={"internal": True})
+    # pretrained-weights keys given as hub ids: {dotted key: org/name@commit} (``config.hub``; the paths hold
+    # the snapshot directories, the run's config.yaml the pins)
+    hub: dict = field(default_factory=dict, repr=False, compare=False, metadata={"internal": True})
 
     def to_dict(self) -> dict:
         return _to_dict(self)
@@ -356,8 +359,10 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def load_config(path: Optional[str] = None, overrides=()) -> RunConfig:
-    """Load a YAML run config (or defaults when ``path`` is None) and apply ``section.key=value`` overrides."""
+def load_config(path: Optional[str] = None, overrides=(), weights: bool = True) -> RunConfig:
+    """Load a YAML run config (or defaults when ``path`` is None) and apply ``section.key=value`` overrides;
+    hub ids in its pretrained-weights keys resolved to snapshot directories (``config.hub``; ``weights=False``:
+    their configs and tokenizer files only, enough to size the model)."""
     data: dict = {}
     where = path or "<defaults>"
     if path is not None:
@@ -395,6 +400,8 @@ def load_config(path: Optional[str] = None, overrides=()) -> RunConfig:
     cfg = _build(RunConfig, data, "", where + (" (+ --set)" if overrides else ""), explicit, family)
     cfg.explicit = frozenset(explicit)
     cfg.source = path
+    from mmpipe.config.hub import resolve_ids
+    cfg.hub = resolve_ids(cfg, weights)  # hub ids -> snapshot directories, before anything reads a path
     # paths in the config are relative to the working directory, as with deepspeed/accelerate/torchrun
     validate(cfg)
     return cfg

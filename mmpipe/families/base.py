@@ -163,7 +163,10 @@ class Family:
         """The layer seeded from (seed, name): identical in one process and on any pipeline stage."""
         with part_seed(self.seed, name):
             module = self.build_unseeded(name)
-        if not getattr(self, "skip_pretrained", False):  # set when all weights come from elsewhere (an export)
+        # not when all weights come from elsewhere (an export), nor on the meta device (sizing: nothing to fill,
+        # and a hub id's weights need not be there: ``config.hub``)
+        on_meta = any(True for _ in module.parameters()) and all(p.is_meta for p in module.parameters())
+        if not getattr(self, "skip_pretrained", False) and not on_meta:
             self.load_pretrained(module, name)
         return self._add_adapters(module, name)
 

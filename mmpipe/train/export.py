@@ -157,17 +157,21 @@ def _write_adapter(cfg, family, spec, base: dict, adapters: dict, tok, out: str,
     with torch.no_grad():
         for k, v in adapters.items():
             params[hf_names[k]].copy_(v)
-    # relative: the directory moves or is copied whole (peft and transformers read the path from the
-    # working directory: AutoPeftModel.from_pretrained(".") inside it; PeftModel.from_pretrained with
-    # OUT/base from anywhere)
-    # (saved with the written base's path, which peft reads for its vocabulary check, then made relative)
+    # (saved with the written base's path, which peft reads for its vocabulary check, then named as below)
     peft_model.peft_config["default"].base_model_name_or_path = os.path.abspath(os.path.join(out, BASE_DIR))
     if dtype == "bf16":
         peft_model = peft_model.to(torch.bfloat16)
     peft_model.save_pretrained(out)
     with open(os.path.join(out, "adapter_config.json")) as fh:
         adapter_cfg = json.load(fh)
-    adapter_cfg["base_model_name_or_path"] = BASE_DIR
+    # the base as peft users name it: the hub id (and its commit) the run started from, else the absolute path
+    # of the base copy written here (AutoPeftModel.from_pretrained(OUT) from any directory; after a move,
+    # PeftModel.from_pretrained(<OUT>/base, OUT))
+    pin = getattr(cfg, "hub", {}).get("model.pretrained")
+    if pin:
+        adapter_cfg["base_model_name_or_path"], adapter_cfg["revision"] = pin.split("@", 1)
+    else:
+        adapter_cfg["base_model_name_or_path"] = os.path.abspath(base_dir)
     with open(os.path.join(out, "adapter_config.json"), "w") as fh:
         json.dump(adapter_cfg, fh, indent=2, sort_keys=True)
     processor.save_pretrained(out)

@@ -89,6 +89,12 @@ def write_run_files(run, eng, start_step: int):
         for key in ("tokenizer", "cache"):
             if saved["data"].get(key):
                 saved["data"][key] = os.path.abspath(saved["data"][key])
+        for dotted, pin in getattr(cfg, "hub", {}).items():  # hub ids as org/name@commit: the same snapshot again
+            node = saved
+            *parents, last = dotted.split(".")
+            for part in parents:
+                node = node[part]
+            node[last] = pin
         with open(os.path.join(out, "config.yaml"), "w") as fh:
             yaml.safe_dump(saved, fh, sort_keys=False)
         with open(os.path.join(out, "ds_config.json"), "w") as fh:

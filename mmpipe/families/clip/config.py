@@ -11,7 +11,7 @@ from mmpipe.config.fields import Section, option
 class VisionConfig(Section):
     """Image tower. transformers config fields, or a local ``save_pretrained`` directory."""
     arch: str = option("clip_vit", "clip_vit (transformers CLIP ViT) or resnet (torchvision)")
-    pretrained: Optional[str] = option(None, "local save_pretrained dir (CLIPVisionModel / CLIPModel) or resnet weights dir")
+    pretrained: Optional[str] = option(None, "hub id (org/name[@revision]) or local save_pretrained dir (CLIPVisionModel / CLIPModel) or resnet weights dir")
     hidden_size: Optional[int] = option(None, "transformer width (clip_vit); unset = transformers default", ge=1)
     num_hidden_layers: Optional[int] = option(None, "number of transformer blocks (clip_vit)", ge=1)
     num_attention_heads: Optional[int] = option(None, "attention heads (clip_vit)", ge=1)
@@ -25,7 +25,7 @@ class VisionConfig(Section):
 class TextConfig(Section):
     """Text tower. transformers config fields, or a local ``save_pretrained`` directory."""
     arch: str = option("clip_text", "clip_text (transformers CLIP text transformer) or bert (transformers BERT)")
-    pretrained: Optional[str] = option(None, "local save_pretrained dir (CLIPTextModel / CLIPModel / BertModel)")
+    pretrained: Optional[str] = option(None, "hub id (org/name[@revision]) or local save_pretrained dir (CLIPTextModel / CLIPModel / BertModel)")
     hidden_size: Optional[int] = option(None, "transformer width; unset = transformers default", ge=1)
     num_hidden_layers: Optional[int] = option(None, "number of transformer blocks", ge=1)
     num_attention_heads: Optional[int] = option(None, "attention heads", ge=1)
@@ -43,7 +43,7 @@ class TextConfig(Section):
 @dataclass
 class ClipConfig(Section):
     type: str = option("clip", "model family; clip = dual encoder with symmetric contrastive loss")
-    pretrained: Optional[str] = option(None, "local transformers CLIPModel directory: loads both towers, projections, temperature")
+    pretrained: Optional[str] = option(None, "hub id (org/name[@revision]) or local transformers CLIPModel directory: loads both towers, projections, temperature")
     projection_dim: int = option(512, "width of the shared image-text embedding space", ge=1)
     loss: str = option("softmax", "softmax: CLIP's symmetric InfoNCE; sigmoid: SigLIP's pairwise sigmoid loss with a "
                                   "learnable bias (open_clip's --siglip)")

@@ -42,7 +42,7 @@ class QwenTextConfig(Section):
 class Qwen25VLConfig(Section):
     type: str = option("qwen2_5_vl", "Qwen2.5-VL at native resolution: each image its own token count "
                        "(transformers' Qwen2_5_VLForConditionalGeneration arithmetic)")
-    pretrained: Optional[str] = option(None, "local Qwen2_5_VLForConditionalGeneration save_pretrained directory "
+    pretrained: Optional[str] = option(None, "hub id (org/name[@revision]) or local Qwen2_5_VLForConditionalGeneration save_pretrained directory "
                                        "(with its processor and tokenizer)")
     image_token_id: Optional[int] = option(None, "id of <|image_pad|>; unset = the tokenizer's")
     min_pixels: Optional[int] = option(None, "recorded by the run from data.min_pixels (leave unset): the bounds the "

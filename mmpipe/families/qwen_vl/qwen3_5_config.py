@@ -55,7 +55,7 @@ class Qwen35TextConfig(Section):
 class Qwen35Config(Section):
     type: str = option("qwen3_5", "Qwen3.5 at native resolution: a hybrid decoder of GatedDeltaNet and gated full "
                        "attention (transformers' Qwen3_5ForConditionalGeneration arithmetic)")
-    pretrained: Optional[str] = option(None, "local Qwen3_5ForConditionalGeneration save_pretrained directory (with "
+    pretrained: Optional[str] = option(None, "hub id (org/name[@revision]) or local Qwen3_5ForConditionalGeneration save_pretrained directory (with "
                                        "its processor and tokenizer)")
     image_token_id: Optional[int] = option(None, "id of <|image_pad|>; unset = the tokenizer's")
     min_pixels: Optional[int] = option(None, "recorded by the run from data.min_pixels (leave unset)", ge=1)

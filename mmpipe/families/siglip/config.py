@@ -34,7 +34,7 @@ class SiglipTextSection(Section):
 @dataclass
 class SiglipConfig(Section):
     type: str = option("siglip", "model family; siglip = SigLIP dual encoder (transformers' SiglipModel)")
-    pretrained: Optional[str] = option(None, "local transformers SiglipModel directory: both towers, temperature, bias")
+    pretrained: Optional[str] = option(None, "hub id (org/name[@revision]) or local transformers SiglipModel directory: both towers, temperature, bias")
     loss: str = option("sigmoid", "sigmoid: SigLIP's pairwise sigmoid loss; softmax: CLIP's InfoNCE on SigLIP towers")
     logit_scale_init: Optional[float] = option(None, "initial log temperature; unset = log 10 (sigmoid) or 2.6592")
     logit_bias_init: float = option(-10.0, "initial logit bias of the sigmoid loss (SigLIP: -10)")

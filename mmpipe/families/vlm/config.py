@@ -13,7 +13,7 @@ class VlmVisionConfig(Section):
     arch: str = option("clip_vit", "clip_vit (CLIP's ViT, LLaVA-1.5) or siglip_vit (SigLIP's, as LLaVA-OneVision and "
                                    "PaliGemma ship: no class token; use vision_feature_layer -1, strategy full); a "
                                    "pretrained directory's own type decides")
-    pretrained: Optional[str] = option(None, "local CLIPVisionModel / CLIPModel / SiglipVisionModel / SiglipModel "
+    pretrained: Optional[str] = option(None, "hub id (org/name[@revision]) or local CLIPVisionModel / CLIPModel / SiglipVisionModel / SiglipModel "
                                              "save_pretrained dir")
     hidden_size: Optional[int] = option(None, "transformer width; unset = transformers default", ge=1)
     num_hidden_layers: Optional[int] = option(None, "transformer blocks", ge=1)
@@ -27,7 +27,7 @@ class VlmVisionConfig(Section):
 class LlmConfig(Section):
     """Language model: a transformers decoder, from config fields or a local directory."""
     arch: str = option("llama", "llama or qwen2 (transformers' decoder layers)")
-    pretrained: Optional[str] = option(None, "local LlamaForCausalLM / Qwen2ForCausalLM save_pretrained dir")
+    pretrained: Optional[str] = option(None, "hub id (org/name[@revision]) or local LlamaForCausalLM / Qwen2ForCausalLM save_pretrained dir")
     hidden_size: Optional[int] = option(None, "width", ge=1)
     num_hidden_layers: Optional[int] = option(None, "decoder blocks", ge=1)
     num_attention_heads: Optional[int] = option(None, "attention heads", ge=1)
@@ -42,7 +42,7 @@ class LlmConfig(Section):
 class VlmConfig(Section):
     type: str = option("vlm", "LLaVA-style VLM: vision tower -> projector -> causal LM (transformers' "
                        "LlavaForConditionalGeneration arithmetic)")
-    pretrained: Optional[str] = option(None, "local LlavaForConditionalGeneration save_pretrained directory")
+    pretrained: Optional[str] = option(None, "hub id (org/name[@revision]) or local LlavaForConditionalGeneration save_pretrained directory")
     vision_feature_layer: Optional[int] = option(None, "vision hidden state fed to the projector (-2: output of "
                                                  "the second-to-last block, no post-layernorm); unset = "
                                                  "model.pretrained's, else -2")

@@ -1,0 +1,199 @@
+"""Hub ids where a config takes pretrained weights (``mmpipe.config.hub``): a cache laid out as
+huggingface_hub lays it out (``models--org--name/refs/main``, ``snapshots/<commit>/``), built here from
+tiny save_pretrained directories, with ``HF_HUB_CACHE`` set and ``HF_HUB_OFFLINE=1``: nothing touches the
+network. The id resolves to its snapshot, ``@revision`` to another, the run's config.yaml keeps the pin,
+a run given the id trains as the same directory given by path, and each way it can fail is one line."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import ROOT, TINY, _env, train_losses
+
+import mmpipe
+from mmpipe.errors import ConfigError
+
+C1, C2 = "1" * 40, "2" * 40
+
+
+def _tiny_clip_dir(path: str, scale: float) -> None:
+    from transformers import CLIPConfig, CLIPModel
+    cfg = CLIPConfig(text_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                      vocab_size=300, max_position_embeddings=16, eos_token_id=2, bos_token_id=None,
+                                      pad_token_id=0),
+                     vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                        intermediate_size=64, image_size=32, patch_size=8),
+                     projection_dim=16, logit_scale_init_value=scale)
+    torch.manual_seed(0)
+    CLIPModel(cfg).save_pretrained(path)
+
+
+def _snapshot(cache: str, repo: str, commit: str, src: str, ref: str = None) -> str:
+    base = os.path.join(cache, "models--" + repo.replace("/", "--"))
+    snap = os.path.join(base, "snapshots", commit)
+    shutil.copytree(src, snap)
+    if ref:
+        os.makedirs(os.path.join(base, "refs"), exist_ok=True)
+        with open(os.path.join(base, "refs", ref), "w") as fh:
+            fh.write(commit)
+    return snap
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hub")
+    cache = str(d / "cache")
+    _tiny_clip_dir(str(d / "clip_a"), 2.6592)
+    _tiny_clip_dir(str(d / "clip_b"), 1.0)
+    snaps = {"main": _snapshot(cache, "tiny-org/clip", C1, str(d / "clip_a"), "main"),
+             "v2": _snapshot(cache, "tiny-org/clip", C2, str(d / "clip_b"), "v2")}
+    return {"cache": cache, "snaps": snaps, "path_a": str(d / "clip_a")}
+
+
+@pytest.fixture
+def offline(hub, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", hub["cache"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return hub
+
+
+def test_an_id_resolves_to_its_snapshot_and_a_revision_to_another(offline):
+    cfg = mmpipe.load_config(TINY, ["model.pretrained=tiny-org/clip"])
+    assert cfg.model.pretrained == offline["snaps"]["main"]
+    assert cfg.hub == {"model.pretrained": f"tiny-org/clip@{C1}"}
+    cfg = mmpipe.load_config(TINY, ["model.pretrained=tiny-org/clip@v2"])
+    assert cfg.model.pretrained == offline["snaps"]["v2"] and cfg.hub["model.pretrained"] == f"tiny-org/clip@{C2}"
+    cfg = mmpipe.load_config(TINY, [f"model.pretrained=tiny-org/clip@{C2}"])  # the pin a run's config.yaml keeps
+    assert cfg.model.pretrained == offline["snaps"]["v2"]
+    cfg = mmpipe.load_config(TINY, [f"model.pretrained={offline['path_a']}"])  # a local directory: as given
+    assert cfg.model.pretrained == offline["path_a"] and cfg.hub == {}
+
+
+def test_a_local_directory_named_like_an_id_wins(offline, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(offline["path_a"], "tiny-org/clip")
+    cfg = mmpipe.load_config(TINY, ["model.pretrained=tiny-org/clip"])
+    assert cfg.model.pretrained == "tiny-org/clip" and cfg.hub == {}
+
+
+def _one_line(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_each_failure_is_one_line(offline, tmp_path):
+    with pytest.raises(ConfigError) as e:  # not cached, offline
+        mmpipe.load_config(TINY, ["model.pretrained=tiny-org/absent"])
+    msg = _one_line(e)
+    assert "model.pretrained" in msg and "tiny-org/absent" in msg and "huggingface-cli download tiny-org/absent" in msg
+    assert "HF_HUB_OFFLINE" in msg
+    with pytest.raises(ConfigError) as e:  # a revision the cache does not have
+        mmpipe.load_config(TINY, ["model.pretrained=tiny-org/clip@v9"])
+    assert "--revision v9" in _one_line(e)
+    # a snapshot whose index names a shard it lacks
+    snap = _snapshot(offline["cache"], "tiny-org/sharded", "3" * 40, offline["path_a"], "main")
+    with open(os.path.join(snap, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}, fh)
+    with pytest.raises(ConfigError) as e:
+        mmpipe.load_config(TINY, ["model.pretrained=tiny-org/sharded"])
+    msg = _one_line(e)
+    assert "model-00002-of-00002.safetensors" in msg and "huggingface-cli download tiny-org/sharded" in msg
+
+
+@pytest.mark.dist
+def test_a_run_given_the_id_trains_as_the_directory_and_pins_it(offline, tiny_data, tmp_path):
+    """The same CLIP trained from ``tiny-org/clip`` (offline, from the cache) and from the directory the
+    snapshot was made from: the same losses; the run's config.yaml keeps ``tiny-org/clip@<commit>``, and
+    a resume from it reads the same snapshot."""
+    hub = offline
+    env = dict(_env(), HF_HUB_CACHE=hub["cache"], HF_HUB_OFFLINE="1")
+    outs = {}
+    for name, value in (("id", "tiny-org/clip"), ("path", hub["path_a"])):
+        outs[name] = str(tmp_path / name)
+        cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"), "--config", TINY,
+               "--set", f"data.train={tiny_data['train']}", "--set", f"data.val={tiny_data['val']}",
+               "--set", f"train.output_dir={outs[name]}", "--set", f"model.pretrained={value}",
+               "--set", "parallel.pipeline_stages=1", "--set", "train.steps=2", "--set", "train.eval_every=0"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(tmp_path))
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert train_losses(outs["id"]) == train_losses(outs["path"])
+    saved = mmpipe.load_config(os.path.join(outs["id"], "config.yaml"))  # (resolved again, offline)
+    import yaml
+    with open(os.path.join(outs["id"], "config.yaml")) as fh:
+        assert yaml.safe_load(fh)["model"]["pretrained"] == f"tiny-org/clip@{C1}"
+    assert saved.model.pretrained == hub["snaps"]["main"]
+
+
+FAKE_DOWNLOAD = r'''
+import os, shutil, sys, time
+import mmpipe.config.hub as hub
+src, log = sys.argv[1], sys.argv[2]
+
+def slow_download(value, repo, revision, cache, patterns, key):  # as the hub would: files land one by one
+    with open(log, "a") as fh:
+        fh.write(f"download {os.getpid()}\n")
+    base = os.path.join(cache, "models--" + repo.replace("/", "--"))
+    snap = os.path.join(base, "snapshots", "4" * 40)
+    os.makedirs(snap, exist_ok=True)
+    for name in sorted(os.listdir(src), key=lambda n: n != "config.json"):  # config.json first: a reader
+        time.sleep(0.5)                                                       # too early would see it alone
+        shutil.copy(os.path.join(src, name), os.path.join(snap, name))
+    os.makedirs(os.path.join(base, "refs"), exist_ok=True)
+    with open(os.path.join(base, "refs", "main"), "w") as fh:
+        fh.write("4" * 40)
+    return snap
+
+hub._download = slow_download
+r = hub.resolve("tiny-org/slow", "model.pretrained")
+complete = sorted(os.listdir(r.path)) == sorted(os.listdir(src))
+with open(log, "a") as fh:
+    fh.write(f"read {os.getpid()} {r.path} {r.pin} {complete}\n")
+'''
+
+
+def test_processes_of_a_machine_download_once_and_read_the_same_snapshot(hub, tmp_path):
+    """Three processes resolve an id missing from the cache at once (online; the download faked, slow,
+    file by file): one downloads, the others wait for it and then read the complete snapshot."""
+    cache, log = str(tmp_path / "cache"), str(tmp_path / "log")
+    script = tmp_path / "resolve.py"
+    script.write_text(FAKE_DOWNLOAD)
+    env = dict(_env(), HF_HUB_CACHE=cache)
+    env.pop("HF_HUB_OFFLINE", None)
+    procs = [subprocess.Popen([sys.executable, str(script), hub["path_a"], log], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+    lines = open(log).read().splitlines()
+    assert sum(line.startswith("download ") for line in lines) == 1, lines
+    reads = [line.split() for line in lines if line.startswith("read ")]
+    assert len(reads) == 3 and len({r[2] for r in reads}) == 1 and all(r[4] == "True" for r in reads), reads
+    assert all(r[3] == "tiny-org/slow@" + "4" * 40 for r in reads)
+
+
+def test_plan_sizes_a_model_from_its_config_files_alone(offline, tmp_path, capsys):
+    """``mmpipe plan`` on an id whose cached snapshot holds its config files and a sharded checkpoint's index
+    but no weights sizes the model (on the meta device); training from the same id, offline, is refused in
+    one line naming the missing shard."""
+    from safetensors import safe_open
+
+    from mmpipe.cli.main import main
+    snap = _snapshot(offline["cache"], "tiny-org/config-only", "6" * 40, offline["path_a"], "main")
+    with safe_open(os.path.join(snap, "model.safetensors"), "pt") as fh:
+        names = list(fh.keys())
+    with open(os.path.join(snap, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}, fh)
+    os.remove(os.path.join(snap, "model.safetensors"))
+    out = str(tmp_path / "plan")
+    assert main(["plan", "--config", TINY, "--world", "2", "--meta", "--out", out,
+                 "--set", "model.pretrained=tiny-org/config-only"]) == 0
+    assert "chosen:" in capsys.readouterr().out
+    with pytest.raises(ConfigError) as e:
+        mmpipe.load_config(TINY, ["model.pretrained=tiny-org/config-only"])
+    assert "tiny-org/config-only" in _one_line(e) and "model-00001-of-00001.safetensors" in _one_line(e)
