@@ -87,6 +87,15 @@ def _one_line(excinfo) -> str:
     return msg
 
 
+def test_a_resume_refuses_a_hub_id_that_moved():
+    from mmpipe.train.resume_checks import check_hub
+    check_hub("ck", {"model.pretrained": f"a/b@{C1}"}, {"model.pretrained": f"a/b@{C1}"})
+    check_hub("ck", {"model.pretrained": f"a/b@{C1}"}, {})  # now given by path: the fingerprints decide
+    with pytest.raises(mmpipe.errors.MmpipeError) as e:
+        check_hub("ck", {"model.pretrained": f"a/b@{C1}"}, {"model.pretrained": f"a/b@{C2}"})
+    assert f"--set model.pretrained=a/b@{C1}" in _one_line(e)
+
+
 def test_each_failure_is_one_line(offline, tmp_path):
     with pytest.raises(ConfigError) as e:  # not cached, offline
         mmpipe.load_config(TINY, ["model.pretrained=tiny-org/absent"])
@@ -106,28 +115,52 @@ def test_each_failure_is_one_line(offline, tmp_path):
     assert "model-00002-of-00002.safetensors" in msg and "huggingface-cli download tiny-org/sharded" in msg
 
 
+def _train(tiny_data, out: str, env: dict, cwd: str, sets: list, flags=()) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"), "--config", TINY,
+           "--set", f"data.train={tiny_data['train']}", "--set", f"data.val={tiny_data['val']}",
+           "--set", f"train.output_dir={out}", "--set", "parallel.pipeline_stages=1", "--set", "train.steps=3",
+           "--set", "train.eval_every=0"]
+    for item in sets:
+        cmd += ["--set", item]
+    return subprocess.run(cmd + list(flags), capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+
+
 @pytest.mark.dist
-def test_a_run_given_the_id_trains_as_the_directory_and_pins_it(offline, tiny_data, tmp_path):
+def test_a_run_given_the_id_trains_as_the_directory_pins_it_and_resumes_and_exports(hub, tiny_data, tmp_path,
+                                                                                        monkeypatch):
     """The same CLIP trained from ``tiny-org/clip`` (offline, from the cache) and from the directory the
-    snapshot was made from: the same losses; the run's config.yaml keeps ``tiny-org/clip@<commit>``, and
-    a resume from it reads the same snapshot."""
-    hub = offline
-    env = dict(_env(), HF_HUB_CACHE=hub["cache"], HF_HUB_OFFLINE="1")
+    snapshot was made from: the same losses. The run's config.yaml keeps ``tiny-org/clip@<commit>``; after
+    ``main`` moves upstream to another commit, a resume given the id is refused in one line, one given the
+    pin continues to the end, and the run exports."""
+    import yaml
+
+    from mmpipe.train.export import export
+    cache = str(tmp_path / "cache")
+    shutil.copytree(hub["cache"], cache)  # (this test moves refs/main)
+    monkeypatch.setenv("HF_HUB_CACHE", cache)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    env = dict(_env(), HF_HUB_CACHE=cache, HF_HUB_OFFLINE="1")
     outs = {}
     for name, value in (("id", "tiny-org/clip"), ("path", hub["path_a"])):
         outs[name] = str(tmp_path / name)
-        cmd = [sys.executable, os.path.join(ROOT, "launch", "train.py"), "--config", TINY,
-               "--set", f"data.train={tiny_data['train']}", "--set", f"data.val={tiny_data['val']}",
-               "--set", f"train.output_dir={outs[name]}", "--set", f"model.pretrained={value}",
-               "--set", "parallel.pipeline_stages=1", "--set", "train.steps=2", "--set", "train.eval_every=0"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(tmp_path))
+        proc = _train(tiny_data, outs[name], env, str(tmp_path), [f"model.pretrained={value}"], ["--stop-at", "2"])
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert train_losses(outs["id"]) == train_losses(outs["path"])
-    saved = mmpipe.load_config(os.path.join(outs["id"], "config.yaml"))  # (resolved again, offline)
-    import yaml
     with open(os.path.join(outs["id"], "config.yaml")) as fh:
         assert yaml.safe_load(fh)["model"]["pretrained"] == f"tiny-org/clip@{C1}"
-    assert saved.model.pretrained == hub["snaps"]["main"]
+    with open(os.path.join(cache, "models--tiny-org--clip", "refs", "main"), "w") as fh:
+        fh.write(C2)  # upstream's main moved
+    proc = _train(tiny_data, outs["id"], env, str(tmp_path), ["model.pretrained=tiny-org/clip"], ["--resume"])
+    assert proc.returncode != 0
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("mmpipe: error:")]
+    assert line and f"tiny-org/clip@{C2}" in line[0] and f"--set model.pretrained=tiny-org/clip@{C1}" in line[0], \
+        proc.stderr[-2000:]
+    proc = _train(tiny_data, outs["id"], env, str(tmp_path), [f"model.pretrained=tiny-org/clip@{C1}"], ["--resume"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(train_losses(outs["id"])) == 3
+    export(outs["id"], str(tmp_path / "exported"))
+    from transformers import CLIPModel
+    assert CLIPModel.from_pretrained(str(tmp_path / "exported")).config.projection_dim == 16
 
 
 FAKE_DOWNLOAD = r'''

@@ -45,7 +45,7 @@ def run_record(cfg, layout: dict, plan: Optional[dict] = None) -> dict:
     import transformers
 
     return {"format": 1, "family": cfg.model.type, "model": absolute_paths(cfg.to_dict()["model"]), "layout": layout,
-            "plan": plan, "training": training_record(cfg),
+            "plan": plan, "training": training_record(cfg), "hub": dict(getattr(cfg, "hub", {}) or {}),
             "versions": {"mmpipe": __version__, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
                          "transformers": transformers.__version__}}
 

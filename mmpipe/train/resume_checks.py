@@ -23,6 +23,7 @@ def check_resume(root: str, current: dict, packing: Optional[bool]) -> None:
     if not record:
         return
     check_training(tag_dir, record.get("training"), current.get("training") or {})
+    check_hub(tag_dir, record.get("hub") or {}, current.get("hub") or {})
     if record.get(FROZEN_EXCLUDED, False) and current.get("frozen_base") is not None:
         check_base(record.get("frozen_base"), current["frozen_base"], tag_dir, "in the config resumed with",
                    "--resume: ")
@@ -32,6 +33,17 @@ def check_resume(root: str, current: dict, packing: Optional[bool]) -> None:
         raise MmpipeError(f"--resume: {tag_dir}'s data position counts {counts} (data.packing={str(saved).lower()}), "
                           f"this run has data.packing={str(packing).lower()}: the rest of its epoch cannot be found; "
                           f"resume with data.packing={str(saved).lower()}, or start a new train.output_dir")
+
+
+def check_hub(tag_dir: str, saved: dict, now: dict) -> None:
+    """A hub id resolves now to the snapshot the checkpoint was trained from (``config.hub``): a later
+    change of its branch upstream is refused in one line, not picked up silently."""
+    for key, pin in saved.items():
+        cur = now.get(key)
+        if cur and cur != pin and cur.split("@")[0] == pin.split("@")[0]:
+            raise MmpipeError(f"--resume: {key}={cur.split('@')[0]} is {cur} now, the checkpoint in {tag_dir} was "
+                              f"trained from {pin}: resume with --set {key}={pin} (its config.yaml), or start a new "
+                              "train.output_dir")
 
 
 def check_training(tag_dir: str, saved: Optional[dict], now: dict) -> None:
