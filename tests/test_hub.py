@@ -96,6 +96,36 @@ def test_a_resume_refuses_a_hub_id_that_moved():
     assert f"--set model.pretrained=a/b@{C1}" in _one_line(e)
 
 
+@pytest.mark.parametrize("error,words", [
+    ("GatedRepoError", ["gated", "HF_TOKEN"]),
+    ("RepositoryNotFoundError", ["not found on the hub", "HF_TOKEN"]),
+    ("RevisionNotFoundError", ["no revision 'v7'", "@main"]),
+])
+def test_what_the_hub_answers_is_one_line(hub, tmp_path, monkeypatch, error, words):
+    """Online (nothing reaches a hub from here: huggingface_hub's own exceptions stand in for its answers):
+    a gated or private repository without a token, and a revision the hub does not have, are one line
+    naming the id and the fix."""
+    import importlib
+
+    from huggingface_hub import errors
+    httpx = importlib.import_module(errors.HfHubHTTPError.__mro__[1].__module__.split(".")[0])  # (httpx or httpx2)
+
+    import mmpipe.config.hub as hubmod
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    response = httpx.Response(401, request=httpx.Request("GET", "https://huggingface.co"))
+
+    def answer(repo, revision, cache, patterns, local_only):
+        if local_only:
+            raise FileNotFoundError(repo)
+        raise getattr(errors, error)("the hub's answer", response=response)
+    monkeypatch.setattr(hubmod, "_snapshot", answer)
+    with pytest.raises(ConfigError) as e:
+        mmpipe.load_config(TINY, ["model.pretrained=tiny-org/private@v7"])
+    msg = _one_line(e)
+    assert "model.pretrained" in msg and "tiny-org/private" in msg and all(w in msg for w in words), msg
+
+
 def test_each_failure_is_one_line(offline, tmp_path):
     with pytest.raises(ConfigError) as e:  # not cached, offline
         mmpipe.load_config(TINY, ["model.pretrained=tiny-org/absent"])
