@@ -152,6 +152,17 @@ def train_losses(out: str) -> list:
     return [r["loss"] for r in read_metrics(os.path.join(out, "metrics.jsonl"))]
 
 
+# A key projection's bias has no gradient in exact arithmetic (softmax attention is shift-invariant in its
+# keys): from 0 it moves only on rounding noise, which Adam scales up, so any change of summation order (a
+# data-parallel rank summing its share of the global loss's gradient with the others') leaves it ~1e-6
+# elsewhere. Compared at atol 1e-5; every other weight at the test's own tolerance.
+NO_GRADIENT = ("self_attn.k_proj.bias", "attention.self.key.bias")
+
+
+def weight_atol(name: str, atol: float) -> float:
+    return max(atol, 1e-5) if name.endswith(NO_GRADIENT) else atol
+
+
 def assert_same_training(a: str, b: str, steps: int = 4, loss_rtol: float = 1e-5, rtol: float = 1e-4,
                          atol: float = 1e-6) -> None:
     """Runs ``a`` and ``b`` give the same losses for ``steps`` steps and the same weights after them."""
@@ -163,4 +174,5 @@ def assert_same_training(a: str, b: str, steps: int = 4, loss_rtol: float = 1e-5
     wa = load_model_weights(os.path.join(a, "checkpoints"), f"global_step{steps}")
     wb = load_model_weights(os.path.join(b, "checkpoints"), f"global_step{steps}")
     for k in wa:
-        torch.testing.assert_close(wa[k].float(), wb[k].float(), rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(wa[k].float(), wb[k].float(), rtol=rtol, atol=weight_atol(k, atol),
+                                   msg=lambda m: f"{k}: {m}")

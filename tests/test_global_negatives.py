@@ -235,11 +235,7 @@ def _steps4(runs, key, nprocs, sets, launcher="deepspeed"):
 
 
 def _assert_same_training(a: str, b: str, steps: int = 4):
-    # atol 1e-5: a key projection's bias has no gradient in exact arithmetic (softmax attention is
-    # shift-invariant in its keys), so from 0 it moves only on rounding noise, which Adam scales up: a data-
-    # parallel rank summing its share of the loss's gradient with the others' (model.local_loss) leaves it
-    # ~1e-6 elsewhere than one process does; every other weight holds rtol 1e-4 at atol 1e-6 too
-    assert_same_training(a, b, steps, atol=1e-5)
+    assert_same_training(a, b, steps)  # (a key projection's bias at atol 1e-5: helpers.NO_GRADIENT)
 
 
 @pytest.mark.parametrize("key,nprocs,launcher,sets", [
@@ -316,13 +312,15 @@ def test_dropout_is_drawn_per_sample_in_every_grouping_and_layout(runs):
 
 def test_bf16_data_parallel_own_rows_train_as_the_whole_matrix(runs):
     """bf16 at DP2 x 2 micro-batches: each rank its own rows of the loss (computed in fp32 on the gathered
-    features) trains as every rank computing the whole B x B, to fp32's precision (the towers' bf16
-    arithmetic is the same in both); and within bf16's precision of fp32."""
+    features) trains as every rank computing the whole B x B: the first two steps' losses to fp32's precision
+    (the same bf16 towers on the same weights), then within bf16's (an fp32 master weight ~1e-7 apart can
+    round to the next bf16 value: measured 1.3e-4 at step 4); and within bf16's precision of fp32."""
     sets = ["parallel.pipeline_stages=1", "parallel.micro_batch_size=4", "train.precision=bf16"]
     own = _steps4(runs, "gn_dp2x2_bf16", 2, sets)
     whole = _steps4(runs, "gn_dp2x2_bf16_whole", 2, sets + ["model.local_loss=false"])
-    np.testing.assert_allclose(train_losses(own)[:4], train_losses(whole)[:4], rtol=1e-5)
-    assert_same_training(own, whole, 4, rtol=1e-2, atol=1e-3)  # (weights: bf16's own rounding of an update)
+    np.testing.assert_allclose(train_losses(own)[:2], train_losses(whole)[:2], rtol=1e-6)
+    np.testing.assert_allclose(train_losses(own)[:4], train_losses(whole)[:4], rtol=2e-3)
+    assert_same_training(own, whole, 4, loss_rtol=2e-3, rtol=2e-2, atol=2e-3)  # (bf16's rounding of an update)
     fp32 = _steps4(runs, "gn_one", 1, ONE_MICRO_BATCH, "python")
     np.testing.assert_allclose(train_losses(own)[:4], train_losses(fp32)[:4], rtol=2e-2)
 

@@ -260,3 +260,55 @@ def test_plan_sizes_a_model_from_its_config_files_alone(offline, tmp_path, capsy
     with pytest.raises(ConfigError) as e:
         mmpipe.load_config(TINY, ["model.pretrained=tiny-org/config-only"])
     assert "tiny-org/config-only" in _one_line(e) and "model-00001-of-00001.safetensors" in _one_line(e)
+
+
+@pytest.mark.dist
+def test_qwen2_5_vl_given_the_id_trains_as_its_directory(tiny_native_chat_data, tmp_path, monkeypatch):
+    """Qwen2.5-VL from ``tiny-org/qwen`` (offline, a cache snapshot of a tiny save_pretrained directory with
+    its processor and tokenizer) and from that directory: the same losses, two steps on mixed-size images."""
+    from mmpipe.families.qwen_vl.tiny import write_tiny_qwen2_5_vl
+    d = write_tiny_qwen2_5_vl(str(tmp_path / "qwen"), seed=2)
+    cache = str(tmp_path / "cache")
+    _snapshot(cache, "tiny-org/qwen", C1, d, "main")
+    env = dict(_env(), HF_HUB_CACHE=cache, HF_HUB_OFFLINE="1")
+    losses = {}
+    for name, value in (("id", "tiny-org/qwen"), ("path", d)):
+        (tmp_path / f"{name}.yaml").write_text(
+            f"model: {{type: qwen2_5_vl, pretrained: {value}}}\\n"
+            f"data: {{train: {tiny_native_chat_data['train']}, max_length: 256, num_workers: 0, min_pixels: 3136, "
+            "max_pixels: 12544}\\n"
+            f"parallel: {{pipeline_stages: 1, micro_batch_size: 2}}\\n"
+            f"train: {{steps: 2, batch_size: 4, output_dir: {tmp_path / name}, eval_every: 0, save_every: 0}}\\n"
+            "log: {progress: false}\\n")
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--config",
+                               str(tmp_path / f"{name}.yaml")], capture_output=True, text=True, env=env,
+                              cwd=str(tmp_path), timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses[name] = train_losses(str(tmp_path / name))
+    assert len(losses["id"]) == 2 and losses["id"] == losses["path"]
+
+
+def test_a_llava_given_by_id_is_the_directory_given_by_path(tmp_path, monkeypatch):
+    """A LLaVA-style VLM from ``tiny-org/llava`` (offline) builds the model the directory builds: every
+    weight equal, transformers' own weights."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                       image_size=32, patch_size=8),
+        text_config=LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=100, max_position_embeddings=64),
+        image_token_id=99))
+    d = str(tmp_path / "llava")
+    model.save_pretrained(d)
+    cache = str(tmp_path / "cache")
+    _snapshot(cache, "tiny-org/llava", C1, d, "main")
+    monkeypatch.setenv("HF_HUB_CACHE", cache)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    sets = ["model.type=vlm", "model.image_token_id=99"]
+    by_id = mmpipe.build_model(mmpipe.load_config(None, sets + ["model.pretrained=tiny-org/llava"]))
+    by_path = mmpipe.build_model(mmpipe.load_config(None, sets + [f"model.pretrained={d}"]))
+    a, b = by_id.state_dict(), by_path.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    emb = model.get_input_embeddings().weight
+    assert any(v.shape == emb.shape and torch.equal(v, emb) for v in a.values())
