@@ -21,16 +21,20 @@ from mmpipe.errors import ConfigError
 C1, C2 = "1" * 40, "2" * 40
 
 
-def _tiny_clip_dir(path: str, scale: float) -> None:
+def _tiny_clip_dir(path: str, scale: float, tok) -> None:
+    """A tiny CLIPModel directory with its tokenizer (one trained on the test captions)."""
     from transformers import CLIPConfig, CLIPModel
+
+    from mmpipe.data.tokenizer import eos_id
     cfg = CLIPConfig(text_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                      vocab_size=300, max_position_embeddings=16, eos_token_id=2, bos_token_id=None,
-                                      pad_token_id=0),
+                                      vocab_size=len(tok), max_position_embeddings=16, eos_token_id=eos_id(tok),
+                                      bos_token_id=None, pad_token_id=0),
                      vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                         intermediate_size=64, image_size=32, patch_size=8),
                      projection_dim=16, logit_scale_init_value=scale)
     torch.manual_seed(0)
     CLIPModel(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
 
 
 def _snapshot(cache: str, repo: str, commit: str, src: str, ref: str = None) -> str:
@@ -45,11 +49,14 @@ def _snapshot(cache: str, repo: str, commit: str, src: str, ref: str = None) -> 
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory):
+def hub(tmp_path_factory, tiny_data):
+    from mmpipe.data.manifest import read_manifest
+    from mmpipe.data.tokenizer import train_tokenizer
     d = tmp_path_factory.mktemp("hub")
     cache = str(d / "cache")
-    _tiny_clip_dir(str(d / "clip_a"), 2.6592)
-    _tiny_clip_dir(str(d / "clip_b"), 1.0)
+    tok = train_tokenizer([s.text for s in read_manifest(tiny_data["train"])], 300, str(d / "tokenizer"))
+    _tiny_clip_dir(str(d / "clip_a"), 2.6592, tok)
+    _tiny_clip_dir(str(d / "clip_b"), 1.0, tok)
     snaps = {"main": _snapshot(cache, "tiny-org/clip", C1, str(d / "clip_a"), "main"),
              "v2": _snapshot(cache, "tiny-org/clip", C2, str(d / "clip_b"), "v2")}
     return {"cache": cache, "snaps": snaps, "path_a": str(d / "clip_a")}
@@ -274,12 +281,12 @@ def test_qwen2_5_vl_given_the_id_trains_as_its_directory(tiny_native_chat_data, 
     losses = {}
     for name, value in (("id", "tiny-org/qwen"), ("path", d)):
         (tmp_path / f"{name}.yaml").write_text(
-            f"model: {{type: qwen2_5_vl, pretrained: {value}}}\\n"
+            f"model: {{type: qwen2_5_vl, pretrained: {value}}}\n"
             f"data: {{train: {tiny_native_chat_data['train']}, max_length: 256, num_workers: 0, min_pixels: 3136, "
-            "max_pixels: 12544}\\n"
-            f"parallel: {{pipeline_stages: 1, micro_batch_size: 2}}\\n"
-            f"train: {{steps: 2, batch_size: 4, output_dir: {tmp_path / name}, eval_every: 0, save_every: 0}}\\n"
-            "log: {progress: false}\\n")
+            "max_pixels: 12544}\n"
+            f"parallel: {{pipeline_stages: 1, micro_batch_size: 2}}\n"
+            f"train: {{steps: 2, batch_size: 4, output_dir: {tmp_path / name}, eval_every: 0, save_every: 0}}\n"
+            "log: {progress: false}\n")
         proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "train.py"), "--config",
                                str(tmp_path / f"{name}.yaml")], capture_output=True, text=True, env=env,
                               cwd=str(tmp_path), timeout=600)
