@@ -140,7 +140,8 @@ def test_lora_adapter_export_loads_with_auto_peft_model_from_anywhere(lora_run, 
     export(pinned, out)
     adapter_cfg = json.load(open(os.path.join(out, "adapter_config.json")))
     assert adapter_cfg["base_model_name_or_path"] == "tiny-org/llava" and adapter_cfg["revision"] == commit
-    model = AutoPeftModel.from_pretrained(out)  # the base from the cache, by id
+    # the base from the cache, by id (huggingface_hub read HF_HUB_CACHE when imported: the cache given here)
+    model = AutoPeftModel.from_pretrained(out, cache_dir=cache, local_files_only=True)
     assert any("lora_A" in n for n, _ in model.named_parameters())
 
 
