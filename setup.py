@@ -24,6 +24,8 @@ setup(
         "tensorboard",
         "peft>=0.13",  # optim.train_type: lora (ms-swift's LoRA)
         "psutil",  # device and process memory (planning.memory, parallel.roster)
+        "huggingface_hub>=0.30",  # hub ids in pretrained-weights keys (config.hub)
+        "filelock",  # ... one download per machine
     ],
     # open_clip: the loss and format parity tests; with what open_clip_train imports (pandas, webdataset), mmpipe
     # bench peers --family clip and mmpipe bench gpu (test_bench.py runs it at tiny size); timm: open_clip's SigLIP
