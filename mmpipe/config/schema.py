@@ -359,10 +359,11 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def load_config(path: Optional[str] = None, overrides=(), weights: bool = True) -> RunConfig:
+def load_config(path: Optional[str] = None, overrides=(), weights: bool = True, hub: bool = True) -> RunConfig:
     """Load a YAML run config (or defaults when ``path`` is None) and apply ``section.key=value`` overrides;
     hub ids in its pretrained-weights keys resolved to snapshot directories (``config.hub``; ``weights=False``:
-    their configs and tokenizer files only, enough to size the model)."""
+    their configs and tokenizer files only, enough to size the model; ``hub=False``: not at all, for a config
+    whose paths are relative to its own directory, as an export's)."""
     data: dict = {}
     where = path or "<defaults>"
     if path is not None:
@@ -401,7 +402,7 @@ def load_config(path: Optional[str] = None, overrides=(), weights: bool = True) 
     cfg.explicit = frozenset(explicit)
     cfg.source = path
     from mmpipe.config.hub import resolve_ids
-    cfg.hub = resolve_ids(cfg, weights)  # hub ids -> snapshot directories, before anything reads a path
+    cfg.hub = resolve_ids(cfg, weights) if hub else {}  # hub ids -> snapshot directories, before a path is read
     # paths in the config are relative to the working directory, as with deepspeed/accelerate/torchrun
     validate(cfg)
     return cfg

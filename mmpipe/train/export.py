@@ -228,7 +228,7 @@ def load_export_weights(path: str) -> dict:
 
 def build_exported(path: str, seed=None):
     """The plain model of an mmpipe-format export with its weights (pretrained paths resolved in it)."""
-    cfg = load_config(os.path.join(path, "config.yaml"))
+    cfg = load_config(os.path.join(path, "config.yaml"), hub=False)  # (its pretrained paths: relative to it)
 
     def resolve(section) -> None:
         for name in getattr(section, "__dataclass_fields__", {}):
