@@ -69,6 +69,21 @@ def launch(nprocs: int, config: str, sets: list, out: str, env: dict = None) -> 
     return proc.stdout + proc.stderr
 
 
+def run_worker(script: str, nprocs: int, spec: dict, tmp: str, what: str) -> None:
+    """``deepspeed --num_gpus nprocs mmpipe/bench/<script> <spec.json>``: a bench's own worker on ``spec``
+    (written to ``tmp``); the bench stops with the worker's last lines when it fails (``what``: in that line)."""
+    import json
+    path = os.path.join(tmp, os.path.splitext(script)[0] + "_spec.json")
+    with open(path, "w") as fh:
+        json.dump(spec, fh)
+    cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(nprocs), "--master_port", str(free_port()),
+           os.path.join(ROOT, "mmpipe", "bench", script), path]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"mmpipe bench: {what} failed:\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-25:]))
+
+
 def _steps(out: str, warmup: int) -> list:
     return read_metrics(os.path.join(out, "metrics.jsonl"))[warmup:]
 

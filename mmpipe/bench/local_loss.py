@@ -9,15 +9,12 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
-import subprocess
 import sys
 
-from mmpipe.bench.common import ROOT, append_benchmarks, launch, pooled, with_scratch
+from mmpipe.bench.common import ROOT, append_benchmarks, launch, pooled, run_worker, with_scratch
 from mmpipe.config.schema import family_of, load_config
 from mmpipe.data.cache import prepare
 from mmpipe.data.synth import synth
-from mmpipe.parallel.startup import free_port
 from mmpipe.families.clip.losses import ClipLoss, SigmoidLoss
 from mmpipe.planning.memory import STEP_LOSS_BLOCK_PAIR_BYTES, RunShape, step_loss_bytes
 
@@ -41,16 +38,7 @@ def _variants(batch: int) -> list:
 def _loss_only(args, sets: list, tmp: str) -> dict:
     spec = {"config": args.config, "sets": sets, "batch": args.batch, "repeats": args.repeats,
             "out": os.path.join(tmp, "loss.json")}
-    path = os.path.join(tmp, "loss_spec.json")
-    with open(path, "w") as fh:
-        json.dump(spec, fh)
-    cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", "2", "--master_port", str(free_port()),
-           os.path.join(ROOT, "mmpipe", "bench", "local_loss_worker.py"), path]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise SystemExit("mmpipe bench local-loss: the loss-only run failed:\n"
-                         + "\n".join((proc.stdout + proc.stderr).splitlines()[-25:]))
+    run_worker("local_loss_worker.py", 2, spec, tmp, "the loss-only run")
     ranks = []
     for r in range(2):
         with open(spec["out"] + f".{r}") as fh:

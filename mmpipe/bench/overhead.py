@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
 
-from mmpipe.bench.common import ROOT, append_benchmarks, free_port, launch, with_scratch
+from mmpipe.bench.common import ROOT, append_benchmarks, launch, run_worker, with_scratch
 from mmpipe.config.schema import DataConfig
 from mmpipe.parallel.topology import cpu_threads
 
@@ -26,16 +25,7 @@ def raw_deepspeed(run: str, ranks: int, stages: int, steps: int, clip: float, tm
     """The raw DeepSpeed baseline's step times on the mmpipe run ``run``'s model and shapes (each rank at the
     CPU threads an mmpipe rank takes: ``parallel.topology.cpu_threads``, ``OMP_NUM_THREADS`` first)."""
     spec = {"run": run, "stages": stages, "steps": steps, "clip": clip, "out": os.path.join(tmp, "raw.json")}
-    path = os.path.join(tmp, "raw_spec.json")
-    with open(path, "w") as fh:
-        json.dump(spec, fh)
-    cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
-           os.path.join(ROOT, "mmpipe", "bench", "overhead_worker.py"), path]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise SystemExit("mmpipe bench overhead: the raw DeepSpeed run failed:\n"
-                         + "\n".join((proc.stdout + proc.stderr).splitlines()[-25:]))
+    run_worker("overhead_worker.py", ranks, spec, tmp, "the raw DeepSpeed run")
     with open(spec["out"]) as fh:
         return json.load(fh)["step_times"]
 

@@ -286,9 +286,8 @@ def _step_loss(stage: int, stages: int, micro_batches: int, dp: int, sch: RunSha
     the gathered features (``STEP_LOSS_*FEATURE_COPIES``). With ``loss_local`` and D > 1 a rank computes
     only its own rows (B / D) against all B, in blocks of at most ``loss_block``. None when the step is one
     micro-batch on one rank (the loss layer then runs in the graph: profiled)."""
-    if stage != stages - 1 or not step_loss_bytes(sch, micro_batches, dp):
-        return 0.0
-    return step_loss_bytes(sch, micro_batches, dp) - cached_features(sch, micro_batches, dp)
+    peak = step_loss_bytes(sch, micro_batches, dp) if stage == stages - 1 else 0.0
+    return peak - cached_features(sch, micro_batches, dp) if peak else 0.0
 
 
 def cached_features(sch: RunShape, micro_batches: int, dp: int) -> float:
