@@ -407,3 +407,58 @@ def test_a_replan_moves_only_to_a_cut_under_the_memory_budget():
     capped = decide(cap_gb)
     assert capped is not None and capped["new_parts"] != [0, 1, n]
     assert max(_stage_mem(prof, capped["new_parts"], 2, 4)) <= cap_gb * 2**30
+
+
+def test_text_layers_price_their_attention_by_length_squared():
+    """Qwen3.5's prices from a layer profile (each layer 1 ms forward, 2 ms backward at the example shape):
+    the GatedDeltaNet blocks and the vision side are linear in their units (no squares); the full-attention
+    block splits its time between slots and squares as its FLOPs split (QK^T and AV: the part that quadruples
+    when the rows double), and the two parts give back the measured time at the profiled shape."""
+    from helpers import TINY_CONFIGS
+
+    from mmpipe.config.resolve import build_family
+    from mmpipe.config.schema import load_config
+    from mmpipe.planning.prices import layer_prices, square_share
+    cfg = load_config(TINY_CONFIGS["qwen3_5"], ["model.llm.vocab_size=120", "model.image_token_id=5"])
+    family = build_family(cfg)
+    names = family.layer_names()
+    prof = {"layers": [{"name": n, "fwd_ms": 1.0, "bwd_ms": 2.0, "act_bytes": 0, "out_bytes": 0, "param_bytes": 0,
+                        "params": 0, "trainable": 0} for n in names]}
+    p = layer_prices(prof, family, cfg, 2)
+    kinds = family.text_cfg.layer_types
+    for i, name in enumerate(names):
+        if name.startswith("llm.blocks."):
+            full = kinds[int(name.rsplit(".", 1)[1])] == "full_attention"
+            assert (p["squares"][i] > 0) == full, (name, p["squares"][i])
+        else:
+            assert p["squares"][i] == 0.0, name
+    mbs = [(1.0, family.micro_batch(b)) for _, b in family.example_batches(2, cfg.data.max_length, "cpu")]
+    (_, mb), = mbs
+    full = names.index(f"llm.blocks.{kinds.index('full_attention')}")
+    share = square_share(family, names[full], mbs)
+    assert 0.05 < share < 0.95, share
+    rebuilt = p["seconds"][full] * mb.rows * mb.seq_len + p["squares"][full] * mb.rows * mb.seq_len ** 2
+    assert rebuilt == pytest.approx(3e-3, rel=1e-9)
+    assert p["squares"][full] * mb.rows * mb.seq_len ** 2 == pytest.approx(3e-3 * share, rel=1e-9)
+
+
+def test_squares_make_long_rows_cost_more_than_their_slots_and_a_refit_scales_both():
+    """A micro-batch's predicted cost adds rows x padded length² at the squares price: one row of 64 costs
+    more than four of 16 (the same slots) once attention is priced, and exactly as much without; the
+    balancer's step prediction and a refit's text column (slots plus squares in slots) follow it."""
+    from mmpipe.data.balance import SampleUnits, StagePrices, StepBalancer
+    units = SampleUnits(np.zeros(5), np.array([64, 16, 16, 16, 16]))
+    flat = StagePrices([0.0], [1e-4], max_length=64)
+    squared = StagePrices([0.0], [1e-4], max_length=64, squares=[1e-5])
+    for prices, more in ((flat, False), (squared, True)):
+        b = StepBalancer(units, prices, 1)
+        long_row, short_rows = b.group_cost([0])[0], b.group_cost([1, 2, 3, 4])[0]
+        assert (long_row > short_rows * 1.5) if more else long_row == pytest.approx(short_rows)
+    b = StepBalancer(units, squared, 1)
+    F = b.features([[0], [1, 2, 3, 4]])
+    assert F.tolist() == [[0.0, 64.0, 4096.0], [0.0, 64.0, 1024.0]]
+    assert b.group_cost([0])[0] == pytest.approx(1e-4 * 64 + 1e-5 * 4096)
+    text = squared.text_slots(F)
+    assert text.tolist() == [[64 + 0.1 * 4096, 64 + 0.1 * 1024]]
+    half = squared.scaled([1.0], [0.5], [0.0])
+    assert half.tokens == [5e-5] and half.squares == [5e-6]

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 from helpers import TINY, TINY_CONFIGS, TINY_VLM, launch
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, sdpa_backward_flop_count, sdpa_flop_count
 
 from mmpipe.cli.main import main
 from mmpipe.config.groups import apply_freeze, frozen_layout, resolve_groups
@@ -33,10 +33,15 @@ aten = torch.ops.aten
 # formulas for the CUDA ones (QK^T and AV forward, twice that backward)
 CPU_SDPA = {aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, **kw: sdpa_flop_count(q, k, v),
             aten._scaled_dot_product_flash_attention_for_cpu_backward:
-                lambda g, q, k, v, *a, **kw: sdpa_backward_flop_count(g, q, k, v)}
+                lambda g, q, k, v, *a, **kw: sdpa_backward_flop_count(g, q, k, v),
+            # torch's convolution_backward formula leaves out ``groups`` (a depthwise conv's input gradient counted
+            # as a dense one: x channels): each gradient a convolution wants costs what its forward does
+            aten.convolution_backward: lambda g, x, w, bias, stride, padding, dilation, transposed, out_pad, groups, mask,
+            *a, **kw: conv_flop_count(x, w, g, transposed) * (int(mask[0]) + int(mask[1]))}
 CLIP_SETS = ["model.text.vocab_size=300", "model.text.max_position_embeddings=16", "model.negatives=micro_batch"]
 VLM_SETS = ["model.llm.vocab_size=120", "model.image_token_id=5", "model.llm.max_position_embeddings=64"]
 TINY_QWEN = TINY_CONFIGS["qwen2_5_vl"]
+TINY_QWEN3_5 = TINY_CONFIGS["qwen3_5"]
 QWEN_SETS = ["model.llm.vocab_size=120", "model.image_token_id=5"]
 VARIANTS = {
     "clip": (TINY, CLIP_SETS),
@@ -56,12 +61,21 @@ VARIANTS = {
     "qwen-frozen-vision-lora": (TINY_QWEN, QWEN_SETS + ["optim.freeze_vit=true", "optim.train_type=lora"]),
     "qwen-uneven-windows": (TINY_QWEN, QWEN_SETS),  # 6 x 10 patches: windows of 4 x 4, 4 x 2, 2 x 4, 2 x 2
     "qwen-text-only": (TINY_QWEN, QWEN_SETS),
+    # Qwen3.5: GatedDeltaNet blocks (the chunked delta rule: rows of 24 positions padded to its chunk of 64) and
+    # a gated full-attention block; packed rows run the linear attention sample by sample (runs of 12)
+    "qwen3_5": (TINY_QWEN3_5, QWEN_SETS),
+    "qwen3_5-packed": (TINY_QWEN3_5, QWEN_SETS),
+    "qwen3_5-long-packed": (TINY_QWEN3_5, QWEN_SETS),  # rows of 150: runs of 75, two chunks each
+    "qwen3_5-lora": (TINY_QWEN3_5, QWEN_SETS + ["optim.train_type=lora"]),
+    "qwen3_5-checkpointed": (TINY_QWEN3_5, QWEN_SETS + ["parallel.activation_checkpointing=all"]),
+    "qwen3_5-text-only": (TINY_QWEN3_5, QWEN_SETS),
 }
 
 
 def _batch(family, name: str) -> dict:
-    batch = family.example_batch(4, 24, "cpu", **({"grid": (1, 6, 10)} if name == "qwen-uneven-windows" else {}))
-    if name in ("vlm-text-only", "qwen-text-only"):  # no images: the vision blocks run on one zero row or
+    batch = family.example_batch(4, 150 if "long" in name else 24, "cpu", **({"grid": (1, 6, 10)} if name == "qwen-uneven-windows" else {}),
+                                 **({"packed": True} if name.endswith("packed") else {}))
+    if name in ("vlm-text-only", "qwen-text-only", "qwen3_5-text-only"):  # no images: the vision blocks run on one zero row or
         ids = batch["input_ids"]                       # merge unit (chat.layers.through)
         ids[ids == family.image_token_id] = 0
         batch["pixel_values"] = batch["pixel_values"][:0]
@@ -107,7 +121,8 @@ def test_analytic_flops_agree_with_torchs_flop_counter(name):
     exact = name.startswith("qwen")  # every product counted as torch counts it: no slack for a miscounted span
     assert fwd > 0 and abs(analytic_fwd / fwd - 1) < (1e-9 if exact else 0.05), (analytic_fwd, fwd)
     assert abs(hardware / total - 1) < (1e-9 if exact else 0.05), (hardware, total)
-    assert model <= hardware and (model / total > 0.95 or "checkpointed" in name), (model, total)
+    # (rows of 150: sdpa's backward scores QK^T again, 8% of the step)
+    assert model <= hardware and (model / total > 0.95 or "checkpointed" in name or "long" in name), (model, total)
 
 
 def test_frozen_parts_and_checkpointing_change_the_backward_as_autograd_does():

@@ -164,6 +164,44 @@ def test_a_state_carried_across_a_sample_boundary_is_seen(q35_dir, tmp_path, mon
     assert worst > 1e-2, worst
 
 
+def test_the_trainer_peers_collator_gives_mmpipes_tokens_and_loss(q35_dir, tmp_path):
+    """``mmpipe bench peers --family qwen3_5``'s Trainer side: its collator (the directory's Qwen3VLProcessor,
+    ``<image>`` marks as image items, assistant-only labels) gives mmpipe's ids and labels, and the Trainer's
+    loss on a padded batch of mixed sizes and a text-only sample is mmpipe's; a text-only micro-batch sends
+    ms-swift's zero image through the ViT (every rank's backward reaches the same parameters)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from mmpipe.bench.peers_vlm import check_same_tokens
+    from mmpipe.bench.trainer_worker import Collate, dummy_vision, encode, token_mean_loss
+    from mmpipe.families.chat import read_chat
+    from mmpipe.parallel.plain import plain_model
+    paths = _images(tmp_path)
+    train = _chat(tmp_path, [(["<image>"], "what colour are the shapes?", "red", paths[:1]),
+                             ([], "what is two plus two?", "four", []),
+                             (["<image>", "<image>"], "how many shapes are there?", "three and two", paths[1:3]),
+                             (["<image>"], "where is the shape?", "at the top left", paths[3:4])])
+    cfg, fam, tok = _family(q35_dir, padding="batch", pad_multiple=1)
+    rows = [json.loads(line) for line in open(train)]
+    assert check_same_tokens(cfg, train, q35_dir, list(range(len(rows))), len(rows)) == len(rows)
+    proc = AutoProcessor.from_pretrained(q35_dir)
+    batch = Collate(proc.tokenizer.pad_token_id)([encode(proc, r, os.path.dirname(train), 256) for r in rows])
+    hf = AutoModelForImageTextToText.from_pretrained(q35_dir).eval()
+    ds = fam.dataset(read_chat(train), tok, cfg.data)
+    ours = fam.collate(tok, cfg.data)([ds[i] for i in range(len(rows))])
+    model = plain_model(fam).eval()
+    for name in fam.layer_names():
+        fam.load_pretrained(model.get_submodule(name), name)
+    with torch.no_grad():
+        labels = batch.pop("labels")
+        loss = token_mean_loss(hf)
+        out = hf(**batch)
+        theirs = loss(out, labels, num_items_in_batch=(labels[:, 1:] != -100).sum()) if loss else \
+            hf(**batch, labels=labels).loss
+        want = model(*[ours[k] for k in fam.inputs], ours["labels"])
+        assert dummy_vision(hf) == 0
+    torch.testing.assert_close(theirs, want, rtol=0, atol=1e-5)
+
+
 # ---- runs --------------------------------------------------------------------------------------------------
 CUTS = [["vision.embed", "vision.blocks.0"],  # a cut inside the ViT ...
         ["vision.blocks.1", "merger", "llm.embed", "llm.blocks.0"],  # ... and between two linear-attention blocks

@@ -19,7 +19,12 @@ Jobs (random weights built from config fields, nothing downloaded; bf16):
 - ``qwen_lora``: a Qwen2.5-VL-7B shape (``configs/qwen2_5_vl_7b.yaml``: the native-resolution ViT frozen,
   a 28 x 3584 Qwen2 decoder) with LoRA on the decoder's linears, chat samples with images of four sizes
   (256 to 972 image tokens each) packed into 2048-token rows, by mmpipe and by transformers' ``Trainer`` +
-  peft on ``Qwen2_5_VLForConditionalGeneration`` (the same samples, padded per micro-batch, as ms-swift).
+  peft on ``Qwen2_5_VLForConditionalGeneration`` (the same samples, padded per micro-batch, as ms-swift);
+- ``qwen3_5_lora``: a Qwen3.5-9B shape (``configs/qwen3_5_9b.yaml``: the ViT frozen, a 32 x 4096 hybrid decoder
+  of GatedDeltaNet and gated full-attention blocks) with LoRA on the decoder's linears (ms-swift's all-linear:
+  the linear-attention blocks' in_proj_qkv / in_proj_z / in_proj_b / in_proj_a / out_proj too), images of four
+  sizes (196 to 768 image tokens) packed into 2048-token rows, by mmpipe and by the Trainer + peft on
+  ``Qwen3_5ForConditionalGeneration``.
 
 For each: samples/s (median step after the warm-up), model TFLOP/s per device and MFU (analytic FLOPs:
 ``mmpipe.planning.flops``), the allocator's peak (``max_memory_allocated`` after the first step) beside
@@ -40,7 +45,7 @@ import time
 from mmpipe.bench.common import ROOT, _steps, append_benchmarks, free_port, launch, with_scratch
 from mmpipe.train.metrics import read_memory_record
 
-JOBS = ("clip", "vlm_lora", "vlm_full", "siglip_b16", "qwen_lora")
+JOBS = ("clip", "vlm_lora", "vlm_full", "siglip_b16", "qwen_lora", "qwen3_5_lora")
 _OC_STEP = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/\d+.*?Batch \(t\): ([\d.]+), ([\d.]+)/s,")
 
 
@@ -78,6 +83,9 @@ def job_specs(args) -> dict:
         qwen = (os.path.join(cfgs, "tiny_qwen2_5_vl.yaml"), ["parallel.micro_batch_size=2", "train.batch_size=4",
                                                              "data.max_length=96"])
         qwen_sizes = [(56, 56), (112, 84)]  # 4 and 12 image tokens
+        qwen3_5 = (os.path.join(cfgs, "tiny_qwen3_5.yaml"), ["parallel.micro_batch_size=2", "train.batch_size=4",
+                                                             "data.max_length=96"])
+        qwen3_5_sizes = [(64, 64), (128, 96)]  # 4 and 12 image tokens
     else:
         clip = (os.path.join(cfgs, "bench_gpu_clip_b16.yaml"), [])
         vlm = (os.path.join(cfgs, "llava_1_5_7b.yaml"), [f"parallel.micro_batch_size={args.vlm_micro_batch}",
@@ -91,6 +99,10 @@ def job_specs(args) -> dict:
                                                            f"train.batch_size={args.vlm_batch}",
                                                            "parallel.activation_checkpointing=none", "data.num_workers=8"])
         qwen_sizes = [(448, 448), (672, 504), (896, 672), (1008, 756)]  # 256, 432, 768 and 972 image tokens
+        qwen3_5 = (os.path.join(cfgs, "qwen3_5_9b.yaml"), [f"parallel.micro_batch_size={args.vlm_micro_batch}",
+                                                           f"train.batch_size={args.vlm_batch}",
+                                                           "parallel.activation_checkpointing=none", "data.num_workers=8"])
+        qwen3_5_sizes = [(448, 448), (640, 480), (896, 672), (1024, 768)]  # 196, 300, 588 and 768 image tokens
     vlm_common = ["data.packing=true", "data.padding=batch", "optim.warmup_steps=0", "data.log_samples=true"]
     lora = ["optim.train_type=lora", f"optim.lora_rank={args.lora_rank}", f"optim.lora_alpha={2 * args.lora_rank}",
             "optim.lora_dropout=0.05"]
@@ -102,7 +114,9 @@ def job_specs(args) -> dict:
                 "cut": full_layers},
             "siglip_b16": {"config": siglip[0], "sets": common + siglip[1], "peer": "open_clip_train"},
             "qwen_lora": {"config": qwen[0], "sets": common + qwen[1] + vlm_common + lora, "peer": "Trainer + peft", "lora": True,
-                          "image_sizes": qwen_sizes}}
+                          "image_sizes": qwen_sizes},
+            "qwen3_5_lora": {"config": qwen3_5[0], "sets": common + qwen3_5[1] + vlm_common + lora, "peer": "Trainer + peft",
+                             "lora": True, "image_sizes": qwen3_5_sizes}}
 
 
 def _data(tmp: str, job: str, cfg, n: int, sizes=None) -> list:

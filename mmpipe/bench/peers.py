@@ -237,7 +237,7 @@ def bench_peers_any(args) -> int:
 def add_arguments(p) -> None:
     p.add_argument("--family", choices=tuple(BUILTIN), default="clip",
                    help="clip: against open_clip_train; siglip: against open_clip_train --siglip (CLIP towers, "
-                        "SigLIP's sigmoid loss); vlm, qwen2_5_vl: against transformers' Trainer + DeepSpeed ZeRO-2, "
+                        "SigLIP's sigmoid loss); vlm, qwen2_5_vl, qwen3_5: against transformers' Trainer + DeepSpeed ZeRO-2, "
                         "full weights and LoRA")
     p.add_argument("--config", default=None, help="default: configs/demo.yaml (clip), configs/bench_FAMILY.yaml (a chat family)")
     p.add_argument("--n", type=int, default=None, help="synthetic pairs (clip: 4200) or chat samples (vlm: 400)")

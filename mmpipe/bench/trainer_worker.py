@@ -280,8 +280,9 @@ def _encoded_samples(run: str, count: int):
 
 def _gpu_model(family, spec: dict, device):
     """transformers' model of the run's config (``LlavaForConditionalGeneration``,
-    ``Qwen2_5_VLForConditionalGeneration``), random bf16 weights made on ``device``; peft LoRA on the
-    decoder's linears (the run had LoRA), else the vision tower frozen (freeze_vit)."""
+    ``Qwen2_5_VLForConditionalGeneration``, ``Qwen3_5ForConditionalGeneration``), random bf16 weights made on
+    ``device``; peft LoRA on the decoder's linears (the run had LoRA: Qwen3.5's linear-attention projections too,
+    as mmpipe and ms-swift adapt them), else the vision tower frozen (freeze_vit)."""
     import torch
     from transformers import AutoModelForImageTextToText
     torch.set_default_dtype(torch.bfloat16)
@@ -293,7 +294,8 @@ def _gpu_model(family, spec: dict, device):
         r = spec["lora_rank"]
         return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.05, bias="none",
                                                 target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|"
-                                                               r"gate_proj|up_proj|down_proj)"))
+                                                               r"gate_proj|up_proj|down_proj|in_proj_qkv|in_proj_z|"
+                                                               r"in_proj_b|in_proj_a|out_proj)"))
     for n, p in model.named_parameters():
         if re.search(r"(^|\.)(vision_tower|visual)\.", n):
             p.requires_grad_(False)

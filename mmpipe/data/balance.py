@@ -4,10 +4,11 @@ micro-batch) slot costs about the same on every pipeline stage.
 A sample is two numbers (``SampleUnits``): its vision units (image tokens: what the vision tower and
 projector compute on; 1 per image for a dual encoder) and its tokens (what the text side computes on).
 ``StagePrices`` holds, per pipeline stage, the seconds per vision unit and per token slot (forward +
-backward, from the measured layer profile: ``mmpipe.planning.balance_prices``). A micro-batch's cost on
-stage s is ``vision[s] x its vision units + tokens[s] x rows x padded length`` (padding as the collate
-pads: to the longest row, rounded up to ``pad_multiple``, at most ``max_length``; or always
-``max_length``), so grouping similar lengths (less padding) and spreading the heavy samples are one
+backward, from the measured layer profile: ``mmpipe.planning.prices``). A micro-batch's cost on
+stage s is ``vision[s] x its vision units + tokens[s] x rows x padded length + squares[s] x rows x padded
+length²`` (the last: attention's score products, which grow with a row's length squared; a linear-attention
+or recurrent layer has none) (padding as the collate pads: to the longest row, rounded up to
+``pad_multiple``, at most ``max_length``; or always ``max_length``), so grouping similar lengths (less padding) and spreading the heavy samples are one
 objective. A rank's step is its micro-batches run through the run's pipeline schedule
 (``parallel.schedules.step_seconds``: the simulator's replay of the stages' streams, backward = 2 x forward),
 so uneven slots cost the bubbles they cause; the step is the slowest rank's. ``regroup`` searches swaps of samples between micro-batches of the step
@@ -48,14 +49,25 @@ class StagePrices:
     base: Optional[list] = None  # seconds per micro-batch per stage, whatever it holds (a refit's intercept)
     order: str = "1f1b"  # the run's pipeline schedule and its leading stages that train nothing: how a rank's
     frozen: int = 0  # micro-batches are priced as a step (``schedules.step_seconds``)
+    squares: Optional[list] = None  # seconds per row x padded length², per stage (attention's scores)
 
     def __post_init__(self):
         self.base = list(self.base) if self.base is not None else [0.0] * len(self.vision)
+        self.squares = list(self.squares) if self.squares is not None else [0.0] * len(self.vision)
 
     def scaled(self, vision: list, tokens: list, base: list) -> "StagePrices":
-        """These prices with each stage's vision and token price multiplied and its base set."""
+        """These prices with each stage's vision and text prices multiplied (a row's slots and its squares by
+        the same factor) and its base set."""
         return StagePrices([p * a for p, a in zip(self.vision, vision)], [p * b for p, b in zip(self.tokens, tokens)],
-                           self.max_length, self.pad_multiple, self.fixed_length, list(base), self.order, self.frozen)
+                           self.max_length, self.pad_multiple, self.fixed_length, list(base), self.order, self.frozen,
+                           [p * b for p, b in zip(self.squares, tokens)])
+
+    def text_slots(self, features: np.ndarray) -> np.ndarray:
+        """[stages, micro-batches]: each micro-batch's text work on each stage in token slots (its slots, plus
+        its squares at the stage's price per square over its price per slot): what a refit scales."""
+        F = np.asarray(features, dtype=np.float64).reshape(-1, 3)
+        ratio = [q / t if t > 0 else 0.0 for q, t in zip(self.squares, self.tokens)]
+        return np.stack([F[:, 1] + r * F[:, 2] for r in ratio])
 
     def step(self, C: np.ndarray) -> np.ndarray:
         """Predicted seconds of a rank's step over micro-batches with per-stage costs ``C`` [..., M, P]."""
@@ -87,6 +99,7 @@ class StepBalancer:
         self.pv = np.asarray(prices.vision, dtype=np.float64)
         self.pt = np.asarray(prices.tokens, dtype=np.float64)
         self.pb = np.asarray(prices.base, dtype=np.float64)
+        self.pq = np.asarray(prices.squares, dtype=np.float64)
 
     def reprice(self, prices: StagePrices, first_step: int) -> None:
         """Regroup from step ``first_step`` on with ``prices`` (``mmpipe.train.price_refit``)."""
@@ -150,18 +163,20 @@ class StepBalancer:
 
     # ---- costs -------------------------------------------------------------------------------
     def features(self, groups: list) -> np.ndarray:
-        """[micro-batches, 2]: each micro-batch's vision units and token slots (rows x padded length)."""
-        out = np.zeros((len(groups), 2))
+        """[micro-batches, 3]: each micro-batch's vision units, token slots (rows x padded length) and squares
+        (rows x padded length²)."""
+        out = np.zeros((len(groups), 3))
         for k, g in enumerate(groups):
             idx = np.asarray(g, dtype=np.int64)
             if len(idx):
-                out[k] = (self.units.vision[idx].sum(), len(idx) * self._padded(self.units.tokens[idx].max()))
+                L = float(self._padded(self.units.tokens[idx].max()))
+                out[k] = (self.units.vision[idx].sum(), len(idx) * L, len(idx) * L * L)
         return out
 
     def group_cost(self, group) -> np.ndarray:
         """Predicted seconds of one micro-batch on each stage."""
-        v, slots = self.features([group])[0]
-        return self.pv * v + self.pt * slots + (self.pb if len(group) else 0.0)
+        v, slots, squares = self.features([group])[0]
+        return self.pv * v + self.pt * slots + self.pq * squares + (self.pb if len(group) else 0.0)
 
     def slot_costs(self, groups: list) -> np.ndarray:
         """[micro-batches, stages] predicted seconds."""
@@ -245,7 +260,7 @@ class StepBalancer:
         owner = np.array([h for h, g in enumerate(groups) for _ in g], dtype=np.int64)
         rows = np.array([len(g) for g in groups], dtype=np.int64)
         v, t = self.units.vision[ids].copy(), self.units.tokens[ids].copy()
-        pv, pt, pb = self.pv[None, :], self.pt[None, :], self.pb[None, :]
+        pv, pt, pb, pq = self.pv[None, :], self.pt[None, :], self.pb[None, :], self.pq[None, :]
         cap_v, cap_s = self._cap
         cap = self.max_swaps if self.max_swaps is not None else 4 * len(ids)
         for _ in range(cap):
@@ -260,7 +275,8 @@ class StepBalancer:
             top2 = np.full(G, -1, dtype=np.int64)
             np.maximum.at(top2, owner, t2)
             excl = np.where(is_top & (n_top[owner] < 2), top2[owner], top1[owner])
-            C = pv * V[:, None] + pt * (rows * self._padded(np.maximum(top1, 0)))[:, None] + pb
+            L1 = self._padded(np.maximum(top1, 0)).astype(np.float64)
+            C = pv * V[:, None] + pt * (rows * L1)[:, None] + pq * (rows * L1 * L1)[:, None] + pb
             pace = C.max(axis=1)
             Cr = C.reshape(R, A, -1)
             T = self.prices.step(Cr)
@@ -277,22 +293,23 @@ class StepBalancer:
                     j = np.nonzero(owner != g)[0]
                     h = owner[j]
                     Lg = self._padded(np.maximum(np.maximum(excl[a], t[j]), 0))
-                    Vg, Sg = V[g] - v[a] + v[j], rows[g] * Lg
+                    Vg, Sg, Qg = V[g] - v[a] + v[j], rows[g] * Lg, rows[g] * Lg.astype(np.float64) ** 2
                     Lh = self._padded(np.maximum(np.maximum(excl[j], t[a]), 0))
-                    Vh, Sh = V[h] - v[j] + v[a], rows[h] * Lh
-                    cands = [(j, h, Vg, Sg, Vh, Sh)]
+                    Vh, Sh, Qh = V[h] - v[j] + v[a], rows[h] * Lh, rows[h] * Lh.astype(np.float64) ** 2
+                    cands = [(j, h, Vg, Sg, Qg, Vh, Sh, Qh)]
                     if self.variable and rows[g] > 1:  # a moved to each other group h
                         h = np.array([x for x in range(G) if x != g], dtype=np.int64)
                         Lg = self._padded(np.full(len(h), max(int(excl[a]), 0)))
                         Lh = self._padded(np.maximum(np.maximum(top1[h], t[a]), 0))
-                        cands.append((None, h, np.full(len(h), V[g] - v[a]), (rows[g] - 1) * Lg,
-                                      V[h] + v[a], (rows[h] + 1) * Lh))
-                    for j, h, Vg, Sg, Vh, Sh in cands:
+                        Lg, Lh = Lg.astype(np.float64), Lh.astype(np.float64)
+                        cands.append((None, h, np.full(len(h), V[g] - v[a]), (rows[g] - 1) * Lg, (rows[g] - 1) * Lg * Lg,
+                                      V[h] + v[a], (rows[h] + 1) * Lh, (rows[h] + 1) * Lh * Lh))
+                    for j, h, Vg, Sg, Qg, Vh, Sh, Qh in cands:
                         ok = (Vg <= cap_v) & (Sg <= cap_s) & (Vh <= cap_v) & (Sh <= cap_s)
                         if not ok.any():
                             continue
-                        Cg = pv * Vg[:, None] + pt * Sg[:, None] + pb
-                        Ch = pv * Vh[:, None] + pt * Sh[:, None] + pb
+                        Cg = pv * Vg[:, None] + pt * Sg[:, None] + pq * Qg[:, None] + pb
+                        Ch = pv * Vh[:, None] + pt * Sh[:, None] + pq * Qh[:, None] + pb
                         o = np.where(ok, self._score(state, g, h, Cg, Ch, A), np.inf)
                         k = int(np.argmin(o))
                         if o[k] < obj * (1 - 1e-9) and (best is None or o[k] < best[0]):
@@ -349,7 +366,9 @@ class StepBalancer:
         for i in order:
             Vn, Ln = V + self.units.vision[i], self._padded(np.maximum(L, int(self.units.tokens[i])))
             Sn = (rows + 1) * Ln
-            pace = (self.pv[None, :] * Vn[:, None] + self.pt[None, :] * Sn[:, None] + self.pb[None, :]).max(axis=1)
+            Qn = (rows + 1) * Ln.astype(np.float64) ** 2
+            pace = (self.pv[None, :] * Vn[:, None] + self.pt[None, :] * Sn[:, None] + self.pq[None, :] * Qn[:, None]
+                    + self.pb[None, :]).max(axis=1)
             ok = (Vn <= self._cap[0]) & (Sn <= self._cap[1])
             if not self.variable:
                 ok &= rows < size

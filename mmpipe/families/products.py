@@ -22,6 +22,9 @@ class MicroBatch(NamedTuple):
     patches: int = 0
     full_pairs: int = 0
     window_pairs: int = 0
+    # a recurrent (linear-attention) layer run sample by sample on packed rows: the length of each run
+    # (empty: every row whole)
+    recurrent_spans: tuple = ()
 
 
 class Matmul(NamedTuple):
@@ -34,7 +37,10 @@ class Matmul(NamedTuple):
     ``recomputed``: activation checkpointing runs it again in backward; False for a layer's last
     product whose output nothing keeps (a block's last linear before its residual add, a layer that
     is one Linear): torch's recompute stops at the last tensor backward needs. ``rescored``: the
-    backward runs it again (attention's QK^T: sdpa's fused kernels keep no scores)."""
+    backward runs it again (attention's QK^T: sdpa's fused kernels keep no scores). For a product of two
+    activations, ``grads``: the products its backward runs (None: one per operand, 2; fewer where an operand
+    is a constant or its result is dropped), and ``forward=False`` for a backward-only product (a triangular
+    solve's gradient of its matrix: the solve itself is no matrix product)."""
     m: int
     k: int
     n: int
@@ -42,6 +48,8 @@ class Matmul(NamedTuple):
     depth: int = 2
     recomputed: bool = True
     rescored: bool = False
+    grads: Optional[int] = None
+    forward: bool = True
 
 
 # module paths of the blocks' products (``block_products``' names)

@@ -93,10 +93,11 @@ def product_flops(p: Matmul, layer: str, role: Role, t: Training) -> tuple:
     the products its backward runs again (``Matmul.rescored``)."""
     f = 2.0 * p.m * p.k * p.n
     if role.forward_only:
-        return f, 0.0, 0.0
+        return (f if p.forward else 0.0), 0.0, 0.0
     grad_in = role.upstream_trains or (role.trains_dense if p.depth == 1 else role.trains if p.depth >= 2 else False)
     if p.weight is None:  # a product of two activations: a gradient for both when they want one
-        return f, 2 * f if grad_in else 0.0, f if grad_in and p.rescored else 0.0
+        grads = 2 if p.grads is None else p.grads
+        return (f if p.forward else 0.0), grads * f if grad_in else 0.0, f if grad_in and p.rescored else 0.0
     weight = _param(layer, p.weight, "base_layer.weight")
     adapted = weight in t.params
     if not adapted:

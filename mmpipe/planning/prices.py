@@ -3,8 +3,12 @@ prices each micro-batch of a step with it (``mmpipe.data.balance``).
 
 A layer whose segment the family's ``cost_driver`` calls ``vision`` computes on the micro-batch's vision units (image
 tokens, or images of a dual encoder's fixed size), every other layer on its token slots (rows x padded
-length). Its price is its forward + backward (+ recomputed forward) time at the profiled example shapes
-over the units those shapes hold (a family profiled at several image sizes: their weighted means)."""
+length) and, where it has attention scores, on its squares (rows x padded length²: QK^T and AV grow with a
+row's length squared; a linear-attention, recurrent or MLP layer has none). Its price is its forward +
+backward (+ recomputed forward) time at the profiled example shapes over the units those shapes hold (a
+family profiled at several image sizes: their weighted means); a text layer's time is split between its
+slots and its squares as its analytic forward FLOPs split at those shapes (``Family.matmuls``: the part that
+grows fourfold when the rows double in length; a family without analytic FLOPs: all slots)."""
 from __future__ import annotations
 
 import torch
@@ -13,20 +17,26 @@ from mmpipe.planning.place import layer_costs, recomputed_ms
 
 
 def layer_prices(prof: dict, family, cfg, micro_batch_size: int) -> dict:
-    """``{"drivers": [vision|tokens per layer], "seconds": [per unit per layer], "max_length",
-    "pad_multiple", "fixed_length"}``: kept in the run's plan (a resume regroups its steps the same way)."""
+    """``{"drivers": [vision|tokens per layer], "seconds": [per unit per layer], "squares": [per row x length²
+    per layer], "max_length", "pad_multiple", "fixed_length"}``: kept in the run's plan (a resume regroups its
+    steps the same way)."""
     costs = layer_costs(prof)
     again = recomputed_ms(prof, costs)
     shapes = [(w, b) for w, b in family.example_batches(micro_batch_size, cfg.data.max_length, torch.device("cpu"),
                                                         packed=cfg.data.packing, data_cfg=cfg.data) if w > 0]
     total = sum(w for w, _ in shapes) or 1.0
     units = [sum(w * family.batch_units(b)[k] for w, b in shapes) / total for k in (0, 1)]
-    drivers, seconds = [], []
-    for c, r, seg in zip(costs, again, family.segments()):
+    mbs = [(w, family.micro_batch(b)) for w, b in shapes]
+    squares_unit = sum(w * mb.rows * mb.seq_len ** 2 for w, mb in mbs) / total
+    drivers, seconds, squares = [], [], []
+    for name, c, r, seg in zip(family.layer_names(), costs, again, family.segments()):
         drivers.append(family.cost_driver(seg))
         d = 0 if drivers[-1] == "vision" else 1
-        seconds.append((c.fwd_ms + c.bwd_ms + r) / 1e3 / units[d] if units[d] > 0 else 0.0)
-    return {"drivers": drivers, "seconds": seconds, "max_length": int(cfg.data.max_length),
+        t = (c.fwd_ms + c.bwd_ms + r) / 1e3
+        share = square_share(family, name, mbs) if d == 1 else 0.0
+        seconds.append(t * (1 - share) / units[d] if units[d] > 0 else 0.0)
+        squares.append(t * share / squares_unit if squares_unit > 0 else 0.0)
+    return {"drivers": drivers, "seconds": seconds, "squares": squares, "max_length": int(cfg.data.max_length),
             "pad_multiple": int(cfg.data.pad_multiple), "fixed_length": cfg.data.padding == "max_length"}
 
 
@@ -36,13 +46,33 @@ def stage_prices(plan):
     if not plan.prices:
         return None
     p = plan.prices
-    vision, tokens = [], []
+    vision, tokens, squares = [], [], []
     for s in range(plan.num_stages):
         span = range(plan.parts[s], plan.parts[s + 1])
         vision.append(sum(p["seconds"][i] for i in span if p["drivers"][i] == "vision"))
         tokens.append(sum(p["seconds"][i] for i in span if p["drivers"][i] == "tokens"))
+        squares.append(sum(p.get("squares", [0.0] * len(p["seconds"]))[i] for i in span if p["drivers"][i] == "tokens"))
     return StagePrices(vision, tokens, p["max_length"], p["pad_multiple"], p["fixed_length"], order=plan.schedule,
-                       frozen=plan.frozen_stages)
+                       frozen=plan.frozen_stages, squares=squares)
+
+
+def _forward_flops(family, name: str, mb) -> float:
+    return sum(2.0 * p.m * p.k * p.n for p in family.matmuls(name, mb) if p.forward)
+
+
+def square_share(family, name: str, mbs: list) -> float:
+    """The share of layer ``name``'s forward FLOPs that grows with its rows' length squared, over the example
+    micro-batches ``mbs`` ([(weight, MicroBatch)]): F(2L) - 2 F(L) = 2 x the quadratic part (the linear parts
+    cancel; a product that pads to a chunk may make it negative: none). 0 without analytic FLOPs."""
+    quad = full = 0.0
+    try:
+        for w, mb in mbs:
+            f = _forward_flops(family, name, mb)
+            quad += w * max(0.0, (_forward_flops(family, name, mb._replace(seq_len=2 * mb.seq_len)) - 2 * f) / 2)
+            full += w * f
+    except NotImplementedError:
+        return 0.0
+    return min(1.0, quad / full) if full > 0 else 0.0
 
 
 def refit_stage(vision_price: float, token_price: float, features, busy, weight: float = 1.0) -> dict:

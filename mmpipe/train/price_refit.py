@@ -41,17 +41,17 @@ class PriceRefit:
         self.clock = clock
         self.coords = [topo.coords(r) for r in range(run.world)]
         self.first = start_step + 2  # this process's first step warms up: not measured
-        self.seen: list = []  # per step: (features [D*A, 2], busy [P, D, A])
+        self.seen: list = []  # per step: (features [D*A, 3], busy [P, D, A])
         # the loader asks for at most workers x prefetch micro-batches ahead of the step being trained
         ahead = cfg.data.num_workers * cfg.data.prefetch_factor if cfg.data.num_workers else 0
         self.lead = 1 + math.ceil(ahead / self.A)
 
     def columns(self, step: int) -> list:
         """This rank's part of the step's gather: its micro-batches' busy seconds on its stage, then (a
-        data-reading rank) every micro-batch's vision units and token slots; [] when off."""
+        data-reading rank) every micro-batch's vision units, token slots and squares; [] when off."""
         if not self.on:
             return []
-        feats = np.zeros(2 * self.D * self.A)
+        feats = np.zeros(3 * self.D * self.A)
         plan = self.sampler.step_plan(step) if self.sampler is not None else None
         if plan is not None:
             feats = plan.features.reshape(-1)
@@ -69,7 +69,7 @@ class PriceRefit:
         busy = np.zeros((self.P, self.D, A))
         for r, (s, d) in enumerate(self.coords):
             busy[s, d] = refit_cols[r, :A]
-        self.seen = (self.seen + [(refit_cols[readers[0], A:].reshape(self.D * A, 2), busy)])[-2 * self.every:]
+        self.seen = (self.seen + [(refit_cols[readers[0], A:].reshape(self.D * A, 3), busy)])[-2 * self.every:]
         if step % self.every:
             return None
         box = [self._fit() if dist.get_rank() == 0 else None]
@@ -82,12 +82,13 @@ class PriceRefit:
 
     def _fit(self) -> dict:
         from mmpipe.planning.prices import refit_stage
-        feats = np.concatenate([f for f, _ in self.seen])  # [steps x D x A, 2]
+        feats = np.concatenate([f for f, _ in self.seen])  # [steps x D x A, 3]
+        text = self.prior.text_slots(feats)  # [P, micro-batches]: a stage's squares in its own slots
         out = {"vision_scale": [], "token_scale": [], "base_ms": [], "error_before": [], "error_after": [],
                "micro_batches": len(feats)}
         for s in range(self.P):
             busy = np.concatenate([b[s].reshape(-1) for _, b in self.seen])
-            fit = refit_stage(self.prior.vision[s], self.prior.tokens[s], feats, busy)
+            fit = refit_stage(self.prior.vision[s], self.prior.tokens[s], np.column_stack([feats[:, 0], text[s]]), busy)
             out["vision_scale"].append(round(fit["vision"], 4))
             out["token_scale"].append(round(fit["tokens"], 4))
             out["base_ms"].append(round(1e3 * fit["base"], 4))

@@ -9,7 +9,14 @@ import warnings
 
 import torch
 
-from mmpipe.families.products import Matmul, MicroBatch, decoder_products, span_attention_products
+from mmpipe.families.products import (
+    DECODER_BLOCK,
+    Matmul,
+    MicroBatch,
+    attention_products,
+    decoder_products,
+    span_attention_products,
+)
 
 VISION_BLOCK = {"qkv": "attn.qkv", "o": "attn.proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
                 "down": "mlp.down_proj"}
@@ -73,4 +80,124 @@ def matmuls(family, name: str, mb: MicroBatch) -> list:
     if name == "merger":
         tokens, wide = patches // merge ** 2, width * merge ** 2
         return [Matmul(tokens, wide, wide, "mlp.0", 1), Matmul(tokens, wide, v.out_hidden_size, "mlp.2", recomputed=False)]
+    return decoder_products(name, mb, t)
+
+
+# ---- Qwen3.5 ----------------------------------------------------------------------------------
+QWEN3_5_VISION_BLOCK = {"qkv": "attn.qkv", "o": "attn.proj", "up": "mlp.linear_fc1", "down": "mlp.linear_fc2"}
+DECODER_MLP = {k: DECODER_BLOCK[k] for k in ("gate", "up", "down")}
+GATED_ATTENTION = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj"}
+
+
+# the gated delta rule's chunk (transformers' torch_chunk_gated_delta_rule and flash-linear-attention: 64)
+DELTA_RULE_CHUNK = 64
+
+
+def _chunked(n: int) -> int:
+    return -(-n // DELTA_RULE_CHUNK) * DELTA_RULE_CHUNK
+
+
+def recurrent_shape(batch: dict, mb: MicroBatch) -> MicroBatch:
+    """``mb`` with the runs a linear-attention block makes on a packed row (``qwen3_5_model``: sample by sample,
+    its padding not at all); other rows run whole (``recurrent_spans`` left empty)."""
+    from mmpipe.families.chat.masks import mask_kind
+    from mmpipe.families.qwen_vl.qwen3_5_model import _spans
+    mask = batch.get("attention_mask")
+    if torch.is_tensor(mask) and not mask.is_meta and mask.device.type == "cpu" and mask.dim() == 2 \
+            and mask_kind(mask) == "packed":
+        return mb._replace(recurrent_spans=tuple(end - start for row in mask.tolist() for start, end in _spans(row)))
+    return mb
+
+
+def qwen3_5_micro_batch(family, batch: dict, mb: MicroBatch) -> MicroBatch:
+    """As ``micro_batch``: the ViT attends within each frame in every block (no windows); the linear-attention
+    blocks' positions (``recurrent_shape``)."""
+    mb = recurrent_shape(batch, mb)
+    grid = batch.get("image_grid_thw")
+    if not torch.is_tensor(grid) or grid.shape[0] == 0:
+        return mb._replace(images=0)
+    values = getattr(grid, "_mmpipe_grid", grid)
+    if values.device.type != "cpu":
+        warnings.warn("qwen3_5 FLOPs: a micro-batch's image_grid_thw is on the device without its host values: its "
+                      "ViT is priced as one merge unit (tflops / mfu low); count FLOPs on the loader's host batch")
+        return mb._replace(images=int(grid.shape[0]))
+    patches, full, _ = grid_shape(values.tolist(), family.vision_cfg.spatial_merge_size, 1)
+    return mb._replace(images=int(grid.shape[0]), patches=patches, full_pairs=full)
+
+
+def gated_delta_products(spans: list, t) -> list:
+    """A GatedDeltaNet block's products on runs of ``spans`` positions each (transformers' ``Qwen3_5GatedDeltaNet``,
+    once per run): the four input projections (q, k, v together; the output gate z; the per-head b and a), the
+    causal depthwise conv (kernel x channels per output position: a run's length + kernel - 1, as a zero-padded
+    convolution computes it), the gated delta rule in its chunked form (``delta_rule_products``) and the output
+    projection."""
+    width, nk, nv = t.hidden_size, t.linear_num_key_heads, t.linear_num_value_heads
+    key, value = nk * t.linear_key_head_dim, nv * t.linear_value_head_dim
+    conv = 2 * key + value
+    kernel = t.linear_conv_kernel_dim
+    tokens = sum(spans)
+    conv_out = tokens + len(spans) * (kernel - 1)
+    return [Matmul(tokens, width, conv, "linear_attn.in_proj_qkv", 1), Matmul(tokens, width, value, "linear_attn.in_proj_z", 1),
+            Matmul(tokens, width, nv, "linear_attn.in_proj_b", 1), Matmul(tokens, width, nv, "linear_attn.in_proj_a", 1),
+            Matmul(conv_out * conv, kernel, 1, "linear_attn.conv1d")]\
+        + delta_rule_products(spans, nv, t.linear_key_head_dim, t.linear_value_head_dim)\
+        + [Matmul(tokens, value, width, "linear_attn.out_proj")]
+
+
+def delta_rule_products(spans: list, heads: int, dk: int, dv: int) -> list:
+    """The gated delta rule's products in its chunked form, per value head, on runs of ``spans`` positions, each
+    padded to the chunk C (transformers' torch path; flash-linear-attention's chunk kernel computes the same
+    products): within each chunk k_beta·k^T and q·k^T (C x d_k x C) and the intra-chunk attention times the new
+    values (C x C x d_v); across chunks the state (d_k x d_v) read by the decayed keys and by the queries, and its
+    update. Their backward as autograd runs it: a run's first chunk reads the zero state (no gradient for it: one
+    product each, not two) and its last chunk's update makes the final state nobody reads (no backward); each of
+    the two unit-triangular solves (no matrix product forward) takes one product for its matrix's gradient."""
+    c = DELTA_RULE_CHUNK
+    positions = sum(map(_chunked, spans)) * heads
+    first = len(spans) * c * heads  # each run's first chunk (and its last: one chunk is both)
+    rest = positions - first
+    out = [Matmul(positions, dk, c), Matmul(positions, dk, c), Matmul(positions, c, dv)]
+    out += [Matmul(first, dk, dv, grads=1), Matmul(first, dk, dv, grads=1), Matmul(first, dk, dv, grads=0)]
+    if rest:
+        out += [Matmul(rest, dk, dv) for _ in range(3)]
+    out += [Matmul(positions, c, dv, grads=1, forward=False), Matmul(positions, c, dk, grads=1, forward=False)]
+    return out
+
+
+def qwen3_5_matmuls(family, name: str, mb: MicroBatch) -> list:
+    """The products of a Qwen3.5 layer on ``mb``: the ViT's on its patches (full attention within each frame in
+    every block, a non-gated MLP), the merger's, and the hybrid decoder's on every (padded) token position: a
+    linear-attention block's (``gated_delta_products``) or a gated full-attention block's (q_proj gives the
+    queries and their output gate: twice the heads' width; attention as sdpa computes it over the padded rows)
+    and its gated MLP; the LM head."""
+    v, t = family.vision_cfg, family.text_cfg
+    merge = v.spatial_merge_size
+    patches, full = (mb.patches, mb.full_pairs) if mb.patches else grid_shape([(1, merge, merge)], merge, 1)[:2]
+    width, heads = v.hidden_size, v.num_heads
+    if name == "vision.embed":
+        if not mb.patches:
+            return []
+        kernel = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+        return [Matmul(patches, kernel, width, "patch_embed.proj", 0)]
+    if name.startswith("vision.blocks."):
+        b = QWEN3_5_VISION_BLOCK
+        return ([Matmul(patches, width, 3 * width, b["qkv"], 1)] + span_attention_products(full, heads, width // heads)
+                + [Matmul(patches, width, width, b["o"]), Matmul(patches, width, v.intermediate_size, b["up"], 1),
+                   Matmul(patches, v.intermediate_size, width, b["down"], recomputed=False)])
+    if name == "merger":
+        tokens, wide = patches // merge ** 2, width * merge ** 2
+        return [Matmul(tokens, wide, wide, "linear_fc1", 1), Matmul(tokens, wide, v.out_hidden_size, "linear_fc2", recomputed=False)]
+    tokens = mb.rows * mb.seq_len
+    if name.startswith("llm.blocks."):
+        # (the MLP reads the block's residual after its own attention: depth 2, a gradient whenever the block trains)
+        mlp = [Matmul(tokens, t.hidden_size, t.intermediate_size, DECODER_MLP[k]) for k in ("gate", "up")]
+        mlp.append(Matmul(tokens, t.intermediate_size, t.hidden_size, DECODER_MLP["down"], recomputed=False))
+        if t.layer_types[int(name.rsplit(".", 1)[1])] == "linear_attention":
+            return gated_delta_products(list(mb.recurrent_spans) or [mb.seq_len] * mb.rows, t) + mlp
+        hd, kv = t.head_dim, t.num_key_value_heads * t.head_dim
+        return ([Matmul(tokens, t.hidden_size, 2 * t.num_attention_heads * hd, GATED_ATTENTION["q"], 1),
+                 Matmul(tokens, t.hidden_size, kv, GATED_ATTENTION["k"], 1),
+                 Matmul(tokens, t.hidden_size, kv, GATED_ATTENTION["v"], 1)]
+                + attention_products(mb.rows, mb.seq_len, t.num_attention_heads, hd)
+                + [Matmul(tokens, t.num_attention_heads * hd, t.hidden_size, GATED_ATTENTION["o"])] + mlp)
     return decoder_products(name, mb, t)

@@ -100,5 +100,10 @@ class Qwen35Family(Qwen25VLFamily):
             return self.text_cfg.layer_types[int(name.rsplit(".", 1)[1])]
         return self.layer(name).segment
 
+    def micro_batch(self, batch: dict):
+        from mmpipe.families.qwen_vl import products
+        return products.qwen3_5_micro_batch(self, batch, super(Qwen25VLFamily, self).micro_batch(batch))
+
     def matmuls(self, name: str, mb) -> list:
-        raise NotImplementedError("qwen3_5: no analytic FLOPs yet (its runs log no TFLOP/s)")
+        from mmpipe.families.qwen_vl import products
+        return products.qwen3_5_matmuls(self, name, mb)
