@@ -247,5 +247,9 @@ def add_arguments(p) -> None:
     p.add_argument("--val-fraction", type=float, default=0.0477, help="held out for recall")
     p.add_argument("--steps", type=int, default=None, help="clip: 400, vlm: 12")
     p.add_argument("--warmup", type=int, default=None, help="steps left out of the samples/s median (clip 10, vlm 3)")
+    p.add_argument("--swift", action="store_true",
+                   help="qwen2_5_vl: also run ms-swift's `swift sft` (full and LoRA, NPROC_PER_NODE=2, --deepspeed zero2) "
+                        "from its own venv, built once in ~/.cache/mmpipe/swift-venv")
+    p.add_argument("--swift-venv", default=None, metavar="DIR", help="a venv with ms-swift installed (implies --swift)")
     p.add_argument("--no-append", action="store_true")
     p.set_defaults(func=bench_peers_any)

@@ -121,7 +121,14 @@ def bench_peers_vlm(args, tmp: str) -> int:
             "optim.warmup_steps=0"]
     lora_sets = ["optim.train_type=lora", f"optim.lora_rank={args.lora_rank}", f"optim.lora_alpha={args.lora_alpha}",
                  "optim.lora_dropout=0"]
-    rows = []
+    rows, trainable = [], []
+    swift = None
+    if args.swift or args.swift_venv:
+        from mmpipe.bench import swift as ms
+        if args.family not in ms.MODEL_TYPES:
+            raise SystemExit(f"mmpipe bench peers: --swift runs ms-swift on {', '.join(ms.MODEL_TYPES)}; not on "
+                             f"--family {args.family}")
+        swift = ms.swift_venv(args.swift_venv)
     for lora in (False, True):
         what = "LoRA" if lora else "full"
         _log(f"Trainer + DeepSpeed ZeRO-2 ({what}): 2 ranks, {args.steps} steps of {batch} ...")
@@ -132,17 +139,32 @@ def bench_peers_vlm(args, tmp: str) -> int:
         recs = read_metrics(os.path.join(out, "metrics.jsonl"))
         with open(os.path.join(out, "layout.json")) as fh:
             layout = json.load(fh)["chosen"]["name"]
+        from mmpipe.train.metrics import read_memory_record
+        ours = sum({r["stage"]: r["trainable"] for r in read_memory_record(out)}.values())  # one replica
+        _log(f"trainable parameters ({what}): Trainer {peer.get('trainable')}, mmpipe {ours}"
+             + ("" if peer.get("trainable") == ours else "  NOT the same"))
+        trainable.append((what, peer.get("trainable"), ours))
         t_sps = batch / statistics.median(peer["step_times"][args.warmup:])
         m_sps = batch / statistics.median([r["step_time"] for r in recs][args.warmup:])
         rows.append((what, "Trainer + ZeRO-2", "DP2 ZeRO-2", peer["losses"][0], t_sps, t_sps))
         rows.append((what, "mmpipe", layout, recs[0]["loss"], m_sps, t_sps))
+        if swift:
+            _log(f"swift sft ({what}, --deepspeed zero2, NPROC_PER_NODE=2): {args.steps} steps of {batch} ...")
+            sw = ms.run_swift(swift, args.family, llava, train, order, cfg, args, tmp, lora)
+            _log(f"ms-swift ({what}): {sw['trainable']}")
+            s_sps = batch / statistics.median(sw["step_times"][args.warmup:])
+            rows.append((what, "ms-swift + ZeRO-2", "DP2 ZeRO-2", sw["losses"][0], s_sps, t_sps))
     lines = ["| weights | system | layout | first-step loss | samples/s | vs Trainer |", "|---|---|---|---|---|---|"]
     lines += [f"| {w} | {s} | {lay} | {loss:.6f} | {sps:.1f} | {sps / base:.2f}x |" for w, s, lay, loss, sps, base in rows]
     table = "\n".join(lines)
     print(table)
-    for k in (0, 2):
-        diff = abs(rows[k][3] - rows[k + 1][3])
-        print(f"first-step loss |Trainer - mmpipe| ({rows[k][0]}): {diff:.2e} ({rows[k][3]!r} vs {rows[k + 1][3]!r})" + ("" if diff < 1e-5 else "  NOT within 1e-5"))
+    for base in (r for r in rows if r[1] == "Trainer + ZeRO-2"):
+        for other in (r for r in rows if r[0] == base[0] and r is not base):
+            diff = abs(base[3] - other[3])
+            print(f"first-step loss |Trainer - {other[1]}| ({base[0]}): {diff:.2e} ({base[3]!r} vs {other[3]!r})"
+                  + ("" if diff < 1e-5 else "  NOT within 1e-5"))
+    for what, theirs, ours in trainable:
+        print(f"trainable parameters ({what}): Trainer {theirs}, mmpipe {ours}" + ("" if theirs == ours else "  NOT the same"))
     import transformers
     from transformers import AutoConfig
     arch = AutoConfig.from_pretrained(llava).architectures[0]

@@ -16,6 +16,13 @@ import sys
 import time
 
 
+
+# peft's targets: the decoder's linears, as mmpipe's LoRA adapts them (ms-swift's all-linear on the language model:
+# attention and MLP projections, and Qwen3.5's linear-attention in_proj_qkv / in_proj_z / in_proj_b / in_proj_a /
+# out_proj); a model without some of these names simply has fewer
+LORA_TARGETS = (r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|in_proj_qkv|in_proj_z|"
+                r"in_proj_b|in_proj_a|out_proj)")
+
 def render(processor, messages, generation_prompt=False) -> str:
     return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
@@ -197,8 +204,7 @@ def main(spec_path: str) -> None:
         from peft import LoraConfig, get_peft_model
         lo = spec["lora"]
         model = get_peft_model(model, LoraConfig(r=lo["r"], lora_alpha=lo["alpha"], lora_dropout=0.0, bias="none",
-                                                 target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|"
-                                                                r"gate_proj|up_proj|down_proj)"))
+                                                 target_modules=LORA_TARGETS))
     o = spec["optim"]
     args = TrainingArguments(output_dir=spec["tmp"], per_device_train_batch_size=spec["micro_batch"],
                              gradient_accumulation_steps=spec["accumulation"], max_steps=spec["steps"],
@@ -214,7 +220,8 @@ def main(spec_path: str) -> None:
     if trainer.is_world_process_zero():
         losses = [float(r["loss"]) for r in trainer.state.log_history if "loss" in r]
         with open(spec["out"], "w") as fh:
-            json.dump({"step_times": clock.times, "losses": losses}, fh)
+            json.dump({"step_times": clock.times, "losses": losses,
+                       "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}, fh)
     import torch.distributed as dist
     dist.barrier()
     sys.stdout.flush()
@@ -293,9 +300,7 @@ def _gpu_model(family, spec: dict, device):
         from peft import LoraConfig, get_peft_model
         r = spec["lora_rank"]
         return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.05, bias="none",
-                                                target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|"
-                                                               r"gate_proj|up_proj|down_proj|in_proj_qkv|in_proj_z|"
-                                                               r"in_proj_b|in_proj_a|out_proj)"))
+                                                target_modules=LORA_TARGETS))
     for n, p in model.named_parameters():
         if re.search(r"(^|\.)(vision_tower|visual)\.", n):
             p.requires_grad_(False)
