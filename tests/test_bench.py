@@ -159,3 +159,19 @@ def test_bench_overhead_times_mmpipe_and_a_raw_deepspeed_engine_on_the_same_mode
     for _, _, raw, mm, ratio in rows:
         assert float(raw) > 0 and float(mm) > 0
         assert abs(float(ratio) - float(mm) / float(raw)) < 0.01 + 0.01 * float(ratio)
+
+
+def test_swift_side_reads_its_step_times_and_gets_the_samples_in_mmpipes_order(tmp_path):
+    """``bench peers --swift``: each step's seconds from ms-swift's running mean ``train_speed(s/it)``, and its
+    JSONL rewritten in mmpipe's sample order with image paths made absolute (ms-swift reads it unshuffled)."""
+    import json
+
+    from mmpipe.bench.swift import ordered_jsonl, step_times
+    logged = [{"train_speed(s/it)": 2.0}, {"train_speed(s/it)": 1.5}, {"train_speed(s/it)": 1.0}]
+    assert step_times(logged) == [2.0, 1.0, 0.0]
+    src = tmp_path / "train.jsonl"
+    src.write_text("".join(json.dumps({"messages": [], "images": [f"images/{i}.jpg"] if i % 2 else []}) + "\n"
+                           for i in range(4)))
+    out = ordered_jsonl(str(src), [3, 0, 2, 1], str(tmp_path / "ordered.jsonl"))
+    rows = [json.loads(line) for line in open(out)]
+    assert [r["images"] for r in rows] == [[str(tmp_path / "images" / "3.jpg")], [], [], [str(tmp_path / "images" / "1.jpg")]]

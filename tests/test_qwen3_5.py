@@ -247,24 +247,24 @@ PACKED_CUTS = [["vision.embed", "vision.blocks.0", "vision.blocks.1", "merger", 
 def test_packed_rows_train_alike_on_one_process_and_on_two_stages(family_runs_of, tmp_path):
     """Rows packing three or more samples each: P = 2, cut between linear-attention blocks, trains the losses
     (rtol 1e-5) and weights of P = 1 (with packed = unpacked in process, above: packed = unpacked at P = 2 too);
-    and in bf16 (its rounding: losses within 2e-3) P = 2 trains as P = 1."""
+    and in bf16 (its rounding: losses within 1e-3, weights within a bf16 step) P = 2 trains as P = 1."""
     runs = family_runs_of("qwen3_5")
     plan = tmp_path / "cut.json"
     plan.write_text(json.dumps({"stages": PACKED_CUTS}))
-    packed = ["data.packing=true", "data.max_length=192", "data.log_samples=true"]
+    packed = ["data.packing=true", "data.max_length=128", "train.batch_size=4", "data.log_samples=true"]
     one, _ = runs.get("packed_p1", 1, ["parallel.pipeline_stages=1"] + packed, "python", flags=["--stop-at", "3"])
     two, _ = runs.get("packed_p2", 2, ["parallel.pipeline_stages=2", f"parallel.plan={plan}"] + packed,
                       flags=["--stop-at", "3"])
     mbs = [json.loads(line) for line in open(os.path.join(two, "samples", "rank0.jsonl"))]
-    assert mbs and all(len(m["keys"]) >= 3 * 2 for m in mbs), [len(m["keys"]) for m in mbs]  # 2 rows a micro-batch
+    assert mbs and sum(len(m["keys"]) for m in mbs) >= 3 * 2 * len(mbs), [len(m["keys"]) for m in mbs]  # 2 rows each
     np.testing.assert_allclose(train_losses(two), train_losses(one), rtol=1e-5)
     assert_weights_close(_weights(two, 3), _weights(one, 3), rtol=1e-5, atol=1e-6)
     bf16 = ["train.precision=bf16"]
     one, _ = runs.get("bf16_p1", 1, ["parallel.pipeline_stages=1"] + bf16, "python", flags=["--stop-at", "3"])
     two, _ = runs.get("bf16_p2", 2, ["parallel.pipeline_stages=2", f"parallel.plan={plan}"] + bf16,
                       flags=["--stop-at", "3"])
-    np.testing.assert_allclose(train_losses(two), train_losses(one), rtol=2e-3)
-    assert_weights_close(_weights(two, 3), _weights(one, 3), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(train_losses(two), train_losses(one), rtol=1e-3)  # (measured 5e-5)
+    assert_weights_close(_weights(two, 3), _weights(one, 3), rtol=1e-2, atol=4e-3)  # (one bf16 step: 2e-3 measured)
 
 
 def test_pipeline_times_data_parallel_trains_as_the_reference_and_resumes_exactly(family_runs_of):

@@ -40,8 +40,15 @@ def make_hf_dir(args, tmp: str) -> tuple:
     info = synth_vlm(os.path.join(tmp, "data"), args.n, val_fraction=0.0, size=size or 64, seed=0, text_only=0.15,
                      progress=False, sizes=None if size else MIXED_SIZES)
     tok_dir = os.path.join(tmp, "tokenizer")
-    tok = fam_cls.prepare_tokenizer(train_tokenizer(chat_texts(read_chat(info["train"])), cfg.data.tokenizer_vocab_size,
-                                                    tok_dir))
+    texts = chat_texts(read_chat(info["train"]))
+    from mmpipe.families.qwen_vl import Qwen25VLFamily
+    if issubclass(fam_cls, Qwen25VLFamily):  # a Qwen checkpoint's layout: byte-level BPE with Qwen's special tokens and
+        from mmpipe.families.qwen_vl.tiny import _tokenizer  # ChatML template (its default system prompt), as ms-swift's
+        # (byte-level: at least 512 entries, so merges exist beyond the 256 bytes)
+        _tokenizer(texts + ["You are a helpful assistant."], max(cfg.data.tokenizer_vocab_size, 512)).save_pretrained(tok_dir)
+        tok = fam_cls.prepare_tokenizer(load_tokenizer(tok_dir))  # qwen templates encode it
+    else:
+        tok = fam_cls.prepare_tokenizer(train_tokenizer(texts, cfg.data.tokenizer_vocab_size, tok_dir))
     cfg = replace(cfg, model=fam_cls.resolve(cfg.model, tok, cfg.data))
     family = fam_cls(cfg.model, cfg.train.seed)
     model, processor = family.hf_export(plain_model(family).state_dict(), tok, cfg.data)

@@ -87,7 +87,9 @@ def run_swift(venv: str, family: str, model_dir: str, train: str, order: list, c
            "--max_length", str(cfg.data.max_length), "--truncation_strategy", "delete",
            "--dataset_shuffle", "false", "--train_dataloader_shuffle", "false", "--dataset_num_proc", "1",
            "--dataloader_num_workers", "0", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
-           "--torch_dtype", "float32", "--deepspeed", "zero2", "--seed", str(cfg.train.seed)]
+           # (ms-swift turns fp16 autocast on for a float32 model unless told: its first steps then overflow)
+           "--torch_dtype", "float32", "--fp16", "false", "--bf16", "false", "--deepspeed", "zero2",
+           "--seed", str(cfg.train.seed)]
     if lora:
         cmd += ["--tuner_type", "lora", "--lora_rank", str(args.lora_rank), "--lora_alpha", str(args.lora_alpha),
                 "--lora_dropout", "0", "--target_modules", "all-linear", "--freeze_vit", "true", "--freeze_aligner", "true"]
