@@ -135,7 +135,7 @@ def test_no_family_page_lists_as_missing_the_analytic_flops_its_runs_log():
     import mmpipe
     from mmpipe.config.resolve import build_family
     from mmpipe.families.base import MicroBatch
-    for name, page in (("qwen2_5_vl", "qwen2_5_vl.md"), ("vlm", "vlm.md"), ("siglip", "siglip.md")):
+    for name, page in (("qwen2_5_vl", "qwen2_5_vl.md"), ("qwen3_5", "qwen3_5.md"), ("vlm", "vlm.md"), ("siglip", "siglip.md")):
         sets = (["model.text.vocab_size=200"] if name == "siglip" else
                 ["model.llm.vocab_size=200", "model.image_token_id=199"])
         fam = build_family(mmpipe.load_config(TINY_CONFIGS[name], sets).model, 0)

@@ -20,7 +20,7 @@ from mmpipe.config.schema import family_of, load_config, replace
 from mmpipe.data.synth import synth_vlm
 from mmpipe.data.tokenizer import load_tokenizer, train_tokenizer
 from mmpipe.families.chat import chat_texts, read_chat
-from mmpipe.train.metrics import read_metrics
+from mmpipe.train.metrics import read_memory_record, read_metrics
 from mmpipe.parallel.plain import plain_model
 
 
@@ -129,13 +129,7 @@ def bench_peers_vlm(args, tmp: str) -> int:
     lora_sets = ["optim.train_type=lora", f"optim.lora_rank={args.lora_rank}", f"optim.lora_alpha={args.lora_alpha}",
                  "optim.lora_dropout=0"]
     rows, trainable = [], []
-    swift = None
-    if args.swift or args.swift_venv:
-        from mmpipe.bench import swift as ms
-        if args.family not in ms.MODEL_TYPES:
-            raise SystemExit(f"mmpipe bench peers: --swift runs ms-swift on {', '.join(ms.MODEL_TYPES)}; not on "
-                             f"--family {args.family}")
-        swift = ms.swift_venv(args.swift_venv)
+    swift = _swift(args)
     for lora in (False, True):
         what = "LoRA" if lora else "full"
         _log(f"Trainer + DeepSpeed ZeRO-2 ({what}): 2 ranks, {args.steps} steps of {batch} ...")
@@ -146,7 +140,6 @@ def bench_peers_vlm(args, tmp: str) -> int:
         recs = read_metrics(os.path.join(out, "metrics.jsonl"))
         with open(os.path.join(out, "layout.json")) as fh:
             layout = json.load(fh)["chosen"]["name"]
-        from mmpipe.train.metrics import read_memory_record
         ours = sum({r["stage"]: r["trainable"] for r in read_memory_record(out)}.values())  # one replica
         _log(f"trainable parameters ({what}): Trainer {peer.get('trainable')}, mmpipe {ours}"
              + ("" if peer.get("trainable") == ours else "  NOT the same"))
@@ -156,11 +149,28 @@ def bench_peers_vlm(args, tmp: str) -> int:
         rows.append((what, "Trainer + ZeRO-2", "DP2 ZeRO-2", peer["losses"][0], t_sps, t_sps))
         rows.append((what, "mmpipe", layout, recs[0]["loss"], m_sps, t_sps))
         if swift:
+            from mmpipe.bench import swift as ms
             _log(f"swift sft ({what}, --deepspeed zero2, NPROC_PER_NODE=2): {args.steps} steps of {batch} ...")
             sw = ms.run_swift(swift, args.family, llava, train, order, cfg, args, tmp, lora)
             _log(f"ms-swift ({what}): {sw['trainable']}")
             s_sps = batch / statistics.median(sw["step_times"][args.warmup:])
             rows.append((what, "ms-swift + ZeRO-2", "DP2 ZeRO-2", sw["losses"][0], s_sps, t_sps))
+    return _report(args, cfg, llava, n, batch, rows, trainable)
+
+
+def _swift(args):
+    """ms-swift's venv for ``--swift`` / ``--swift-venv`` (None without them); the family must be one it trains."""
+    if not (args.swift or args.swift_venv):
+        return None
+    from mmpipe.bench import swift as ms
+    if args.family not in ms.MODEL_TYPES:
+        raise SystemExit(f"mmpipe bench peers: --swift runs ms-swift on {', '.join(ms.MODEL_TYPES)}; not on "
+                         f"--family {args.family}")
+    return ms.swift_venv(args.swift_venv)
+
+
+def _report(args, cfg, llava: str, n: int, batch: int, rows: list, trainable: list) -> int:
+    """The table, the first-step loss differences and trainable counts, and the BENCHMARKS.md entry."""
     lines = ["| weights | system | layout | first-step loss | samples/s | vs Trainer |", "|---|---|---|---|---|---|"]
     lines += [f"| {w} | {s} | {lay} | {loss:.6f} | {sps:.1f} | {sps / base:.2f}x |" for w, s, lay, loss, sps, base in rows]
     table = "\n".join(lines)
@@ -192,6 +202,11 @@ def bench_peers_vlm(args, tmp: str) -> int:
              "token embedding (mmpipe does not), ZeRO-2 partitions optimizer state that mmpipe's chosen layout may hold "
              "whole, and (LLaVA) transformers runs the whole ViT and reads hidden_states[-2] where mmpipe builds only "
              "the blocks up to the feature layer.")
+    if any(r[1].startswith("ms-swift") for r in rows):
+        notes += (" ms-swift: `swift sft` (its own venv) with NPROC_PER_NODE=2, --deepspeed zero2, --use_cpu on a CPU, fp16 "
+                  "off, the same micro-batch, accumulation, AdamW settings and the JSONL in mmpipe's sample order; full "
+                  "trains the ViT and merger too, LoRA is all-linear with them frozen; its samples/s from its running "
+                  "mean s/it per step.")
     if not args.no_append:
         given = sys.argv[3:]
         cmd = "mmpipe bench peers " + " ".join(shlex.quote(a) for a in
