@@ -338,3 +338,18 @@ def test_lora_equals_a_peft_loop_on_transformers(family_runs_of):
     for k in got:
         torch.testing.assert_close(got[k], at_stop[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
     assert any(not torch.equal(got[k], init[k]) for k in got if ".lora_B." in k)
+
+
+def test_a_packed_config_is_sized_on_the_meta_device():
+    """The memory plan of a packed Qwen3.5 run (``mmpipe plan``, ``bench gpu``'s prediction) profiles on the meta
+    device, where a packed row has no segment values to split by: the linear-attention layers run it whole (the
+    same shapes) instead of failing ("Cannot copy out of meta tensor")."""
+    from mmpipe.config.groups import frozen_layout, resolve_groups
+    from mmpipe.planning.measure import meta_profile
+    from mmpipe.planning.offline import resolve_for_plan
+    cfg = mmpipe.load_config(TINY_Q35, ["data.packing=true"])
+    rcfg, family = resolve_for_plan(cfg)
+    _, frozen, forward_only = frozen_layout(family, resolve_groups(rcfg.optim, type(family)))
+    prof = meta_profile(rcfg, family, 2, forward_only, frozen)
+    assert [la["name"] for la in prof["layers"]] == family.layer_names()
+    assert all(la["act_bytes"] > 0 for la in prof["layers"] if la["name"].startswith("llm.blocks."))

@@ -120,6 +120,8 @@ def decoder_block_cls():
 
         def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
             kind = None if attention_mask is None or cache is not None else mask_kind(attention_mask)
+            if kind == "packed" and attention_mask.is_meta:  # shapes only (the memory plan): the row whole, the
+                kind = "causal"  # same output shape; a packed row's samples have no values here to split by
             if kind != "packed":
                 return super().forward(hidden_states, cache=cache, attention_mask=attention_mask if kind == "dense"
                                        else None, **kwargs)
