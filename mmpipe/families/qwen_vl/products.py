@@ -52,8 +52,10 @@ def micro_batch(family, batch: dict, mb: MicroBatch) -> MicroBatch:
         return mb._replace(images=int(grid.shape[0]))
     v = family.vision_cfg
     merge = v.spatial_merge_size
-    patches, full, windowed = grid_shape(values.tolist(), merge, v.window_size // merge // v.patch_size)
-    return mb._replace(images=int(grid.shape[0]), patches=patches, full_pairs=full, window_pairs=windowed)
+    window = getattr(v, "window_size", None)  # (Qwen3.5's ViT has no windows: every block within each frame)
+    patches, full, windowed = grid_shape(values.tolist(), merge, window // merge // v.patch_size if window else 1)
+    return mb._replace(images=int(grid.shape[0]), patches=patches, full_pairs=full,
+                       window_pairs=windowed if window else 0)
 
 
 def matmuls(family, name: str, mb: MicroBatch) -> list:
@@ -107,22 +109,6 @@ def recurrent_shape(batch: dict, mb: MicroBatch) -> MicroBatch:
             and mask_kind(mask) == "packed":
         return mb._replace(recurrent_spans=tuple(end - start for row in mask.tolist() for start, end in _spans(row)))
     return mb
-
-
-def qwen3_5_micro_batch(family, batch: dict, mb: MicroBatch) -> MicroBatch:
-    """As ``micro_batch``: the ViT attends within each frame in every block (no windows); the linear-attention
-    blocks' positions (``recurrent_shape``)."""
-    mb = recurrent_shape(batch, mb)
-    grid = batch.get("image_grid_thw")
-    if not torch.is_tensor(grid) or grid.shape[0] == 0:
-        return mb._replace(images=0)
-    values = getattr(grid, "_mmpipe_grid", grid)
-    if values.device.type != "cpu":
-        warnings.warn("qwen3_5 FLOPs: a micro-batch's image_grid_thw is on the device without its host values: its "
-                      "ViT is priced as one merge unit (tflops / mfu low); count FLOPs on the loader's host batch")
-        return mb._replace(images=int(grid.shape[0]))
-    patches, full, _ = grid_shape(values.tolist(), family.vision_cfg.spatial_merge_size, 1)
-    return mb._replace(images=int(grid.shape[0]), patches=patches, full_pairs=full)
 
 
 def gated_delta_products(spans: list, t) -> list:

@@ -102,7 +102,7 @@ class Qwen35Family(Qwen25VLFamily):
 
     def micro_batch(self, batch: dict):
         from mmpipe.families.qwen_vl import products
-        return products.qwen3_5_micro_batch(self, batch, super(Qwen25VLFamily, self).micro_batch(batch))
+        return products.recurrent_shape(batch, super().micro_batch(batch))
 
     def matmuls(self, name: str, mb) -> list:
         from mmpipe.families.qwen_vl import products
