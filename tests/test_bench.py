@@ -175,3 +175,23 @@ def test_swift_side_reads_its_step_times_and_gets_the_samples_in_mmpipes_order(t
     out = ordered_jsonl(str(src), [3, 0, 2, 1], str(tmp_path / "ordered.jsonl"))
     rows = [json.loads(line) for line in open(out)]
     assert [r["images"] for r in rows] == [[str(tmp_path / "images" / "3.jpg")], [], [], [str(tmp_path / "images" / "1.jpg")]]
+
+
+def test_swift_side_gives_ms_swifts_qwen_templates_the_directorys_placeholder_ids(tmp_path):
+    """ms-swift's Qwen templates hard-code Qwen's vocabulary ids of ``<|image_pad|>`` / ``<|video_pad|>``
+    (151655 / 151656); the bench's plugin sets the directory's own, which a tiny tokenizer puts elsewhere."""
+    import ast
+
+    from transformers import AutoTokenizer
+
+    from mmpipe.bench.swift import placeholder_plugin
+    from mmpipe.families.qwen_vl.tiny import write_tiny_qwen2_5_vl
+    model_dir = str(tmp_path / "qwen")
+    write_tiny_qwen2_5_vl(model_dir)
+    want = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>"])
+    assert want != [151655, 151656]
+    tree = ast.parse(open(placeholder_plugin(model_dir, str(tmp_path / "plugin.py"))).read())
+    sets = [node for node in tree.body if isinstance(node, ast.Assign)]
+    assert [ast.unparse(t) for t in sets[0].targets[0].elts] == ["Qwen2VLTemplate.image_token_id",
+                                                                 "Qwen2VLTemplate.video_token_id"]
+    assert [c.value for c in sets[0].value.elts] == want

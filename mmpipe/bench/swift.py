@@ -66,6 +66,22 @@ def ordered_jsonl(train: str, order: list, out: str) -> str:
     return out
 
 
+def placeholder_plugin(model_dir: str, out: str) -> str:
+    """An ms-swift plugin (``--external_plugins``) that gives its Qwen templates the directory's own ids of
+    ``<|image_pad|>`` / ``<|video_pad|>``. ms-swift hard-codes Qwen's vocabulary ids (151655 / 151656): on a
+    directory whose tokenizer puts them elsewhere (the bench's tiny ones) it expands no placeholder, and the model's
+    ``masked_scatter`` then silently keeps the first feature row of each image — a different loss, not a crash.
+    On a real Qwen checkpoint the plugin sets the ids they already have."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    image, video = tok.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>"])
+    with open(out, "w") as fh:
+        fh.write("# written by mmpipe bench peers: the model directory's placeholder ids (see mmpipe/bench/swift.py)\n"
+                 "from swift.template.templates.qwen import Qwen2VLTemplate\n"
+                 f"Qwen2VLTemplate.image_token_id, Qwen2VLTemplate.video_token_id = {image}, {video}\n")
+    return out
+
+
 def step_times(logged: list) -> list:
     """Each step's seconds from ms-swift's running mean ``train_speed(s/it)`` after step n (the mean of steps 1..n)."""
     speeds = [float(r["train_speed(s/it)"]) for r in logged]
@@ -89,7 +105,8 @@ def run_swift(venv: str, family: str, model_dir: str, train: str, order: list, c
            "--dataloader_num_workers", "0", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
            # (ms-swift turns fp16 autocast on for a float32 model unless told: its first steps then overflow)
            "--torch_dtype", "float32", "--fp16", "false", "--bf16", "false", "--deepspeed", "zero2",
-           "--seed", str(cfg.train.seed)]
+           "--seed", str(cfg.train.seed),
+           "--external_plugins", placeholder_plugin(model_dir, os.path.join(tmp, "swift_placeholders.py"))]
     if lora:
         cmd += ["--tuner_type", "lora", "--lora_rank", str(args.lora_rank), "--lora_alpha", str(args.lora_alpha),
                 "--lora_dropout", "0", "--target_modules", "all-linear", "--freeze_vit", "true", "--freeze_aligner", "true"]
