@@ -26,6 +26,7 @@ setup(
         "psutil",  # device and process memory (planning.memory, parallel.roster)
         "huggingface_hub>=0.30",  # hub ids in pretrained-weights keys (config.hub)
         "filelock",  # ... one download per machine
+        "av>=12",  # video decoding (PyAV: FFmpeg in its wheel) for the Qwen families' video input
     ],
     # open_clip: the loss and format parity tests; with what open_clip_train imports (pandas, webdataset), mmpipe
     # bench peers --family clip and mmpipe bench gpu (test_bench.py runs it at tiny size); timm: open_clip's SigLIP

@@ -22,6 +22,7 @@ TINY_VLM = os.path.join(ROOT, "configs", "tiny_vlm.yaml")
 # (test_structure holds the table to the registry's built-ins)
 TINY_CONFIGS = {"clip": TINY, "vlm": TINY_VLM, "qwen2_5_vl": os.path.join(ROOT, "configs", "tiny_qwen2_5_vl.yaml"),
                 "qwen3_5": os.path.join(ROOT, "configs", "tiny_qwen3_5.yaml"),
+                "qwen3_vl": os.path.join(ROOT, "configs", "tiny_qwen3_vl.yaml"),
                 "siglip": os.path.join(ROOT, "configs", "tiny_siglip.yaml")}
 
 

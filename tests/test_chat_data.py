@@ -79,7 +79,7 @@ def test_truncation_never_cuts_through_an_image(tok, tmp_path):
     assert dropped.dropped and "first image" in dropped.dropped and dropped.input_ids == []
 
 
-def test_marker_count_mismatch_and_bad_lines_name_the_place(tmp_path):
+def test_marker_count_mismatch_and_bad_lines_name_the_place(tok, tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text("\n".join([
         json.dumps({"messages": [{"role": "user", "content": "<image><image> hi"}, {"role": "assistant",
@@ -91,7 +91,12 @@ def test_marker_count_mismatch_and_bad_lines_name_the_place(tmp_path):
                                  {"role": "assistant", "content": "x"}], "videos": ["v.mp4"]}),
     ]) + "\n")
     rows = read_chat(str(p))
-    assert "does not train video yet" in rows[3].error and rows[3].where == f"{p} line 4"  # skipped, not trained blind
+    assert rows[3].error is None and rows[3].videos == (str(tmp_path / "v.mp4"),) and rows[3].where == f"{p} line 4"
+    # a family without video input drops it, named (skipped and counted, not trained blind)
+    from mmpipe.families.chat.encoder import ChatEncoder
+    dropped = ChatEncoder(tok, tok.convert_tokens_to_ids("<image>"), lambda _: 4, 64,
+                          no_video="model.type=vlm has no video input").encode(rows[3])
+    assert dropped.dropped == "model.type=vlm has no video input" and dropped.input_ids == []
     assert rows[0].error == "2 <image> marker(s) but 1 image(s)" and rows[0].where == f"{p} line 1"
     assert rows[1].error.startswith("not JSON") and rows[1].where == f"{p} line 2"
     assert rows[2].error is None and rows[2].images == ()  # text-only samples are fine
@@ -102,7 +107,11 @@ def test_marker_count_mismatch_and_bad_lines_name_the_place(tmp_path):
     assert row.error == "0 <image> marker(s) but 1 image(s)" and row.where == f"{llava} entry 0 (id q7)"
     llava.write_text(json.dumps([{"id": "v1", "video": "v.mp4", "conversations": [
         {"from": "human", "value": "<video>what happens?"}, {"from": "gpt", "value": "yo"}]}]))
-    assert "does not train video yet" in read_chat(str(llava))[0].error
+    row = read_chat(str(llava))[0]
+    assert row.error is None and row.videos == (str(tmp_path / "v.mp4"),)
+    llava.write_text(json.dumps([{"id": "v2", "video": "v.mp4", "conversations": [
+        {"from": "human", "value": "what happens?"}, {"from": "gpt", "value": "yo"}]}]))
+    assert read_chat(str(llava))[0].error == "0 <video> marker(s) but 1 video(s)"
 
 
 def test_swift_rows_without_image_tags_get_them_as_ms_swift_adds_them(tok, tmp_path):

@@ -64,7 +64,8 @@ def assert_weights_close(a: dict, b: dict, rtol=1e-4, atol=1e-6):
 TOY_COVERED = "toy family: P = 1 / P = 2 parity in test_toy_family.py; here only P2 x DP2"
 # families whose parity and resume runs sit in their own test file, beside their other layouts: the
 # session's runs are made per xdist worker, so one file holding them all makes the reference run once
-OWN_FILE = {"qwen2_5_vl": "tests/test_qwen2_5_vl.py", "qwen3_5": "tests/test_qwen3_5.py"}
+OWN_FILE = {"qwen2_5_vl": "tests/test_qwen2_5_vl.py", "qwen3_5": "tests/test_qwen3_5.py",
+            "qwen3_vl": "tests/test_qwen3_vl.py"}
 
 
 

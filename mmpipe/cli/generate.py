@@ -2,6 +2,7 @@
 (``mmpipe.families.chat.generate``).
 
     mmpipe generate --run runs/demo_vlm --image data/synth_vlm/images/000001.jpg --prompt "what colour is the shape?"
+    mmpipe generate --run runs/demo_qwen3_vl --video clip.mp4 --prompt "what happens?"   (Qwen families)
 """
 from __future__ import annotations
 
@@ -71,5 +72,7 @@ def cmd_generate(args) -> int:
     if len(images) > 1 and IMAGE not in prompt:  # several images, no markers: all of them first, in order
         prompt = f"{IMAGE}\n" * len(images) + prompt
     g = Generator(args.run, step=args.step)
-    print(g.answer(prompt, images[0] if len(images) == 1 else images or None, max_new_tokens=args.max_new_tokens))
+    videos = getattr(args, "video", None) or []
+    print(g.answer(prompt, images[0] if len(images) == 1 else images or None, max_new_tokens=args.max_new_tokens,
+                   video=videos or None))
     return 0

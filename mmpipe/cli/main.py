@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "vlm, qwen2_5_vl)")
     g.add_argument("--image", action="append", help="image file (omit for a text-only prompt); repeat it for a "
                    "multi-image prompt: the images in order, one per <image> marker of --prompt (none: all first)")
+    g.add_argument("--video", action="append", help="video file or directory of frames (qwen2_5_vl, qwen3_vl, "
+                   "qwen3_5), sampled as training sampled it; repeat it for several, one per <video> marker of --prompt "
+                   "(none: all first)")
     g.add_argument("--prompt", help="the user's question")
     g.add_argument("--eval", metavar="CHAT_FILE", help="instead: exact-match accuracy on the first question of each "
                    "conversation in a chat file (vs constant-answer baselines); written to RUN/exact_match.json")

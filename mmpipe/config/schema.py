@@ -54,6 +54,18 @@ class DataConfig(Section):
                                    "(ms-swift's MIN_PIXELS); unset = the model directory's processor", ge=1)
     max_pixels: Optional[int] = _f(None, "native-resolution families: the most pixels an image is resized to (ms-swift's "
                                    "MAX_PIXELS; sets the largest image-token count); unset = the directory's processor", ge=1)
+    video_fps: Optional[float] = _f(None, "video (qwen2_5_vl, qwen3_vl, qwen3_5): frames sampled per second of a video "
+                                    "file, and the rate a directory of frames was taken at (ms-swift's FPS); unset = "
+                                    "the model directory's video processor (2)", gt=0)
+    video_min_frames: Optional[int] = _f(None, "video: the fewest frames sampled (ms-swift's FPS_MIN_FRAMES); unset = "
+                                         "the video processor's (4)", ge=1)
+    video_max_frames: Optional[int] = _f(None, "video: the most frames sampled (ms-swift's FPS_MAX_FRAMES: the frame "
+                                         "budget); unset = the video processor's (768)", ge=1)
+    video_min_pixels: Optional[int] = _f(None, "video: the video processor's lower pixel bound (its size.shortest_edge)",
+                                         ge=1)
+    video_max_pixels: Optional[int] = _f(None, "video: the video processor's pixel budget (its size.longest_edge: per "
+                                         "frame for qwen2_5_vl, the whole clip for qwen3_vl / qwen3_5; ms-swift's "
+                                         "VIDEO_MAX_PIXELS)", ge=1)
     augment: str = _f("none", "none, crop (RandomResizedCrop) or crop_flip (+ RandomHorizontalFlip); applied after "
                       "decode or cache, seeded by (seed, epoch, sample)")
     crop_scale: list = _f([0.9, 1.0], "RandomResizedCrop scale range (open_clip's default)")

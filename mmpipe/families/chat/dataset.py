@@ -42,7 +42,7 @@ class ChatDataset:
         for s in self.samples:
             enc = None if s.error is not None else self.encoder.encode(s)
             ok = enc is not None and not enc.dropped
-            vision.append(sum(1 for x in enc.input_ids if x == self.encoder.image_id) if ok else 0)
+            vision.append(sum(1 for x in enc.input_ids if x in self.encoder.visual_ids) if ok else 0)
             tokens.append(len(enc.input_ids) if ok else 0)
         return SampleUnits(vision, tokens)
 
@@ -61,8 +61,16 @@ class ChatDataset:
         enc = self.encoder.encode(s)
         if enc.dropped:
             return None, (s.where, f"dropped: {enc.dropped}")
-        images = []
-        for path in enc.images:  # a full decode: an exported processor, given the user's PIL image, sees these pixels
+        images, paths, videos = [], iter(enc.images), iter(enc.videos)
+        for kind in enc.media or ("image",) * len(enc.images):  # the visual inputs in token order
+            if kind == "video":  # its frames' items (Qwen3: one per temporal patch)
+                source = next(videos)
+                items, why = self.encoder.video.load(source)
+                if items is None:
+                    return None, (str(source), why)
+                images += items
+                continue
+            path = next(paths)  # a full decode: an exported processor, given the user's PIL image, sees these pixels
             pixels, why = self.pixels.load(path, "<image>", j, epoch, draft=False)
             if pixels is None:
                 return None, (path, why)

@@ -3,7 +3,9 @@
 ``<image>`` expands to the image's own number of image tokens: the family's ``image_tokens(path)``
 (a fixed count for a square tower, ``(h/p)(w/p)`` for a native-resolution one; wrapped in the
 family's ``image_wrap`` tokens, e.g. Qwen-VL's ``<|vision_start|>`` / ``<|vision_end|>``), so truncation,
-packing lengths and length grouping use real counts. Labels: every assistant turn (its text and
+packing lengths and length grouping use real counts. ``<video>`` expands to the family's video tokens
+(``ChatFamily.video_input``: its frames' tokens and any timestamp text, from the file's header); a family
+without one drops the sample, named. Labels: every assistant turn (its text and
 the end-of-turn token) is learned; system text, prompts, role markers, image tokens and padding are
 -100. A sample longer than ``max_length`` is cut after its last complete image; if an image itself
 does not fit, the sample is dropped (and counted), never cut through its image tokens.
@@ -16,11 +18,15 @@ generation prompt, so label boundaries are exact. Without one, the plain templat
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from mmpipe.errors import DataError
-from mmpipe.families.chat.records import IMAGE, SPECIAL_TOKENS, ChatSample
+from mmpipe.families.chat.records import IMAGE, SPECIAL_TOKENS, VIDEO, ChatSample
+
+_MARKS = re.compile("(" + re.escape(IMAGE) + "|" + re.escape(VIDEO) + ")")
+
 
 @dataclass
 class Encoded:
@@ -29,28 +35,51 @@ class Encoded:
     images: tuple = ()
     truncated: bool = False
     dropped: Optional[str] = None  # why the sample cannot be used at this length
+    videos: tuple = ()
+    media: tuple = ()  # "image" / "video" of each visual input, in token order (what the loader decodes, in order)
 
 
 class ChatEncoder:
     """Token ids and labels of a chat sample: each piece is tokenized on its own (no special tokens
     added), so label boundaries are exact whatever the tokenizer merges."""
 
-    def __init__(self, tokenizer, image_token_id: int, image_tokens: Callable, max_length: int, wrap: tuple = ((), ())):
+    def __init__(self, tokenizer, image_token_id: int, image_tokens: Callable, max_length: int, wrap: tuple = ((), ()),
+                 video=None, no_video: str = "this model type has no video input"):
         """``image_tokens(image)``: the number of image tokens an image (a path) becomes, the family's
-        (``ChatFamily.image_tokens``); ``wrap``: token ids around each image's run (``image_wrap``)."""
+        (``ChatFamily.image_tokens``); ``wrap``: token ids around each image's run (``image_wrap``); ``video``: the
+        family's video tokens (``video_ids(source)`` -> the token ids of a video, ``pad_id``), None: a sample with a
+        video is dropped with ``no_video``."""
         self.tok, self.image_id, self.max_length = tokenizer, image_token_id, max_length
         self.image_tokens = image_tokens
         self.before, self.after = list(wrap[0]), list(wrap[1])
+        self.video, self.no_video = video, no_video
+        self.visual_ids = {image_token_id} | ({video.pad_id} if video is not None else set())
 
-    def _ids(self, text: str, counts=None) -> list:
-        """Token ids of ``text``; its ``<image>`` markers take the next counts of ``counts`` (an
-        iterator of image-token counts, in marker order)."""
+    def _ids(self, text: str, counts=None, videos=None, spans=None) -> list:
+        """Token ids of ``text``; its ``<image>`` markers take the next counts of ``counts`` (an iterator of
+        image-token counts, in marker order), its ``<video>`` markers the next of ``videos`` (token-id lists);
+        ``spans`` gets (kind, start, end) of each expansion."""
         out = []
-        for k, part in enumerate(text.split(IMAGE)):
-            if k:
-                out += self.before + [self.image_id] * next(counts) + self.after
-            if part:
+        for part in _MARKS.split(text):
+            if part == IMAGE or part == VIDEO:
+                add = (self.before + [self.image_id] * next(counts) + self.after) if part == IMAGE else next(videos)
+                if spans is not None:
+                    spans.append(("image" if part == IMAGE else "video", len(out), len(out) + len(add)))
+                out += add
+            elif part:
                 out += self.tok(part, add_special_tokens=False)["input_ids"]
+        return out
+
+    def video_ids(self, videos) -> list:
+        """The token ids of each video, in order (from its header; one that cannot be read raises ``DataError``)."""
+        out = []
+        for v in videos:
+            try:
+                out.append(list(self.video.video_ids(v)))
+            except FileNotFoundError:
+                raise DataError(f"{v}: no such file") from None
+            except Exception as e:  # noqa: BLE001 - the container's or the processor's refusal: the sample's error
+                raise DataError(f"{v}: cannot read the video ({type(e).__name__}: {_first_line(e)})") from None
         return out
 
     def counts(self, images) -> list:
@@ -116,49 +145,54 @@ class ChatEncoder:
         eos = self.tok.eos_token_id
         return ids + ([eos] if eos is not None and eos not in ids else [])
 
-    def prompt_ids(self, messages, images=()) -> list:
-        """Token ids of ``messages`` (with ``images``, one per ``<image>`` marker in order) followed by
-        the assistant's turn header (generation)."""
-        if getattr(self.tok, "chat_template", None):
-            return self._ids(self._render(messages, True), iter(self.counts(images)))
+    def prompt_ids(self, messages, images=(), videos=()) -> list:
+        """Token ids of ``messages`` (with ``images`` / ``videos``, one per ``<image>`` / ``<video>`` marker in
+        order) followed by the assistant's turn header (generation)."""
         counts = iter(self.counts(images))
-        return [t for text, _ in self.pieces(messages) for t in self._ids(text, counts)] + self._ids("<|assistant|>\n")
+        vids = iter(self.video_ids(videos) if videos else [])
+        if getattr(self.tok, "chat_template", None):
+            return self._ids(self._render(messages, True), counts, vids)
+        return [t for text, _ in self.pieces(messages) for t in self._ids(text, counts, vids)] + \
+            self._ids("<|assistant|>\n")
 
     def encode(self, sample: ChatSample) -> Encoded:
-        ids, labels = [], []
+        ids, labels, spans = [], [], []
+        if sample.videos and self.video is None:
+            return Encoded([], [], (), False, self.no_video)
         try:
             counts = self.counts(sample.images)
+            videos = self.video_ids(sample.videos) if sample.videos else []
         except DataError as e:
             return Encoded([], [], (), False, str(e))
-        it = iter(counts)
+        it, vit = iter(counts), iter(videos)
         for text, learned in self.pieces(sample.messages):
-            piece = self._ids(text, it)
+            found = []
+            piece = self._ids(text, it, vit, found)
+            spans += [(kind, a + len(ids), b + len(ids)) for kind, a, b in found]
             ids += piece
-            labels += [(t if learned and t != self.image_id else -100) for t in piece]
-        return self._fit(Encoded(ids, labels, sample.images), counts)
+            labels += [(t if learned and t not in self.visual_ids else -100) for t in piece]
+        return self._fit(Encoded(ids, labels, sample.images, videos=tuple(sample.videos),
+                                 media=tuple(k for k, _, _ in spans)), spans)
 
-    def _fit(self, enc: Encoded, counts: list) -> Encoded:
-        """Cut to ``max_length`` after the last image that fits whole; drop when none can be kept."""
+    def _fit(self, enc: Encoded, spans: list) -> Encoded:
+        """Cut to ``max_length`` after the last image or video that fits whole; drop when none can be kept."""
         if len(enc.input_ids) <= self.max_length:
             return enc
-        cut = self.max_length
-        keep_images = len(enc.images)
-        # image k is counts[k] image tokens, in order: it starts at image token sum(counts[:k]), whether
-        # or not images touch (<image><image>, or a newline the tokenizer drops between them)
-        positions = [i for i, t in enumerate(enc.input_ids) if t == self.image_id]
-        firsts = [sum(counts[:k]) for k in range(len(counts))]
-        starts = [positions[f] for f in firsts if f < len(positions)]
-        for k, s in enumerate(starts):
-            if s + counts[k] + len(self.after) > cut:  # this image would be cut through: end the sample before it
-                cut, keep_images = s - len(self.before), k
+        cut, keep = self.max_length, len(spans)
+        for k, (_, start, end) in enumerate(spans):
+            if end > cut:  # this image / video would be cut through: end the sample before it
+                cut, keep = start, k
                 break
-        if keep_images < len(enc.images) and keep_images == 0 and starts:
-            return Encoded([], [], (), True, f"its first image ends at token {starts[0] + counts[0]}, "
+        if keep == 0 and spans:
+            return Encoded([], [], (), True, f"its first {spans[0][0]} ends at token {spans[0][2]}, "
                                              f"beyond data.max_length={self.max_length}")
         labels = enc.labels[:cut]
         if all(t == -100 for t in labels):
             return Encoded([], [], (), True, f"nothing to learn within data.max_length={self.max_length}")
-        return Encoded(enc.input_ids[:cut], labels, enc.images[:keep_images], True)
+        media = enc.media[:keep]
+        n_images, n_videos = media.count("image"), media.count("video")
+        return Encoded(enc.input_ids[:cut], labels, enc.images[:n_images], True, videos=enc.videos[:n_videos],
+                       media=media)
 
 
 def chat_special_tokens(tokenizer) -> tuple:

@@ -79,12 +79,19 @@ class ChatFamily(Family):
         ``<|vision_start|>`` and ``<|vision_end|>``); none by default."""
         return (), ()
 
+    def video_input(self, tokenizer, data_cfg=None):
+        """The family's video input (``video_ids(source)``: a video's token ids from its header; ``load(source)``:
+        its visual items; ``pad_id``), or None: a sample with a video is dropped, named."""
+        return None
+
     def encoder(self, tokenizer, max_length: int, data_cfg=None):
         from functools import partial
 
         from mmpipe.families.chat.encoder import ChatEncoder
         return ChatEncoder(tokenizer, self.image_token_id, partial(self.image_tokens, data_cfg=data_cfg), max_length,
-                           self.image_wrap(tokenizer))
+                           self.image_wrap(tokenizer), video=self.video_input(tokenizer, data_cfg),
+                           no_video=f"has a video, but model.type={self.name} has no video input (qwen2_5_vl, qwen3_vl "
+                                    "and qwen3_5 have); the sample is skipped")
 
     def cost_driver(self, segment: str) -> str:
         """The tower and what maps its tokens into the decoder (LLaVA's projector, Qwen's merger) compute on

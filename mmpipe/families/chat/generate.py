@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from mmpipe.errors import ConfigError, DataError
-from mmpipe.families.chat.records import IMAGE
+from mmpipe.families.chat.records import IMAGE, VIDEO
 
 
 class ChatGenerator:
@@ -24,14 +24,17 @@ class ChatGenerator:
         self.model = family.hf.hf_model(state).to(device)
         self.stop = self.encoder.end_of_turn_ids()  # the end of the assistant's turn, as training learned it
 
-    def images(self, paths: list, what: str = "--image") -> dict:
-        """The model's image inputs for ``paths``, prepared as training prepared them (the family's)."""
+    def images(self, paths: list, what: str = "--image", videos: tuple = ()) -> dict:
+        """The model's image (and video) inputs for ``paths`` (``videos``), prepared as training prepared them
+        (the family's)."""
+        extra = {"videos": list(videos)} if videos else {}
         try:
-            return {k: v.to(self.device) for k, v in self.family.generation_inputs(list(paths), self.cfg.data).items()}
+            return {k: v.to(self.device) for k, v in
+                    self.family.generation_inputs(list(paths), self.cfg.data, **extra).items()}
         except ConfigError as e:
             raise ConfigError(f"{what} {e}") from None
 
-    def prompt(self, prompt: str, image=None, history: tuple = (), what: str = "--image") -> tuple:
+    def prompt(self, prompt: str, image=None, history: tuple = (), what: str = "--image", video=None) -> tuple:
         """(input ids (1, T), the model's image inputs or None) of ``history``, a user turn and the
         assistant header, tokenized as training's chat encoder does. ``image``: one path (``--image``:
         a prompt without a marker gets it first), or a list of paths, one per ``<image>`` marker of
@@ -51,17 +54,31 @@ class ChatGenerator:
         if n + before != len(paths):
             raise ConfigError(f"{what}: {n + before} {IMAGE} marker(s) but {len(paths)} image(s) (one image per "
                               "marker, in order)")
-        ids = torch.tensor([self.encoder.prompt_ids(tuple(history) + (("user", prompt),), paths)], device=self.device)
-        return ids, (self.images(paths, what) if paths else None)
+        videos = [] if video is None else [video] if isinstance(video, str) else list(video)
+        if videos and self.encoder.video is None:
+            raise ConfigError(f"--video: model.type={self.cfg.model.type} has no video input (qwen2_5_vl, qwen3_vl and "
+                              "qwen3_5 have)")
+        marks = prompt.count(VIDEO) + sum(t.count(VIDEO) for _, t in history)
+        if videos and marks == 0:  # the command line's videos, no marker: first, in order
+            prompt, marks = VIDEO * len(videos) + "\n" + prompt, len(videos)
+        if marks != len(videos):
+            raise ConfigError(f"--video: {marks} {VIDEO} marker(s) but {len(videos)} video(s) (one video per marker, "
+                              "in order)")
+        try:
+            ids = self.encoder.prompt_ids(tuple(history) + (("user", prompt),), paths, videos)
+        except DataError as e:
+            raise ConfigError(f"--video {e}") from None
+        ids = torch.tensor([ids], device=self.device)
+        return ids, (self.images(paths, what, videos) if paths or videos else None)
 
     @torch.no_grad()
     def generate_ids(self, prompt: str, image=None, max_new_tokens: int = 32, stop: bool = True,
-                     history: tuple = (), what: str = "--image") -> list:
+                     history: tuple = (), what: str = "--image", video=None) -> list:
         """The greedy continuation's token ids (KV cache); ``stop``: end at the end-of-turn token;
-        ``image``: as ``prompt`` takes it."""
+        ``image`` / ``video``: as ``prompt`` takes them."""
         if max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens {max_new_tokens}: give 1 or more (the most tokens an answer gets)")
-        ids, extra = self.prompt(prompt, image, history, what)
+        ids, extra = self.prompt(prompt, image, history, what, video)
         extra = self.family.generation_kwargs(ids, extra or {})
         out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra,
                                   max_new_tokens=max_new_tokens, min_new_tokens=0 if stop else max_new_tokens,
@@ -70,8 +87,8 @@ class ChatGenerator:
         return out[0, ids.shape[1]:].tolist()
 
     def answer(self, prompt: str, image=None, max_new_tokens: int = 32, history: tuple = (),
-               what: str = "--image") -> str:
-        new = [t for t in self.generate_ids(prompt, image, max_new_tokens, history=history, what=what)
+               what: str = "--image", video=None) -> str:
+        new = [t for t in self.generate_ids(prompt, image, max_new_tokens, history=history, what=what, video=video)
                if t not in self.stop]
         return self.tok.decode(new, skip_special_tokens=True).strip()
 

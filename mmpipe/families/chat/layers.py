@@ -6,18 +6,22 @@ from torch import nn
 
 
 class TokenEmbed(nn.Module):
-    """The LM's token embedding; image features replace the image-token positions (in order)."""
+    """The LM's token embedding; image features replace the image-token positions (and a video family's video
+    tokens: ``video_token_id``), in order."""
 
-    def __init__(self, vocab: int, width: int, pad_id, image_token_id: int):
+    def __init__(self, vocab: int, width: int, pad_id, image_token_id: int, video_token_id=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, width, pad_id)
-        self.image_token_id = image_token_id
+        self.image_token_id, self.video_token_id = image_token_id, video_token_id
 
     def forward(self, input_ids, image_features=None):
         h = self.embed_tokens(input_ids)
         if image_features is None:  # (an empty tensor still merges: a pipeline stage sends its gradient back)
             return h
-        where = (input_ids == self.image_token_id).unsqueeze(-1)
+        where = input_ids == self.image_token_id
+        if self.video_token_id is not None:
+            where = where | (input_ids == self.video_token_id)
+        where = where.unsqueeze(-1)
         feats = image_features.reshape(-1, h.shape[-1]).to(h.dtype)
         if not where.is_meta and int(where.sum()) != feats.shape[0]:  # (meta: shapes only, for planning)
             raise ValueError(f"{int(where.sum())} image tokens but {feats.shape[0]} image features")

@@ -3,9 +3,13 @@
 - LLaVA JSON: a list of ``{"id", "image", "conversations": [{"from": "human" | "gpt", "value"}]}``
   (``image`` relative to ``data.image_folder``; absent for a text-only sample).
 - ms-swift JSONL: one ``{"messages": [{"role": "system" | "user" | "assistant", "content"}],
-  "images": [...]}`` per line (image paths relative to the file's directory).
+  "images": [...], "videos": [...]}`` per line (paths relative to the file's directory; a video is a file, a
+  directory of frames, or a list of frame files).
+- LLaVA JSON's ``video`` (LLaVA-Video), relative to ``data.image_folder``.
 
-``<image>`` in a message marks where an image goes. A bad entry is kept with its ``error``
+``<image>`` / ``<video>`` in a message marks where an image / a video goes (ms-swift's rule: missing marks are
+added at the start of the first non-system turn). A family without video input drops a sample with one (counted,
+named). A bad entry is kept with its ``error``
 (skipped and counted by the loader, reported by ``mmpipe data check``).
 """
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Optional
 from mmpipe.errors import DataError
 
 IMAGE = "<image>"
+VIDEO = "<video>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 SPECIAL_TOKENS = (IMAGE,) + ROLE_TOKENS
 # ShareGPT / LLaVA / ms-swift role spellings -> the three roles a chat template knows (ms-swift maps
@@ -51,20 +56,41 @@ def _image_paths(value, folder: str) -> tuple:
     return tuple(paths), None
 
 
+def _video_paths(value, folder: str) -> tuple:
+    """(videos, error) from ms-swift's ``videos`` / LLaVA's ``video``: one entry or a list; an entry is a path (a
+    file or a directory of frames) or a list of frame paths (kept as a tuple)."""
+    items = [value] if isinstance(value, (str, dict)) and value else list(value or [])
+    out = []
+    for it in items:
+        if isinstance(it, (list, tuple)):
+            frames, bad = _image_paths(list(it), folder)
+            if bad:
+                return (), "video " + bad
+            out.append(tuple(frames))
+            continue
+        paths, bad = _image_paths(it, folder)
+        if bad:
+            return (), "video " + bad
+        out.append(paths[0])
+    return tuple(out), None
+
+
 @dataclass(frozen=True)
 class ChatSample:
     messages: tuple  # ((role, text), ...) with role in system / user / assistant
     images: tuple = ()
     where: str = ""
     error: Optional[str] = None
+    videos: tuple = ()  # each a path (a file, a directory of frames) or a tuple of frame paths
 
 
-def _check(messages, images) -> Optional[str]:
+def _check(messages, images, videos=()) -> Optional[str]:
     if not messages or not any(r == "assistant" for r, _ in messages):
         return "no assistant turn to learn"
-    n = sum(t.count(IMAGE) for _, t in messages)
-    if n != len(images):
-        return f"{n} {IMAGE} marker(s) but {len(images)} image(s)"
+    for mark, media, what in ((IMAGE, images, "image"), (VIDEO, videos, "video")):
+        n = sum(t.count(mark) for _, t in messages)
+        if n != len(media):
+            return f"{n} {mark} marker(s) but {len(media)} {what}(s)"
     return None
 
 
@@ -88,7 +114,8 @@ def read_llava_json(path: str, image_folder: Optional[str] = None) -> list:
         roles, error = _roles([t.get("from", "user") for t in conv])
         msgs = tuple(zip(roles, (str(t["value"]) for t in conv)))
         images, bad = _image_paths(row.get("image"), folder)
-        out.append(ChatSample(msgs, images, where, error or bad or _no_video(row, msgs) or _check(msgs, images)))
+        videos, bad_video = _video_paths(row.get("video") or row.get("videos"), folder)
+        out.append(ChatSample(msgs, images, where, error or bad or bad_video or _check(msgs, images, videos), videos))
     return out
 
 
@@ -113,28 +140,22 @@ def read_swift_jsonl(path: str) -> list:
             roles, error = _roles([m.get("role", "user") for m in msgs])
             msgs = tuple(zip(roles, (str(m["content"]) for m in msgs)))
             images, bad = _image_paths(row.get("images"), folder)
-            msgs = _add_default_tags(msgs, len(images))
-            out.append(ChatSample(msgs, images, where, error or bad or _no_video(row, msgs) or _check(msgs, images)))
+            videos, bad_video = _video_paths(row.get("videos"), folder)
+            msgs = _add_default_tags(_add_default_tags(msgs, len(images)), len(videos), VIDEO)
+            out.append(ChatSample(msgs, images, where, error or bad or bad_video or _check(msgs, images, videos),
+                                  videos))
     return out
 
 
-def _no_video(row: dict, messages: tuple) -> Optional[str]:
-    """A sample with ms-swift's ``videos`` (LLaVA-Video's ``video``) or a ``<video>`` mark is unusable
-    (counted, named, skipped) rather than trained as if it had none."""
-    if row.get("videos") or row.get("video") or any("<video>" in text for _, text in messages):
-        return "has a video (ms-swift videos / <video>): mmpipe does not train video yet; the sample is skipped"
-    return None
-
-
-def _add_default_tags(messages: tuple, n_images: int) -> tuple:
-    """As ms-swift's ``Template._add_default_tags``: images with fewer ``<image>`` tags than images get
-    the missing tags at the start of the first message after the system turn."""
-    missing = n_images - sum(t.count(IMAGE) for _, t in messages)
+def _add_default_tags(messages: tuple, n_media: int, mark: str = IMAGE) -> tuple:
+    """As ms-swift's ``Template._add_default_tags``: media with fewer ``mark`` tags than items get the missing
+    tags at the start of the first message after the system turn."""
+    missing = n_media - sum(t.count(mark) for _, t in messages)
     first = next((i for i, (r, _) in enumerate(messages) if r != "system"), None)
     if missing <= 0 or first is None:
         return messages
     role, text = messages[first]
-    return messages[:first] + ((role, IMAGE * missing + text),) + messages[first + 1:]
+    return messages[:first] + ((role, mark * missing + text),) + messages[first + 1:]
 
 
 def read_chat(path: str, image_folder: Optional[str] = None, key: str = "data.train") -> list:
@@ -146,6 +167,6 @@ def read_chat(path: str, image_folder: Optional[str] = None, key: str = "data.tr
 
 def chat_texts(samples: list) -> list:
     """The message texts of chat samples, without image markers (tokenizer training)."""
-    return [t.replace(IMAGE, " ") for s in samples for _, t in s.messages]
+    return [t.replace(IMAGE, " ").replace(VIDEO, " ") for s in samples for _, t in s.messages]
 
 

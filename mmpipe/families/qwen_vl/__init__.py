@@ -69,10 +69,16 @@ def qwen_config(cfg):
     if sum(section) * 2 != head_dim:
         raise ConfigError(f"model.llm.mrope_section={section} sums to {sum(section)}, but the rotary half of a "
                           f"{head_dim}-wide head is {head_dim // 2}: give sections that sum to {head_dim // 2}")
-    if cfg.image_token_id is not None:
-        top.image_token_id = cfg.image_token_id
+    set_token_ids(top, cfg)
     use_attention(top.vision_config, top.text_config)
     return top
+
+
+def set_token_ids(top, cfg) -> None:
+    """The resolved ``model.image_token_id`` / ``model.video_token_id`` (the tokenizer's) into transformers' config."""
+    for key in ("image_token_id", "video_token_id"):
+        if getattr(cfg, key, None) is not None:
+            setattr(top, key, getattr(cfg, key))
 
 
 @register_family
@@ -127,6 +133,12 @@ class Qwen25VLFamily(ChatFamily):
         elif out.image_token_id != image_id:
             raise ConfigError(f"model.image_token_id={out.image_token_id} but the tokenizer's {IMAGE_PAD} is {image_id}: "
                               "unset model.image_token_id, or use the model's tokenizer")
+        video_id = tokenizer.convert_tokens_to_ids(VIDEO_PAD)
+        if out.video_token_id is None:
+            out.video_token_id = video_id
+        elif out.video_token_id != video_id:
+            raise ConfigError(f"model.video_token_id={out.video_token_id} but the tokenizer's {VIDEO_PAD} is {video_id}: "
+                              "unset model.video_token_id, or use the model's tokenizer")
         for key in ("min_pixels", "max_pixels"):  # recorded for what reads no data section (plan, export, generate)
             if getattr(data_cfg, key, None):
                 setattr(out, key, getattr(data_cfg, key))
@@ -187,6 +199,7 @@ class Qwen25VLFamily(ChatFamily):
         self.hf_cfg = self.hf_config(model_cfg)
         self.vision_cfg, self.text_cfg = self.hf_cfg.vision_config, self.hf_cfg.text_config
         self.image_token_id = self.hf_cfg.image_token_id
+        self.video_token_id = getattr(self.hf_cfg, "video_token_id", None)
         self.tied = bool(getattr(self.hf_cfg, "tie_word_embeddings", False))
         self._source = hf.WeightSource(model_cfg.pretrained, "model.pretrained") if model_cfg.pretrained else None
         self._native = {}
@@ -214,7 +227,8 @@ class Qwen25VLFamily(ChatFamily):
         elif name == "merger":
             module = Merger(v)
         elif name == "llm.embed":
-            module = TokenEmbed(t.vocab_size, t.hidden_size, getattr(t, "pad_token_id", None), self.image_token_id)
+            module = TokenEmbed(t.vocab_size, t.hidden_size, getattr(t, "pad_token_id", None), self.image_token_id,
+                                self.video_token_id)
         elif name.startswith("llm.blocks."):
             module = parts.decoder_block_cls()(t, int(name.rsplit(".", 1)[1]))
         elif name == "llm.head":
@@ -279,12 +293,38 @@ class Qwen25VLFamily(ChatFamily):
     def image_wrap(self, tokenizer) -> tuple:
         return [tokenizer.convert_tokens_to_ids(VISION_START)], [tokenizer.convert_tokens_to_ids(VISION_END)]
 
+    def batch_units(self, batch: dict) -> tuple:
+        """(image and video tokens, token slots)."""
+        ids = batch["input_ids"]
+        visual = (ids == self.image_token_id) | (ids == self.video_token_id)
+        return float(visual.sum()), float(ids.numel())
+
+    video_style = "qwen2"  # one item per video, time positions scaled (Qwen3 families: an item per temporal patch)
+
+    def native_video(self, data_cfg=None):
+        """The video input's frames side (``video.NativeVideo``) for ``data_cfg``'s sampling settings."""
+        from mmpipe.families.qwen_vl.video import NativeVideo, video_processor
+        keys = ("video_fps", "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels")
+        key = tuple(getattr(data_cfg, k, None) for k in keys)
+        memo = self.__dict__.setdefault("_videos", {})
+        if key not in memo:
+            proc = video_processor(self.cfg.pretrained, self.video_style, self.processor_defaults(self.cfg), data_cfg)
+            memo[key] = NativeVideo(proc, self.video_style, frames_fps=float(proc.fps),
+                                    tokens_per_second=float(getattr(self.vision_cfg, "tokens_per_second", 2) or 2))
+        return memo[key]
+
+    def video_input(self, tokenizer, data_cfg=None):
+        from mmpipe.families.qwen_vl.video import VideoInput
+        ids = tokenizer.convert_tokens_to_ids([VISION_START, VISION_END, VIDEO_PAD])
+        return VideoInput(self.native_video(data_cfg), tokenizer, *ids)
+
     def collate(self, tokenizer, data_cfg):
         from mmpipe.families.qwen_vl.data import RopeCollate
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         return RopeCollate(pad, self.pixels(self.cfg, data_cfg), data_cfg.pad_multiple,
                            data_cfg.max_length if data_cfg.padding == "max_length" else None,
-                           image_id=self.image_token_id, merge=self.vision_cfg.spatial_merge_size)
+                           image_id=self.image_token_id, merge=self.vision_cfg.spatial_merge_size,
+                           video_id=self.video_token_id)
 
     def example_batch(self, micro_batch_size: int, max_length: int, device, packed: bool = False, grid=None) -> dict:
         """Rows of ``max_length`` tokens, each with one image of ``grid`` (default: the largest
@@ -322,6 +362,9 @@ class Qwen25VLFamily(ChatFamily):
         share (text-only samples are not counted: the tower is priced as if every row held an image);
         memory at the largest grid ``max_pixels`` allows (weight 0: the worst case a stage must hold)."""
         worst = self.example_batch(micro_batch_size, max_length, device, packed)
+        video = self.video_budget_grid(data_cfg, max_length)
+        if video is not None and video[0] * video[1] * video[2] > int(worst["image_grid_thw"][0].prod()):
+            worst = self.example_batch(micro_batch_size, max_length, device, packed, grid=video)
         grids = self.data_grids(data_cfg) if getattr(data_cfg, "train", None) else []
         if not grids:
             return [(1.0, worst)]
@@ -334,8 +377,8 @@ class Qwen25VLFamily(ChatFamily):
                                  for g in groups if g[len(g) // 2][1] * g[len(g) // 2][2] // merge ** 2 < max_length - 2]
 
     def data_grids(self, data_cfg, limit: int = 256) -> list:
-        """The ``(t, h, w)`` grids of the images of ``data.train``'s first ``limit`` records (headers only;
-        an unreadable image is left out)."""
+        """The ``(t, h, w)`` grids of the images and videos of ``data.train``'s first ``limit`` records (headers
+        only; an unreadable file is left out)."""
         from PIL import Image
         px, out = self.native(data_cfg), []
         for rec in self.read_records(data_cfg.train, data_cfg, "data.train")[:limit]:
@@ -345,23 +388,48 @@ class Qwen25VLFamily(ChatFamily):
                         out.append(px.grid(*im.size))
                 except (OSError, ValueError, SyntaxError):
                     continue
+            for source in getattr(rec, "videos", ()):
+                try:
+                    out.append(tuple(self.native_video(data_cfg).plan(source).grid))
+                except Exception:  # noqa: BLE001 - an unreadable video is the loader's to report
+                    continue
         return out
 
+    def video_budget_grid(self, data_cfg, max_length: int):
+        """The largest video the frame budget (``data.video_max_frames``, set) and pixel budget allow: a square
+        video at that many frames, resized by the video processor (what the memory plan must hold); None without
+        a frame budget."""
+        frames = getattr(data_cfg, "video_max_frames", None)
+        if not frames:
+            return None
+        native = self.native_video(data_cfg)
+        frames = max(frames - frames % native.temporal, native.temporal)
+        side = 8192  # (resized down to the budget)
+        h, w = native._resized(frames, side, side)
+        return (frames // native.temporal, h // native.patch, w // native.patch)
+
     # ---- generation and export ------------------------------------------------------------------------
-    def generation_inputs(self, images: list, data_cfg=None) -> dict:
+    def generation_inputs(self, images: list, data_cfg=None, videos=()) -> dict:
         px, done = self.native(data_cfg), []
         for path in images:
             pixels, why = px.load(path, "image", 0, 0)
             if pixels is None:
                 raise ConfigError(f"{path}: {why}")
             done.append(pixels)
-        return px.batch(done)
+        out = px.batch(done) if done else {}
+        if videos:
+            try:
+                out.update(self.native_video(data_cfg).model_inputs(list(videos)))
+            except ValueError as e:
+                raise ConfigError(f"{', '.join(map(str, videos))}: {e}") from None
+        return out
 
     def generation_kwargs(self, input_ids, image_inputs: dict) -> dict:
-        """transformers' Qwen2.5-VL derives its 3-D positions from ``mm_token_type_ids`` (1 = image)."""
+        """transformers' Qwen models derive their 3-D positions from ``mm_token_type_ids`` (1 = image, 2 = video)."""
         if not image_inputs:
             return {}
-        return {**image_inputs, "mm_token_type_ids": (input_ids == self.image_token_id).to(torch.int32)}
+        types = (input_ids == self.image_token_id).to(torch.int32) + 2 * (input_ids == self.video_token_id).to(torch.int32)
+        return {**image_inputs, "mm_token_type_ids": types}
 
     def hf_export(self, state, tokenizer, data_cfg=None):
         """The family's transformers model + processor (``Qwen2_5_VLForConditionalGeneration`` +
@@ -377,9 +445,9 @@ class Qwen25VLFamily(ChatFamily):
                          ("video_token_id", VIDEO_PAD)):
             setattr(cfg, key, tokenizer.convert_tokens_to_ids(tok))
         no_added_special_tokens(tokenizer)
-        processor, video = (getattr(transformers, c) for c in self.processor_classes)
+        processor = getattr(transformers, self.processor_classes[0])
         proc = processor(image_processor=self.native(data_cfg).processor, tokenizer=tokenizer,
-                         video_processor=video(),  # (required; mmpipe trains no video yet)
+                         video_processor=self.native_video(data_cfg).processor,  # (the run's frame and pixel budgets)
                          chat_template=getattr(tokenizer, "chat_template", None))
         model = self.hf.hf_model(state)
         set_generation_defaults(model, tokenizer, stop)

@@ -74,3 +74,10 @@ class Qwen35HF(QwenVLHF):
                   ("llm.blocks.", ["model.language_model.layers."]),
                   ("llm.head.norm.", ["model.language_model.norm."]), ("llm.head.lm_head.", ["lm_head."])]
     model_class = "Qwen3_5ForConditionalGeneration"
+
+
+class Qwen3VLHF(Qwen35HF):
+    """Qwen3-VL's names: Qwen3.5's, and DeepStack's mergers (``deepstack.k`` <-> ``model.visual.deepstack_merger_list.k``)."""
+
+    load_rules = [("deepstack.", ["model.visual.deepstack_merger_list."])] + Qwen35HF.load_rules
+    model_class = "Qwen3VLForConditionalGeneration"

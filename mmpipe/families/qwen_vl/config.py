@@ -45,6 +45,7 @@ class Qwen25VLConfig(Section):
     pretrained: Optional[str] = option(None, "hub id (org/name[@revision]) or local Qwen2_5_VLForConditionalGeneration save_pretrained directory "
                                        "(with its processor and tokenizer)")
     image_token_id: Optional[int] = option(None, "id of <|image_pad|>; unset = the tokenizer's")
+    video_token_id: Optional[int] = option(None, "id of <|video_pad|>; unset = the tokenizer's")
     min_pixels: Optional[int] = option(None, "recorded by the run from data.min_pixels (leave unset): the bounds the "
                                        "planner, generation and an export resize images within", ge=1)
     max_pixels: Optional[int] = option(None, "recorded by the run from data.max_pixels (leave unset)", ge=1)

@@ -73,10 +73,12 @@ class NativePixels:
         return out["pixel_values"].float(), out["image_grid_thw"][0].to(torch.int64)
 
     def batch(self, images: list) -> dict:
-        """``pixel_values`` (every image's patches, in order) and ``image_grid_thw`` (N, 3)."""
+        """``pixel_values`` (every visual item's patches, in order: images, and videos' items) and
+        ``image_grid_thw`` (N, 3)."""
         if not images:
             return {"pixel_values": torch.zeros((0, self.width)), "image_grid_thw": torch.zeros((0, 3), dtype=torch.int64)}
-        return {"pixel_values": torch.cat([p for p, _ in images]), "image_grid_thw": torch.stack([g for _, g in images])}
+        return {"pixel_values": torch.cat([item[0] for item in images]),
+                "image_grid_thw": torch.stack([item[1] for item in images])}
 
     def example(self, n: int, generator: torch.Generator, grid: Optional[tuple] = None) -> dict:
         """Pixel fields of ``n`` random images of ``grid`` (default: the largest square ``max_pixels``

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from mmpipe.config.registry import register_family
 from mmpipe.errors import ConfigError
-from mmpipe.families.qwen_vl import Qwen25VLFamily, pretrained_config
+from mmpipe.families.qwen_vl import Qwen25VLFamily, pretrained_config, set_token_ids
 from mmpipe.families.qwen_vl import qwen3_5_model as m
 from mmpipe.families.qwen_vl.qwen3_5_config import Qwen35Config
 from mmpipe.families.towers.common import use_attention
@@ -46,8 +46,7 @@ def qwen3_5_config(cfg):
         top = Qwen3_5Config(vision_config=vision, text_config=text, image_token_id=cfg.image_token_id,
                             tie_word_embeddings=bool(t.tie_word_embeddings))
     _check_text(top.text_config)
-    if cfg.image_token_id is not None:
-        top.image_token_id = cfg.image_token_id
+    set_token_ids(top, cfg)
     use_attention(top.vision_config, top.text_config)
     return top
 
@@ -76,6 +75,7 @@ class Qwen35Family(Qwen25VLFamily):
     config_class = Qwen35Config
     hf_adapter = "Qwen35HF"
     processor_classes = ("Qwen3VLProcessor", "Qwen3VLVideoProcessor")
+    video_style = "qwen3"  # an item per temporal patch, after its timestamp text
 
     @classmethod
     def processor_defaults(cls, model_cfg) -> dict:

@@ -164,3 +164,43 @@ def write_tiny_qwen3_5(out_dir: str, seed: int = 0, texts=None, vocab_size: int 
         video_processor=Qwen3VLVideoProcessor(**geometry), tokenizer=tok, chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(out_dir)
     return out_dir
+
+
+def write_tiny_qwen3_vl(out_dir: str, seed: int = 0, texts=None, vocab_size: int = 400,
+                        min_pixels: int = 32 * 32 * 4, max_pixels: int = 32 * 32 * 36,
+                        vision: Optional[dict] = None, text: Optional[dict] = None) -> str:
+    """Write a random tiny ``Qwen3VLForConditionalGeneration`` with its processor to ``out_dir``: a 3-block ViT
+    (patch 16, a 4 x 4 learned position grid) with DeepStack after blocks 0 and 1 (added after decoder layers 0
+    and 1), a 4-block Qwen3 decoder (q/k norm, interleaved multimodal rotary positions); the tokenizer, chat
+    template and processor of ``write_tiny_qwen3_5``. Returns ``out_dir``."""
+    import torch
+    from transformers import (Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
+                              Qwen3VLProcessor, Qwen3VLVideoProcessor)
+    tok = _tokenizer(texts or default_texts(), vocab_size)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vis = {"depth": 3, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "patch_size": 16,
+           "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16, "in_channels": 3,
+           "deepstack_visual_indexes": [0, 1], **(vision or {})}
+    txt = {"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 512, "vocab_size": len(tok),
+           "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+           "pad_token_id": ids["<|endoftext|>"], **(text or {})}
+    half = txt["head_dim"] // 2
+    txt.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
+                                       "mrope_section": [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]})
+    vis.setdefault("out_hidden_size", txt["hidden_size"])
+    config = Qwen3VLConfig(vision_config=vis, text_config=txt, tie_word_embeddings=False,
+                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                           vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config)
+    _randomize(model)
+    model.save_pretrained(out_dir)
+    geometry = {"patch_size": vis["patch_size"], "temporal_patch_size": vis["temporal_patch_size"],
+                "merge_size": vis["spatial_merge_size"]}
+    processor = Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**geometry, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                                              size={"shortest_edge": min_pixels, "longest_edge": max_pixels}),
+        video_processor=Qwen3VLVideoProcessor(**geometry), tokenizer=tok, chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(out_dir)
+    return out_dir

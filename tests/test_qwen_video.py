@@ -1,0 +1,272 @@
+"""Video for the Qwen families (``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_5``): short videos written by PyAV's own
+encoder (and a directory of frames) give transformers' ids, grids and logits when its processor is fed the same
+decoded frames and samples them itself (Qwen2.5-VL's scaled time positions, Qwen3's timestamp text); packed =
+unpacked; an undecodable video is one bad sample; Qwen3-VL with videos, images and text in packed rows trains
+alike at P = 1 and P = 2, and its export answers a video through transformers as ``mmpipe generate --video``."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from helpers import TINY_CONFIGS, Runs, train_losses
+from PIL import Image
+from test_parity import _weights, assert_weights_close
+
+import mmpipe
+
+WRITERS = {"qwen2_5_vl": "write_tiny_qwen2_5_vl", "qwen3_vl": "write_tiny_qwen3_vl", "qwen3_5": "write_tiny_qwen3_5"}
+# sampled at 1 frame a second, at least 2 frames: the 16-frame clip at 4 fps gives 4 frames (2 temporal patches,
+# Qwen2.5-VL's time index 0 and 4), the 6-frame one at 3 fps 2 frames
+VIDEO_DATA = {"video_fps": 1.0, "video_min_frames": 2}
+
+
+def write_video(path: str, frames: int, width: int, height: int, fps: int, seed: int = 0) -> str:
+    """A video of random frames, encoded by PyAV (MPEG-4 part 2)."""
+    import av
+    rng = np.random.default_rng(seed)
+    with av.open(path, "w") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for _ in range(frames):
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return path
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    d = tmp_path_factory.mktemp("video")
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (96, 160, 3), dtype=np.uint8)).save(d / "im.png")
+    frames = d / "frames"
+    frames.mkdir()
+    for k in range(4):
+        Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(frames / f"{k:03d}.png")
+    (d / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(200))
+    return {"image": str(d / "im.png"), "long": write_video(str(d / "long.mp4"), 16, 96, 64, 4, seed=1),
+            "short": write_video(str(d / "short.mp4"), 6, 64, 128, 3, seed=2), "frames": str(frames),
+            "broken": str(d / "broken.mp4"), "dir": str(d)}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    from mmpipe.families.qwen_vl import tiny
+    root = tmp_path_factory.mktemp("video_dirs")
+    return {name: getattr(tiny, fn)(str(root / name), seed=1) for name, fn in WRITERS.items()}
+
+
+ROWS = [(["<video>"], "what happens?", "a square moves", [], ["long"]),
+        (["<image>"], "what colour is it?", "red", ["image"], []),
+        ([], "what is two plus two?", "four", [], []),
+        (["<image>", "<video>"], "is it the same?", "no", ["image"], ["short"]),
+        (["<video>"], "how many frames?", "four", [], ["frames"])]
+
+
+def _chat(path, media, rows) -> str:
+    with open(path, "w") as fh:
+        for marks, q, a, ims, vids in rows:
+            fh.write(json.dumps({"messages": [{"role": "user", "content": "".join(marks) + "\n" + q},
+                                              {"role": "assistant", "content": a}],
+                                 "images": [media[k] for k in ims], "videos": [media[k] for k in vids]}) + "\n")
+    return str(path)
+
+
+def _family(name: str, d: str, tmp_path, **data):
+    import yaml
+
+    from mmpipe.config.registry import get_family
+    from mmpipe.config.resolve import resolve_family
+    from mmpipe.data.tokenizer import load_tokenizer
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"model": {"type": name, "pretrained": d},
+                                    "data": {"max_length": 1024, "min_pixels": 4096, "max_pixels": 65536,
+                                             "num_workers": 0, **VIDEO_DATA, **data}}))
+    tok = get_family(name).prepare_tokenizer(load_tokenizer(d))
+    cfg, fam = resolve_family(mmpipe.load_config(str(path)), tok)
+    return cfg, fam, tok
+
+
+def _loaded(fam):
+    from mmpipe.parallel.plain import plain_model
+    model = plain_model(fam)
+    for name in fam.layer_names():
+        fam.load_pretrained(model.get_submodule(name), name)
+    return model
+
+
+def _decoded(source, fps_of_frames: float):
+    """All the frames of ``source`` and their metadata, as a user hands them to the processor (a file decoded by
+    PyAV; a frames directory at its frame rate)."""
+    from transformers.video_utils import VideoMetadata, load_video
+    if os.path.isdir(source):
+        files = sorted(os.listdir(source))
+        frames = np.stack([np.asarray(Image.open(os.path.join(source, f)).convert("RGB")) for f in files])
+        return frames, VideoMetadata(total_num_frames=len(files), fps=fps_of_frames, frames_indices=np.arange(len(files)))
+    return load_video(source, backend="pyav")
+
+
+@pytest.mark.parametrize("name", list(WRITERS))
+def test_video_rows_are_transformers_fed_by_its_own_processor(name, dirs, media, tmp_path):
+    """Rows with a video file, an image, text only, an image and a video, a directory of frames: mmpipe's ids are
+    the processor's (which samples the decoded frames itself at data.video_fps), its grids the processor's
+    (Qwen3: one per temporal patch), and its logits and loss transformers' within 1e-5."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from mmpipe.families.chat import read_chat
+    cfg, fam, tok = _family(name, dirs[name], tmp_path)
+    ds, collate = fam.dataset(read_chat(_chat(tmp_path / "chat.jsonl", media, ROWS)), tok, cfg.data), \
+        fam.collate(tok, cfg.data)
+    b = collate([ds[i] for i in range(len(ROWS))])
+    assert b["bad"] == []
+    proc = AutoProcessor.from_pretrained(dirs[name])
+    proc.image_processor.size = {"shortest_edge": 4096, "longest_edge": 65536}
+    proc.video_processor = fam.native_video(cfg.data).processor  # (the run's fps and frame bounds)
+    texts = [proc.apply_chat_template([{"role": "user", "content": [{"type": m[1:-1]} for m in marks] +
+                                        [{"type": "text", "text": "\n" + q}]},
+                                       {"role": "assistant", "content": [{"type": "text", "text": a}]}])
+             for marks, q, a, _, _ in ROWS]
+    decoded = [_decoded(media[k], VIDEO_DATA["video_fps"]) for _, _, _, _, vids in ROWS for k in vids]
+    file_videos = [i for i, (_, _, _, _, vids) in enumerate(ROWS) for k in vids]
+    enc = proc(text=texts, images=[Image.open(media["image"]).convert("RGB")] * 2, videos=[v for v, _ in decoded],
+               video_metadata=[m for _, m in decoded], do_sample_frames=True, return_tensors="pt", padding=True)
+    assert len(file_videos) == 3
+    mask, theirs = b["attention_mask"].bool(), enc["attention_mask"].bool()
+    for i in range(len(ROWS)):
+        assert b["input_ids"][i][mask[i]].tolist() == enc["input_ids"][i][theirs[i]].tolist(), i
+    per_video = [[[1, h, w]] * t if fam.video_style == "qwen3" else [[t, h, w]]  # Qwen3: an item per temporal patch
+                 for t, h, w in enc["video_grid_thw"].tolist()]
+    images = enc["image_grid_thw"].tolist()
+    # mmpipe's visual items in token order: row 0's video, row 1's image, row 3's image and video, row 4's frames
+    assert b["image_grid_thw"].tolist() == per_video[0] + images + per_video[1] + per_video[2]
+    assert enc["video_grid_thw"][:, 0].tolist() == [2, 1, 2]  # 4, 2 and 4 frames sampled
+    if fam.video_style == "qwen3":
+        stamps = tok.decode(b["input_ids"][0][mask[0]])
+        assert "<0.6 seconds>" in stamps and "<3.1 seconds>" in stamps  # frames 0, 5 | 10, 15 of the 4 fps clip
+    else:
+        assert enc["second_per_grid_ts"].tolist() == [2.0, 2.0, 2.0]  # 1 sampled frame a second: time index 0, 4
+    hf = AutoModelForImageTextToText.from_pretrained(dirs[name]).eval()
+    model = _loaded(fam).eval()
+    with torch.no_grad():
+        inputs = [b[k] for k in fam.inputs]
+        logits, loss = model.eval_outputs(*inputs), model(*inputs, b["labels"])
+        out = hf(**enc)
+    torch.testing.assert_close(logits[mask], out.logits[theirs], rtol=0, atol=1e-5)
+    total, count = 0.0, 0
+    for i in range(len(ROWS)):  # transformers' logits, mmpipe's labels: the token-mean loss
+        lg, lb = out.logits[i][theirs[i]][:-1], b["labels"][i][mask[i]][1:]
+        total += torch.nn.functional.cross_entropy(lg, lb, ignore_index=-100, reduction="sum")
+        count += int((lb != -100).sum())
+    torch.testing.assert_close(loss, total / count, rtol=0, atol=1e-5)
+
+
+def test_packed_video_rows_give_the_unpacked_loss_and_gradients(dirs, media, tmp_path):
+    """Qwen3-VL (DeepStack at the video positions too): the five rows as two packed rows give the loss and every
+    gradient of the rows alone (within 1e-5)."""
+    from mmpipe.families.chat import read_chat
+    cfg, fam, tok = _family("qwen3_vl", dirs["qwen3_vl"], tmp_path)
+    recs = read_chat(_chat(tmp_path / "chat.jsonl", media, ROWS))
+    single = fam.collate(tok, cfg.data)([fam.dataset(recs, tok, cfg.data)[i] for i in range(len(ROWS))])
+    pcfg, _, _ = _family("qwen3_vl", dirs["qwen3_vl"], tmp_path, packing=True, max_length=10 ** 4)
+    packs = fam.dataset(recs, tok, pcfg.data)
+    packs.packs = [[0, 1, 2], [3, 4]]
+    packed = fam.collate(tok, cfg.data)([packs[0], packs[1]])
+    model = _loaded(fam).train()
+
+    def loss_and_grads(b):
+        model.zero_grad()
+        loss = model(*[b[k] for k in fam.inputs], b["labels"], torch.tensor(float((b["labels"] != -100).sum())))
+        loss.backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    a, ga = loss_and_grads(single)
+    c, gc = loss_and_grads(packed)
+    torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
+    for k in ga:
+        torch.testing.assert_close(gc[k], ga[k], rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def test_a_video_that_cannot_be_decoded_is_one_bad_sample_named(dirs, media, tmp_path):
+    """A corrupt file and a missing one: each sample is dropped with the file and why (``data check`` and the
+    loader report it), the next usable sample takes its place; nothing crashes."""
+    from mmpipe.families.chat import read_chat
+    cfg, fam, tok = _family("qwen2_5_vl", dirs["qwen2_5_vl"], tmp_path)
+    media = dict(media, missing=os.path.join(media["dir"], "missing.mp4"))
+    rows = [(["<video>"], "what happens?", "x", [], ["broken"]), (["<video>"], "what happens?", "y", [], ["missing"]),
+            (["<video>"], "what happens?", "z", [], ["short"])]
+    ds = fam.dataset(read_chat(_chat(tmp_path / "bad.jsonl", media, rows)), tok, cfg.data)
+    assert ds.lengths[:2] == [0, 0] and ds.lengths[2] > 0
+    item = ds[0]
+    assert item["index"] == 2 and [where.rsplit(" ", 2)[-2:] for where, _ in item["bad"]] == [["line", "1"], ["line", "2"]]
+    (_, broken), (_, missing) = item["bad"]
+    assert f"{media['broken']}: cannot read the video" in broken, broken
+    assert f"{media['missing']}: no such file" in missing, missing
+
+
+# ---- runs --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def video_runs(tmp_path_factory, tiny_native_chat_data, media):
+    """The tiny native-resolution chat data plus 16 rows with videos (two sizes, 4-8 frames; some with an image
+    too), for the tiny Qwen3-VL."""
+    d = tmp_path_factory.mktemp("video_runs")
+    clips = [write_video(str(d / f"clip{k}.mp4"), 8 if k % 2 else 4, 96 if k % 2 else 64, 64, 2, seed=10 + k)
+             for k in range(4)]
+    rows = [json.loads(line) for line in open(tiny_native_chat_data["train"])]
+    usable = [r for r in rows if r.get("images")]
+    for k in range(16):
+        base = usable[k % len(usable)]
+        q = base["messages"][0]["content"].replace("<image>", "").strip()
+        rows.insert(3 * k, {"messages": [{"role": "user", "content": ("<image>" if k % 3 == 0 else "") + "<video>\n" + q},
+                                         base["messages"][1]],
+                            "images": base["images"] if k % 3 == 0 else [], "videos": [clips[k % 4]]})
+    train = d / "train.jsonl"
+    base_dir = os.path.dirname(tiny_native_chat_data["train"])
+    with open(train, "w") as fh:
+        for r in rows:
+            r = dict(r)
+            r["images"] = [p if os.path.isabs(p) else os.path.join(base_dir, p) for p in r.get("images", [])]
+            fh.write(json.dumps(r) + "\n")
+    return Runs(d, {"train": str(train), "val": tiny_native_chat_data["val"]}, TINY_CONFIGS["qwen3_vl"])
+
+
+PACKED = ["data.packing=true", "data.max_length=256", "train.batch_size=4", "data.video_fps=2",
+          "data.video_min_frames=2"]
+
+
+def test_video_packed_with_images_trains_alike_on_one_process_and_on_two_stages(video_runs):
+    """Packed rows of videos, images and text: P = 2 (the planner's cut) trains the losses (rtol 1e-5) and weights of
+    P = 1; the runs met videos (their tokens in the logged samples' lengths) and no bad sample but the data's own."""
+    one, _ = video_runs.get("packed_p1", 1, ["parallel.pipeline_stages=1"] + PACKED, "python", flags=["--stop-at", "3"])
+    two, _ = video_runs.get("packed_p2", 2, ["parallel.pipeline_stages=2"] + PACKED, flags=["--stop-at", "3"])
+    np.testing.assert_allclose(train_losses(two), train_losses(one), rtol=1e-5)
+    assert_weights_close(_weights(two, 3), _weights(one, 3), rtol=1e-5, atol=1e-6)
+
+
+def test_exported_run_answers_a_video_through_transformers_as_mmpipe_generate(video_runs, media, tmp_path):
+    """The P = 1 run exported -> ``Qwen3VLForConditionalGeneration`` + its processor (the run's video sampling):
+    the processor's prompt for a video (decoded by PyAV, sampled by the processor) is ``mmpipe generate --video``'s
+    ids, and greedy ``generate`` gives its tokens."""
+    from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+
+    from mmpipe.cli.generate import Generator
+    from mmpipe.train.export import export
+    run, _ = video_runs.get("packed_p1", 1, ["parallel.pipeline_stages=1"] + PACKED, "python", flags=["--stop-at", "3"])
+    out, _, _ = export(run, str(tmp_path / "hf"))
+    hf, proc = Qwen3VLForConditionalGeneration.from_pretrained(out).eval(), AutoProcessor.from_pretrained(out)
+    g = Generator(run)
+    question = "what happens?"
+    frames, meta = _decoded(media["long"], 2.0)
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "\n" + question}]}]
+    enc = proc(text=proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), videos=[frames],
+               video_metadata=[meta], do_sample_frames=True, return_tensors="pt")
+    ids, _ = g.prompt(question, video=media["long"])
+    assert enc["input_ids"].tolist() == ids.tolist()
+    with torch.no_grad():
+        got = hf.generate(**enc, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
+    want = g.generate_ids(question, video=media["long"], max_new_tokens=8)
+    assert got[:len(want)] == want and (len(want) == 8 or want[-1] in g.stop)
