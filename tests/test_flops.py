@@ -69,13 +69,17 @@ VARIANTS = {
     "qwen3_5-lora": (TINY_QWEN3_5, QWEN_SETS + ["optim.train_type=lora"]),
     "qwen3_5-checkpointed": (TINY_QWEN3_5, QWEN_SETS + ["parallel.activation_checkpointing=all"]),
     "qwen3_5-text-only": (TINY_QWEN3_5, QWEN_SETS),
+    # Qwen3-VL: Qwen3.5's ViT with DeepStack's two mergers, the Qwen3 decoder
+    "qwen3_vl": (TINY_CONFIGS["qwen3_vl"], QWEN_SETS),
+    "qwen3_vl-lora": (TINY_CONFIGS["qwen3_vl"], QWEN_SETS + ["optim.train_type=lora", "optim.freeze_vit=true"]),
+    "qwen3_vl-text-only": (TINY_CONFIGS["qwen3_vl"], QWEN_SETS),
 }
 
 
 def _batch(family, name: str) -> dict:
     batch = family.example_batch(4, 150 if "long" in name else 24, "cpu", **({"grid": (1, 6, 10)} if name == "qwen-uneven-windows" else {}),
                                  **({"packed": True} if name.endswith("packed") else {}))
-    if name in ("vlm-text-only", "qwen-text-only", "qwen3_5-text-only"):  # no images: the vision blocks run on one zero row or
+    if name in ("vlm-text-only", "qwen-text-only", "qwen3_5-text-only", "qwen3_vl-text-only"):  # no images: the vision blocks run on one zero row or
         ids = batch["input_ids"]                       # merge unit (chat.layers.through)
         ids[ids == family.image_token_id] = 0
         batch["pixel_values"] = batch["pixel_values"][:0]

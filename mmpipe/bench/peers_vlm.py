@@ -206,7 +206,10 @@ def _report(args, cfg, llava: str, n: int, batch: int, rows: list, trainable: li
         notes += (" ms-swift: `swift sft` (its own venv) with NPROC_PER_NODE=2, --deepspeed zero2, --use_cpu on a CPU, fp16 "
                   "off, the same micro-batch, accumulation, AdamW settings and the JSONL in mmpipe's sample order; full "
                   "trains the ViT and merger too, LoRA is all-linear with them frozen; its samples/s from its running "
-                  "mean s/it per step.")
+                  "mean s/it per step. Its Qwen templates are given the directory's <|image_pad|> / <|video_pad|> ids "
+                  "(an --external_plugins file): ms-swift hard-codes Qwen's vocabulary ids (151655 / 151656), which "
+                  "the bench's tiny tokenizer puts elsewhere, and untouched it expands no image placeholder (its "
+                  "first-step loss was 6.0305 against 5.9669 on a 32-sample batch).")
     if not args.no_append:
         given = sys.argv[3:]
         cmd = "mmpipe bench peers " + " ".join(shlex.quote(a) for a in

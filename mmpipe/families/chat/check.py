@@ -44,7 +44,7 @@ def run_chat_check(path: str, cfg, as_json: bool = False, out=None, err=None) ->
         fields, why = ds._load(j)
         rec = {"where": samples[j].where, "status": "ok" if fields is not None else "bad",
                "why": None if fields is not None else f"{why[0]}: {why[1]}" if why[0] != samples[j].where else why[1],
-               "images": len(samples[j].images), "tokens": len(fields["input_ids"]) if fields else None,
+               "images": len(samples[j].images), "videos": len(samples[j].videos), "tokens": len(fields["input_ids"]) if fields else None,
                "truncated": bool(fields["truncated"]) if fields else None}
         bad += fields is None
         if as_json:

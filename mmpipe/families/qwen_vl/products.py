@@ -187,3 +187,14 @@ def qwen3_5_matmuls(family, name: str, mb: MicroBatch) -> list:
                 + attention_products(mb.rows, mb.seq_len, t.num_attention_heads, hd)
                 + [Matmul(tokens, t.num_attention_heads * hd, t.hidden_size, GATED_ATTENTION["o"])] + mlp)
     return decoder_products(name, mb, t)
+
+
+def qwen3_vl_matmuls(family, name: str, mb: MicroBatch) -> list:
+    """The products of a Qwen3-VL layer on ``mb``: the ViT and merger are Qwen3.5's (``qwen3_5_matmuls``), each
+    DeepStack merger the merger's products on the same merged tokens (its norm after the shuffle is no product),
+    the Qwen3 decoder a plain decoder's (q/k norm and DeepStack's addition are no products)."""
+    if name.startswith("deepstack."):
+        return qwen3_5_matmuls(family, "merger", mb)
+    if name.startswith("vision.") or name == "merger":
+        return qwen3_5_matmuls(family, name, mb)
+    return decoder_products(name, mb, family.text_cfg)

@@ -101,6 +101,10 @@ class Qwen3VLFamily(Qwen25VLFamily):
                         + [Layer(f"llm.blocks.{i}", "llm", block) for i in range(self.text_cfg.num_hidden_layers)]
                         + [Layer("llm.head", "llm", q.m.llm_head_step)])
 
+    def matmuls(self, name: str, mb) -> list:
+        from mmpipe.families.qwen_vl import products
+        return products.qwen3_vl_matmuls(self, name, mb)
+
     def build_unseeded(self, name: str):
         if not name.startswith("deepstack."):
             return super().build_unseeded(name)
