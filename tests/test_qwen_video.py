@@ -231,11 +231,21 @@ def video_runs(tmp_path_factory, tiny_native_chat_data, media):
             r = dict(r)
             r["images"] = [p if os.path.isabs(p) else os.path.join(base_dir, p) for p in r.get("images", [])]
             fh.write(json.dumps(r) + "\n")
-    return Runs(d, {"train": str(train), "val": tiny_native_chat_data["val"]}, TINY_CONFIGS["qwen3_vl"])
+    from mmpipe.families.qwen_vl.tiny import write_tiny_qwen3_vl
+    model = write_tiny_qwen3_vl(str(d / "model"), seed=3)  # (its tokenizer and ChatML template: what users bring)
+    runs = Runs(d, {"train": str(train), "val": tiny_native_chat_data["val"]}, TINY_CONFIGS["qwen3_vl"])
+    runs.model = model
+    return runs
 
 
+# the profiler's placement is tested elsewhere: cost by parameters here (the profile of every video grid is minutes)
 PACKED = ["data.packing=true", "data.max_length=256", "train.batch_size=4", "data.video_fps=2",
-          "data.video_min_frames=2", "data.log_samples=true"]
+          "data.video_min_frames=2", "data.log_samples=true", "parallel.profile=false",
+          "model.llm.max_position_embeddings=null"]
+
+
+def _sets(runs) -> list:
+    return PACKED + [f"model.pretrained={runs.model}"]
 
 
 @pytest.mark.parametrize("key,nprocs,sets", [
@@ -244,11 +254,11 @@ PACKED = ["data.packing=true", "data.max_length=256", "train.batch_size=4", "dat
     ("packed_dp2_z3", 2, ["parallel.pipeline_stages=1", "parallel.zero_stage=3"]),
 ])
 def test_video_packed_with_images_trains_as_one_process(video_runs, key, nprocs, sets):
-    """Packed rows of videos, images and text: P = 2 (the planner's cut) and DP2 with ZeRO-3 train the losses
+    """Packed rows of videos, images and text, from a Qwen3-VL directory: P = 2 and DP2 with ZeRO-3 train the losses
     (rtol 1e-5) and weights of P = 1, whose micro-batches held videos."""
-    one, _ = video_runs.get("packed_p1", 1, ["parallel.pipeline_stages=1"] + PACKED, "python",
+    one, _ = video_runs.get("packed_p1", 1, ["parallel.pipeline_stages=1"] + _sets(video_runs), "python",
                             flags=["--stop-at", "3"])
-    other, _ = video_runs.get(key, nprocs, sets + PACKED, flags=["--stop-at", "3"])
+    other, _ = video_runs.get(key, nprocs, sets + _sets(video_runs), flags=["--stop-at", "3"])
     trained = [k for line in open(os.path.join(one, "samples", "rank0.jsonl")) for k in json.loads(line)["keys"]]
     video_lines = {n for n, line in enumerate(open(video_runs.data["train"]), 1) if json.loads(line).get("videos")}
     assert sum(int(k.rsplit(" ", 1)[-1]) in video_lines for k in trained) >= 4, trained  # the steps met videos
@@ -264,7 +274,8 @@ def test_exported_run_answers_a_video_through_transformers_as_mmpipe_generate(vi
 
     from mmpipe.cli.generate import Generator
     from mmpipe.train.export import export
-    run, _ = video_runs.get("packed_p1", 1, ["parallel.pipeline_stages=1"] + PACKED, "python", flags=["--stop-at", "3"])
+    run, _ = video_runs.get("packed_p1", 1, ["parallel.pipeline_stages=1"] + _sets(video_runs), "python",
+                            flags=["--stop-at", "3"])
     out, _, _ = export(run, str(tmp_path / "hf"))
     hf, proc = Qwen3VLForConditionalGeneration.from_pretrained(out).eval(), AutoProcessor.from_pretrained(out)
     g = Generator(run)

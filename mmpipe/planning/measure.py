@@ -328,8 +328,14 @@ def meta_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = f
     (``fused_attention_on_meta``, ``dropout_on_meta``), or a GPU (``gpu_kernels``: a plan made on a
     CPU host for GPUs). No times: ``timed`` is False, and what reads it says so."""
     device = torch.device("meta")
+    from mmpipe.config.fields import thawed_copy
+    data = thawed_copy(cfg.data)
+    data.train = None  # (the budgets alone: a plan for another machine need not read its data)
+    shapes = family.example_batches(micro_batch_size, cfg.data.max_length, device, packed=cfg.data.packing,
+                                    data_cfg=data)
+    worst = max((b for _, b in shapes), key=lambda b: sum(t.numel() for t in b.values() if torch.is_tensor(t)))
     batch, loss_fn = synthetic_batch(family, micro_batch_size, cfg.data.max_length, device, with_loss=True,
-                                     packed=cfg.data.packing)
+                                     packed=cfg.data.packing, b=worst)
     gpu = fused_dropout_kernel() if gpu_kernels is None else gpu_kernels
     with fused_attention_on_meta(), dropout_on_meta(gpu):
         costs = profile_layers(iter_layers(family, forward_only, frozen, device, precision_dtype(cfg.train.precision)),

@@ -341,7 +341,7 @@ class Qwen25VLFamily(ChatFamily):
         g = torch.Generator().manual_seed(0)
         T = max(max_length, n_img + 3)
         ids = torch.randint(0, self.text_cfg.vocab_size, (micro_batch_size, T), generator=g)
-        ids[ids == self.image_token_id] = 0
+        ids[(ids == self.image_token_id) | (ids == self.video_token_id)] = 0  # (random text holds no visual token)
         ids[:, 1:1 + n_img] = self.image_token_id
         mask = torch.ones_like(ids)
         if packed:
@@ -363,7 +363,8 @@ class Qwen25VLFamily(ChatFamily):
         memory at the largest grid ``max_pixels`` allows (weight 0: the worst case a stage must hold)."""
         worst = self.example_batch(micro_batch_size, max_length, device, packed)
         video = self.video_budget_grid(data_cfg, max_length)
-        if video is not None and video[0] * video[1] * video[2] > int(worst["image_grid_thw"][0].prod()):
+        image = getattr(worst["image_grid_thw"], "_mmpipe_grid", worst["image_grid_thw"])  # (host values on meta)
+        if video is not None and video[0] * video[1] * video[2] > int(image[0].prod()):
             worst = self.example_batch(micro_batch_size, max_length, device, packed, grid=video)
         grids = self.data_grids(data_cfg) if getattr(data_cfg, "train", None) else []
         if not grids:
