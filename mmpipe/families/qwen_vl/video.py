@@ -112,7 +112,7 @@ class NativeVideo:
             if cap:
                 per_frame = max(min(p.max_video_tokens * factor * factor, hi // frames), int(lo * 1.05))
                 hi = per_frame * frames
-            return smart_resize(num_frames=max(frames, self.temporal), height=height, width=width,
+            return smart_resize(num_frames=frames, height=height, width=width,  # (fewer than 2 frames: it refuses)
                                 temporal_factor=self.temporal, factor=factor, min_pixels=lo, max_pixels=hi)
         from transformers.models.qwen2_vl.video_processing_qwen2_vl import smart_resize
         if cap:
