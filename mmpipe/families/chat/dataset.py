@@ -61,8 +61,8 @@ class ChatDataset:
         enc = self.encoder.encode(s)
         if enc.dropped:
             return None, (s.where, f"dropped: {enc.dropped}")
-        images, paths, videos = [], iter(enc.images), iter(enc.videos)
-        for kind in enc.media or ("image",) * len(enc.images):  # the visual inputs in token order
+        images, paths, videos = [], iter(enc.images), iter(getattr(enc, "videos", ()))
+        for kind in getattr(enc, "media", ()) or ("image",) * len(enc.images):  # the visual inputs in token order
             if kind == "video":  # its frames' items (Qwen3: one per temporal patch)
                 source = next(videos)
                 items, why = self.encoder.video.load(source)

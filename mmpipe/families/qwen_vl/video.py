@@ -205,9 +205,15 @@ def video_processor(pretrained: Optional[str], style: str, defaults: dict, data_
     """The directory's video processor (``model.pretrained``), else transformers' (Qwen2-VL's or Qwen3-VL's) with
     ``defaults``; the run's ``data.video_*`` settings override its sampling and pixel bounds."""
     import transformers
+    proc = None
     if pretrained:
-        proc = transformers.AutoVideoProcessor.from_pretrained(pretrained, local_files_only=True)
-    else:
+        try:
+            proc = transformers.AutoVideoProcessor.from_pretrained(pretrained, local_files_only=True)
+        except (OSError, ValueError, KeyError):  # a directory saved before video processors had their own config:
+            image = transformers.AutoImageProcessor.from_pretrained(pretrained, local_files_only=True)
+            defaults = {k: getattr(image, k) for k in ("patch_size", "temporal_patch_size", "merge_size", "image_mean",
+                                                      "image_std") if getattr(image, k, None) is not None}
+    if proc is None:  # transformers' class at the image processor's geometry (an image-only run never fails here)
         cls = transformers.Qwen3VLVideoProcessor if style == "qwen3" else transformers.Qwen2VLVideoProcessor
         proc = cls(**{k: v for k, v in defaults.items() if k in ("patch_size", "temporal_patch_size", "merge_size",
                                                                   "image_mean", "image_std")})
