@@ -130,9 +130,7 @@ def write_tiny_qwen3_5(out_dir: str, seed: int = 0, texts=None, vocab_size: int 
     the tokenizer and chat template of ``write_tiny_qwen2_5_vl`` (byte-level BPE, Qwen's special tokens,
     ChatML); ``Qwen3VLProcessor`` with Qwen2-VL's image processor at patch 16 (mean and std 0.5) and
     Qwen3-VL's video processor. Returns ``out_dir``."""
-    import torch
-    from transformers import (Qwen2VLImageProcessor, Qwen3_5Config, Qwen3_5ForConditionalGeneration,
-                              Qwen3VLProcessor, Qwen3VLVideoProcessor)
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
     tok = _tokenizer(texts or default_texts(), vocab_size)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vis = {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "patch_size": 16,
@@ -152,18 +150,7 @@ def write_tiny_qwen3_5(out_dir: str, seed: int = 0, texts=None, vocab_size: int 
     config = Qwen3_5Config(vision_config=vis, text_config=txt, tie_word_embeddings=False,
                            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
-    torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(config)
-    _randomize(model)
-    model.save_pretrained(out_dir)
-    geometry = {"patch_size": vis["patch_size"], "temporal_patch_size": vis["temporal_patch_size"],
-                "merge_size": vis["spatial_merge_size"]}
-    processor = Qwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**geometry, image_mean=[0.5] * 3, image_std=[0.5] * 3,
-                                              size={"shortest_edge": min_pixels, "longest_edge": max_pixels}),
-        video_processor=Qwen3VLVideoProcessor(**geometry), tokenizer=tok, chat_template=CHAT_TEMPLATE)
-    processor.save_pretrained(out_dir)
-    return out_dir
+    return _save_qwen3(Qwen3_5ForConditionalGeneration, config, vis, tok, seed, min_pixels, max_pixels, out_dir)
 
 
 def write_tiny_qwen3_vl(out_dir: str, seed: int = 0, texts=None, vocab_size: int = 400,
@@ -173,9 +160,7 @@ def write_tiny_qwen3_vl(out_dir: str, seed: int = 0, texts=None, vocab_size: int
     (patch 16, a 4 x 4 learned position grid) with DeepStack after blocks 0 and 1 (added after decoder layers 0
     and 1), a 4-block Qwen3 decoder (q/k norm, interleaved multimodal rotary positions); the tokenizer, chat
     template and processor of ``write_tiny_qwen3_5``. Returns ``out_dir``."""
-    import torch
-    from transformers import (Qwen2VLImageProcessor, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
-                              Qwen3VLProcessor, Qwen3VLVideoProcessor)
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
     tok = _tokenizer(texts or default_texts(), vocab_size)
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vis = {"depth": 3, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "patch_size": 16,
@@ -192,8 +177,16 @@ def write_tiny_qwen3_vl(out_dir: str, seed: int = 0, texts=None, vocab_size: int
     config = Qwen3VLConfig(vision_config=vis, text_config=txt, tie_word_embeddings=False,
                            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    return _save_qwen3(Qwen3VLForConditionalGeneration, config, vis, tok, seed, min_pixels, max_pixels, out_dir)
+
+
+def _save_qwen3(model_cls, config, vis: dict, tok, seed: int, min_pixels: int, max_pixels: int, out_dir: str) -> str:
+    """A Qwen3 family's random model (``seed``) and its ``Qwen3VLProcessor`` (Qwen2-VL's image processor at the
+    ViT's geometry, mean and std 0.5; Qwen3-VL's video processor; ChatML) saved to ``out_dir``."""
+    import torch
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config)
+    model = model_cls(config)
     _randomize(model)
     model.save_pretrained(out_dir)
     geometry = {"patch_size": vis["patch_size"], "temporal_patch_size": vis["temporal_patch_size"],

@@ -239,19 +239,31 @@ class VideoInput:
     """A family's video input as the chat encoder and loader use it: ``video_ids(source)`` (the token ids, from the
     header), ``load(source)`` (the visual items), ``plan(source)``, ``pad_id``. Picklable (loader workers)."""
 
+    PLANS = 4096  # headers remembered (encoding a sample and then loading it read its header once)
+
     def __init__(self, native: NativeVideo, tokenizer, start: int, end: int, pad: int):
         self.native, self.tok = native, tokenizer
         self.ids = {"start": start, "end": end, "pad": pad}
         self.pad_id = pad
+        self._plans: dict = {}
 
     def _tokenize(self, text: str) -> list:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def plan(self, source) -> VideoPlan:
-        return self.native.plan(source)
+        key = tuple(source) if isinstance(source, list) else source
+        if key not in self._plans:
+            if len(self._plans) >= self.PLANS:
+                self._plans.pop(next(iter(self._plans)))  # the oldest
+            self._plans[key] = self.native.plan(source)
+        return self._plans[key]
 
     def video_ids(self, source) -> list:
-        return self.native.token_ids(self.native.plan(source), self.ids, self._tokenize)
+        return self.native.token_ids(self.plan(source), self.ids, self._tokenize)
 
     def load(self, source):
-        return self.native.load(source)
+        try:
+            plan = self.plan(source)
+        except Exception:  # noqa: BLE001 - the native load names why
+            plan = None
+        return self.native.load(source, plan)
