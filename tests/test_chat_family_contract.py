@@ -86,7 +86,7 @@ class Block(nn.Module):
         self.heads, self.norm, self.qkv, self.out = heads, nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
 
     def forward(self, h, mask):
-        _, attn = attention_inputs(mask, h.dtype)  # None: causal rows; block-diagonal: packed rows
+        _, attn, _ = attention_inputs(mask, h.dtype)  # None: causal rows; block-diagonal: packed rows
         B, T, D = h.shape
         q, k, v = self.qkv(self.norm(h)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
         o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn, is_causal=attn is None)

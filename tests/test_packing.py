@@ -36,11 +36,17 @@ def _loss_and_grads(model, batches, n_tokens):
     return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_a_packed_batch_trains_as_its_samples_unpacked(chat):
-    from mmpipe.families.chat import PackedChatDataset, plan_packs
+@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
+def test_a_packed_batch_trains_as_its_samples_unpacked(chat, attention, monkeypatch):
+    """sdpa: the packed rows through the block-diagonal mask; varlen: through their span boundaries (no mask
+    is built: ``packed_mask`` would raise)."""
+    from mmpipe.config.schema import replace
+    from mmpipe.families.chat import PackedChatDataset, masks, plan_packs
     from mmpipe.families.chat.loss import label_tokens
     samples, tok, cfg = chat
-    model = mmpipe.build_model(cfg)
+    model = mmpipe.build_model(replace(cfg, model__attention=attention))
+    if attention == "varlen":
+        monkeypatch.setattr(masks, "packed_mask", lambda *a: (_ for _ in ()).throw(AssertionError("a dense mask")))
     fam = model.family
     ds = fam.dataset(samples, tok, cfg.data)
     packed = PackedChatDataset(ds, cfg.data.max_length)

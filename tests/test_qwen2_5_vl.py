@@ -20,9 +20,9 @@ import mmpipe
 TINY_QWEN = TINY_CONFIGS["qwen2_5_vl"]
 
 
-def _family(**sets):
+def _family(attention="sdpa"):
     from mmpipe.config.resolve import build_family
-    cfg = mmpipe.load_config(TINY_QWEN)
+    cfg = mmpipe.load_config(TINY_QWEN, [f"model.attention={attention}"])
     model = cfg.model
     from mmpipe.config.fields import thawed_copy
     model = thawed_copy(model)
@@ -70,10 +70,13 @@ def test_rope_positions_are_transformers_and_restart_per_packed_sample():
     assert torch.equal(got[:, 0, :n0], ours[:, 0, :n0]) and torch.equal(got[:, 0, n0:], ours[:, 1, :n1])
 
 
-def test_packed_rows_give_the_unpacked_loss_and_gradients():
+@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
+def test_packed_rows_give_the_unpacked_loss_and_gradients(attention):
+    """varlen: the decoder by the packed row's span boundaries, the ViT by its window / image spans whole
+    (transformers hands them over for a flash-named implementation)."""
     from mmpipe.families.qwen_vl.positions import rope_positions
     from mmpipe.parallel.plain import plain_model
-    fam, _ = _family()
+    fam, _ = _family(attention)
     model = plain_model(fam).train()
     g = torch.Generator().manual_seed(0)
     grids = _grids([(4, 6), (6, 6), (4, 4)])

@@ -27,14 +27,14 @@ def q35_dir(tmp_path_factory):
     return write_tiny_qwen3_5(str(tmp_path_factory.mktemp("q35") / "dir"), seed=1)
 
 
-def _family(d: str, **data):
+def _family(d: str, attention: str = "sdpa", **data):
     from mmpipe.config.resolve import resolve_family
     from mmpipe.config.registry import get_family
     from mmpipe.data.tokenizer import load_tokenizer
     import yaml
     path = os.path.join(os.path.dirname(d), "run.yaml")
     with open(path, "w") as fh:
-        yaml.safe_dump({"model": {"type": "qwen3_5", "pretrained": d},
+        yaml.safe_dump({"model": {"type": "qwen3_5", "pretrained": d, "attention": attention},
                         "data": {"max_length": 256, "min_pixels": 4096, "max_pixels": 65536, "num_workers": 0, **data}},
                        fh)
     tok = get_family("qwen3_5").prepare_tokenizer(load_tokenizer(d))
@@ -101,7 +101,7 @@ def test_loss_and_logits_are_transformers_fed_by_its_own_processor(q35_dir, tmp_
     assert (b["labels"] != -100).sum() > 10 and out.loss > 1.0  # a real loss over the answers
 
 
-def _packed_and_unpacked(q35_dir, tmp_path):
+def _packed_and_unpacked(q35_dir, tmp_path, attention="sdpa"):
     """Six samples (images of five sizes, a text-only one) as six rows, and as two packed rows of three."""
     from mmpipe.families.chat import read_chat
     paths = _images(tmp_path)
@@ -120,6 +120,8 @@ def _packed_and_unpacked(q35_dir, tmp_path):
     packs.packs = [[0, 1, 2], [3, 4, 5]]  # three samples a row
     packed = collate([packs[0], packs[1]])
     assert packed["attention_mask"].max() == 3
+    if attention != "sdpa":  # the model's attention (the rows are the same)
+        fam = _family(q35_dir, attention)[1]
     return fam, single, packed
 
 
@@ -130,11 +132,13 @@ def _loss_and_grads(model, fam, b):
     return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def test_packed_rows_give_the_unpacked_loss_and_every_gradient(q35_dir, tmp_path):
+@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
+def test_packed_rows_give_the_unpacked_loss_and_every_gradient(q35_dir, tmp_path, attention):
     """Rows of three samples each: the loss and every gradient within 1e-5 of the six rows alone (each
-    GatedDeltaNet's conv and recurrence restart at each sample, full attention stays within it)."""
+    GatedDeltaNet's conv and recurrence restart at each sample, full attention stays within it: through the
+    block-diagonal mask, or by span boundaries with ``model.attention: varlen``)."""
     from mmpipe.parallel.plain import plain_model
-    fam, single, packed = _packed_and_unpacked(q35_dir, tmp_path)
+    fam, single, packed = _packed_and_unpacked(q35_dir, tmp_path, attention)
     model = plain_model(fam).train()
     for name in fam.layer_names():
         fam.load_pretrained(model.get_submodule(name), name)

@@ -32,6 +32,14 @@ class ChatFamily(Family):
     data_format: ClassVar[str] = "chat"
     image_token_id: Optional[int] = None
 
+    @classmethod
+    def validate(cls, model_cfg, where: str) -> None:
+        from mmpipe.families.towers.common import ATTENTION_CHOICES
+        attention = getattr(model_cfg, "attention", "sdpa")
+        if attention not in ATTENTION_CHOICES:
+            raise ConfigError(f"{where}: model.attention={attention!r} is not one of {', '.join(ATTENTION_CHOICES)} "
+                              "(sdpa: packed rows through a block-diagonal mask; varlen: by their span boundaries)")
+
     # ---- data ----------------------------------------------------------------------------------
     @classmethod
     def read_records(cls, path, data_cfg, key):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from mmpipe.families.towers.common import causal_padding_mask
+from mmpipe.families.towers.varlen import VARLEN, spans_of
 
 
 def mask_kind(attention_mask: torch.Tensor) -> str:
@@ -56,15 +57,31 @@ def packed_mask(segments: torch.Tensor) -> torch.Tensor:
     return allowed[:, None]
 
 
-def attention_inputs(attention_mask: torch.Tensor, dtype: torch.dtype) -> tuple:
-    """(position ids, the mask handed to transformers' attention): no mask at all for rows of
-    tokens then padding (sdpa's causal kernel: no (B,1,T,T) tensor, the fused paths stay open),
-    a block-diagonal one for packed rows (positions restart per sample), the additive
-    causal+padding mask otherwise."""
+def attention_inputs(attention_mask: torch.Tensor, dtype: torch.dtype, impl: str = None) -> tuple:
+    """(position ids, the mask handed to transformers' attention, its keyword arguments): no mask at all for
+    rows of tokens then padding (sdpa's causal kernel: no (B,1,T,T) tensor, the fused paths stay open), a
+    block-diagonal one for packed rows (positions restart per sample), the additive causal+padding mask
+    otherwise. ``impl`` (the layer's ``config._attn_implementation``) ``mmpipe_varlen``: a packed row goes by its
+    span boundaries instead (``cu_seq_lens_q``, ``max_length_q``: ``towers.varlen``), no mask; derived once per
+    micro-batch on each stage from the segment ids that cross it (one host read, as ``mask_kind``'s)."""
+    if impl == VARLEN and not attention_mask.is_meta:
+        memo = getattr(attention_mask, "_mmpipe_spans", None)
+        if memo is None or memo[0] != attention_mask._version:
+            cu, longest, kind = spans_of(attention_mask)
+            mark_mask(attention_mask, kind)
+            memo = (attention_mask._version, cu, longest)
+            try:
+                attention_mask._mmpipe_spans = memo
+            except AttributeError:  # pragma: no cover
+                pass
+        if mask_kind(attention_mask) == "packed":
+            _, cu, longest = memo
+            return segment_positions(attention_mask), None, {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+                                                             "max_length_q": longest, "max_length_k": longest}
     kind = mask_kind(attention_mask)
     if kind == "packed":
-        return segment_positions(attention_mask), packed_mask(attention_mask)
+        return segment_positions(attention_mask), packed_mask(attention_mask), {}
     pos = torch.arange(attention_mask.shape[1], device=attention_mask.device).unsqueeze(0)
     if kind == "causal":
-        return pos, None
-    return pos, causal_padding_mask(attention_mask, dtype)
+        return pos, None, {}
+    return pos, causal_padding_mask(attention_mask, dtype), {}

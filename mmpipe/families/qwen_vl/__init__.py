@@ -70,7 +70,8 @@ def qwen_config(cfg):
         raise ConfigError(f"model.llm.mrope_section={section} sums to {sum(section)}, but the rotary half of a "
                           f"{head_dim}-wide head is {head_dim // 2}: give sections that sum to {head_dim // 2}")
     set_token_ids(top, cfg)
-    use_attention(top.vision_config, top.text_config)
+    use_attention(top.text_config, kind=cfg.attention)
+    use_attention(top.vision_config, kind=cfg.attention, spans=True)
     return top
 
 
@@ -155,6 +156,7 @@ class Qwen25VLFamily(ChatFamily):
 
     @classmethod
     def validate(cls, model_cfg, where: str) -> None:
+        super().validate(model_cfg, where)
         if not model_cfg.pretrained and (model_cfg.llm.hidden_size is None or model_cfg.llm.num_hidden_layers is None):
             raise ConfigError(f"{where}: model.type={cls.name} needs model.pretrained (a local directory) or the sizes "
                               f"model.llm.hidden_size and model.llm.num_hidden_layers (see configs/{cls.name}*.yaml)")

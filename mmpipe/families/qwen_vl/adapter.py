@@ -4,6 +4,7 @@ the transformers config of a family, and the transformers model holding a plain 
 from __future__ import annotations
 
 from mmpipe.families.base import HFAdapter
+from mmpipe.families.towers.common import transformers_facing
 
 # mmpipe prefix -> transformers prefixes tried in order (the saved layout, then the in-memory one)
 LOAD_RULES = [("vision.embed.", ["visual.patch_embed.", "model.visual.patch_embed."]),
@@ -35,7 +36,7 @@ class QwenVLHF(HFAdapter):
         self.rules = [(mine, names[-1]) for mine, names in self.load_rules]  # -> the in-memory names
 
     def hf_config(self):
-        return self.family.hf_cfg
+        return transformers_facing(self.family.hf_cfg)
 
     def to_hf(self, state: dict) -> dict:
         return {_translate(k, self.rules): v for k, v in state.items()}

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mmpipe.config.fields import Section, option
+from mmpipe.families.towers.common import attention_option
 
 
 @dataclass
@@ -49,5 +50,6 @@ class Qwen25VLConfig(Section):
     min_pixels: Optional[int] = option(None, "recorded by the run from data.min_pixels (leave unset): the bounds the "
                                        "planner, generation and an export resize images within", ge=1)
     max_pixels: Optional[int] = option(None, "recorded by the run from data.max_pixels (leave unset)", ge=1)
+    attention: str = attention_option()
     vision: QwenVisionConfig = field(default_factory=QwenVisionConfig, metadata={"help": "vision tower"})
     llm: QwenTextConfig = field(default_factory=QwenTextConfig, metadata={"help": "language model"})

@@ -66,6 +66,22 @@ def vision_meta(grid: torch.Tensor, cfg) -> VisionMeta:
     return meta
 
 
+def longest_span(cu: torch.Tensor, cfg):
+    """The longest span of ``cu`` for a ViT attending by span boundaries (``model.attention: varlen``), read once
+    per boundaries tensor; None for sdpa (transformers splits the spans itself)."""
+    from mmpipe.families.towers.varlen import VARLEN_SPANS
+    if cfg._attn_implementation != VARLEN_SPANS:
+        return None
+    memo = getattr(cu, "_mmpipe_longest", None)
+    if memo is None:
+        memo = int(cu.diff().max())
+        try:
+            cu._mmpipe_longest = memo
+        except AttributeError:  # pragma: no cover
+            pass
+    return memo
+
+
 def mark_grid(grid: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """A meta ``image_grid_thw`` carrying its host ``values`` (what ``vision_meta`` reads)."""
     grid._mmpipe_grid = values
@@ -108,8 +124,9 @@ def vision_classes():
 
         def forward(self, h, grid):
             meta = vision_meta(grid, self.cfg)
-            return super().forward(h, cu_seqlens=meta.cu_full if self.full else meta.cu_window,
-                                   position_embeddings=self.rotary(h, meta.rotary_pos))
+            cu = meta.cu_full if self.full else meta.cu_window
+            return super().forward(h, cu_seqlens=cu, position_embeddings=self.rotary(h, meta.rotary_pos),
+                                   max_seqlen=longest_span(cu, self.cfg))
 
     class Merger(q.Qwen2_5_VLPatchMerger):
         """The 2x2 patch merger; features back in image order."""
@@ -137,9 +154,9 @@ def decoder_block_cls():
             self.rotary = Qwen2_5_VLRotaryEmbedding(config=config)
 
         def forward(self, hidden_states, attention_mask, position_ids):
-            _, mask = attention_inputs(attention_mask, hidden_states.dtype)
+            _, mask, spans = attention_inputs(attention_mask, hidden_states.dtype, self.self_attn.config._attn_implementation)
             cos_sin = self.rotary(hidden_states, position_ids)
-            out = super().forward(hidden_states, attention_mask=mask, position_embeddings=cos_sin)
+            out = super().forward(hidden_states, attention_mask=mask, position_embeddings=cos_sin, **spans)
             return out[0] if isinstance(out, tuple) else out
 
     return DecoderBlock

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mmpipe.config.fields import Section, option
+from mmpipe.families.towers.common import attention_option
 
 
 @dataclass
@@ -61,5 +62,6 @@ class Qwen35Config(Section):
     video_token_id: Optional[int] = option(None, "id of <|video_pad|>; unset = the tokenizer's")
     min_pixels: Optional[int] = option(None, "recorded by the run from data.min_pixels (leave unset)", ge=1)
     max_pixels: Optional[int] = option(None, "recorded by the run from data.max_pixels (leave unset)", ge=1)
+    attention: str = attention_option()
     vision: Qwen35VisionConfig = field(default_factory=Qwen35VisionConfig, metadata={"help": "vision tower"})
     llm: Qwen35TextConfig = field(default_factory=Qwen35TextConfig, metadata={"help": "language model"})

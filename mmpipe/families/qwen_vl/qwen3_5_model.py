@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from mmpipe.families.chat.masks import attention_inputs, mask_kind
+from mmpipe.families.qwen_vl.model import longest_span
 
 
 class VisionMeta(NamedTuple):
@@ -91,7 +92,8 @@ def vision_classes():
 
         def forward(self, h, grid):
             meta = vision_meta(grid, self.cfg)
-            return super().forward(h, cu_seqlens=meta.cu_seqlens, position_embeddings=self.rotary(h, meta.position_ids))
+            return super().forward(h, cu_seqlens=meta.cu_seqlens, position_embeddings=self.rotary(h, meta.position_ids),
+                                   max_seqlen=longest_span(meta.cu_seqlens, self.cfg))
 
     class Merger(q.Qwen3_5VisionPatchMerger):
         def __init__(self, cfg):
@@ -146,9 +148,9 @@ def decoder_block_cls():
         def forward(self, hidden_states, attention_mask, position_ids):
             if self.block_type == "linear_attention":
                 return super().forward(hidden_states, position_embeddings=None, attention_mask=attention_mask)
-            _, mask = attention_inputs(attention_mask, hidden_states.dtype)
+            _, mask, spans = attention_inputs(attention_mask, hidden_states.dtype, self.self_attn.config._attn_implementation)
             cos_sin = self.rotary(hidden_states, position_ids)
-            return super().forward(hidden_states, position_embeddings=cos_sin, attention_mask=mask)
+            return super().forward(hidden_states, position_embeddings=cos_sin, attention_mask=mask, **spans)
 
     return DecoderBlock
 

@@ -47,7 +47,8 @@ def qwen3_vl_config(cfg):
                        tie_word_embeddings=bool(t.tie_word_embeddings))
     _check(top)
     set_token_ids(top, cfg)
-    use_attention(top.vision_config, top.text_config)
+    use_attention(top.text_config, kind=cfg.attention)
+    use_attention(top.vision_config, kind=cfg.attention, spans=True)
     return top
 
 

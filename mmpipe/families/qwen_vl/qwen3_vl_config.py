@@ -7,6 +7,7 @@ from typing import Optional
 
 from mmpipe.config.fields import Section, option
 from mmpipe.families.qwen_vl.qwen3_5_config import Qwen35VisionConfig
+from mmpipe.families.towers.common import attention_option
 
 
 @dataclass
@@ -45,5 +46,6 @@ class Qwen3VLConfig(Section):
     video_token_id: Optional[int] = option(None, "id of <|video_pad|>; unset = the tokenizer's")
     min_pixels: Optional[int] = option(None, "recorded by the run from data.min_pixels (leave unset)", ge=1)
     max_pixels: Optional[int] = option(None, "recorded by the run from data.max_pixels (leave unset)", ge=1)
+    attention: str = attention_option()
     vision: Qwen3VLVisionConfig = field(default_factory=Qwen3VLVisionConfig, metadata={"help": "vision tower"})
     llm: Qwen3VLTextConfig = field(default_factory=Qwen3VLTextConfig, metadata={"help": "language model"})

@@ -58,9 +58,9 @@ def decoder_block_cls():
             self.rotary = Qwen3VLTextRotaryEmbedding(config=config)
 
         def forward(self, hidden_states, attention_mask, position_ids):
-            _, mask = attention_inputs(attention_mask, hidden_states.dtype)
+            _, mask, spans = attention_inputs(attention_mask, hidden_states.dtype, self.self_attn.config._attn_implementation)
             cos_sin = self.rotary(hidden_states, position_ids)
-            return super().forward(hidden_states, position_embeddings=cos_sin, attention_mask=mask)
+            return super().forward(hidden_states, position_embeddings=cos_sin, attention_mask=mask, **spans)
 
     return DecoderBlock
 

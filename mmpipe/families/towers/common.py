@@ -12,17 +12,49 @@ OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-# the one attention implementation every tower and decoder built from a transformers config runs: torch's
-# fused sdpa (flash / memory-efficient kernels on GPUs, its causal path for right-padded rows; mmpipe's
-# keyed dropout routes an attention with dropout through the eager path itself). A varlen kernel for
-# packed rows would be chosen here.
+# the attention implementation every tower and decoder built from a transformers config runs: torch's fused sdpa
+# (flash / memory-efficient kernels on GPUs, its causal path for right-padded rows; mmpipe's keyed dropout routes
+# an attention with dropout through the eager path itself). ``model.attention: varlen`` (the chat families) gives
+# their decoders and native-resolution ViTs the span kernels of ``towers.varlen`` instead.
 ATTENTION = "sdpa"
+ATTENTION_CHOICES = ("sdpa", "varlen")
 
 
-def use_attention(*configs) -> None:
-    """Give transformers ``configs`` the run's attention implementation (``ATTENTION``)."""
+def attention_option():
+    """The chat families' ``model.attention`` field."""
+    from mmpipe.config.fields import option
+    return option("sdpa", "sdpa: torch's fused attention, a packed row's samples kept apart by a block-diagonal mask "
+                  "(the reference); varlen: packed rows, and a native-resolution ViT's image / window spans, attended "
+                  "by their span boundaries (cu_seqlens) - torch's varlen flash kernel on a CUDA GPU in bf16 (or "
+                  "flash-attn's), one sdpa call per span elsewhere; no mask (ms-swift --attn_impl flash_attn)")
+
+
+def use_attention(*configs, kind: str = ATTENTION, spans: bool = False) -> None:
+    """Give transformers ``configs`` the run's attention implementation: ``sdpa``, or ``varlen``
+    (``towers.varlen``; ``spans``: the configs of ViTs whose attention takes ``cu_seqlens``)."""
+    if kind not in ATTENTION_CHOICES:
+        from mmpipe.errors import ConfigError
+        raise ConfigError(f"model.attention={kind!r} is not one of {', '.join(ATTENTION_CHOICES)} (sdpa: packed rows "
+                          "through a block-diagonal mask; varlen: by their span boundaries)")
+    name = ATTENTION
+    if kind == "varlen":
+        from mmpipe.families.towers import varlen
+        varlen.register()
+        name = varlen.VARLEN_SPANS if spans else varlen.VARLEN
     for c in configs:
-        c._attn_implementation = ATTENTION
+        c._attn_implementation = name
+
+
+def transformers_facing(config):
+    """A copy of a model's transformers ``config`` for transformers' own model classes (export, generation, the
+    comparisons): sdpa wherever mmpipe's varlen functions were set (they are mmpipe's layers' choice; a
+    flash-named one would send transformers' model looking for a flash-attention package)."""
+    import copy
+    out = copy.deepcopy(config)
+    for c in (out, getattr(out, "vision_config", None), getattr(out, "text_config", None)):
+        if c is not None and str(getattr(c, "_attn_implementation", "")).startswith("mmpipe_"):
+            c._attn_implementation = ATTENTION
+    return out
 
 
 @contextlib.contextmanager

@@ -75,6 +75,7 @@ class VlmFamily(ChatFamily):
 
     @classmethod
     def validate(cls, model_cfg, where: str) -> None:
+        super().validate(model_cfg, where)
         for key, v, choices in (("model.llm.arch", model_cfg.llm.arch, ("llama", "qwen2")),
                                 ("model.vision_feature_select_strategy", model_cfg.vision_feature_select_strategy,
                                  ("default", "full", None))):
@@ -96,7 +97,8 @@ class VlmFamily(ChatFamily):
         super().__init__(model_cfg, seed)
         check_shapes(model_cfg)
         self.vision_cfg, self.text_cfg, self.image_token_id = hf_configs(model_cfg)
-        use_attention(self.vision_cfg, self.text_cfg)
+        use_attention(self.vision_cfg)  # (CLIP / SigLIP ViT: one image a row, nothing packed)
+        use_attention(self.text_cfg, kind=model_cfg.attention)
         L, k = self.vision_cfg.num_hidden_layers, model_cfg.vision_feature_layer
         self.vision_blocks = L + 1 + k if k < 0 else k  # hidden_states[i] = output after i blocks
         if not 0 <= self.vision_blocks <= L:

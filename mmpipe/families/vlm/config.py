@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mmpipe.config.fields import Section, option
+from mmpipe.families.towers.common import attention_option
 
 
 @dataclass
@@ -50,5 +51,6 @@ class VlmConfig(Section):
                                                            "model.pretrained's, else default")
     image_token_id: Optional[int] = option(None, "id of the image placeholder token (required without "
                                            "model.pretrained, which names its own)")
+    attention: str = attention_option()
     vision: VlmVisionConfig = field(default_factory=VlmVisionConfig, metadata={"help": "vision tower"})
     llm: LlmConfig = field(default_factory=LlmConfig, metadata={"help": "language model"})

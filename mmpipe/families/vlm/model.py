@@ -54,9 +54,10 @@ def decoder_block_cls(arch: str):
             self.rotary = Rotary(config=config)  # inv_freq is a non-persistent buffer: not in checkpoints
 
         def forward(self, hidden_states, attention_mask):
-            pos, mask = attention_inputs(attention_mask, hidden_states.dtype)
+            pos, mask, spans = attention_inputs(attention_mask, hidden_states.dtype, self.self_attn.config._attn_implementation)
             cos_sin = self.rotary(hidden_states, pos)
-            out = super().forward(hidden_states, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+            out = super().forward(hidden_states, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin,
+                                  **spans)
             return out[0] if isinstance(out, tuple) else out
 
     return DecoderBlock

@@ -1,0 +1,67 @@
+"""``model.attention: varlen``: attention by span boundaries (``cu_seqlens``) instead of a dense mask. Its CPU
+path (one sdpa call per span) is the reference the GPU kernels are held to; here it is held to the mask path:
+equal outputs on every real token and equal gradients, with grouped-query heads and padding. The families'
+packed rows under it: ``test_packing``, ``test_qwen2_5_vl``, ``test_qwen3_5`` (varlen = unpacked)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TINY_VLM
+
+import mmpipe
+from mmpipe.families.chat.masks import attention_inputs, packed_mask
+from mmpipe.families.towers import varlen
+
+
+class _Attn(torch.nn.Module):
+    is_causal = True
+    num_key_value_groups = 2
+
+
+def test_span_boundaries_of_packed_rows_flattened_row_after_row():
+    seg = torch.tensor([[1, 1, 1, 2, 2, 0, 0], [1, 1, 2, 3, 3, 3, 3]])
+    cu, longest, kind = varlen.spans_of(seg)
+    assert cu.tolist() == [0, 3, 5, 7, 9, 10, 14] and cu.dtype == torch.int32
+    assert longest == 4 and kind == "packed"
+    # a row ending in a sample and the next row starting with the same id are two spans, not one
+    cu, _, _ = varlen.spans_of(torch.tensor([[1, 1, 2, 2], [2, 2, 1, 1]]))
+    assert cu.tolist() == [0, 2, 4, 6, 8]
+
+
+def test_varlen_attention_equals_the_block_diagonal_mask_with_grouped_heads_and_padding():
+    torch.manual_seed(0)
+    seg = torch.tensor([[1, 1, 1, 1, 2, 2, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1, 2, 2, 2, 2]])
+    B, T, D = 2, seg.shape[1], 8
+    q = torch.randn(B, 4, T, D, requires_grad=True)
+    k, v = (torch.randn(B, 2, T, D, requires_grad=True) for _ in range(2))
+    upstream = torch.randn(B, T, 4, D)
+    real = (seg > 0)[..., None, None]
+
+    def run(fn):
+        for t in (q, k, v):
+            t.grad = None
+        out = fn()
+        (out * upstream * real).sum().backward()
+        return out, [t.grad.clone() for t in (q, k, v)]
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    _, mask, spans = attention_inputs(seg, q.dtype, varlen.VARLEN)
+    assert mask is None and spans["max_length_q"] == 6
+    want, gw = run(lambda: sdpa_attention_forward(_Attn(), q, k, v, packed_mask(seg), scaling=0.3)[0])
+    got, gg = run(lambda: varlen.varlen_attention(_Attn(), q, k, v, None, scaling=0.3, **spans)[0])
+    torch.testing.assert_close(got * real, want * real, rtol=1e-5, atol=1e-6)
+    for a, b in zip(gg, gw):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # the spans matter: one span per row (samples seeing each other) is not the mask's answer
+    whole = {**spans, "cu_seq_lens_q": torch.tensor([0, T, 2 * T], dtype=torch.int32), "max_length_q": T}
+    wrong = varlen.varlen_attention(_Attn(), q, k, v, None, scaling=0.3, **whole)[0]
+    assert not torch.allclose(wrong * real, want * real, atol=1e-3)
+    assert varlen.kernel_for(q) == "spans"  # the CPU path: one sdpa call per span
+    # without boundaries (rows not packed, transformers' own model in generation) it is sdpa, unchanged
+    plain = varlen.varlen_attention(_Attn(), q, k, v, None, scaling=0.3)[0]
+    torch.testing.assert_close(plain, sdpa_attention_forward(_Attn(), q, k, v, None, scaling=0.3)[0])
+
+
+def test_an_unknown_attention_is_one_line_naming_the_key():
+    with pytest.raises(mmpipe.errors.ConfigError, match=r"model.attention='flash' is not one of sdpa, varlen"):
+        mmpipe.load_config(TINY_VLM, ["model.attention=flash"])
