@@ -115,6 +115,9 @@ def job_specs(args) -> dict:
             "siglip_b16": {"config": siglip[0], "sets": common + siglip[1], "peer": "open_clip_train"},
             "qwen_lora": {"config": qwen[0], "sets": common + qwen[1] + vlm_common + lora, "peer": "Trainer + peft", "lora": True,
                           "image_sizes": qwen_sizes},
+            "qwen_full": {"config": qwen[0], "sets": common + qwen[1] + vlm_common + [
+                f"model.llm.num_hidden_layers={full_layers}"], "peer": "Trainer", "lora": False, "cut": full_layers,
+                "image_sizes": qwen_sizes},
             "qwen3_5_lora": {"config": qwen3_5[0], "sets": common + qwen3_5[1] + vlm_common + lora, "peer": "Trainer + peft",
                              "lora": True, "image_sizes": qwen3_5_sizes}}
 
@@ -293,12 +296,19 @@ def table(results: list) -> str:
 
 @with_scratch("gpu")
 def bench_gpu(args, tmp: str) -> int:
-    from mmpipe.config.schema import family_of, load_config
     acc, device = _device()
     on_cpu = acc == "cpu"
     if on_cpu and not args.tiny:
         raise SystemExit("mmpipe bench gpu: no accelerator here; the real sizes need a GPU (run with --tiny for the "
                          "small configs on a CPU)")
+    if args.pipeline:
+        from mmpipe.bench.gpu_pipeline import PIPELINE_JOBS, bench_gpu_pipeline
+        args.jobs = args.jobs or list(PIPELINE_JOBS)
+        return bench_gpu_pipeline(args, tmp)
+    args.jobs = args.jobs or list(JOBS)
+    if "qwen_full" in args.jobs:
+        raise SystemExit("mmpipe bench gpu: qwen_full is a --pipeline job")
+    from mmpipe.config.schema import family_of, load_config
     specs = job_specs(args)
     results = []
 
@@ -315,12 +325,20 @@ def bench_gpu(args, tmp: str) -> int:
         n = args.n or (2048 if pairs else cfg.train.batch_size * (args.steps + 1) * 4)  # ~3 per packed row
         _log(f"{name}: {n} synthetic samples ...")
         data = _data(tmp, name, cfg, n, spec.get("image_sizes"))
+        if args.attention and not pairs:  # the first kernel is the run the peer is measured against
+            spec = dict(spec, sets=spec["sets"] + [f"model.attention={args.attention[0]}"])
         try:
             mm = run_mmpipe(name, spec, data, args, tmp)
             if spec.get("cut"):
                 mm["label"] = f"{name} ({spec['cut']} decoder blocks)"
             results.append(mm)
             save()
+            for attention in ([] if pairs else (args.attention or [])[1:]):  # the same job, another kernel
+                other = run_mmpipe(f"{name}_{attention}", dict(spec, sets=spec["sets"] + [f"model.attention={attention}"]),
+                                   data, args, tmp)
+                other.update(job=name, label=f"{mm.get('label', name)}, model.attention={attention}")
+                results.append(other)
+                save()
             if args.peers and spec["peer"]:
                 peer = (run_open_clip(spec, args, tmp, on_cpu) if spec["peer"] == "open_clip_train"
                         else run_trainer(name, spec, data, mm, args, tmp))
@@ -359,7 +377,18 @@ def bench_gpu(args, tmp: str) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--jobs", nargs="+", choices=JOBS, default=list(JOBS))
+    p.add_argument("--jobs", nargs="+", choices=JOBS + ("qwen_full",), default=None,
+                   help=f"default: {' '.join(JOBS)}; with --pipeline: clip vlm_full qwen_full")
+    p.add_argument("--pipeline", action="store_true", help="P = 2 on the devices present (two GPUs, or two ranks "
+                   "sharing one: NCCL >= 2.30) against P = 1 on the same device, at --accumulation: losses, every "
+                   "gradient, memory per stage against the memory model, stage timing, no hang (docs/gpu.md)")
+    p.add_argument("--attention", nargs="+", choices=("sdpa", "varlen"), default=None,
+                   help="chat jobs: mmpipe once per model.attention (the first beside the peer), e.g. sdpa varlen")
+    p.add_argument("--accumulation", nargs="+", type=int, default=[1, 8], help="--pipeline: gradient accumulation steps")
+    p.add_argument("--share-device", action="store_true", help="--pipeline: both ranks on device 0 (LOCAL_RANK 0) "
+                   "even with two devices present; on the CPU, the one-GPU launch's twin")
+    p.add_argument("--timeout", type=float, default=600, help="--pipeline: seconds a run may take before it counts "
+                   "as a hang")
     p.add_argument("--tiny", action="store_true", help="the tiny test configs (a CPU is enough)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4, help="steps left out of the median")

@@ -225,6 +225,10 @@ class LogConfig(Section):
                                  "(Perfetto/Chrome, host and device) and rank*.txt (the ops by device and host time)")
     memory: bool = _f(False, "count every tensor each rank holds during the steps, by category (a dispatch mode counting "
                       "tensor storages; slow: for checking the memory model) and write the peak to OUTPUT/memory/rank*.json")
+    grads: Optional[list] = _f(None, "steps whose gradients (every trainable parameter's, fp32, reduced over micro-batches "
+                               "and data-parallel ranks, before clipping) are written under the plain parameter names to "
+                               "OUTPUT/grads/step*.stage*.safetensors, e.g. [1, 4]: to compare two layouts of a run "
+                               "parameter by parameter (mmpipe.train.grad_dump.compare_grads)")
     peak_tflops: Optional[float] = _f(None, "peak TFLOP/s of one device for mfu/hfu in metrics.jsonl; unset = the "
                                       "published dense peak of a known GPU (H100, H200, A100, L40S) at train.precision, "
                                       "else no mfu/hfu", gt=0)
@@ -474,6 +478,9 @@ def validate(cfg: RunConfig) -> None:
         if tr is not None and not (isinstance(tr, list) and len(tr) == 2 and all(isinstance(x, int) for x in tr)
                                    and 1 <= tr[0] <= tr[1]):
             raise ConfigError(f"{where}: {key} must be [first, last] step numbers (1-based), got {tr!r}")
+    grads = cfg.log.grads
+    if grads is not None and not (isinstance(grads, list) and all(isinstance(x, int) and x >= 1 for x in grads)):
+        raise ConfigError(f"{where}: log.grads must be a list of step numbers (1-based), e.g. [1, 4]; got {grads!r}")
     lo_hi = cfg.data.crop_scale
     if not (isinstance(lo_hi, list) and len(lo_hi) == 2 and 0 < lo_hi[0] <= lo_hi[1] <= 1):
         raise ConfigError(f"{where}: data.crop_scale must be [low, high] with 0 < low <= high <= 1, got {lo_hi!r}")

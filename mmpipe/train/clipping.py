@@ -110,7 +110,8 @@ class GradClipper:
         self._zero = None
         self.skip = False  # this step's gradients are not finite (on some rank): no optimizer step anywhere
         self.computed = False  # the norms were taken this step (not on a step DeepSpeed's loss scaler skipped)
-        self.step_no = 0  # the trainer's step (test hook)
+        self.step_no = 0  # the trainer's step (test hook, log.grads)
+        self.before_clip = None  # called with the step before the norms are taken (log.grads: train.grad_dump)
         stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
         self.deepspeed_clips = stage >= 2
         if self.deepspeed_clips:  # per-group limits are refused before this (train.Trainer.validate)
@@ -166,6 +167,8 @@ class GradClipper:
         non-finite norm (reduced over the ranks that hold different gradients, so every rank sees
         it) sets ``skip``: the optimizer step is left out on every rank."""
         t0 = time.perf_counter()
+        if self.before_clip is not None:
+            self.before_clip(self.step_no)
         _test_inject_nan(named_grads, self.step_no)
         grads: dict = {}
         counted: dict = {}

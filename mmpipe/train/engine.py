@@ -3,6 +3,7 @@ parameter groups, the learning-rate schedule, DeepSpeed's monitors, grouped clip
 the innermost optimizer, and the records a checkpoint carries."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -21,6 +22,7 @@ from mmpipe.parallel.runtime import initialize
 from mmpipe.parallel.strategies import strategy_for
 from mmpipe.train.checkpoint_record import layout_record, run_record
 from mmpipe.train.clipping import GradClipper, innermost_optimizer
+from mmpipe.train.grad_dump import save_grads
 
 
 @dataclass
@@ -87,7 +89,7 @@ def build_engine(run) -> Engine:
     parts = run.plan.parts if pipelined else None
     layout = layout_record(topo, cfg, layer_names, parts, run.plan.schedule)
     stage_of = [topo.coords(r)[0] for r in range(run.world)]
-    return Engine(
+    eng = Engine(
         engine=engine, runner=strategy.runner(engine, cfg.log.stage_timing),
         # under ZeRO-2/3 DeepSpeed clips (its gradient buckets are not read here); the clipper logs its norm
         clipper=GradClipper(engine, run.groups, cfg.optim.max_grad_norm),
@@ -96,3 +98,8 @@ def build_engine(run) -> Engine:
         record=run_record(cfg, layout, run.plan.to_json()),
         monitor=monitor if monitor is not None and monitor.enabled else None,
         stage_ranks=[[r for r in range(run.world) if stage_of[r] == s] for s in range(topo.pipeline_stages)])
+    if cfg.log.grads:  # the gradients of these steps, by plain name, before clipping (train.grad_dump)
+        steps, out = set(cfg.log.grads), os.path.join(cfg.train.output_dir, "grads")
+        eng.clipper.before_clip = lambda step: save_grads(engine, eng.named_params, out, step, run.where.stage,
+                                                          run.where.dp_rank) if step in steps else None
+    return eng
