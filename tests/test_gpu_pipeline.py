@@ -54,8 +54,8 @@ def test_pipeline_bench_holds_p2_to_p1_at_accumulation_8_with_the_one_device_lau
     gradient of P = 2 within bf16 tolerance of P = 1, both stages timed, the memory model per stage, a timeline."""
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "mmpipe.cli.main", "bench", "gpu", "--pipeline", "--tiny", "--jobs",
-                           "qwen_full", "--accumulation", "8", "--share-device", "--steps", "2", "--set",
-                           "model.attention=varlen", "--no-append", "--out", str(out), "--timeout", "400"],
+                           "qwen_full", "--accumulation", "8", "--share-device", "--steps", "2", "--attention",
+                           "varlen", "--no-append", "--out", str(out), "--timeout", "400"],
                           capture_output=True, text=True, cwd=str(tmp_path), timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rec = json.loads((out / "pipeline_results.json").read_text())

@@ -383,7 +383,8 @@ def add_arguments(p) -> None:
                    "sharing one: NCCL >= 2.30) against P = 1 on the same device, at --accumulation: losses, every "
                    "gradient, memory per stage against the memory model, stage timing, no hang (docs/gpu.md)")
     p.add_argument("--attention", nargs="+", choices=("sdpa", "varlen"), default=None,
-                   help="chat jobs: mmpipe once per model.attention (the first beside the peer), e.g. sdpa varlen")
+                   help="chat jobs: mmpipe once per model.attention (the first beside the peer), e.g. sdpa varlen; "
+                   "--pipeline: the chat jobs' (the first)")
     p.add_argument("--accumulation", nargs="+", type=int, default=[1, 8], help="--pipeline: gradient accumulation steps")
     p.add_argument("--share-device", action="store_true", help="--pipeline: both ranks on device 0 (LOCAL_RANK 0) "
                    "even with two devices present; on the CPU, the one-GPU launch's twin")

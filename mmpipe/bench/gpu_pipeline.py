@@ -164,7 +164,7 @@ def _stages(run_dir: str, cfg) -> list:
 def bench_gpu_pipeline(args, tmp: str) -> int:
     from mmpipe.bench.common import machine
     from mmpipe.bench.gpu import _data, _device
-    from mmpipe.config.schema import load_config
+    from mmpipe.config.schema import family_of, load_config
     plan = _here(args.share_device)
     on_cpu, device = _device()[0] == "cpu", _device()[1]
     _log(f"{plan['where']}; jobs {', '.join(args.jobs)}; accumulation {', '.join(map(str, args.accumulation))}")
@@ -172,6 +172,8 @@ def bench_gpu_pipeline(args, tmp: str) -> int:
     results, failures = [], []
     for job, spec in _specs(args).items():
         cfg = load_config(spec["config"], spec["sets"])
+        if args.attention and family_of(cfg).data_format == "chat":  # the chat jobs' kernel (--attention)
+            spec = dict(spec, sets=spec["sets"] + [f"model.attention={args.attention[0]}"])
         micro = int(cfg.parallel.micro_batch_size)
         n = args.n or 4 * micro * max(args.accumulation) * steps
         data = _data(tmp, job, cfg, n, spec.get("image_sizes"))
