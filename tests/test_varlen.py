@@ -65,3 +65,14 @@ def test_varlen_attention_equals_the_block_diagonal_mask_with_grouped_heads_and_
 def test_an_unknown_attention_is_one_line_naming_the_key():
     with pytest.raises(mmpipe.errors.ConfigError, match=r"model.attention='flash' is not one of sdpa, varlen"):
         mmpipe.load_config(TINY_VLM, ["model.attention=flash"])
+
+
+def test_the_attention_bench_holds_each_kernel_it_can_run_to_the_mask():
+    """``mmpipe bench attention`` on this CPU: the mask and the per-span path run forward and backward and agree
+    (fp32); the CUDA kernels say why they did not run."""
+    from mmpipe.bench.attention import measure, packed_rows
+    seg = packed_rows(2, 256, 40, 120)
+    assert int(seg.max()) >= 2 and (seg == 0).any()  # several samples a row, and padding
+    res = {r["kernel"]: r for r in measure("tiny", 2, 256, (40, 120), torch.float32, torch.device("cpu"), reps=1)}
+    assert res["mask"]["max_rel_err"] == 0 and res["spans"]["max_rel_err"] < 1e-5 and res["spans"]["ms"] > 0
+    assert all("CUDA only" in res[k]["skipped"] for k in ("torch_varlen", "flash_attn", "flex"))

@@ -14,11 +14,14 @@ and ratios against a baseline measured in the same run.
     mmpipe bench overhead    # mmpipe's step vs a raw DeepSpeed engine on the same module (P = 1, P = 2, DP = 2)
     mmpipe bench schedule    # pipeline schedules side by side (1f1b vs frozen_first, frozen vision tower)
     mmpipe bench gpu         # real sizes on one GPU: samples/s, MFU, memory vs open_clip_train and the Trainer
+    mmpipe bench gpu --pipeline  # P = 2 vs P = 1 on the devices present: losses, every gradient, memory per stage
+    mmpipe bench attention   # packed rows' attention kernels (mask, spans, torch varlen, flash-attn, flex): fwd + bwd
 """
 from __future__ import annotations
 
 import os
 
+from mmpipe.bench.attention import add_arguments as add_attention
 from mmpipe.bench.balance import bench_balance
 from mmpipe.bench.common import ROOT
 from mmpipe.bench.data import bench_data
@@ -91,6 +94,10 @@ def add_parser(sub) -> None:
     add_peers(bs.add_parser("peers", help="the same job by a peer (open_clip_train) and by mmpipe's chosen layout: "
                             "samples/s and retrieval recall"))
     add_gpu(bs.add_parser("gpu", help="real model sizes on one accelerator (CLIP ViT-B/16, LLaVA-7B-shaped LoRA and "
-                          "full): samples/s, MFU and peak memory beside open_clip_train and transformers' Trainer"))
+                          "full): samples/s, MFU and peak memory beside open_clip_train and transformers' Trainer; --pipeline: "
+                          "P = 2 against P = 1 on the devices present"))
+    add_attention(bs.add_parser("attention", help="the attention kernels of packed rows (block-diagonal mask, one sdpa "
+                                "per span, torch's varlen, flash-attn's, FlexAttention) at a job's shapes: forward + "
+                                "backward time and their difference from the mask path"))
     add_overhead(bs.add_parser("overhead", help="mmpipe's step time vs a raw DeepSpeed engine on the same module and "
                                "micro-batches (P = 1, P = 2, DP = 2)"))
