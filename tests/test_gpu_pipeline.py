@@ -73,3 +73,21 @@ def test_pipeline_bench_holds_p2_to_p1_at_accumulation_8_with_the_one_device_lau
     assert all(s["predicted_mb"] > 0 and s["fwd_ms"] > 0 and s["bwd_ms"] > 0 for s in r["stages"])
     assert (out / "pipeline_qwen_full_gas8_timeline.png").stat().st_size > 1000
     assert "| qwen_full | 8 |" in proc.stdout
+
+
+def test_the_gpu_session_script_runs_its_commands_at_tiny_size(tmp_path):
+    """``launch/gpu_checks.sh`` (what a session lent a GPU runs): its attention part at tiny size on this CPU,
+    BENCHMARKS.md untouched; every part's command line parses."""
+    import os
+    from helpers import ROOT, _env
+    env = _env({"TINY": "1", "NO_APPEND": "1", "OUT": str(tmp_path / "out"), "PYTHON": sys.executable})
+    proc = subprocess.run(["bash", os.path.join(ROOT, "launch", "gpu_checks.sh"), "attention"], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "| spans |" in proc.stdout and "not run: CUDA only" in proc.stdout
+    from mmpipe.cli.main import build_parser
+    parser = build_parser()
+    for argv in (["bench", "gpu", "--pipeline", "--attention", "varlen", "--out", "o", "--timeout", "300"],
+                 ["bench", "gpu", "--jobs", "vlm_lora", "qwen_lora", "--attention", "varlen", "sdpa", "--out", "o"],
+                 ["bench", "attention", "--shape", "qwen"]):
+        assert parser.parse_args(argv).func
