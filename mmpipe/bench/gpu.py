@@ -304,7 +304,7 @@ def bench_gpu(args, tmp: str) -> int:
     if args.pipeline:
         from mmpipe.bench.gpu_pipeline import PIPELINE_JOBS, bench_gpu_pipeline
         args.jobs = args.jobs or list(PIPELINE_JOBS)
-        return bench_gpu_pipeline(args, tmp)
+        return bench_gpu_pipeline(args, tmp, job_specs(args), _data, (acc, device))
     args.jobs = args.jobs or list(JOBS)
     if "qwen_full" in args.jobs:
         raise SystemExit("mmpipe bench gpu: qwen_full is a --pipeline job")

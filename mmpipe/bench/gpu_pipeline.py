@@ -112,10 +112,8 @@ def run_ranks(local_ranks: list, config: str, sets: list, out: str, env: dict, t
         raise MmpipeError(f"{os.path.basename(out)}: {why or 'failed'} ({n} ranks; log {log_path})\n{tail}")
 
 
-def _specs(args) -> dict:
-    """The pipeline jobs from ``gpu.job_specs`` (their configs and data), trained in full."""
-    from mmpipe.bench.gpu import job_specs
-    specs = job_specs(args)
+def _specs(args, specs: dict) -> dict:
+    """The pipeline jobs of ``specs`` (``gpu.job_specs``: their configs and data), trained in full."""
     out = {}
     for job in args.jobs:
         if job not in PIPELINE_JOBS:
@@ -163,22 +161,23 @@ def _stages(run_dir: str, cfg) -> list:
     return out
 
 
-def bench_gpu_pipeline(args, tmp: str) -> int:
+def bench_gpu_pipeline(args, tmp: str, specs: dict, data_for, device: tuple) -> int:
+    """``specs``: ``gpu.job_specs``; ``data_for``: ``gpu._data`` (a job's synthetic data); ``device``: (accelerator
+    name, its description)."""
     from mmpipe.bench.common import machine
-    from mmpipe.bench.gpu import _data, _device
     from mmpipe.config.schema import family_of, load_config
     plan = _here(args.share_device)
-    on_cpu, device = _device()[0] == "cpu", _device()[1]
+    on_cpu, device = device[0] == "cpu", device[1]
     _log(f"{plan['where']}; jobs {', '.join(args.jobs)}; accumulation {', '.join(map(str, args.accumulation))}")
     steps = max(2, args.steps)
     results, failures = [], []
-    for job, spec in _specs(args).items():
+    for job, spec in _specs(args, specs).items():
         cfg = load_config(spec["config"], spec["sets"])
         if args.attention and family_of(cfg).data_format == "chat":  # the chat jobs' kernel (--attention)
             spec = dict(spec, sets=spec["sets"] + [f"model.attention={args.attention[0]}"])
         micro = int(cfg.parallel.micro_batch_size)
         n = args.n or 4 * micro * max(args.accumulation) * steps
-        data = _data(tmp, job, cfg, n, spec.get("image_sizes"))
+        data = data_for(tmp, job, cfg, n, spec.get("image_sizes"))
         for gas in args.accumulation:
             runs = {}
             for P in (1, 2):
