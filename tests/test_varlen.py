@@ -76,3 +76,18 @@ def test_the_attention_bench_holds_each_kernel_it_can_run_to_the_mask():
     res = {r["kernel"]: r for r in measure("tiny", 2, 256, (40, 120), torch.float32, torch.device("cpu"), reps=1)}
     assert res["mask"]["max_rel_err"] == 0 and res["spans"]["max_rel_err"] < 1e-5 and res["spans"]["ms"] > 0
     assert all("CUDA only" in res[k]["skipped"] for k in ("torch_varlen", "flash_attn", "flex"))
+
+
+def test_the_memory_plan_of_varlen_counts_no_mask():
+    """Sized on the meta device, a packed run's decoder blocks keep the (B, 1, T, T) mask under sdpa (saved for
+    the backward) and nothing of the kind under varlen."""
+    from mmpipe.planning.measure import meta_profile
+    from mmpipe.planning.offline import resolve_for_plan
+    from mmpipe.planning.place import layer_costs
+    blocks = {}
+    for attention in ("sdpa", "varlen"):
+        cfg, family = resolve_for_plan(mmpipe.load_config(TINY_VLM, ["data.packing=true", "data.max_length=96",
+                                                                     f"model.attention={attention}"]))
+        costs = layer_costs(meta_profile(cfg, family, 2))
+        blocks[attention] = [c.act_bytes + c.workspace for c in costs if c.name.startswith("llm.blocks.")]
+    assert blocks["sdpa"] and all(v < s for v, s in zip(blocks["varlen"], blocks["sdpa"])), blocks

@@ -81,10 +81,9 @@ def _available(kernel: str, device: torch.device, dtype) -> str:
     if kernel in ("torch_varlen", "flash_attn") and dtype not in (torch.float16, torch.bfloat16):
         return "bf16 / fp16 only"
     if kernel == "flash_attn":
-        try:
-            import flash_attn  # noqa: F401
-        except ImportError:
-            return "flash-attn not installed"
+        import importlib.util
+        if importlib.util.find_spec("flash_attn") is None:
+            return "flash-attn not installed (pip install -e '.[flash]')"
     return ""
 
 

@@ -64,7 +64,10 @@ def attention_inputs(attention_mask: torch.Tensor, dtype: torch.dtype, impl: str
     otherwise. ``impl`` (the layer's ``config._attn_implementation``) ``mmpipe_varlen``: a packed row goes by its
     span boundaries instead (``cu_seq_lens_q``, ``max_length_q``: ``towers.varlen``), no mask; derived once per
     micro-batch on each stage from the segment ids that cross it (one host read, as ``mask_kind``'s)."""
-    if impl == VARLEN and not attention_mask.is_meta:
+    if impl == VARLEN and attention_mask.is_meta:  # shapes only (the memory plan): no mask is built under varlen
+        if mask_kind(attention_mask) == "packed":
+            return segment_positions(attention_mask), None, {}
+    elif impl == VARLEN:
         memo = getattr(attention_mask, "_mmpipe_spans", None)
         if memo is None or memo[0] != attention_mask._version:
             cu, longest, kind = spans_of(attention_mask)

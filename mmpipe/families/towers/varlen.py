@@ -34,8 +34,10 @@ def _torch_varlen(q, k, v, cu, max_len, causal, scale):
 
 
 def _flash_attn_varlen(q, k, v, cu, max_len, causal, scale):
-    from flash_attn import flash_attn_varlen_func  # the package, where installed
-    return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=causal)
+    import importlib
+    # optional: setup.py's [flash] extra (a CUDA build); ImportError where it is not installed
+    fn = importlib.import_module("flash_attn").flash_attn_varlen_func
+    return fn(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=causal)
 
 
 def span_attention(q, k, v, cu, causal: bool, scale=None):
