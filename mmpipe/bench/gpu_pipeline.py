@@ -1,7 +1,7 @@
 """``mmpipe bench gpu --pipeline``: a two-stage pipeline (P = 2) on the devices present, held to P = 1 on the same
 device: the same model, data and seed, bf16, at gradient accumulation 1 and 8.
 
-Per job (``clip``: CLIP ViT-B/16; ``vlm_full``: the LLaVA-1.5-7B shape, its decoder cut to ``--full-layers``
+Per job (``clip``: CLIP ViT-B/16, 64 pairs a micro-batch; ``vlm_full``: the LLaVA-1.5-7B shape, its decoder cut to ``--full-layers``
 blocks so both runs fit one device; ``qwen_full``: the Qwen2.5-VL-7B shape cut the same way, images of four sizes
 packed into 2048-token rows, so the stages see different shapes every micro-batch):
 
@@ -175,8 +175,12 @@ def bench_gpu_pipeline(args, tmp: str, specs: dict, data_for, device: tuple) -> 
         cfg = load_config(spec["config"], spec["sets"])
         if args.attention and family_of(cfg).data_format == "chat":  # the chat jobs' kernel (--attention)
             spec = dict(spec, sets=spec["sets"] + [f"model.attention={args.attention[0]}"])
-        micro = int(cfg.parallel.micro_batch_size)
-        n = args.n or 4 * micro * max(args.accumulation) * steps
+        pairs = family_of(cfg).data_format == "captions"
+        if pairs and not args.tiny:  # 64 pairs a micro-batch (512 a step at accumulation 8), not the throughput job's 256
+            spec = dict(spec, sets=spec["sets"] + ["parallel.micro_batch_size=64"])
+        micro = 64 if pairs and not args.tiny else int(cfg.parallel.micro_batch_size)
+        # pairs: one epoch's worth; chat samples: about three a packed row, with room
+        n = args.n or (micro * max(args.accumulation) * steps if pairs else 4 * micro * max(args.accumulation) * steps)
         data = data_for(tmp, job, cfg, n, spec.get("image_sizes"))
         for gas in args.accumulation:
             runs = {}
