@@ -9,7 +9,7 @@ import torch
 from helpers import TINY_VLM
 
 import mmpipe
-from mmpipe.families.chat.masks import attention_inputs, packed_mask
+from mmpipe.families.chat.masks import attention_inputs, mask_kind, packed_mask
 from mmpipe.families.towers import varlen
 
 
@@ -20,11 +20,11 @@ class _Attn(torch.nn.Module):
 
 def test_span_boundaries_of_packed_rows_flattened_row_after_row():
     seg = torch.tensor([[1, 1, 1, 2, 2, 0, 0], [1, 1, 2, 3, 3, 3, 3]])
-    cu, longest, kind = varlen.spans_of(seg)
+    cu, longest = varlen.spans_of(seg)
     assert cu.tolist() == [0, 3, 5, 7, 9, 10, 14] and cu.dtype == torch.int32
-    assert longest == 4 and kind == "packed"
+    assert longest == 4 and mask_kind(seg) == "packed"
     # a row ending in a sample and the next row starting with the same id are two spans, not one
-    cu, _, _ = varlen.spans_of(torch.tensor([[1, 1, 2, 2], [2, 2, 1, 1]]))
+    cu, _ = varlen.spans_of(torch.tensor([[1, 1, 2, 2], [2, 2, 1, 1]]))
     assert cu.tolist() == [0, 2, 4, 6, 8]
 
 

@@ -25,6 +25,7 @@ from mmpipe.bench.common import append_benchmarks
 
 SHAPES = {"llava": (32, 32, 128), "qwen": (28, 4, 128), "tiny": (4, 2, 16)}  # query heads, key/value heads, head dim
 KERNELS = ("mask", "spans", "torch_varlen", "flash_attn", "flex")
+_BLOCK_MASKS, _FLEX = {}, {}  # FlexAttention's document mask per segment tensor, its compiled kernel per device
 
 
 def packed_rows(rows: int, row: int, lo: int, hi: int, seed: int = 0) -> torch.Tensor:
@@ -53,12 +54,14 @@ def _call(kernel: str, q, k, v, seg, spans):
         return o.transpose(1, 2)
     if kernel == "flex":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        bm = _call.blocks.get(id(seg))
+        bm = _BLOCK_MASKS.get(id(seg))
         if bm is None:
             def doc(b, h, qi, ki):
                 return (seg[b, qi] == seg[b, ki]) & (qi >= ki)
-            bm = _call.blocks[id(seg)] = create_block_mask(doc, B, None, T, T, device=q.device)
-        fn = _call.flex.setdefault(q.device.type, torch.compile(flex_attention) if q.is_cuda else flex_attention)
+            bm = _BLOCK_MASKS[id(seg)] = create_block_mask(doc, B, None, T, T, device=q.device)
+        if q.device.type not in _FLEX:
+            _FLEX[q.device.type] = torch.compile(flex_attention) if q.is_cuda else flex_attention
+        fn = _FLEX[q.device.type]
         return fn(q, k, v, block_mask=bm, enable_gqa=gqa).transpose(1, 2)
     flat = [t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (q, k, v)]
     cu, longest = spans["cu_seq_lens_q"], spans["max_length_q"]
@@ -70,8 +73,6 @@ def _call(kernel: str, q, k, v, seg, spans):
         out = varlen._flash_attn_varlen(*flat, cu.to(torch.int32), longest, True, None)
     return out.view(B, T, H, D)
 
-
-_call.blocks, _call.flex = {}, {}
 
 
 def _available(kernel: str, device: torch.device, dtype) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -215,7 +216,6 @@ def bench_gpu_pipeline(args, tmp: str, specs: dict, data_for, device: tuple) -> 
                 os.makedirs(args.out, exist_ok=True)
                 for f in ("trace.json", "timeline.png"):
                     if os.path.isfile(os.path.join(runs[2], f)):
-                        import shutil
                         shutil.copy(os.path.join(runs[2], f), os.path.join(args.out, f"pipeline_{job}_gas{gas}_{f}"))
     text = table(results)
     print(text)

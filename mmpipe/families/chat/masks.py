@@ -18,15 +18,16 @@ def mask_kind(attention_mask: torch.Tensor) -> str:
     cached = getattr(attention_mask, "_mmpipe_kind", None)
     if cached is not None and cached[0] == attention_mask._version:  # (an in-place change decides again)
         return cached[1]
-    m = attention_mask
-    if m.is_meta:  # shapes only: the batch that made it says (example_batch), else causal
-        kind = "causal"
-    elif bool((m > 1).any()):
-        kind = "packed"
-    else:
-        kind = "dense" if bool((m[:, 1:] > m[:, :-1]).any()) else "causal"
+    # shapes only: the batch that made it says (example_batch), else causal
+    kind = "causal" if attention_mask.is_meta else _kind_of(attention_mask)
     mark_mask(attention_mask, kind)
     return kind
+
+
+def _kind_of(m: torch.Tensor) -> str:
+    if bool((m > 1).any()):
+        return "packed"
+    return "dense" if bool((m[:, 1:] > m[:, :-1]).any()) else "causal"
 
 
 def mark_mask(attention_mask: torch.Tensor, kind: str) -> None:
@@ -64,23 +65,10 @@ def attention_inputs(attention_mask: torch.Tensor, dtype: torch.dtype, impl: str
     otherwise. ``impl`` (the layer's ``config._attn_implementation``) ``mmpipe_varlen``: a packed row goes by its
     span boundaries instead (``cu_seq_lens_q``, ``max_length_q``: ``towers.varlen``), no mask; derived once per
     micro-batch on each stage from the segment ids that cross it (one host read, as ``mask_kind``'s)."""
-    if impl == VARLEN and attention_mask.is_meta:  # shapes only (the memory plan): no mask is built under varlen
-        if mask_kind(attention_mask) == "packed":
-            return segment_positions(attention_mask), None, {}
-    elif impl == VARLEN:
-        memo = getattr(attention_mask, "_mmpipe_spans", None)
-        if memo is None or memo[0] != attention_mask._version:
-            cu, longest, kind = spans_of(attention_mask)
-            mark_mask(attention_mask, kind)
-            memo = (attention_mask._version, cu, longest)
-            try:
-                attention_mask._mmpipe_spans = memo
-            except AttributeError:  # pragma: no cover
-                pass
-        if mask_kind(attention_mask) == "packed":
-            _, cu, longest = memo
-            return segment_positions(attention_mask), None, {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
-                                                             "max_length_q": longest, "max_length_k": longest}
+    if impl == VARLEN:
+        spans = packed_spans(attention_mask)
+        if spans is not None:
+            return segment_positions(attention_mask), None, spans
     kind = mask_kind(attention_mask)
     if kind == "packed":
         return segment_positions(attention_mask), packed_mask(attention_mask), {}
@@ -88,3 +76,25 @@ def attention_inputs(attention_mask: torch.Tensor, dtype: torch.dtype, impl: str
     if kind == "causal":
         return pos, None, {}
     return pos, causal_padding_mask(attention_mask, dtype), {}
+
+
+def packed_spans(attention_mask: torch.Tensor):
+    """A packed row batch's span boundaries as transformers' flash-attention keywords (``cu_seq_lens_q/k``,
+    ``max_length_q/k``: ``towers.varlen``), None for rows that are not packed; one host read of the ids gives the
+    mask kind and the spans, remembered on the tensor. A meta mask (the memory plan): no keywords, no mask."""
+    if attention_mask.is_meta:
+        return {} if mask_kind(attention_mask) == "packed" else None
+    memo = getattr(attention_mask, "_mmpipe_spans", None)
+    if memo is None or memo[0] != attention_mask._version:
+        host = attention_mask.detach().to("cpu")
+        mark_mask(attention_mask, _kind_of(host))
+        cu, longest = spans_of(host)
+        memo = (attention_mask._version, cu.to(attention_mask.device, non_blocking=True), longest)
+        try:
+            attention_mask._mmpipe_spans = memo
+        except AttributeError:  # pragma: no cover
+            pass
+    if mask_kind(attention_mask) != "packed":
+        return None
+    _, cu, longest = memo
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}

@@ -108,16 +108,13 @@ def register() -> None:
 
 
 def spans_of(segments: torch.Tensor) -> tuple:
-    """(cu_seqlens int32 on ``segments``' device, max span length, kind) of a (B, T) segment-id row batch
-    (packed rows: 1, 2, ... per sample, 0 = padding), flattened row after row: a span is a run of one id within a
-    row (a padding run too: it attends only to itself, as under the mask). One host read of the ids."""
-    host = segments.detach().to("cpu", torch.int64)
-    B, T = host.shape
-    flat = host.reshape(-1)
-    start = torch.ones(B * T, dtype=torch.bool)
+    """(cu_seqlens int32, the longest span) of a (B, T) segment-id row batch (packed rows: 1, 2, ... per sample,
+    0 = padding) on the host, flattened row after row: a span is a run of one id within a row (a padding run too:
+    it attends only to itself, as under the mask)."""
+    flat = segments.detach().to("cpu", torch.int64).reshape(-1)
+    T = segments.shape[1]
+    start = torch.ones(flat.numel(), dtype=torch.bool)
     start[1:] = flat[1:] != flat[:-1]
     start[::T] = True
-    cu = torch.cat([start.nonzero().flatten(), torch.tensor([B * T])]).to(torch.int32)
-    kind = "packed" if bool((host > 1).any()) else (
-        "dense" if T > 1 and bool((host[:, 1:] > host[:, :-1]).any()) else "causal")
-    return cu.to(segments.device, non_blocking=True), int(cu.diff().max()), kind
+    cu = torch.cat([start.nonzero().flatten(), torch.tensor([flat.numel()])]).to(torch.int32)
+    return cu, int(cu.diff().max())
