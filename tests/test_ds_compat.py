@@ -45,6 +45,15 @@ def test_instruction_map_is_what_the_schedule_dispatches_through():
     assert "self._INSTRUCTION_MAP[type(cmd)]" in _src(PipelineEngine._exec_schedule)
 
 
+def test_the_last_stage_backpropagates_the_engines_loss_attribute():
+    """``loss_per_buffer``: the last stage's forward sets ``self.loss`` and its backward reads it back (so a
+    buffer's own loss put there is the one backpropagated). Behaviour: test_schedule_contract.py::
+    test_gpipe_trains_as_1f1b."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    assert "self.loss = self.module.loss_fn(outputs, labels)" in _src(PipelineEngine._exec_forward_pass)
+    assert "super().backward(self.loss)" in _src(PipelineEngine._exec_backward_pass)
+
+
 def test_a_stream_becomes_the_engines_train_schedule():
     """``set_train_schedule``: ``train_batch`` asks the instance for its schedule, and the installed one yields
     DeepSpeed's instruction for every action with the micro-batch's buffer (DeepSpeed's own TrainSchedule when

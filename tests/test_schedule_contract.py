@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from helpers import train_losses
+from helpers import assert_same_training, train_losses
 
 import mmpipe
 from mmpipe.train.checkpoint_weights import load_model_weights
@@ -50,3 +50,15 @@ def test_frozen_first_trains_bit_for_bit_as_1f1b(family_runs_of, layout):
             assert ran[s] & {"ForwardPass", "SendActivation"} and not ran[s] & {"BackwardPass", "RecvGrad", "SendGrad"}
         assert "BackwardPass" in ran[k] and "SendGrad" not in ran[k]
         assert "BackwardPass" in ran[2] and ("SendGrad" in ran[2]) == (k < 2)
+
+
+def test_gpipe_trains_as_1f1b(family_runs_of):
+    """Every forward, then every backward: the last stage backpropagates each micro-batch's own loss (DeepSpeed
+    keeps only the latest forward's: ``ds_compat.loss_per_buffer``), so the step equals 1F1B's."""
+    runs = family_runs_of("vlm")
+    sets = ["parallel.pipeline_stages=2", "parallel.profile=false"]
+    ref, _ = runs.get("sched_p2_1f1b", 2, sets + ["parallel.schedule=1f1b"], flags=["--stop-at", "3"])
+    gp, _ = runs.get("sched_p2_gpipe", 2, sets + ["parallel.schedule=gpipe"], flags=["--stop-at", "3"])
+    with open(os.path.join(gp, "plan.json")) as fh:
+        assert json.load(fh)["schedule"] == "gpipe"
+    assert_same_training(gp, ref, steps=3, loss_rtol=1e-6, rtol=1e-5)

@@ -11,6 +11,7 @@ that exercises the patch's behaviour.
 | ``check_version`` | ``deepspeed.__version__`` (public) | a DeepSpeed newer than ``CHECKED`` is named once |
 | ``fix_recv_buffer_dtype`` | ``PipelineEngine._allocate_or_extend_buffers``, ``_grad_layer_buf``, ``_allocate_buffer`` | buffers reused across dtypes with 3+ stages |
 | ``wrap_instructions`` | ``PipelineEngine._INSTRUCTION_MAP`` | the per-instruction stage clock |
+| ``loss_per_buffer`` | ``PipelineEngine._INSTRUCTION_MAP``, ``loss``, ``_exec_forward_pass``, ``_exec_backward_pass`` | a last stage whose order runs two forwards before a backward (``gpipe``) backpropagates each micro-batch's own loss |
 | ``set_train_schedule`` | ``PipelineEngine._train_schedule``, ``deepspeed.runtime.pipe.schedule`` (``PipeSchedule`` and its instruction classes) | the run's pipeline order (``parallel.schedules``) as the engine's schedule |
 | ``is_zero_optimizer`` | the class name ``DeepSpeedZeroOptimizer`` | grouped clipping under ZeRO-1/2 |
 | ``wrap_zero_step``, ``zero_group_grads`` | ``DeepSpeedZeroOptimizer.step``, ``_get_preflattened_grad_partition``, ``averaged_gradients`` | grouped clipping under ZeRO-1/2 |
@@ -72,9 +73,36 @@ def fix_recv_buffer_dtype(engine) -> None:
 
 def wrap_instructions(engine, wrap: Callable) -> None:
     """Route every pipeline instruction of ``engine`` through ``wrap(name, fn)`` (the engine
-    dispatches through its class-level ``_INSTRUCTION_MAP``; this instance gets its own copy)."""
-    table = dict(type(engine)._INSTRUCTION_MAP)
+    dispatches through its class-level ``_INSTRUCTION_MAP``; this instance gets its own copy, which
+    keeps an earlier wrap or added instruction)."""
+    table = dict(engine._INSTRUCTION_MAP)
     engine._INSTRUCTION_MAP = {cls: wrap(cls.__name__, fn) for cls, fn in table.items()}
+
+
+def loss_per_buffer(engine) -> None:
+    """DeepSpeed's last stage backpropagates ``self.loss``, which holds the latest forward's loss: right
+    for 1F1B (each backward follows its own forward), wrong for an order that runs two forwards before a
+    backward (``gpipe``: the second backward went through a freed graph). Keep each pipe buffer's loss and
+    put it back in ``loss`` before the buffer's backward."""
+    import torch
+    from deepspeed.runtime.pipe import schedule as S
+    table = dict(engine._INSTRUCTION_MAP)
+    forward, backward = table[S.ForwardPass], table[S.BackwardPass]
+    losses: dict = {}
+
+    def forward_pass(self, buffer_id):
+        out = forward(self, buffer_id)
+        if self.is_last_stage() and torch.is_grad_enabled():  # (not eval_batch's forwards)
+            losses[buffer_id] = self.loss
+        return out
+
+    def backward_pass(self, buffer_id):
+        if self.is_last_stage():
+            self.loss = losses.pop(buffer_id)
+        return backward(self, buffer_id)
+
+    table[S.ForwardPass], table[S.BackwardPass] = forward_pass, backward_pass
+    engine._INSTRUCTION_MAP = table
 
 
 def set_train_schedule(engine, actions: list) -> None:

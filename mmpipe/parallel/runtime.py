@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from mmpipe.parallel.ds_compat import eval_batch_in_train_mode, reset_total_loss, set_train_schedule
+from mmpipe.parallel.ds_compat import eval_batch_in_train_mode, loss_per_buffer, reset_total_loss, set_train_schedule
 from mmpipe.parallel.layers import PipeLayer
 from mmpipe.parallel.schedules import forward_only, stream
 from mmpipe.parallel.stage_clock import StageClock
@@ -36,6 +36,7 @@ def install_schedule(engine, plan, micro_batches: int, step_loss: bool, clock=No
     kw = {"frozen": plan.frozen_stages}
     train = stream(plan.schedule, P, micro_batches, s, **kw)
     set_train_schedule(engine, train)
+    loss_per_buffer(engine)
     whole = stream(plan.schedule, P, micro_batches, s, step_loss=step_loss, **kw)
     if clock is not None:
         clock.stream = whole
