@@ -91,3 +91,17 @@ def test_the_memory_plan_of_varlen_counts_no_mask():
         costs = layer_costs(meta_profile(cfg, family, 2))
         blocks[attention] = [c.act_bytes + c.workspace for c in costs if c.name.startswith("llm.blocks.")]
     assert blocks["sdpa"] and all(v < s for v, s in zip(blocks["varlen"], blocks["sdpa"])), blocks
+
+
+def test_a_decoder_with_attention_dropout_is_refused_under_varlen_at_setup(tmp_path):
+    """A directory whose decoder has attention dropout trains under sdpa; under varlen it is one line when the model
+    is built, not a traceback at the first micro-batch that holds a packed row."""
+    from helpers import TINY_CONFIGS
+
+    from mmpipe.families.qwen_vl.tiny import write_tiny_qwen2_5_vl
+    d = write_tiny_qwen2_5_vl(str(tmp_path / "q25"), seed=1, text={"attention_dropout": 0.1})
+    sets = [f"model.pretrained={d}", "model.llm.max_position_embeddings=null", "data.packing=true"]
+    mmpipe.build_model(mmpipe.load_config(TINY_CONFIGS["qwen2_5_vl"], sets))
+    with pytest.raises(mmpipe.errors.ConfigError, match=r"^model.attention=varlen: the decoder's attention_dropout "
+                       r"is 0.1 \(model.pretrained's config.json\).*set it to 0 there or use model.attention=sdpa$"):
+        mmpipe.build_model(mmpipe.load_config(TINY_CONFIGS["qwen2_5_vl"], sets + ["model.attention=varlen"]))

@@ -39,6 +39,13 @@ def use_attention(*configs, kind: str = ATTENTION, spans: bool = False) -> None:
     name = ATTENTION
     if kind == "varlen":
         from mmpipe.families.towers import varlen
+        for c in configs if not spans else ():  # (the Qwen ViTs' attention takes none whatever their config says)
+            p = getattr(c, "attention_dropout", 0.0) or 0.0
+            if p > 0:
+                from mmpipe.errors import ConfigError
+                raise ConfigError(f"model.attention=varlen: the decoder's attention_dropout is {p} (model.pretrained's "
+                                  "config.json); the varlen kernels take no attention dropout: set it to 0 there or use "
+                                  "model.attention=sdpa")
         varlen.register()
         name = varlen.VARLEN_SPANS if spans else varlen.VARLEN
     for c in configs:
