@@ -281,7 +281,7 @@ def test_exported_run_answers_a_video_through_transformers_as_mmpipe_generate(vi
     g = Generator(run)
     question = "what happens?"
     frames, meta = _decoded(media["long"], 2.0)
-    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "\n" + question}]}]
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]}]
     enc = proc(text=proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), videos=[frames],
                video_metadata=[meta], do_sample_frames=True, return_tensors="pt")
     ids, _ = g.prompt(question, video=media["long"])
@@ -290,3 +290,33 @@ def test_exported_run_answers_a_video_through_transformers_as_mmpipe_generate(vi
         got = hf.generate(**enc, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
     want = g.generate_ids(question, video=media["long"], max_new_tokens=8)
     assert got[:len(want)] == want and (len(want) == 8 or want[-1] in g.stop)
+
+
+@pytest.mark.parametrize("name", list(WRITERS))
+def test_generate_places_media_as_the_template_and_eval_scores_video_rows(name, dirs, media, tmp_path):
+    """``mmpipe generate --image X --prompt Q``'s ids are transformers' processor's for an image item then the text
+    (the family joins a marker-less image to the text as its chat template does: no newline for Qwen); ``--eval``
+    asks video rows with their videos; an unreadable image is named as an image, not as a video."""
+    from transformers import AutoProcessor
+
+    from mmpipe.errors import ConfigError
+    from mmpipe.families.chat.generate import ChatGenerator, exact_match
+    cfg, fam, tok = _family(name, dirs[name], tmp_path, min_pixels=4096, max_pixels=65536)
+    gen = ChatGenerator(cfg, fam, tok, _loaded(fam).state_dict())
+    proc = AutoProcessor.from_pretrained(dirs[name])
+    proc.image_processor.size = {"shortest_edge": 4096, "longest_edge": 65536}
+    q = "what colour is it?"
+    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
+                                    add_generation_prompt=True, tokenize=False)
+    enc = proc(text=[text], images=[Image.open(media["image"]).convert("RGB")], return_tensors="pt")
+    assert gen.prompt(q, media["image"])[0].tolist() == enc["input_ids"].tolist()
+    bad = os.path.join(media["dir"], "corrupt.jpg")
+    with open(bad, "wb") as fh:
+        fh.write(b"\xff\xd8\xff\xe0 not a jpeg" * 3)
+    with pytest.raises(ConfigError, match=r"^--image .*corrupt.jpg: cannot read the image"):
+        gen.prompt(q, bad, video=media["long"])
+    chat = _chat(tmp_path / "eval.jsonl", dict(media, bad=bad), ROWS + [(["<image>"], q, "red", ["bad"], [])])
+    out = exact_match(gen, str(tmp_path), chat, progress=False, max_new_tokens=2)
+    assert out["n"] == len(ROWS), out["skipped"]  # the three video questions among them
+    assert sum(bool(r["videos"]) for r in out["examples"]) == 3
+    assert len(out["skipped"]) == 1 and f"line 6: image {bad}: cannot read the image" in out["skipped"][0]

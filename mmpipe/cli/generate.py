@@ -69,9 +69,9 @@ def cmd_generate(args) -> int:
     if not args.prompt:
         raise ConfigError("mmpipe generate: give --prompt (and --image), or --eval CHAT_FILE")
     images, prompt = args.image or [], args.prompt
-    if len(images) > 1 and IMAGE not in prompt:  # several images, no markers: all of them first, in order
-        prompt = f"{IMAGE}\n" * len(images) + prompt
     g = Generator(args.run, step=args.step)
+    if len(images) > 1 and IMAGE not in prompt:  # several images, no markers: all of them first, in order
+        prompt = (IMAGE + g.family.marker_join) * len(images) + prompt
     videos = getattr(args, "video", None) or []
     print(g.answer(prompt, images[0] if len(images) == 1 else images or None, max_new_tokens=args.max_new_tokens,
                    video=videos or None))

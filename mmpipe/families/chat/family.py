@@ -31,6 +31,10 @@ class ChatFamily(Family):
     generates: ClassVar[bool] = True  # mmpipe generate / --eval answer with it
     data_format: ClassVar[str] = "chat"
     image_token_id: Optional[int] = None
+    # what follows the markers ``mmpipe generate`` puts before a prompt given media but no marker: LLaVA's
+    # ``<image>\n`` + question (its scripts' DEFAULT_IMAGE_TOKEN + "\n"); a family whose chat template puts the
+    # media straight before the text (Qwen's, as transformers' processor renders image items) gives ""
+    marker_join: ClassVar[str] = "\n"
 
     @classmethod
     def validate(cls, model_cfg, where: str) -> None:

@@ -37,11 +37,14 @@ class ChatGenerator:
     def prompt(self, prompt: str, image=None, history: tuple = (), what: str = "--image", video=None) -> tuple:
         """(input ids (1, T), the model's image inputs or None) of ``history``, a user turn and the
         assistant header, tokenized as training's chat encoder does. ``image``: one path (``--image``:
-        a prompt without a marker gets it first), or a list of paths, one per ``<image>`` marker of
-        ``history`` and ``prompt`` in order (a chat sample's, the turn as written)."""
+        a prompt without a marker gets it first, joined to the text as the family's template joins them:
+        ``family.marker_join``), or a list of paths, one per ``<image>`` marker of ``history`` and ``prompt``
+        in order (a chat sample's, the turn as written); ``video`` likewise with ``<video>`` markers. ``what``
+        names the images in a message (``--image``, or an eval row's ``where: image``)."""
         paths = [] if image is None else [image] if isinstance(image, str) else list(image)
         n = prompt.count(IMAGE)
         before = sum(t.count(IMAGE) for _, t in history)
+        join = self.family.marker_join
         if isinstance(image, str) or image is None:  # the command line's one --image
             if image is None and n:
                 raise ConfigError(f"--prompt has {n} {IMAGE} marker(s) but no --image: give --image PATH, or drop "
@@ -50,24 +53,25 @@ class ChatGenerator:
                 raise ConfigError(f"--prompt has {n} {IMAGE} markers but one --image: give one marker (or none: the "
                                   "image goes first)")
             if image is not None and n + before == 0:
-                prompt, n = f"{IMAGE}\n{prompt}", 1
+                prompt, n = f"{IMAGE}{join}{prompt}", 1
         if n + before != len(paths):
             raise ConfigError(f"{what}: {n + before} {IMAGE} marker(s) but {len(paths)} image(s) (one image per "
                               "marker, in order)")
         videos = [] if video is None else [video] if isinstance(video, str) else list(video)
+        vwhat = "--video" if what == "--image" else what.replace(": image", ": video")
         if videos and self.encoder.video is None:
-            raise ConfigError(f"--video: model.type={self.cfg.model.type} has no video input (qwen2_5_vl, qwen3_vl and "
-                              "qwen3_5 have)")
+            raise ConfigError(f"{vwhat}: model.type={self.cfg.model.type} has no video input (qwen2_5_vl, qwen3_vl "
+                              "and qwen3_5 have)")
         marks = prompt.count(VIDEO) + sum(t.count(VIDEO) for _, t in history)
-        if videos and marks == 0:  # the command line's videos, no marker: first, in order
-            prompt, marks = VIDEO * len(videos) + "\n" + prompt, len(videos)
+        if what == "--image" and videos and marks == 0:  # the command line's videos, no marker: first, in order
+            prompt, marks = VIDEO * len(videos) + join + prompt, len(videos)
         if marks != len(videos):
-            raise ConfigError(f"--video: {marks} {VIDEO} marker(s) but {len(videos)} video(s) (one video per marker, "
+            raise ConfigError(f"{vwhat}: {marks} {VIDEO} marker(s) but {len(videos)} video(s) (one video per marker, "
                               "in order)")
         try:
             ids = self.encoder.prompt_ids(tuple(history) + (("user", prompt),), paths, videos)
-        except DataError as e:
-            raise ConfigError(f"--video {e}") from None
+        except DataError as e:  # named by the file it is about: an image's or a video's
+            raise ConfigError(f"{vwhat if str(e).startswith(tuple(map(str, videos))) else what} {e}") from None
         ids = torch.tensor([ids], device=self.device)
         return ids, (self.images(paths, what, videos) if paths or videos else None)
 
@@ -94,21 +98,22 @@ class ChatGenerator:
 
 
 def first_question(s) -> object:
-    """(history, the first user turn's text as written, the images of history and turn, the answer
-    wanted) of a chat sample, or why it has none to score. The images of a sample are consumed by
-    its ``<image>`` markers in message order; a system turn before the question is context."""
+    """(history, the first user turn's text as written, the images and the videos of history and turn, the
+    answer wanted) of a chat sample, or why it has none to score. The images (videos) of a sample are consumed
+    by its ``<image>`` (``<video>``) markers in message order; a system turn before the question is context."""
     u = next((i for i, (r, _) in enumerate(s.messages) if r == "user"), None)
     want = next((t for r, t in s.messages[u:] if r == "assistant"), None) if u is not None else None
     if want is None:
         return f"{s.where}: no user turn followed by an assistant turn to score"
     upto = sum(t.count(IMAGE) for _, t in s.messages[:u + 1])
-    return tuple(s.messages[:u]), s.messages[u][1], tuple(s.images[:upto]), want
+    videos = sum(t.count(VIDEO) for _, t in s.messages[:u + 1])
+    return tuple(s.messages[:u]), s.messages[u][1], tuple(s.images[:upto]), tuple(s.videos[:videos]), want
 
 
-def _scored(text: str, images: tuple, want: str, got: str) -> dict:
+def _scored(text: str, images: tuple, want: str, got: str, videos: tuple = ()) -> dict:
     norm = lambda x: " ".join(x.lower().split())  # noqa: E731
-    return {"question": " ".join(text.replace(IMAGE, " ").split()), "images": list(images),
-            "image": images[0] if images else None, "want": norm(want), "got": norm(got)}
+    return {"question": " ".join(text.replace(IMAGE, " ").replace(VIDEO, " ").split()), "images": list(images),
+            "image": images[0] if images else None, "videos": list(videos), "want": norm(want), "got": norm(got)}
 
 
 def exact_match(gen: ChatGenerator, run_dir: str, chat_file: str, limit: Optional[int] = None,
@@ -145,13 +150,15 @@ def exact_match(gen: ChatGenerator, run_dir: str, chat_file: str, limit: Optiona
         if isinstance(asked, str):
             skipped.append(asked)
             continue
-        history, text, images, want = asked
+        history, text, images, videos, want = asked
         try:
-            got = gen.answer(text, images, max_new_tokens, history=history, what=f"{s.where}: image")
+            got = gen.answer(text, list(images), max_new_tokens, history=history, what=f"{s.where}: image",
+                             video=list(videos))
         except (ConfigError, DataError) as e:  # an image that does not decode: that question is skipped, and said
             skipped.append(str(e) if s.where in str(e) else f"{s.where}: {e}")
             continue
-        rows.append(_scored(text, images[sum(t.count(IMAGE) for _, t in history):], want, got))
+        rows.append(_scored(text, images[sum(t.count(IMAGE) for _, t in history):], want, got,
+                            videos[sum(t.count(VIDEO) for _, t in history):]))
     n = max(1, len(rows))
     acc = sum(r["want"] == r["got"] for r in rows) / n
     constant = Counter(r["want"] for r in rows).most_common(1)[0] if rows else ("", 0)

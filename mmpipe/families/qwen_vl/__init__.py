@@ -96,6 +96,7 @@ class Qwen25VLFamily(ChatFamily):
     decay_split = 2  # embedding tables undecayed, as the VLM's
     hf_adapter = "QwenVLHF"  # (its transformers names and model class: ``adapter``)
     processor_classes = ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor")  # what an export saves beside the model
+    marker_join = ""  # the chat template renders <|vision_start|>...<|vision_end|> and the text straight after
 
     @classmethod
     def zero3_checkpointing_refusal(cls) -> str:
