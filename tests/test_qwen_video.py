@@ -320,3 +320,51 @@ def test_generate_places_media_as_the_template_and_eval_scores_video_rows(name, 
     assert out["n"] == len(ROWS), out["skipped"]  # the three video questions among them
     assert sum(bool(r["videos"]) for r in out["examples"]) == 3
     assert len(out["skipped"]) == 1 and f"line 6: image {bad}: cannot read the image" in out["skipped"][0]
+
+
+@pytest.mark.parametrize("name", list(WRITERS))
+def test_frames_in_natural_order_budgeted_webm_counted_and_short_clips_named(name, dirs, media, tmp_path):
+    """A frames directory is taken in natural order (frame_2 before frame_10) and sampled to the frame budget as a
+    file is; a WebM / Matroska clip, whose header holds no frame count, is counted and planned as its MP4 twin; a
+    one-frame clip is refused in words; a budget whose minimum is above its maximum is one line."""
+    import av
+
+    from mmpipe.errors import ConfigError
+    from mmpipe.families.qwen_vl.video import frame_files
+    cfg, fam, _ = _family(name, dirs[name], tmp_path, video_max_frames=8)
+    native = fam.native_video(cfg.data)
+    unpadded = tmp_path / "unpadded"
+    unpadded.mkdir()
+    for k in range(1, 41):
+        Image.fromarray(np.full((64, 64, 3), k, dtype=np.uint8)).save(unpadded / f"frame_{k}.png")
+    assert [os.path.basename(f) for f in frame_files(str(unpadded))][:12] == [f"frame_{k}.png" for k in range(1, 13)]
+    plan = native.plan(str(unpadded))
+    assert len(plan.indices) == 8 and plan.indices[0] == 0 and plan.indices[-1] >= 30  # spread over the 40 frames
+    frames = native._frames(str(unpadded), plan)
+    assert [int(f[0, 0, 0]) for f in frames] == [i + 1 for i in plan.indices]  # frame_{i+1} holds value i + 1
+    twins = {}
+    for ext, codec in (("mp4", "mpeg4"), ("webm", "libvpx-vp9"), ("mkv", "mpeg4")):
+        path = write_video(str(tmp_path / f"clip.{ext}"), 8, 64, 64, 4, seed=3) if ext == "mp4" else None
+        if path is None:
+            path = str(tmp_path / f"clip.{ext}")
+            with av.open(path, "w") as out:
+                st = out.add_stream(codec, rate=4)
+                st.width, st.height, st.pix_fmt = 64, 64, "yuv420p"
+                for k in range(8):
+                    fr = av.VideoFrame.from_ndarray(np.full((64, 64, 3), 30 * k, dtype=np.uint8), format="rgb24")
+                    for p in st.encode(fr):
+                        out.mux(p)
+                for p in st.encode():
+                    out.mux(p)
+            with av.open(path) as c:
+                assert c.streams.video[0].frames == 0  # the container records no count
+        twins[ext] = native.plan(path)
+        assert len(native._frames(path, twins[ext])) == len(twins[ext].indices)
+    assert twins["webm"].indices == twins["mkv"].indices == twins["mp4"].indices
+    assert twins["webm"].grid == twins["mp4"].grid
+    one = write_video(str(tmp_path / "one.mp4"), 1, 64, 64, 4)
+    with pytest.raises(ValueError, match=r"^1 frame: a video needs at least 2 \(one temporal patch\)$"):
+        native.plan(one)
+    for key, lo, hi in (("frames", 64, 4), ("pixels", 200000, 5000)):
+        with pytest.raises(ConfigError, match=rf"^data.video_min_{key}={lo} is above data.video_max_{key}={hi}"):
+            _family(name, dirs[name], tmp_path, **{f"video_min_{key}": lo, f"video_max_{key}": hi})

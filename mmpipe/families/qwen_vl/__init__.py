@@ -18,6 +18,7 @@ from mmpipe.families.chat.family import ChatFamily
 from mmpipe.families.chat.masks import mark_mask
 from mmpipe.families.qwen_vl import model as m
 from mmpipe.families.qwen_vl.config import Qwen25VLConfig
+from mmpipe.families.qwen_vl.video import NativeVideo, VideoInput, check_budgets, video_processor
 from mmpipe.families.towers import hf
 from mmpipe.families.towers.common import init_transformer_part, use_attention
 
@@ -141,6 +142,8 @@ class Qwen25VLFamily(ChatFamily):
         elif out.video_token_id != video_id:
             raise ConfigError(f"model.video_token_id={out.video_token_id} but the tokenizer's {VIDEO_PAD} is {video_id}: "
                               "unset model.video_token_id, or use the model's tokenizer")
+        check_budgets(*(getattr(data_cfg, f"video_{k}", None) for k in ("min_frames", "max_frames", "min_pixels",
+                                                                        "max_pixels")))
         for key in ("min_pixels", "max_pixels"):  # recorded for what reads no data section (plan, export, generate)
             if getattr(data_cfg, key, None):
                 setattr(out, key, getattr(data_cfg, key))
@@ -306,7 +309,6 @@ class Qwen25VLFamily(ChatFamily):
 
     def native_video(self, data_cfg=None):
         """The video input's frames side (``video.NativeVideo``) for ``data_cfg``'s sampling settings."""
-        from mmpipe.families.qwen_vl.video import NativeVideo, video_processor
         keys = ("video_fps", "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels")
         key = tuple(getattr(data_cfg, k, None) for k in keys)
         memo = self.__dict__.setdefault("_videos", {})
@@ -317,7 +319,6 @@ class Qwen25VLFamily(ChatFamily):
         return memo[key]
 
     def video_input(self, tokenizer, data_cfg=None):
-        from mmpipe.families.qwen_vl.video import VideoInput
         ids = tokenizer.convert_tokens_to_ids([VISION_START, VISION_END, VIDEO_PAD])
         return VideoInput(self.native_video(data_cfg), tokenizer, *ids)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -38,11 +39,30 @@ class VideoPlan(NamedTuple):
     timestamps: tuple  # seconds of each temporal patch (Qwen3 families)
 
 
+def natural_key(name: str) -> tuple:
+    """Sort key of a file name with its digit runs compared as numbers (``frame_2`` before ``frame_10``, as
+    ``ls -v``; zero-padded names sort as before)."""
+    return tuple((0, int(p), p) if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name) if p)
+
+
 def frame_files(source) -> list:
-    """The frames of a directory (sorted by name) or of a list of frame files (in order)."""
+    """The frames of a directory (in natural order: frame extractors' ``%d`` names are not zero-padded) or of a
+    list of frame files (in order)."""
     if isinstance(source, (list, tuple)):
         return list(source)
-    return sorted(os.path.join(source, f) for f in os.listdir(source) if f.lower().endswith(FRAME_SUFFIXES))
+    names = [f for f in os.listdir(source) if f.lower().endswith(FRAME_SUFFIXES)]
+    return [os.path.join(source, f) for f in sorted(names, key=natural_key)]
+
+
+def count_frames(container, stream) -> int:
+    """A video stream's frame count: its header's, or where the container records none (WebM, Matroska: 0) its
+    packets counted (demuxed, not decoded: one packet a frame)."""
+    n = int(stream.frames)
+    if n > 0:
+        return n
+    n = sum(1 for packet in container.demux(stream) if packet.size)
+    container.seek(0)
+    return n
 
 
 def is_frames(source) -> bool:
@@ -77,7 +97,7 @@ class NativeVideo:
         import av
         with av.open(source) as container:
             stream = container.streams.video[0]
-            n, rate = int(stream.frames), stream.average_rate
+            n, rate = count_frames(container, stream), stream.average_rate
             return VideoMetadata(total_num_frames=n, fps=float(rate), duration=float(n / rate if rate else 0),
                                  video_backend="pyav", height=stream.height, width=stream.width)
 
@@ -87,13 +107,19 @@ class NativeVideo:
         meta = self.metadata(source)
         if meta.total_num_frames < 1:
             raise ValueError("the video has no frames")
+        if meta.total_num_frames < self.temporal:
+            raise ValueError(f"{meta.total_num_frames} frame: a video needs at least {self.temporal} (one temporal "
+                             "patch)")
         p = self.processor
-        if meta.video_backend == "frames":  # frames already taken at data.video_fps: every one is used
-            indices = list(range(meta.total_num_frames))
-        else:
+        try:  # a frames directory was taken at data.video_fps (frames_fps): the budgets sample it as they do a file
             indices = [int(i) for i in p.sample_frames(meta, fps=p.fps)]
-        meta.frames_indices = np.asarray(indices)
+        except ZeroDivisionError:  # (Qwen2-VL's sampler rounds to no temporal patch and divides by it)
+            indices = []
         n = len(indices)
+        if n < self.temporal:
+            raise ValueError(f"{n} of its {meta.total_num_frames} frames sampled at {p.fps} a second: a video needs at "
+                             f"least {self.temporal} (one temporal patch); raise data.video_fps or data.video_min_frames")
+        meta.frames_indices = np.asarray(indices)
         h, w = self._resized(n, meta.height, meta.width)
         grid = (-(-n // self.temporal), h // self.patch, w // self.patch)
         stamps = ()
@@ -232,7 +258,19 @@ def video_processor(pretrained: Optional[str], style: str, defaults: dict, data_
         proc.size = size
     if proc.fps is None or not math.isfinite(float(proc.fps)):
         proc.fps = 2.0
+    check_budgets(int(proc.min_frames), int(proc.max_frames), int(proc.size["shortest_edge"]),
+                  int(proc.size["longest_edge"]))
     return proc
+
+
+def check_budgets(min_frames, max_frames, min_pixels, max_pixels) -> None:
+    """One line for a frame or pixel budget whose minimum is above its maximum (the processor would sample past
+    the frame budget, or grow a small video past the pixel budget); unset ones (None) are not checked."""
+    from mmpipe.errors import ConfigError
+    for what, lo, hi in (("frames", min_frames, max_frames), ("pixels", min_pixels, max_pixels)):
+        if lo is not None and hi is not None and lo > hi:
+            raise ConfigError(f"data.video_min_{what}={lo} is above data.video_max_{what}={hi} (the video processor's "
+                              f"where one is unset): give video_min_{what} <= video_max_{what}")
 
 
 class VideoInput:
