@@ -14,7 +14,7 @@ that exercises the patch's behaviour.
 | ``loss_per_buffer`` | ``PipelineEngine._INSTRUCTION_MAP``, ``loss``, ``_exec_forward_pass``, ``_exec_backward_pass`` | a last stage whose order runs two forwards before a backward (``gpipe``) backpropagates each micro-batch's own loss |
 | ``set_train_schedule`` | ``PipelineEngine._train_schedule``, ``deepspeed.runtime.pipe.schedule`` (``PipeSchedule`` and its instruction classes) | the run's pipeline order (``parallel.schedules``) as the engine's schedule |
 | ``is_zero_optimizer`` | the class name ``DeepSpeedZeroOptimizer`` | grouped clipping under ZeRO-1/2 |
-| ``wrap_zero_step``, ``zero_group_grads`` | ``DeepSpeedZeroOptimizer.step``, ``_get_preflattened_grad_partition``, ``averaged_gradients`` | grouped clipping under ZeRO-1/2 |
+| ``wrap_zero_step``, ``zero_group_grads`` | ``DeepSpeedZeroOptimizer.step``, ``DeepSpeedZeroOptimizer_Stage3.step``, ``_get_preflattened_grad_partition``, ``averaged_gradients`` | grouped clipping under ZeRO-1/2; ``log.grads`` under ZeRO-2/3 |
 | ``ensure_zero_optimizer_state`` | ``DeepSpeedZeroOptimizer.single_partition_of_fp32_groups``, ``BF16_Optimizer.fp32_groups_flat_partition``, ``DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat``, ``_lazy_init_hp_params_optimizer_state``, ``_hp_optimizer_states_linked`` | a layout-free resume before any step |
 | ``relink_optimizer_state`` | ``_lazy_init_hp_params_optimizer_state``, ``_hp_optimizer_states_linked`` (``DeepSpeedZeroOptimizer``, ``BF16_Optimizer``) | every param group's Adam state readable by parameter |
 | ``skip_cpu_shm_allreduce`` | ``deepspeed.comm.torch.build_shm_op`` | no shared-memory all-reduce buffer per rank in /dev/shm on CPU |
@@ -135,7 +135,8 @@ def is_zero_optimizer(optimizer) -> bool:
 def wrap_zero_step(zero_optimizer, before: Callable[[], None]) -> None:
     """Call ``before()`` at the start of ``DeepSpeedZeroOptimizer.step`` (ZeRO-1/2 step the inner
     optimizer once per group and build each group's gradient just before it, so a step pre-hook on
-    the inner optimizer would see one group at a time)."""
+    the inner optimizer would see one group at a time) or ``DeepSpeedZeroOptimizer_Stage3.step`` (its
+    reduced fp32 gradient partitions are there until it steps: ``safe_get_full_grad``'s window)."""
     original = zero_optimizer.step
 
     def step(*args, **kwargs):

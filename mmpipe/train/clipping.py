@@ -116,6 +116,8 @@ class GradClipper:
         self.deepspeed_clips = stage >= 2
         if self.deepspeed_clips:  # per-group limits are refused before this (train.Trainer.validate)
             self.ds_limit = float(engine.gradient_clipping() or 0.0) or None
+            # its step has the reduced partitions until it clips and steps: log.grads reads them there
+            wrap_zero_step(engine.optimizer, lambda: self.before_clip(self.step_no) if self.before_clip else None)
             return
         # the norms are always computed (one small all-reduce): a non-finite one skips the step
         if is_zero_optimizer(engine.optimizer):
