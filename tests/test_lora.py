@@ -307,3 +307,19 @@ def test_bf16_lora_trains_alike_at_p1_and_on_two_stages_with_the_default_placeme
     assert "moved onto the stage before" in proc.stdout + proc.stderr
     a, b = train_losses(p1)[:4], train_losses(p2)[:4]
     np.testing.assert_allclose(a, b, rtol=0, atol=2e-3)
+
+
+def test_the_profile_cache_key_of_a_lora_config_is_the_same_in_every_process():
+    """The layers that get adapters are a set, whose order (and ``repr``) changes with the string-hash seed: the
+    layer profile's key takes them in order, so two processes (two runs, a run and ``mmpipe plan``) share one
+    cached profile."""
+    import subprocess
+    import sys
+    code = ("import mmpipe; from mmpipe.planning.offline import resolve_for_plan; "
+            "from mmpipe.planning.measure import profile_digest, profile_key; "
+            f"cfg, fam = resolve_for_plan(mmpipe.load_config({TINY_VLM!r}, ['optim.train_type=lora'])); "
+            "assert fam.lora is not None and len(fam.lora.layers) > 2; "
+            "print(profile_digest(profile_key(cfg, fam, 2, 1, 'cpu', frozenset(), frozenset())))")
+    digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env=dict(os.environ, PYTHONHASHSEED=seed)).stdout.split()[-1] for seed in ("1", "2")}
+    assert len(digests) == 1, digests

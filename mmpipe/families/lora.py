@@ -37,6 +37,13 @@ class LoraSpec:
     def scaling(self) -> float:
         return self.alpha / self.rank
 
+    def canonical(self) -> dict:
+        """The spec as plain, ordered values (a key that is the same in every process: a frozenset's order, and
+        so its ``repr``, changes with the interpreter's string-hash seed)."""
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
+                "target_modules": sorted(self.target_modules) if not isinstance(self.target_modules, str)
+                else self.target_modules, "layers": sorted(self.layers)}
+
 
 def is_adapter(name: str) -> bool:
     return bool(_ADAPTER_RE.search(name))

@@ -6,6 +6,8 @@ outside a run is ``mmpipe.planning.offline``."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 from typing import Callable, Optional
 
@@ -52,20 +54,24 @@ def build_layers(family, forward_only: frozenset = frozenset(), frozen_params: f
 
 # ---- profiles for planning ----------------------------------------------------------------------
 def profile_key(cfg, family, micro_batch_size: int, threads: int, device: str, forward_only, frozen) -> dict:
-    import hashlib
-
+    """What a layer profile depends on, as plain values in a fixed order (one key in every process)."""
     import deepspeed
     return {"model": cfg.to_dict()["model"], "family": family.name,
             "micro_batch_size": micro_batch_size, "max_length": cfg.data.max_length, "packing": cfg.data.packing,
-            "lora": repr(getattr(family, "lora", None)),
+            "lora": family.lora.canonical() if family.lora is not None else None,
             "precision": cfg.train.precision,
             "device": device, "threads": threads, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "forward_only": sorted(forward_only),
-            "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 13,
+            "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 14,
             # a chat family's example shapes may come from its data (``example_batches``: image sizes)
             "data": _data_key(cfg.data.train) if family.data_format == "chat" else None,
             # a CPU profile is timed as a rank computes, with or without mmpipe's malloc settings
             "cpu_malloc": device != "cpu" or os.environ.get("MMPIPE_CPU_MALLOC", "").lower() != "default"}
+
+
+def profile_digest(key: dict) -> str:
+    """The cache file's name of a profile key."""
+    return hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _data_key(path) -> Optional[list]:
@@ -101,14 +107,11 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
     here came out 30% slow while the next three agreed within 8%. ``run_micro_batches``: the micro-batches
     one rank of the run computes (steps x micro-batches per step / stages): the profile's cost is bounded
     against that run (``PROFILE_SHARE``), by fewer passes and timed rounds, said in the log."""
-    import hashlib
-    import json
 
     from deepspeed.accelerator import get_accelerator
     device = torch.device(get_accelerator().device_name())
     threads = threads or torch.get_num_threads()
-    key = profile_key(cfg, family, micro_batch_size, threads, device.type, forward_only, frozen)
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    digest = profile_digest(profile_key(cfg, family, micro_batch_size, threads, device.type, forward_only, frozen))
     path = os.path.join(cache_dir(), f"{digest}.json")
     if use_cache and not refresh and os.path.isfile(path):
         with open(path) as fh:
