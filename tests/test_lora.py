@@ -173,7 +173,9 @@ def test_lora_exports_load_with_peft_and_merged(lora_runs, lora_data, tmp_path, 
     run = _run(lora_runs, "p2dp2")
     adapter, merged_dir = str(tmp_path / "adapter"), str(tmp_path / "merged")
     assert main(["export", "--run", run, "--out", adapter]) == 0
-    assert "peft adapter directory" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "peft adapter directory" in said and "LlavaForConditionalGeneration.from_pretrained(" in said
+    assert "names the base by this absolute path: after moving the directory to NEW" in said
     assert main(["export", "--run", run, "--out", merged_dir, "--merge"]) == 0
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter))
     peft_model = PeftModel.from_pretrained(LlavaForConditionalGeneration.from_pretrained(os.path.join(adapter, "base")),
@@ -323,3 +325,23 @@ def test_the_profile_cache_key_of_a_lora_config_is_the_same_in_every_process():
     digests = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                               env=dict(os.environ, PYTHONHASHSEED=seed)).stdout.split()[-1] for seed in ("1", "2")}
     assert len(digests) == 1, digests
+
+
+def test_the_lora_export_message_names_the_base_class_and_how_the_base_is_named(tmp_path):
+    """What ``mmpipe export`` says of a LoRA export comes from what it wrote: the base's class (a Qwen run's is
+    not LLaVA's) and whether adapter_config.json names the base by an absolute path (a move needs the base given
+    by hand) or by its hub id (the directory moves freely)."""
+    import json
+
+    from mmpipe.cli.export import peft_load_hint
+    out = tmp_path / "adapter"
+    (out / "base").mkdir(parents=True)
+    (out / "base" / "mmpipe_hf_export.json").write_text(json.dumps({"class": "Qwen2_5_VLForConditionalGeneration"}))
+    for named, moved in ((str(out / "base"), "after moving the directory to NEW, PeftModel.from_pretrained("
+                          "Qwen2_5_VLForConditionalGeneration.from_pretrained('NEW/base'), 'NEW')"),
+                         ("Qwen/Qwen2.5-VL-3B-Instruct", "the hub id Qwen/Qwen2.5-VL-3B-Instruct at revision abc, so "
+                          "the directory can be moved")):
+        (out / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": named, "revision": "abc"}))
+        hint = peft_load_hint(str(out))
+        assert "Qwen2_5_VLForConditionalGeneration.from_pretrained(" in hint and "Llava" not in hint
+        assert hint.endswith(moved), hint
