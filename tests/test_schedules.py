@@ -147,5 +147,27 @@ def test_auto_picks_frozen_first_when_the_simulator_predicts_it_faster():
     assert kept.schedule == "1f1b" and kept.frozen_stages == 1
     none = pick_schedule("auto", Plan([f"l{i}" for i in range(4)], ["v"] * 4, [0, 1, 4], "modality", 8), prof, set())
     assert none.schedule == "1f1b" and none.frozen_stages == 0
-    with pytest.raises(ConfigError, match="parallel.schedule=frozen_first: stage 0 .* trains a layer"):
-        pick_schedule("frozen_first", Plan(["l0", "l1"], ["v", "t"], [0, 1, 2], "modality", 4), None, set())
+    with pytest.raises(ConfigError, match=r"parallel.schedule=frozen_first: stage 0 \(l0 .. l0\) trains l0 \(HOW\); "):
+        pick_schedule("frozen_first", Plan(["l0", "l1"], ["v", "t"], [0, 1, 2], "modality", 4), None, set(),
+                      lambda layer: "HOW")
+
+
+@pytest.mark.parametrize("config,sets,layer,key", [
+    ("tiny_vlm.yaml", ["optim.freeze_vit=true"], "projector", "its group projector: optim.freeze_aligner=true"),
+    ("tiny.yaml", ["optim.freeze_vision=true"], "visual_projection", "its group projector: optim.freeze_projector=true"),
+    ("tiny.yaml", ["optim.freeze_vision=true", "optim.freeze_projector=true"], "text.embed",
+     "its group text: optim.freeze_text=true")])
+def test_frozen_firsts_refusal_names_the_layer_that_trains_and_the_familys_key(config, sets, layer, key):
+    """Where stage 0 trains a layer, ``frozen_first``'s refusal names that layer and the key of this family that
+    freezes it (not ``optim.freeze_vit`` when it is set, nor for CLIP, which has no such key)."""
+    import os
+
+    from helpers import ROOT
+
+    import mmpipe
+    from mmpipe.config.groups import freeze_key, frozen_layout, resolve_groups
+    from mmpipe.planning.offline import resolve_for_plan
+    cfg, fam = resolve_for_plan(mmpipe.load_config(os.path.join(ROOT, "configs", config), sets))
+    fo = frozen_layout(fam, resolve_groups(cfg.optim, type(fam))).forward_only
+    assert next(n for n in fam.layer_names() if n not in fo) == layer
+    assert freeze_key(cfg.optim, fam, layer) == key

@@ -102,6 +102,18 @@ def assign_groups(names, groups: list[Group]) -> dict:
     return out
 
 
+def freeze_key(optim_cfg, family, layer: str) -> str:
+    """How to freeze what ``layer`` trains: its trained group's shortcut (``optim.freeze_aligner=true``), else the
+    group by name (``optim.freeze=[merger]``); under LoRA, the adapters of that group."""
+    groups = resolve_groups(optim_cfg, type(family))
+    names = list(family.meta_params().get(layer) or ())
+    owner = assign_groups(names, groups)
+    by_name = {g.name: g for g in groups}
+    group = next((owner[n] for n in names if not by_name[owner[n]].frozen), owner[names[0]] if names else "?")
+    flag = next((f for f, g in family.freeze_shortcuts.items() if g == group), None)
+    return f"its group {group}: optim.{flag}=true" if flag else f"its group {group}: optim.freeze=[{group}]"
+
+
 def wants_decay(name: str, param: torch.Tensor) -> bool:
     """Decay matrices and conv kernels (a ViT's patch_embedding is a conv kernel); not biases,
     norms, embedding tables (every ``nn.Embedding``'s weight, marked by ``mark_embedding_tables``

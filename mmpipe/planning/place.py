@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 from mmpipe.errors import ConfigError
 from mmpipe.parallel.plan import Plan, parts_from_lists
@@ -178,19 +178,23 @@ def predict(prof: dict, parts: list, micro_batches: int, schedule: str = "1f1b")
     return r
 
 
-def pick_schedule(requested: str, plan: Plan, prof: Optional[dict], forward_only) -> Plan:
+def pick_schedule(requested: str, plan: Plan, prof: Optional[dict], forward_only,
+                  freeze_hint: Optional[Callable[[str], str]] = None) -> Plan:
     """``parallel.schedule`` for ``plan``: sets its ``schedule``, ``frozen_stages`` (leading stages of forward-only
     layers) and, with measured costs, ``schedules`` (the predicted step of each candidate). ``auto``:
     ``frozen_first`` where leading stages train nothing and the simulator predicts it no slower (it does a
     subset of 1F1B's work: no gradient sent to or awaited by those stages, no input gradient computed after
-    them, one micro-batch's outputs held on them; the same without a profile), else ``1f1b``."""
+    them, one micro-batch's outputs held on them; the same without a profile), else ``1f1b``. ``freeze_hint(layer)``:
+    how to freeze what a layer trains (``config.groups.freeze_key``), for the refusal of ``frozen_first``."""
     plan.frozen_stages = leading_frozen(plan.parts, plan.layers, forward_only) if plan.num_stages > 1 else 0
     if plan.num_stages == 1:
         plan.schedule = "1f1b"
         return plan
     if requested == "frozen_first" and not plan.frozen_stages:
+        first = next(n for n in plan.stages[0] if n not in forward_only)
+        how = f" ({freeze_hint(first)})" if freeze_hint is not None else ""
         raise ConfigError(f"parallel.schedule=frozen_first: stage 0 ({plan.stages[0][0]} .. {plan.stages[0][-1]}) "
-                          "trains a layer; it needs leading stages whose layers are all frozen (optim.freeze_vit, "
+                          f"trains {first}{how}; frozen_first needs leading stages whose layers are all frozen (and "
                           "fp32 with zero_stage 0); use parallel.schedule=1f1b or auto")
     names = ["1f1b"] + (["frozen_first"] if plan.frozen_stages else []) + (["gpipe"] if requested == "gpipe" else [])
     plan.schedules = {n: predict(prof, plan.parts, plan.micro_batches, n).step_time for n in names} if prof else None

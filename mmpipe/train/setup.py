@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from mmpipe.config.deepspeed import resolve
-from mmpipe.config.groups import FrozenLayout, check_frozen_lrs, frozen_layout, resolve_groups
+from mmpipe.config.groups import FrozenLayout, check_frozen_lrs, freeze_key, frozen_layout, resolve_groups
 from mmpipe.config.resolve import resolve_family
 from mmpipe.config.schema import RunConfig, family_of, replace
 from mmpipe.data.source import (
@@ -335,6 +335,7 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
     names, segments, P = family.layer_names(), family.segments(), topo.pipeline_stages
     M, mbs = topo.accumulation_steps, topo.micro_batch_size
     p = cfg.parallel
+    hint = lambda layer: freeze_key(cfg.optim, family, layer)  # noqa: E731 - what frozen_first's refusal names
     measured = measure and P > 1 and p.profile and not p.plan and p.placement in ("modality", "balanced", "auto")
     stages = (saved or {}).get("stages")
     balance = measure and cfg.data.balance == "cost"
@@ -346,7 +347,7 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
         else:
             plan = Plan(names, segments, parts_from_lists(names, stages), p.placement, M, mbs, "checkpoint")
         # the order holds no state: a resume runs the schedule this config names (auto: the saved one)
-        return pick_schedule(p.schedule, plan, None, forward_only) if p.schedule not in ("auto", plan.schedule) \
+        return pick_schedule(p.schedule, plan, None, forward_only, hint) if p.schedule not in ("auto", plan.schedule) \
             else plan
     # (a different model: the layout check says what the checkpoint holds)
     params = family.meta_params()
@@ -364,7 +365,7 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
         print(f"[mmpipe] parallel.placement={p.placement}: {plan.why}; stage boundaries {plan.parts}", flush=True)
     if balance:  # a resume keeps the saved prices: its steps are regrouped as the first run's were
         plan.prices = (saved or {}).get("prices") or _prices(cfg, family, mbs, forward_only, frozen, prof)
-    return pick_schedule(p.schedule, plan, prof, forward_only)
+    return pick_schedule(p.schedule, plan, prof, forward_only, hint)
 
 
 def cut_limits(cfg, params: dict, frozen) -> dict:
