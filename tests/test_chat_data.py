@@ -134,6 +134,24 @@ def test_swift_rows_without_image_tags_get_them_as_ms_swift_adds_them(tok, tmp_p
     assert rows[2].error == "2 <image> marker(s) but 1 image(s)"  # more tags than images stays an error
 
 
+def test_llava_json_video_rows_get_their_marks(tmp_path):
+    """LLaVA JSON: a ``video`` without a ``<video>`` mark gets one as ms-swift adds them (at the start of the first
+    user turn); a row that marks its video with ``<image>`` and has no image (LLaVA-Video's data) keeps it there as
+    the video's; a row with an image and a video keeps its image mark for the image."""
+    from mmpipe.families.chat.records import VIDEO
+    conv = lambda q: [{"from": "human", "value": q}, {"from": "gpt", "value": "a cat"}]  # noqa: E731
+    p = tmp_path / "video.json"
+    p.write_text(json.dumps([{"id": 1, "video": "a.mp4", "conversations": conv("what happens?")},
+                             {"id": 2, "video": "a.mp4", "conversations": conv(f"{IMAGE}\nwhat happens?")},
+                             {"id": 3, "video": "a.mp4", "conversations": conv(f"{VIDEO}\nwhat happens?")},
+                             {"id": 4, "video": "a.mp4", "image": "b.jpg", "conversations": conv(f"{IMAGE}\nsame?")}]))
+    rows = read_chat(str(p))
+    assert [r.error for r in rows] == [None] * 4
+    assert rows[0].messages[0] == ("user", f"{VIDEO}what happens?")
+    assert rows[1].messages[0] == rows[2].messages[0] == ("user", f"{VIDEO}\nwhat happens?")
+    assert rows[3].messages[0] == ("user", f"{VIDEO}{IMAGE}\nsame?") and rows[3].images and rows[3].videos
+
+
 def test_chat_batches_hold_every_image_in_order_and_skip_bad_samples(tok, tmp_path):
     """Real JPEGs: a batch of a two-image sample, a text-only one and one whose image is missing
     (replaced by the next usable sample and reported); images stacked in order, labels padded -100."""

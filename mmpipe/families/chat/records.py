@@ -115,8 +115,19 @@ def read_llava_json(path: str, image_folder: Optional[str] = None) -> list:
         msgs = tuple(zip(roles, (str(t["value"]) for t in conv)))
         images, bad = _image_paths(row.get("image"), folder)
         videos, bad_video = _video_paths(row.get("video") or row.get("videos"), folder)
+        msgs = _video_marks(msgs, images, videos)
         out.append(ChatSample(msgs, images, where, error or bad or bad_video or _check(msgs, images, videos), videos))
     return out
+
+
+def _video_marks(messages: tuple, images: tuple, videos: tuple) -> tuple:
+    """A LLaVA JSON row's ``<video>`` marks: a row with videos and no image whose ``<image>`` marks are as many as
+    its videos and that has no ``<video>`` mark marks the videos with them (LLaVA-Video's and LLaVA-NeXT-Video's
+    data write the video's place as ``<image>``); missing marks are added as ms-swift adds them."""
+    if videos and not images and not any(VIDEO in t for _, t in messages) \
+            and sum(t.count(IMAGE) for _, t in messages) == len(videos):
+        messages = tuple((r, t.replace(IMAGE, VIDEO)) for r, t in messages)
+    return _add_default_tags(messages, len(videos), VIDEO)
 
 
 def read_swift_jsonl(path: str) -> list:
