@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT, TINY, _env, train_losses
+from helpers import ROOT, TINY, TINY_VLM, _env, train_losses
 
 import mmpipe
 from mmpipe.errors import ConfigError
@@ -150,6 +150,25 @@ def test_each_failure_is_one_line(offline, tmp_path):
         mmpipe.load_config(TINY, ["model.pretrained=tiny-org/sharded"])
     msg = _one_line(e)
     assert "model-00002-of-00002.safetensors" in msg and "huggingface-cli download tiny-org/sharded" in msg
+
+
+def test_a_value_that_is_neither_a_directory_nor_an_id_and_a_mistyped_directory_say_so(offline, tmp_path, monkeypatch):
+    """A value that is no directory and no id (a bare name, a trailing @, the model page's address) says so in one
+    line (the address: with the id to give); an id-shaped value (a mistyped relative directory) says first that no
+    such directory is here, then the hub's answer; no message claims "nothing is downloaded"."""
+    monkeypatch.chdir(tmp_path)
+    for value, words in (("Qwen2.5-VL-3B-Instruct", [f"neither a local save_pretrained directory (there is none at "
+                                                     f"{tmp_path}/Qwen2.5-VL-3B-Instruct) nor a hub id"]),
+                         ("Qwen/Qwen2.5-VL-3B-Instruct@", ["neither a local", "nor a hub id (org/name"]),
+                         ("https://huggingface.co/Qwen/Qwen2.5-VL-3B-Instruct", ["is a web address: give the hub id "
+                                                                                 "Qwen/Qwen2.5-VL-3B-Instruct"]),
+                         ("checkpoints/qwen_base", [f"no directory checkpoints/qwen_base here (cwd {tmp_path}); as a "
+                                                   "hub id: checkpoints/qwen_base is not in the Hugging Face cache"])):
+        with pytest.raises(ConfigError) as e:
+            mmpipe.build_model(mmpipe.load_config(TINY_VLM, [f"model.pretrained={value}"]))
+        msg = _one_line(e)
+        assert msg.startswith("model.pretrained: ") and all(w in msg for w in words), msg
+        assert "nothing is downloaded" not in msg
 
 
 def _train(tiny_data, out: str, env: dict, cwd: str, sets: list, flags=()) -> subprocess.CompletedProcess:

@@ -112,7 +112,8 @@ def test_projector_only_training_keeps_the_frozen_llm_on_the_gradient_path(llava
 @pytest.mark.parametrize("sets,expect", [
     (["data.cache=/tmp"], "model.type=vlm reads chat data"),
     (["data.train=/nonexistent/chat.jsonl"], "data.train: file not found: /nonexistent/chat.jsonl"),
-    (["model.pretrained=/nonexistent"], "model.pretrained: directory not found: /nonexistent"),
+    (["model.pretrained=/nonexistent"], "model.pretrained: /nonexistent is neither a local save_pretrained directory "
+                                        "(there is none at /nonexistent) nor a hub id"),
     (["model.llm.arch=mistral"], "model.llm.arch='mistral' is not one of llama, qwen2"),
     (["optim.vit_lr=1e-4", "optim.groups.vision.lr=2e-4"], "optim.vit_lr=0.0001 contradicts optim.groups.vision.lr"),
     # ms-swift's --train_type defaults to lora, mmpipe's to full: LoRA keys alone would train every weight

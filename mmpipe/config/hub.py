@@ -50,9 +50,27 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def not_found(value: str, key: str, what: str = "directory") -> str:
+    """The one line for a ``key`` whose ``value`` is neither a local directory nor a hub id."""
+    m = re.match(r"^https?://(?:www\.)?(?:huggingface\.co|hf\.co)/([^/]+/[^/?#]+)", value or "")
+    if m:
+        return f"{key}: {value} is a web address: give the hub id {m.group(1)} (or a local {what})"
+    return (f"{key}: {value} is neither a local {what} (there is none at {os.path.abspath(value or '.')}) nor a "
+            "hub id (org/name or org/name@revision)")
+
+
 def resolve(value: str, key: str, patterns: Optional[list] = None) -> Resolved:
     """The snapshot directory of hub id ``value`` (``key``: the config key, for errors), fetched if missing
-    (unless offline); one line naming the id, what is missing and the fix when it cannot be had."""
+    (unless offline); one line naming the id, what is missing and the fix when it cannot be had - after saying
+    that no directory of that name is here (an id is shaped as a relative path: a mistyped one reads as an id)."""
+    try:
+        return _resolve(value, key, patterns)
+    except ConfigError as e:
+        why = str(e)[len(key) + 2:] if str(e).startswith(f"{key}: ") else str(e)
+        raise ConfigError(f"{key}: no directory {value} here (cwd {os.getcwd()}); as a hub id: {why}") from None
+
+
+def _resolve(value: str, key: str, patterns: Optional[list]) -> Resolved:
     from filelock import FileLock
     repo, _, revision = value.partition("@")
     revision = revision or "main"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from mmpipe.config.hub import not_found
 from mmpipe.errors import ConfigError
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # loader workers fork after tokenizer use
@@ -15,8 +16,7 @@ SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 def load_tokenizer(path: str, key: str = "data.tokenizer"):
     from transformers import AutoTokenizer
     if not os.path.isdir(path):
-        raise ConfigError(f"{key}: tokenizer directory not found: {path} (give a local save_pretrained dir, "
-                          "or unset it to train one on the captions)")
+        raise ConfigError(not_found(path, key, "tokenizer directory") + " - or unset it to train one on the captions")
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001

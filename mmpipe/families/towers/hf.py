@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from mmpipe.config.hub import not_found
 from mmpipe.errors import ConfigError
 
 # mmpipe parameter-name prefix -> transformers prefix (first match wins), per source layout
@@ -34,8 +35,9 @@ def translate(name: str, rules) -> Optional[str]:
 
 def check_dir(path: str, key: str) -> str:
     if not os.path.isdir(path):
-        raise ConfigError(f"{key}: directory not found: {path} (give a local save_pretrained directory; "
-                          "nothing is downloaded)")
+        if os.path.exists(path):
+            raise ConfigError(f"{key}: {path} is a file: give a transformers save_pretrained directory (or a hub id)")
+        raise ConfigError(not_found(path, key, "save_pretrained directory"))
     return path
 
 
