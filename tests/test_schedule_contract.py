@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from helpers import assert_same_training, train_losses
+from helpers import assert_same_training, launch, train_losses
 
 import mmpipe
 from mmpipe.train.checkpoint_weights import load_model_weights
@@ -62,3 +62,11 @@ def test_gpipe_trains_as_1f1b(family_runs_of):
     with open(os.path.join(gp, "plan.json")) as fh:
         assert json.load(fh)["schedule"] == "gpipe"
     assert_same_training(gp, ref, steps=3, loss_rtol=1e-6, rtol=1e-5)
+    # the order holds no state: the 1f1b run continues under gpipe, and its plan.json says which ran when
+    launch(2, runs.base(ref) + [a for s in sets + ["parallel.schedule=gpipe"] for a in ("--set", s)]
+           + ["--resume", "--stop-at", "4"], env=runs.env)
+    with open(os.path.join(ref, "plan.json")) as fh:
+        plan = json.load(fh)
+    assert plan["schedule"] == "gpipe" and plan["schedule_segments"] == [{"from_step": 1, "schedule": "1f1b"},
+                                                                         {"from_step": 4, "schedule": "gpipe"}]
+    assert len(train_losses(ref)) == 4 and train_losses(ref)[:3] == pytest.approx(train_losses(gp), rel=1e-6)

@@ -73,6 +73,21 @@ def prepare_run_dir(cfg, rank: int, resume: bool, overwrite: bool) -> None:
             _warn(f"removed the incomplete checkpoint {ckpt_dir}/{tag} (the run stopped while saving it)")
 
 
+def note_schedule(plan_file: str, plan, start_step: int) -> None:
+    """A resume under another schedule: ``plan.json`` names the order the run runs now (``schedule``,
+    ``frozen_stages``) and, in ``schedule_segments``, which order ran from which step."""
+    import json
+    with open(plan_file) as fh:
+        doc = json.load(fh)
+    if doc.get("schedule") == plan.schedule and doc.get("frozen_stages", 0) == plan.frozen_stages:
+        return
+    segments = doc.get("schedule_segments") or [{"from_step": 1, "schedule": doc.get("schedule")}]
+    doc["schedule_segments"] = segments + [{"from_step": start_step + 1, "schedule": plan.schedule}]
+    doc["schedule"], doc["frozen_stages"] = plan.schedule, plan.frozen_stages
+    with open(plan_file, "w") as fh:
+        json.dump(doc, fh, indent=2)
+
+
 def write_run_files(run, eng, start_step: int):
     """config.yaml, ds_config.json, layout.json, plan.json (rank 0); returns the metrics writer
     (the reporting rank's; a null writer elsewhere) after its opening lines."""
@@ -103,9 +118,10 @@ def write_run_files(run, eng, start_step: int):
             with open(os.path.join(out, "layout.json"), "w") as fh:
                 json.dump(run.layout_doc, fh, indent=1)
         plan_file = os.path.join(out, "plan.json")
-        # a resume keeps the plan (and its predictions) it continues
         if eng.layer_names is not None and not (run.resume and os.path.isfile(plan_file)):
             run.plan.write(plan_file)
+        elif eng.layer_names is not None:  # a resume keeps the plan (and its predictions) it continues
+            note_schedule(plan_file, run.plan, start_step)
     writer.info(f"{run.topo.describe()} precision={cfg.train.precision} zero={cfg.parallel.zero_stage} "
                 f"device={run.device_name}" + (f" resume@{start_step}" if run.resume else ""))
     if eng.layer_names is not None:
