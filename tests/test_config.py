@@ -89,6 +89,15 @@ def test_topology_arithmetic_and_reporting_rank():
         Topology(world_size=3, pipeline_stages=2, micro_batch_size=4, batch_size=32)
 
 
+def test_the_run_directory_defaults_to_the_familys(tmp_path):
+    """Unset ``train.output_dir`` is ``runs/<model.type>`` (a VLM's plan is not written under runs/clip)."""
+    from mmpipe.config.schema import load_config
+    for family in ("clip", "vlm", "siglip"):
+        (tmp_path / f"{family}.yaml").write_text(f"model: {{type: {family}}}\n")
+        assert load_config(str(tmp_path / f"{family}.yaml"), weights=False).train.output_dir == f"runs/{family}"
+    assert load_config(None, ["train.output_dir=mine"]).train.output_dir == "mine"
+
+
 def test_docs_config_reference_is_in_sync():
     readme = open(os.path.join(os.path.dirname(TINY), "..", "docs", "configuration.md")).read()
     a = readme.index("<!-- config-reference:start")

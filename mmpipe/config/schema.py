@@ -195,7 +195,8 @@ class TrainConfig(Section):
     batch_size: int = _f(32, "global batch = micro_batch_size x accumulation x data-parallel degree", ge=1)
     precision: str = _f("fp32", "fp32, bf16 or fp16 (fp16 needs a GPU)")
     seed: int = _f(0, "seed for weights, data order and augmentation", ge=0)
-    output_dir: str = _f("runs/clip", "run directory: resolved configs, metrics.jsonl, checkpoints, tokenizer")
+    output_dir: str = _f("", "run directory: resolved configs, metrics.jsonl, checkpoints, tokenizer; unset = "
+                            "runs/<model.type>")
     deepspeed_config: Optional[str] = _f(None, "DeepSpeed JSON whose \"auto\" values are filled from this config; unset = generated")
     save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)", ge=0)
     save: bool = _f(True, "false: write no checkpoint at all, not even at the end (benchmarks and smoke runs; "
@@ -417,6 +418,8 @@ def load_config(path: Optional[str] = None, overrides=(), weights: bool = True, 
     cfg = _build(RunConfig, data, "", where + (" (+ --set)" if overrides else ""), explicit, family)
     cfg.explicit = frozenset(explicit)
     cfg.source = path
+    if not cfg.train.output_dir:  # each family's runs apart (a VLM's plan is not written under runs/clip)
+        object.__setattr__(cfg.train, "output_dir", os.path.join("runs", family))
     from mmpipe.config.hub import resolve_ids
     cfg.hub = resolve_ids(cfg, weights) if hub else {}  # hub ids -> snapshot directories, before a path is read
     # paths in the config are relative to the working directory, as with deepspeed/accelerate/torchrun
