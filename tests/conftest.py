@@ -137,3 +137,23 @@ def pytest_collection_modifyitems(config, items):
         if DIST_FIXTURES & set(getattr(item, "fixturenames", ())) or any(c in src for c in DIST_CALLS):
             item.add_marker(pytest.mark.dist)
 
+
+
+# ---- where the suite's time goes: each module's setup + call + teardown, summed, printed at the end (the table in
+# docs/testing.md is this output of a `make test` run) ------------------------------------------------------
+_MODULE_SECONDS: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    module = report.nodeid.split("::")[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _MODULE_SECONDS:
+        return
+    total = sum(_MODULE_SECONDS.values())
+    terminalreporter.write_sep("=", "slowest test modules (setup + call + teardown, summed over workers)")
+    for module, s in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
+        terminalreporter.write_line(f"{s:8.1f} s  {100 * s / total:4.1f}%  {module}")
+    terminalreporter.write_line(f"{total:8.1f} s in all, {len(_MODULE_SECONDS)} modules")

@@ -23,7 +23,8 @@ PRELOAD = ["torch", "deepspeed", "deepspeed.runtime.pipe.engine", "transformers"
            "transformers.models.clip.modeling_clip", "transformers.models.bert.modeling_bert",
            "transformers.models.llama.modeling_llama", "transformers.models.siglip.modeling_siglip",
            "transformers.models.qwen2.modeling_qwen2", "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
-           "transformers.models.qwen3_5.modeling_qwen3_5", "tokenizers", "safetensors.torch", "PIL.Image"]
+           "transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.qwen3_vl.modeling_qwen3_vl",
+           "tokenizers", "safetensors.torch", "PIL.Image"]
 MAY_DIFFER = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",
               "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "PYTHONPATH"}
 MAY_DIFFER_PREFIXES = ("MMPIPE_", "PYTEST_")

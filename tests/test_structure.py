@@ -223,3 +223,66 @@ def test_the_pipeline_order_lives_in_one_module_and_deepspeed_is_initialized_in_
     assert owners_of(sources, schedule_classes) <= {"mmpipe.parallel.schedules", "mmpipe.parallel.ds_compat"}
     assert owners_of(sources, r"def (in_flight|one_f_one_b|_ds_streams|_gpipe_streams)\b") == set()
     assert owners_of(sources, r"deepspeed\.initialize\(") == {"mmpipe.parallel.runtime"}
+
+
+# --------------------------------------------------------------------------------------------
+# function-level imports between mmpipe modules (ARCHITECTURE.md: at the top of each file, unless
+# the import would pull a heavy third-party package at import time)
+# --------------------------------------------------------------------------------------------
+HEAVY = {"deepspeed", "transformers", "matplotlib", "peft", "av", "open_clip", "torchvision", "safetensors",
+         "tokenizers", "PIL", "webdataset", "tensorboard", "huggingface_hub", "scipy"}
+
+
+def _targets(name: str, is_pkg: bool, node, mods) -> list:
+    """What an import statement imports: mmpipe module names, or ("ext", top-level package)."""
+    pkg = name if is_pkg else name.rsplit(".", 1)[0]
+    out = []
+    if isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            parts = pkg.split(".")
+            base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+        for a in node.names:
+            hit = next((c for c in (f"{base}.{a.name}", base) if c in mods), None)
+            out.append(hit or ("ext", base.split(".")[0]))
+    else:
+        out += [a.name if a.name in mods else ("ext", a.name.split(".")[0]) for a in node.names]
+    return out
+
+
+def needless_lazy_imports(sources: dict) -> list:
+    """``module:line -> imported`` for each import of an mmpipe module inside a function that could be at the top:
+    the module is imported at the top already, or importing it there adds no heavy package (``HEAVY``, through the
+    imported module's own top-level imports) to what the importing module pulls in and makes no import cycle."""
+    mods = set(sources)
+    top, lazy = {}, {}
+    for m, (text, is_pkg) in sources.items():
+        tree = ast.parse(text)
+        body = {id(n) for n in tree.body}
+        top[m] = [t for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) for t in _targets(m, is_pkg, n, mods)]
+        lazy[m] = [(t, n.lineno) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                   and id(n) not in body for t in _targets(m, is_pkg, n, mods) if isinstance(t, str) and t != m]
+
+    def reached(m, seen) -> set:  # the modules importing ``m`` imports (its packages' too), itself included
+        if m not in seen:
+            seen.add(m)
+            parents = [".".join(m.split(".")[:i]) for i in range(1, m.count(".") + 1)]
+            for d in [p for p in parents if p in mods] + [t for t in top[m] if isinstance(t, str)]:
+                reached(d, seen)
+        return seen
+    closure = {m: reached(m, set()) for m in mods}
+    heavy = {m: {t[1] for d in closure[m] for t in top[d] if isinstance(t, tuple) and t[1] in HEAVY} for m in mods}
+    # (at the top, an import whose module imports the importing one back, or its package, would be a cycle)
+    return sorted(f"{m}:{line} -> {dep}" for m, deps in lazy.items() for dep, line in deps
+                  if dep in top[m] or (heavy[dep] <= heavy[m] and m not in closure[dep]))
+
+
+def test_imports_between_mmpipe_modules_are_at_the_top_unless_they_would_pull_a_heavy_package():
+    sources = {m: (open(p).read(), p.endswith("__init__.py")) for m, p in _modules().items()}
+    # the check can fail: a light module imported in a function, and one imported twice
+    planted = dict(sources, **{"mmpipe.train.planted": (
+        "from mmpipe.errors import ConfigError\n\ndef f():\n    from mmpipe.errors import MmpipeError\n"
+        "    from mmpipe.parallel.schedules import stream\n", False)})
+    assert needless_lazy_imports(planted) == ["mmpipe.train.planted:4 -> mmpipe.errors",
+                                              "mmpipe.train.planted:5 -> mmpipe.parallel.schedules"]
+    assert needless_lazy_imports(sources) == []

@@ -22,6 +22,9 @@ import time
 import torch
 
 from mmpipe.bench.common import append_benchmarks
+from mmpipe.families.chat.masks import attention_inputs, packed_mask
+from mmpipe.families.towers import varlen
+from mmpipe.families.towers.varlen import VARLEN
 
 SHAPES = {"llava": (32, 32, 128), "qwen": (28, 4, 128), "tiny": (4, 2, 16)}  # query heads, key/value heads, head dim
 KERNELS = ("mask", "spans", "torch_varlen", "flash_attn", "flex")
@@ -45,8 +48,6 @@ def packed_rows(rows: int, row: int, lo: int, hi: int, seed: int = 0) -> torch.T
 
 def _call(kernel: str, q, k, v, seg, spans):
     """(B, T, H, D) attention output of ``kernel`` on (B, H, T, D) inputs."""
-    from mmpipe.families.chat.masks import packed_mask
-    from mmpipe.families.towers import varlen
     B, H, T, D = q.shape
     gqa = q.shape[1] != k.shape[1]
     if kernel == "mask":
@@ -91,8 +92,6 @@ def _available(kernel: str, device: torch.device, dtype) -> str:
 def measure(shape: str, rows: int, row: int, lengths: tuple, dtype, device, reps: int, kernels=KERNELS) -> list:
     from deepspeed.accelerator import get_accelerator
 
-    from mmpipe.families.chat.masks import attention_inputs
-    from mmpipe.families.towers.varlen import VARLEN
     Hq, Hk, D = SHAPES[shape]
     seg = packed_rows(rows, row, *lengths).to(device)
     _, _, spans = attention_inputs(seg, dtype, VARLEN)

@@ -8,14 +8,14 @@ import shutil
 import sys
 
 from mmpipe.bench.common import ROOT, append_benchmarks, launch, pooled, with_scratch
+from mmpipe.config.registry import get_family
 from mmpipe.config.schema import family_of, load_config
 from mmpipe.data.cache import prepare
 from mmpipe.data.synth import MIXED_SIZES, synth, synth_skewed_chat, synth_vlm
 from mmpipe.planning.charts import write_plan_png
 from mmpipe.planning.offline import median_profile, plan_all, single_process_time
 from mmpipe.planning.place import layer_costs, predict
-from mmpipe.train.metrics import measured_from_run
-from mmpipe.config.registry import get_family
+from mmpipe.train.metrics import measured_from_run, read_metrics
 
 
 def _balance_rounds(args, title: str, config: str, common: list, placements: list, extra: list, vlm_vocab,
@@ -212,7 +212,6 @@ def _balance_skewed(args, tmp: str, art: str) -> int:
     predicted slot spread and step over the balanced ideal; a timeline of a step of each at P = 2."""
     import statistics
 
-    from mmpipe.train.metrics import read_metrics
     info = synth_skewed_chat(os.path.join(tmp, "skewed"), args.n, size=64, seed=0)
     config = os.path.join(ROOT, "configs", "bench_vlm.yaml")
     common = [f"data.train={info['train']}", "data.val=null", f"train.steps={args.steps}", "data.padding=batch",
@@ -288,7 +287,6 @@ def _replan_side_by_side(args, tmp: str, art: str) -> tuple:
     against the same steps of the run that stayed, and the two runs' losses."""
     import statistics
 
-    from mmpipe.train.metrics import read_metrics
     info = synth(os.path.join(tmp, "replan_data"), args.n, val_fraction=0.0, size=32, seed=0, progress=False)
     config = os.path.join(ROOT, "configs", "bench_text_heavy.yaml")
     cfg = load_config(config)

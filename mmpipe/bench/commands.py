@@ -27,8 +27,8 @@ from mmpipe.bench.common import ROOT
 from mmpipe.bench.data import bench_data
 from mmpipe.bench.gpu import add_arguments as add_gpu
 from mmpipe.bench.groups import bench_groups
-from mmpipe.bench.memory import add_arguments as add_memory
 from mmpipe.bench.local_loss import add_arguments as add_local_loss
+from mmpipe.bench.memory import add_arguments as add_memory
 from mmpipe.bench.negatives import add_arguments as add_negatives
 from mmpipe.bench.overhead import add_arguments as add_overhead
 from mmpipe.bench.packing import add_arguments as add_packing

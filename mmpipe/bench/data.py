@@ -9,9 +9,9 @@ import sys
 from mmpipe.bench.common import append_benchmarks, with_scratch
 from mmpipe.data import decode
 from mmpipe.data.cache import CachedDataset, prepare
-from mmpipe.data.pixels import SquarePixels
 from mmpipe.data.loader import Collate, ImageTextDataset
 from mmpipe.data.manifest import Sample
+from mmpipe.data.pixels import SquarePixels
 from mmpipe.data.tokenizer import train_tokenizer
 
 

@@ -43,6 +43,11 @@ import sys
 import time
 
 from mmpipe.bench.common import ROOT, _steps, append_benchmarks, free_port, launch, with_scratch
+from mmpipe.bench.gpu_pipeline import PIPELINE_JOBS, bench_gpu_pipeline
+from mmpipe.bench.trainer_worker import write_gpu_spec
+from mmpipe.config.schema import family_of, load_config, replace
+from mmpipe.data.tokenizer import StandInTokenizer
+from mmpipe.planning.offline import run_memory
 from mmpipe.train.metrics import read_memory_record
 
 JOBS = ("clip", "vlm_lora", "vlm_full", "siglip_b16", "qwen_lora", "qwen3_5_lora")
@@ -125,7 +130,6 @@ def job_specs(args) -> dict:
 def _data(tmp: str, job: str, cfg, n: int, sizes=None) -> list:
     """Synthetic data for ``job``: pairs at the tower's size, or chat samples (one image each, 15% text only:
     LLaVA's mix, packed into max_length rows) at the tower's size or, native resolution, of ``sizes``."""
-    from mmpipe.config.schema import family_of
     from mmpipe.data.synth import synth, synth_vlm
     size = None if sizes else family_of(cfg).pixels(cfg.model, cfg.data).size
     if family_of(cfg).data_format == "captions":
@@ -138,8 +142,6 @@ def _data(tmp: str, job: str, cfg, n: int, sizes=None) -> list:
 
 def run_mmpipe(name: str, spec: dict, data: list, args, tmp: str) -> dict:
     """One mmpipe run (the deepspeed launcher, one rank): samples/s, TFLOP/s, MFU, memory."""
-    from mmpipe.config.schema import load_config
-    from mmpipe.planning.offline import run_memory
     out = os.path.join(tmp, f"mmpipe_{name}")
     t0 = time.time()
     launch(1, spec["config"], spec["sets"] + data + list(args.sets), out)
@@ -174,7 +176,6 @@ def run_mmpipe(name: str, spec: dict, data: list, args, tmp: str) -> dict:
     predicted = run_memory(cfg, out, 1, meta=True)[0].to_dict()["total"] / 2**20  # as planned: data.max_length
     at_first = None  # the same model at the first step's longest micro-batch (rows padded per micro-batch)
     if first_length is not None and first_length < cfg.data.max_length:
-        from mmpipe.config.schema import replace
         at_first = run_memory(replace(cfg, data__max_length=first_length), out, 1, meta=True)[0].to_dict()["total"] / 2**20
     tflops = [r["tflops"] for r in recs if r.get("tflops") is not None]
     mfu = [r["mfu"] for r in recs if r.get("mfu") is not None]
@@ -194,8 +195,6 @@ def run_mmpipe(name: str, spec: dict, data: list, args, tmp: str) -> dict:
 def run_open_clip(spec: dict, args, tmp: str, on_cpu: bool) -> dict:
     """open_clip_train on the run's architecture, or on what open_clip has of it (the family's
     ``open_clip_peer``: SigLIP's is open_clip's own), one process, its synthetic data, amp_bf16."""
-    from mmpipe.config.schema import family_of, load_config, replace
-    from mmpipe.data.tokenizer import StandInTokenizer
     cfg = load_config(spec["config"], spec["sets"])
     fam_cls = family_of(cfg)
     vocab = cfg.model.text.vocab_size or 49408
@@ -246,7 +245,6 @@ def run_trainer(name: str, spec: dict, data: list, mm: dict, args, tmp: str) -> 
     ``Qwen2_5_VLForConditionalGeneration``) built from its config,
     on the samples mmpipe trained, encoded by mmpipe's chat encoder (the same ids and labels), padded
     per micro-batch."""
-    from mmpipe.bench.trainer_worker import write_gpu_spec
     path = write_gpu_spec(os.path.join(tmp, f"mmpipe_{name}"), spec, mm, args, os.path.join(tmp, f"trainer_{name}"))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.time()
@@ -302,13 +300,11 @@ def bench_gpu(args, tmp: str) -> int:
         raise SystemExit("mmpipe bench gpu: no accelerator here; the real sizes need a GPU (run with --tiny for the "
                          "small configs on a CPU)")
     if args.pipeline:
-        from mmpipe.bench.gpu_pipeline import PIPELINE_JOBS, bench_gpu_pipeline
         args.jobs = args.jobs or list(PIPELINE_JOBS)
         return bench_gpu_pipeline(args, tmp, job_specs(args), _data, (acc, device))
     args.jobs = args.jobs or list(JOBS)
     if "qwen_full" in args.jobs:
         raise SystemExit("mmpipe bench gpu: qwen_full is a --pipeline job")
-    from mmpipe.config.schema import family_of, load_config
     specs = job_specs(args)
     results = []
 

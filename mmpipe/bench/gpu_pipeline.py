@@ -32,8 +32,12 @@ import subprocess
 import sys
 import time
 
-from mmpipe.bench.common import ROOT, append_benchmarks, free_port
+from mmpipe.bench.common import append_benchmarks, free_port, machine, ROOT
+from mmpipe.config.schema import family_of, load_config
 from mmpipe.errors import MmpipeError
+from mmpipe.planning.offline import run_memory
+from mmpipe.train.grad_dump import compare_grads, grad_norm_of, load_grads
+from mmpipe.train.metrics import read_memory_record, read_metrics
 
 PIPELINE_JOBS = ("clip", "vlm_full", "qwen_full")
 NCCL_SHARED = (2, 30)
@@ -124,8 +128,6 @@ def _specs(args, specs: dict) -> dict:
 
 
 def _compare(p1: str, p2: str, steps: int) -> dict:
-    from mmpipe.train.grad_dump import compare_grads, grad_norm_of, load_grads
-    from mmpipe.train.metrics import read_metrics
     a = [r["loss"] for r in read_metrics(os.path.join(p1, "metrics.jsonl"))]
     b = [r["loss"] for r in read_metrics(os.path.join(p2, "metrics.jsonl"))]
     if len(a) != steps or len(b) != steps:
@@ -147,8 +149,6 @@ def _compare(p1: str, p2: str, steps: int) -> dict:
 def _stages(run_dir: str, cfg) -> list:
     """Per stage: predicted MB (the memory model), allocator peak MB (a GPU's; None on the CPU), and the stage
     clock's medians over the steps after the first."""
-    from mmpipe.planning.offline import run_memory
-    from mmpipe.train.metrics import read_memory_record, read_metrics
     predicted = run_memory(cfg, run_dir, 2, meta=True)
     mem = {r["stage"]: r for r in read_memory_record(run_dir)}
     recs = read_metrics(os.path.join(run_dir, "metrics.jsonl"))[1:] or read_metrics(os.path.join(run_dir, "metrics.jsonl"))
@@ -165,8 +165,6 @@ def _stages(run_dir: str, cfg) -> list:
 def bench_gpu_pipeline(args, tmp: str, specs: dict, data_for, device: tuple) -> int:
     """``specs``: ``gpu.job_specs``; ``data_for``: ``gpu._data`` (a job's synthetic data); ``device``: (accelerator
     name, its description)."""
-    from mmpipe.bench.common import machine
-    from mmpipe.config.schema import family_of, load_config
     plan = _here(args.share_device)
     on_cpu, device = device[0] == "cpu", device[1]
     _log(f"{plan['where']}; jobs {', '.join(args.jobs)}; accumulation {', '.join(map(str, args.accumulation))}")

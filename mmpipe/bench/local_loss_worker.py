@@ -13,12 +13,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from mmpipe.config.resolve import build_family
+from mmpipe.config.schema import load_config
+from mmpipe.parallel.live_bytes import LiveBytes
+from mmpipe.parallel.step_loss import StepLossCache
+
 
 def main(spec_path: str) -> None:
-    from mmpipe.config.resolve import build_family
-    from mmpipe.config.schema import load_config
-    from mmpipe.parallel.live_bytes import LiveBytes
-    from mmpipe.parallel.step_loss import StepLossCache
     with open(spec_path) as fh:
         spec = json.load(fh)
     dist.init_process_group("gloo")

@@ -16,6 +16,7 @@ import sys
 from mmpipe.bench.common import ROOT, append_benchmarks, launch, run_worker, with_scratch
 from mmpipe.config.schema import DataConfig
 from mmpipe.parallel.topology import cpu_threads
+from mmpipe.train.metrics import read_metrics
 
 # name: (ranks, stages, mmpipe's loader workers: 0 = in the training process, None = data.num_workers' default)
 LAYOUTS = {"P1": (1, 1, 0), "P1-workers": (1, 1, None), "P2": (2, 2, 0), "DP2": (2, 1, 0)}
@@ -33,7 +34,6 @@ def raw_deepspeed(run: str, ranks: int, stages: int, steps: int, clip: float, tm
 @with_scratch("overhead")
 def bench_overhead(args, tmp: str) -> int:
     from mmpipe.data.synth import synth
-    from mmpipe.train.metrics import read_metrics
     info = synth(os.path.join(tmp, "data"), args.n, val_fraction=0.0, size=64, progress=False)
     cache = os.path.join(tmp, "cache")  # both sides read pre-decoded data: the step, not JPEG decoding, is measured
     subprocess.run([sys.executable, "-m", "mmpipe.cli.main", "data", "prepare", "--config", args.config,

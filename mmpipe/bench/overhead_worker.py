@@ -13,8 +13,12 @@ import json
 import os
 import sys
 import time
+from mmpipe.config.deepspeed import fused_adamw
+from mmpipe.config.resolve import build_family
+from mmpipe.config.schema import load_config
 from mmpipe.parallel.plain import plain_model
 from mmpipe.parallel.runtime import initialize
+from mmpipe.parallel.topology import cpu_threads
 
 
 class _Step:
@@ -38,13 +42,9 @@ def main(spec_path: str) -> None:
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from mmpipe.config.deepspeed import fused_adamw
-    from mmpipe.config.resolve import build_family
-    from mmpipe.config.schema import load_config
     with open(spec_path) as fh:
         spec = json.load(fh)
     deepspeed.init_distributed(dist_backend="gloo" if get_accelerator().device_name() == "cpu" else None)
-    from mmpipe.parallel.topology import cpu_threads
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or torch.distributed.get_world_size())
     torch.set_num_threads(cpu_threads(local, os.cpu_count() or 1)[0])  # as an mmpipe rank (OMP_NUM_THREADS first)
     cfg = load_config(os.path.join(spec["run"], "config.yaml"))

@@ -13,6 +13,9 @@ import sys
 
 from mmpipe.bench.common import ROOT, append_benchmarks, launch, with_scratch
 from mmpipe.data.synth import TEXT_QA, synth_vlm
+from mmpipe.families.towers.common import causal_padding_mask, use_attention
+from mmpipe.families.vlm import model as m
+from mmpipe.parallel.live_bytes import LiveBytes
 from mmpipe.train.metrics import read_metrics
 
 
@@ -47,9 +50,6 @@ def attention_memory(seq: int = 2048, width: int = 256, heads: int = 4, batch: i
     import torch
     from transformers import LlamaConfig
 
-    from mmpipe.families.towers.common import causal_padding_mask, use_attention
-    from mmpipe.families.vlm import model as m
-    from mmpipe.parallel.live_bytes import LiveBytes
     cfg = LlamaConfig(hidden_size=width, intermediate_size=2 * width, num_attention_heads=heads,
                       num_key_value_heads=heads, max_position_embeddings=seq)
     use_attention(cfg)

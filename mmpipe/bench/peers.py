@@ -18,6 +18,9 @@ import sys
 import torch
 
 from mmpipe.bench.common import ROOT, append_benchmarks, free_port, launch, with_scratch
+from mmpipe.bench.open_clip_worker import open_clip_tokenizer
+from mmpipe.bench.peers_vlm import bench_peers_vlm
+from mmpipe.config.registry import BUILTIN, get_family
 from mmpipe.config.schema import family_of, load_config, replace
 from mmpipe.data.decode import load_image
 from mmpipe.data.manifest import read_manifest
@@ -26,9 +29,8 @@ from mmpipe.data.tokenizer import load_tokenizer, train_tokenizer
 from mmpipe.families.clip.open_clip_format import open_clip_config, open_clip_state
 from mmpipe.families.clip.retrieval import retrieval_metrics
 from mmpipe.families.towers.common import normalize_pixels
-from mmpipe.train.metrics import read_metrics
 from mmpipe.parallel.plain import plain_model
-from mmpipe.config.registry import BUILTIN, get_family
+from mmpipe.train.metrics import read_metrics
 
 MODEL_NAME = "mmpipe-bench-peer"
 _STEP_LINE = re.compile(r"Train Epoch: \d+ \[\s*(\d+)/\d+.*?Batch \(t\): [\d.]+, ([\d.]+)/s,")
@@ -71,7 +73,6 @@ class Job:
         return torch.stack([load_image(s.image, self.size) for s in samples])
 
     def ids(self, samples) -> torch.Tensor:
-        from mmpipe.bench.open_clip_worker import open_clip_tokenizer
         return open_clip_tokenizer(self.tokenizer, self.cfg.data.max_length)([s.text for s in samples])
 
     def features(self, model, samples, batch: int = 64) -> tuple:
@@ -222,7 +223,6 @@ def bench_peers(args, tmp: str) -> int:
 
 def bench_peers_any(args) -> int:
     if get_family(args.family, "--family").data_format == "chat":
-        from mmpipe.bench.peers_vlm import bench_peers_vlm
         args.config = args.config or os.path.join(ROOT, "configs", f"bench_{args.family}.yaml")
         args.n = args.n or 400
         args.steps = args.steps or 12

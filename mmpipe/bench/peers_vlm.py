@@ -14,14 +14,18 @@ import statistics
 import subprocess
 import sys
 
+from mmpipe.bench import swift as ms
 from mmpipe.bench.common import ROOT, append_benchmarks, free_port, launch, with_scratch
 from mmpipe.bench.trainer_worker import encode
 from mmpipe.config.schema import family_of, load_config, replace
-from mmpipe.data.synth import synth_vlm
+from mmpipe.data.sampler import MicroBatchSampler
+from mmpipe.data.synth import MIXED_SIZES, synth_vlm
 from mmpipe.data.tokenizer import load_tokenizer, train_tokenizer
 from mmpipe.families.chat import chat_texts, read_chat
-from mmpipe.train.metrics import read_memory_record, read_metrics
+from mmpipe.families.qwen_vl import Qwen25VLFamily
+from mmpipe.families.qwen_vl.tiny import _tokenizer
 from mmpipe.parallel.plain import plain_model
+from mmpipe.train.metrics import read_memory_record, read_metrics
 
 
 def _log(msg: str) -> None:
@@ -32,7 +36,6 @@ def make_hf_dir(args, tmp: str) -> tuple:
     """(config, chat file, model directory): synthetic chat data, a tokenizer trained on it, and the
     model's initial weights as the family's transformers directory (``LlavaForConditionalGeneration``,
     ``Qwen2_5_VLForConditionalGeneration``) with its processor."""
-    from mmpipe.data.synth import MIXED_SIZES
     cfg = load_config(args.config)
     fam_cls = family_of(cfg)
     size = getattr(fam_cls.pixels(cfg.model, cfg.data), "size", None)
@@ -41,9 +44,8 @@ def make_hf_dir(args, tmp: str) -> tuple:
                      progress=False, sizes=None if size else MIXED_SIZES)
     tok_dir = os.path.join(tmp, "tokenizer")
     texts = chat_texts(read_chat(info["train"]))
-    from mmpipe.families.qwen_vl import Qwen25VLFamily
     if issubclass(fam_cls, Qwen25VLFamily):  # a Qwen checkpoint's layout: byte-level BPE with Qwen's special tokens and
-        from mmpipe.families.qwen_vl.tiny import _tokenizer  # ChatML template (its default system prompt), as ms-swift's
+        # ChatML template (its default system prompt), as ms-swift's
         # (byte-level: at least 512 entries, so merges exist beyond the 256 bytes)
         _tokenizer(texts + ["You are a helpful assistant."], max(cfg.data.tokenizer_vocab_size, 512)).save_pretrained(tok_dir)
         tok = fam_cls.prepare_tokenizer(load_tokenizer(tok_dir))  # qwen templates encode it
@@ -111,7 +113,6 @@ def run_trainer(cfg, train: str, llava: str, order: list, args, tmp: str, lora: 
 
 @with_scratch("peers-vlm")
 def bench_peers_vlm(args, tmp: str) -> int:
-    from mmpipe.data.sampler import MicroBatchSampler
     _log(f"synthetic chat data ({args.n} samples), a tokenizer, the initial weights as a transformers directory ...")
     cfg, train, llava = make_hf_dir(args, tmp)
     batch = cfg.train.batch_size
@@ -149,7 +150,6 @@ def bench_peers_vlm(args, tmp: str) -> int:
         rows.append((what, "Trainer + ZeRO-2", "DP2 ZeRO-2", peer["losses"][0], t_sps, t_sps))
         rows.append((what, "mmpipe", layout, recs[0]["loss"], m_sps, t_sps))
         if swift:
-            from mmpipe.bench import swift as ms
             _log(f"swift sft ({what}, --deepspeed zero2, NPROC_PER_NODE=2): {args.steps} steps of {batch} ...")
             sw = ms.run_swift(swift, args.family, llava, train, order, cfg, args, tmp, lora)
             _log(f"ms-swift ({what}): {sw['trainable']}")
@@ -162,7 +162,6 @@ def _swift(args):
     """ms-swift's venv for ``--swift`` / ``--swift-venv`` (None without them); the family must be one it trains."""
     if not (args.swift or args.swift_venv):
         return None
-    from mmpipe.bench import swift as ms
     if args.family not in ms.MODEL_TYPES:
         raise SystemExit(f"mmpipe bench peers: --swift runs ms-swift on {', '.join(ms.MODEL_TYPES)}; not on "
                          f"--family {args.family}")

@@ -14,8 +14,8 @@ from mmpipe.parallel.topology import threads_per_rank
 from mmpipe.planning.charts import write_png
 from mmpipe.planning.collectives import CommModel, comm_group_sizes, get_comm_model
 from mmpipe.planning.layouts import plan_layouts
-from mmpipe.planning.offline import median_profile
 from mmpipe.planning.memory import optimizer_state_bytes
+from mmpipe.planning.offline import median_profile
 from mmpipe.planning.place import layer_costs
 from mmpipe.train.metrics import measured_from_run, read_memory_record
 

@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 
+from mmpipe.bench.common import free_port
+
 # the ``swift sft`` model types of mmpipe's families that ms-swift trains (LLaVA's tiny directories are no
 # llava-hf checkpoint ms-swift knows: not run)
 MODEL_TYPES = {"qwen2_5_vl": "qwen2_5_vl"}
@@ -141,5 +143,4 @@ def _on_cpu() -> bool:
 
 
 def _free_port() -> int:
-    from mmpipe.bench.common import free_port
     return free_port()

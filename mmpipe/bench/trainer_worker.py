@@ -15,6 +15,11 @@ import re
 import sys
 import time
 
+from mmpipe.config.schema import family_of, load_config
+from mmpipe.data.tokenizer import load_tokenizer
+from mmpipe.families.chat import read_chat
+from mmpipe.families.towers.common import normalize_pixels
+
 
 
 # peft's targets: the decoder's linears, as mmpipe's LoRA adapts them (ms-swift's all-linear on the language model:
@@ -253,10 +258,6 @@ def _encoded_samples(run: str, count: int):
 
     import torch
 
-    from mmpipe.config.schema import family_of, load_config
-    from mmpipe.data.tokenizer import load_tokenizer
-    from mmpipe.families.towers.common import normalize_pixels
-    from mmpipe.families.chat import read_chat
     cfg = load_config(os.path.join(run, "config.yaml"))
     fam_cls = family_of(cfg)
     family = fam_cls(cfg.model, cfg.train.seed)

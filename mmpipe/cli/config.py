@@ -1,9 +1,10 @@
 """``mmpipe config``: the configuration reference, generated from the schema."""
 from __future__ import annotations
 
+from mmpipe.config.schema import load_config, reference, save_yaml
+
 
 def cmd_config(args) -> int:
-    from mmpipe.config.schema import load_config, reference, save_yaml
     if args.reference:
         print(reference())
         return 0

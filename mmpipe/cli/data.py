@@ -1,6 +1,9 @@
 """``mmpipe data synth | prepare | check``: generate demo data, pre-decode a cache, check a data set."""
 from __future__ import annotations
 
+from mmpipe.config.registry import get_family
+from mmpipe.config.schema import family_of, load_config
+from mmpipe.data.shards import is_shard_spec
 from mmpipe.errors import ConfigError
 
 
@@ -21,7 +24,6 @@ def _sizes(text):
 
 
 def cmd_data_synth(args) -> int:
-    from mmpipe.config.registry import get_family
     from mmpipe.data.synth import check_split, synth, synth_vlm
     check_split(args.n, args.val_fraction)  # before any image is written
     if get_family(args.kind, "--kind").data_format == "chat":
@@ -39,10 +41,8 @@ def cmd_data_synth(args) -> int:
 
 
 def cmd_data_prepare(args) -> int:
-    from mmpipe.config.schema import load_config
     from mmpipe.data.cache import prepare
     cfg = load_config(args.config, args.overrides)  # defaults for whatever the flags leave open
-    from mmpipe.config.schema import family_of
     try:
         family_of(cfg).check_source("cache")  # a family reading its own format (the VLM's chat file) has none
     except ConfigError:
@@ -63,9 +63,7 @@ def cmd_data_prepare(args) -> int:
 
 
 def cmd_data_check(args) -> int:
-    from mmpipe.config.schema import family_of, load_config
     from mmpipe.data.check import run_check
-    from mmpipe.data.shards import is_shard_spec
     cfg = load_config(args.config, args.overrides)
     manifest = args.manifest or cfg.data.train
     if not manifest or is_shard_spec(manifest):

@@ -4,12 +4,13 @@ from __future__ import annotations
 import json
 import os
 
+from mmpipe.train.export import BASE_DIR, export, HF_MARKER
+
 
 def peft_load_hint(out: str) -> str:
     """How to load a LoRA export ``out``, from what it wrote: the base's transformers class (its marker) and how
     ``adapter_config.json`` names the base (the hub id the run started from, or this export's base copy by its
     absolute path)."""
-    from mmpipe.train.export import BASE_DIR, HF_MARKER  # (the command line starts without torch)
     with open(os.path.join(out, BASE_DIR, HF_MARKER)) as fh:
         cls = json.load(fh)["class"]
     with open(os.path.join(out, "adapter_config.json")) as fh:
@@ -25,7 +26,6 @@ def peft_load_hint(out: str) -> str:
 
 
 def cmd_export(args) -> int:
-    from mmpipe.train.export import export
     out, kind, why = export(args.run, args.out, args.step, args.dtype, args.format, args.merge)
     if kind == "PeftModel":
         print(f"wrote {out} as a peft adapter directory ({why}; {peft_load_hint(out)})")

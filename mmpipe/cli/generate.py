@@ -9,19 +9,19 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from mmpipe.config.resolve import build_family
+from mmpipe.config.schema import family_of
 from mmpipe.errors import ConfigError
 from mmpipe.families.chat import generate as chat
 from mmpipe.families.chat.records import IMAGE
+from mmpipe.families.lora import merged
+from mmpipe.train.export import run_tokenizer
+import mmpipe
 
 
 def Generator(run_dir: str, step: Optional[int] = None, device: str = "cpu") -> chat.ChatGenerator:  # noqa: N802
     """The run's chat family, tokenizer and weights (any layout's checkpoint; LoRA folded in) as a
     ``ChatGenerator``."""
-    import mmpipe
-    from mmpipe.config.resolve import build_family
-    from mmpipe.config.schema import family_of
-    from mmpipe.families.lora import merged
-    from mmpipe.train.export import run_tokenizer
     cfg_path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(cfg_path):
         raise ConfigError(f"--run {run_dir}: no config.yaml (not an mmpipe run directory)")

@@ -12,10 +12,12 @@ from mmpipe.cli.config import cmd_config
 from mmpipe.cli.data import cmd_data_check, cmd_data_prepare, cmd_data_synth
 from mmpipe.cli.export import cmd_export
 from mmpipe.cli.generate import cmd_generate
-from mmpipe.cli.plan import cmd_plan_any
+from mmpipe.cli.plan import add_parser as add_plan, cmd_plan_any
+from mmpipe.cli.report import add_parser as add_report
 from mmpipe.cli.train import _train_parser, cmd_train
 from mmpipe.config.registry import BUILTIN
 from mmpipe.errors import ConfigError, MmpipeError, one_line
+from mmpipe.parallel.roster import describe_lost
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,9 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     ck.set_defaults(func=cmd_data_check)
     from mmpipe.bench.commands import add_parser as add_bench
     add_bench(sub)
-    from mmpipe.cli.plan import add_parser as add_plan
     add_plan(sub).set_defaults(func=cmd_plan_any)
-    from mmpipe.cli.report import add_parser as add_report
     add_report(sub)
     c = sub.add_parser("config", help="print the resolved run config, or --reference for every key")
     c.add_argument("--config", "-c")
@@ -123,7 +123,6 @@ def _guarded(func, args, rank: str) -> int:
         if not _peer_lost(e):
             raise
         # another rank exited (its own error line is printed by it): one line here naming it, no traceback
-        from mmpipe.parallel.roster import describe_lost
         who = describe_lost()
         what = f"{who} is gone" if who else "lost contact with another rank"
         print(f"mmpipe: [rank {rank}] stopped: {what}; resume from the last complete checkpoint with --resume "

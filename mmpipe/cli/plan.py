@@ -5,17 +5,20 @@ from __future__ import annotations
 import json
 import os
 
+from mmpipe.config.schema import load_config
 from mmpipe.errors import ConfigError
 from mmpipe.planning.charts import write_memory_png, write_plan_png, write_png
 from mmpipe.planning.layouts import format_table, layouts_json, plan_layouts, step_loss_summary
-from mmpipe.planning.offline import _profile_for, format_plan, plan_all
-from mmpipe.planning.place import pick_schedule
+from mmpipe.planning.offline import _profile_for, format_plan, plan_all, run_memory
+from mmpipe.planning.place import pick_schedule, predict
+from mmpipe.planning.simulate import recommend_micro_batches
+from mmpipe.train.memory_meter import read_memory
+from mmpipe.train.metrics import measured_from_run, read_metrics
 
 
 def cmd_plan_world(args) -> int:
     """``mmpipe plan --world N [--memory-gb M]``: every layout of N ranks predicted, the fastest that
     fits marked; layouts.json and layouts.png. When none fits: the table, then one line."""
-    from mmpipe.config.schema import load_config
     cfg = load_config(args.config, args.overrides, weights=False)  # (a hub id: its config files, not its weights)
     log = lambda m: print(f"[plan] {m}", flush=True)  # noqa: E731
     res = plan_layouts(cfg, args.world, args.memory_gb, use_cache=not args.no_cache, log=log,
@@ -62,8 +65,6 @@ def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> st
         run_plan = json.load(fh)
     parts, M = run_plan["parts"], run_plan.get("micro_batches")
     P = len(parts) - 1
-    from mmpipe.planning.place import predict
-    from mmpipe.train.metrics import measured_from_run, read_metrics
     lines = [f"{run_dir}: {P} stages, {M} micro-batches per step, parts {parts}",
              "| | predicted | measured | error |", "|---|---|---|---|"]
     metrics = os.path.join(run_dir, "metrics.jsonl")
@@ -80,8 +81,6 @@ def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> st
         note = (f"(no timing rows: the run has {steps} step(s); step times are compared after the first "
                 f"{TIMING_SKIP}, so a run of more than {TIMING_SKIP} steps is needed)")
     if os.path.isdir(os.path.join(run_dir, "memory")):  # a run with log.memory: its peaks per stage
-        from mmpipe.planning.offline import run_memory
-        from mmpipe.train.memory_meter import read_memory
         recs = read_memory(run_dir)
         pred = run_memory(cfg, run_dir, len(recs), use_cache=use_cache)
         for r in recs:
@@ -92,7 +91,6 @@ def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> st
 
 
 def cmd_plan(args) -> int:
-    from mmpipe.config.schema import load_config
     log = lambda s: print(f"[plan] {s}", flush=True)  # noqa: E731
     if args.run:  # the run's own resolved config: its model, micro-batch, precision
         saved = os.path.join(args.run, "config.yaml")
@@ -108,7 +106,6 @@ def cmd_plan(args) -> int:
     plan = plan_all(cfg, stages, args.dp, args.threads, use_cache=not args.no_cache, log=log)
     chosen = cfg.parallel.placement if cfg.parallel.placement in plan["placements"] else "auto"
     print(format_plan(plan, chosen, cfg.train.batch_size))
-    from mmpipe.planning.simulate import recommend_micro_batches
     t = plan["placements"][chosen]["stage_times"]
     per_rank = cfg.train.batch_size // args.dp
     M = plan["micro_batches"]

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 
+from mmpipe.config.schema import load_config
 from mmpipe.errors import MmpipeError
+from mmpipe.train.metrics import read_metrics
 
 
 def _plt():
@@ -19,7 +21,6 @@ def _plt():
 
 
 def write_report(run_dir: str, out: str = None) -> list:
-    from mmpipe.train.metrics import read_metrics
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise MmpipeError(f"--run {run_dir}: no metrics.jsonl (not an mmpipe run directory, or it has not "
@@ -103,7 +104,6 @@ def _pipeline_stages(run_dir: str) -> int:
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         return 1
-    from mmpipe.config.schema import load_config
     p = load_config(path).parallel.pipeline_stages
     return p if isinstance(p, int) else 1
 
@@ -160,7 +160,6 @@ def utilization_line(recs: list):
 
 
 def cmd_report(args) -> int:
-    from mmpipe.train.metrics import read_metrics
     for p in write_report(args.run, args.out):
         print(f"wrote {p}")
     line = utilization_line(read_metrics(os.path.join(args.run, "metrics.jsonl")))

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 
+from mmpipe.config.schema import load_config
+from mmpipe.parallel.startup import close_distributed
+
 
 def _train_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--config", "-c", help="YAML run config (keys: docs/configuration.md, or mmpipe config --reference)")
@@ -18,10 +21,8 @@ def _train_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from mmpipe.config.schema import load_config
     from mmpipe.train.trainer import run
     cfg = load_config(args.config, args.overrides)
-    from mmpipe.parallel.startup import close_distributed
     run(cfg, resume=args.resume, stop_at=args.stop_at, overwrite=args.overwrite)
     close_distributed()
     return 0

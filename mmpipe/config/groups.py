@@ -225,7 +225,7 @@ def frozen_layout(family, groups: list[Group]) -> FrozenLayout:
     group): ({layer: [its plain parameter names]}, frozen parameter names, forward-only layers).
     Under LoRA (``family.lora``) the names include the adapters, and every base weight is frozen."""
     part_params = {part: list(params) for part, params in family.meta_params().items()}
-    lora = getattr(family, "lora", None) is not None
+    lora = family.lora is not None
     frozen = frozenset(frozen_names([n for names in part_params.values() for n in names], groups, lora))
     return FrozenLayout(part_params, frozen, frozenset(forward_only_parts(part_params, family.upstream(), groups, lora)))
 

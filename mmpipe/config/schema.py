@@ -495,7 +495,7 @@ def validate(cfg: RunConfig) -> None:
     check_ranges(cfg, "", where)  # every other number, the model section's included
     fam = family_of(cfg)
     fam.validate(cfg.model, where)
-    if cfg.data.packing and not getattr(fam, "packs", False):
+    if cfg.data.packing and not fam.packs:
         raise ConfigError(f"{where}: data.packing=true: model.type={cfg.model.type} trains on image-caption pairs, "
                           "which are not packed (packing is for chat data, model.type=vlm); unset data.packing")
     low = fam.min_micro_batch

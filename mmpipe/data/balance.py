@@ -22,6 +22,7 @@ from typing import Optional
 
 import numpy as np
 
+from mmpipe.data.processes import pool_context
 from mmpipe.parallel.schedules import step_seconds
 
 
@@ -419,7 +420,6 @@ class _Ahead:
     def __init__(self, balancer: StepBalancer):
         from concurrent.futures import ProcessPoolExecutor
 
-        from mmpipe.data.processes import pool_context
         self.pool = ProcessPoolExecutor(1, mp_context=pool_context("mmpipe.data.balance"), initializer=_worker_start,
                                         initargs=(balancer.units, balancer.prices, balancer._args))
         self.pending: dict = {}  # step -> (prices, future)

@@ -26,10 +26,11 @@ import numpy as np
 import torch
 
 from mmpipe.data.decode import decode_sample
+from mmpipe.data.json_files import write_json
 
 from mmpipe.data.loader import SubstitutingDataset
-from mmpipe.data.processes import pool_context
 from mmpipe.data.manifest import read_manifest
+from mmpipe.data.processes import pool_context
 from mmpipe.data.tokenizer import load_tokenizer, train_tokenizer
 from mmpipe.errors import ConfigError
 
@@ -103,7 +104,7 @@ def _open_or_start(out: str, samples: list, fingerprint: dict, tokenizer: Option
         np.memmap(os.path.join(out, "status.u8"), dtype=np.uint8, mode="w+", shape=(n,)).flush()
         open(os.path.join(out, "bad.jsonl"), "w").close()
         meta = {**fingerprint, "tokenizer": tokenizer, "tokenizer_sha1": tokenizer_digest(tok), "complete": False}
-        _write_json(meta_path, meta)
+        write_json(meta_path, meta, indent=2)
     return meta
 
 
@@ -154,16 +155,10 @@ def prepare(manifest: str, out: str, size: int, max_length: int, tokenizer: Opti
     status.flush()
     remaining = int((status == TODO).sum())
     meta["complete"] = remaining == 0
-    _write_json(meta_path, meta)
+    write_json(meta_path, meta, indent=2)
     return {"done_now": done_now, "ok": int((status == OK).sum()), "bad": int((status == BAD).sum()),
             "remaining": remaining}
 
-
-def _write_json(path: str, obj) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=2)
-    os.replace(tmp, path)
 
 
 # ---- read --------------------------------------------------------------------------------------

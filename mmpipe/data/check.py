@@ -15,6 +15,7 @@ from typing import Iterator
 
 from mmpipe.data.decode import decode_sample
 from mmpipe.data.manifest import read_manifest
+from mmpipe.data.processes import pool_context
 
 _W: dict = {}  # worker side: the decode size
 
@@ -51,7 +52,6 @@ def check_rows(samples: list, size: int, workers: int = 1) -> Iterator[dict]:
         for s in samples:
             yield check_sample(s, size)
         return
-    from mmpipe.data.processes import pool_context
     ctx = pool_context("mmpipe.data.check")  # (not a plain fork: see mmpipe.data.processes)
     with ctx.Pool(workers, _init, (size,)) as pool:
         for recs in pool.imap(_chunk, [samples[k:k + chunk] for k in range(0, len(samples), chunk)]):

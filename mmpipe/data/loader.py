@@ -15,10 +15,10 @@ from typing import Optional
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from mmpipe.data.manifest import Sample
-from mmpipe.data.sampler import _item_key
 from mmpipe.data.handoff import Packed, Unpacking
+from mmpipe.data.manifest import Sample
 from mmpipe.data.sample_keys import key_fields, sample_key
+from mmpipe.data.sampler import _item_key
 from mmpipe.errors import DataError
 
 

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from mmpipe.data.balance import SampleUnits, StepBalancer
 from mmpipe.data.cache import (
     CachedDataset,
     check_compatible,
@@ -21,8 +22,8 @@ from mmpipe.data.cache import (
 )
 from mmpipe.data.handoff import Packed, Unpacking
 from mmpipe.data.loader import make_loader
-from mmpipe.data.sampler import MicroBatchSampler
 from mmpipe.data.manifest import require_manifest
+from mmpipe.data.sampler import MicroBatchSampler
 from mmpipe.data.shards import ShardStream, expand, is_shard_spec, iter_tar
 from mmpipe.data.tokenizer import has_tokenizer, load_tokenizer
 from mmpipe.errors import ConfigError
@@ -121,7 +122,6 @@ def sample_units(dataset, source: TrainSource, tok, max_length: int):
     tokens), else one image per item and its caption's tokens."""
     import numpy as np
 
-    from mmpipe.data.balance import SampleUnits
     if hasattr(dataset, "units"):
         return dataset.units
     lengths = dataset.lengths if hasattr(dataset, "lengths") else train_lengths(source, tok, max_length)
@@ -157,7 +157,6 @@ def build_train_loader(cfg, source: TrainSource, tok, collate, topo, dp_rank: in
         lengths = dataset.lengths if hasattr(dataset, "lengths") else train_lengths(source, tok, d.max_length)
     balancer = None
     if d.balance == "cost" and prices is not None:
-        from mmpipe.data.balance import StepBalancer
         # a family whose shapes change per micro-batch anyway takes micro-batches of any size (few long
         # rows or many short ones: even slots without padding); fixed shapes keep the micro-batch size
         balancer = StepBalancer(sample_units(dataset, source, tok, d.max_length), prices, topo.data_parallel,

@@ -12,6 +12,8 @@ from typing import Optional
 import numpy as np
 from PIL import Image, ImageDraw
 
+from mmpipe.errors import ConfigError
+
 COLORS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), "yellow": (235, 210, 20),
           "purple": (140, 40, 170), "orange": (245, 130, 10), "white": (245, 245, 245)}
 SHAPES = ("circle", "square", "triangle")
@@ -179,7 +181,6 @@ def split_counts(n: int, val_fraction: float) -> int:
 
 def check_split(n: int, val_fraction: float) -> None:
     """``mmpipe data synth``'s flags: one line for a count or fraction that leaves nothing to train or hold out."""
-    from mmpipe.errors import ConfigError
     if n < 2:
         raise ConfigError(f"--n {n}: give at least 2 samples (one to train on, one to hold out)")
     if not 0 <= val_fraction < 1:

@@ -17,7 +17,9 @@ from typing import Callable, ClassVar, NamedTuple, Optional
 import torch
 from torch import nn
 
+from mmpipe.config.groups import resolve_groups
 from mmpipe.errors import NoHFFormat
+from mmpipe.families.lora import inject, spec_from
 from mmpipe.families.products import Matmul, MicroBatch  # noqa: F401 - part of the family interface
 from mmpipe.families.towers.common import part_seed
 
@@ -143,8 +145,6 @@ class Family:
 
     def use_lora(self, optim_cfg) -> None:
         """Build the trained layers with LoRA adapters (``optim.train_type: lora``; no-op for full)."""
-        from mmpipe.config.groups import resolve_groups
-        from mmpipe.families.lora import spec_from
         self.lora = None
         self.lora = spec_from(optim_cfg, self, resolve_groups(optim_cfg, type(self)))
 
@@ -172,7 +172,6 @@ class Family:
 
     def _add_adapters(self, module: nn.Module, name: str) -> nn.Module:
         if self.lora is not None and name in self.lora.layers:
-            from mmpipe.families.lora import inject
             return inject(module, self.lora, part_seed(self.seed, f"lora:{name}"), name)
         return module
 
@@ -292,6 +291,12 @@ class Family:
         surrogate with the same gradients (``mmpipe.parallel.step_loss``)."""
         return False
 
+
+    @property
+    def step_loss_pair_bytes(self) -> Optional[int]:
+        """Bytes per (image, text) pair autograd holds through the whole step loss (``planning.memory``); None: the
+        memory model's default."""
+        return None
 
     @property
     def local_step_loss(self) -> bool:

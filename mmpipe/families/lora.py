@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from mmpipe.config.groups import assign_groups
 from mmpipe.errors import ConfigError
 
 ADAPTER = "default"  # peft's adapter name
@@ -127,7 +128,6 @@ def spec_from(optim_cfg, family, groups) -> Optional[LoraSpec]:
     a parameter of a group that is not frozen."""
     if getattr(optim_cfg, "train_type", "full") != "lora":
         return None
-    from mmpipe.config.groups import assign_groups
     part_params = family.meta_params()
     assignment = assign_groups([n for names in part_params.values() for n in names], groups)
     trained = {g.name for g in groups if not g.frozen}

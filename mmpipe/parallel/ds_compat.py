@@ -42,6 +42,8 @@ import contextlib
 import warnings
 from typing import Callable
 
+from mmpipe.parallel.schedules import buffers
+
 CHECKED = ("0.16", "0.19.8")  # oldest allowed by setup.py .. newest checked
 
 
@@ -112,7 +114,6 @@ def set_train_schedule(engine, actions: list) -> None:
     micro-batch's buffer is its index modulo the buffers the stream needs."""
     from deepspeed.runtime.pipe import schedule as S
 
-    from mmpipe.parallel.schedules import buffers
     n = buffers(actions)
     cmds = [getattr(S, a.kind)(a.micro_batch % n) if a.micro_batch is not None else getattr(S, a.kind)()
             for a in actions]

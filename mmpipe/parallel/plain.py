@@ -58,7 +58,7 @@ _WITH_API: dict = {}
 
 def plain_model(family, forward_only: frozenset = frozenset()) -> PlainModel:
     """The family's single-process model (its ``plain_api`` mixed in, when it has one)."""
-    api = getattr(family, "plain_api", None)
+    api = family.plain_api
     if api is None:
         return PlainModel(family, forward_only)
     if api not in _WITH_API:

@@ -50,7 +50,7 @@ class StepLossCache:
                  group=None):
         self.family, self.module = family, loss_module
         self.A, self.D, self.dp_rank, self.group = accumulation, data_parallel, dp_rank, group
-        self.local = data_parallel > 1 and bool(getattr(family, "local_step_loss", False))
+        self.local = data_parallel > 1 and bool(family.local_step_loss)
         self.features = self.loss = self.cols = None
         self.rows = self.k = 0
 

@@ -12,10 +12,12 @@ from typing import Optional
 
 import torch
 
+from mmpipe.data.json_files import write_json
 from mmpipe.parallel.cpu_process import keep_freed_memory
 from mmpipe.parallel.ds_compat import skip_cpu_shm_allreduce
 from mmpipe.parallel.runtime import initialize
-from mmpipe.planning.cache import _write_json, cache_dir
+from mmpipe.planning.cache import cache_dir
+from mmpipe.planning.memory import divisors
 
 
 # ---- stage-to-stage transfers ------------------------------------------------------------------------
@@ -401,18 +403,15 @@ def get_comm_model(group_sizes: list, use_cache: bool = True, log=None, refresh:
             return CommModel.from_dict(json.load(fh))
     model = measure_collectives(sizes, log=log)
     if use_cache:
-        _write_json(path, model.to_dict())
+        write_json(path, model.to_dict())
     return model
 
 
 def comm_group_sizes(world: int) -> list:
     """The group sizes whose collectives a world's layouts use (2 is always timed: send/recv)."""
-    return _group_sizes(divisors_of(world))
+    return _group_sizes(divisors(world))
 
 
 def _group_sizes(sizes) -> list:
     return sorted({n for n in sizes if n >= 2} | {2})
 
-
-def divisors_of(n: int) -> list:
-    return [d for d in range(1, n + 1) if n % d == 0]

@@ -79,7 +79,7 @@ def training(family, layout: tuple, checkpointing: bool = False, step_loss: Opti
     roles = {la: Role(la in forward_only, bool(upstream[la] & trains), la in trains, la in dense,
                       checkpointing and la not in forward_only, step_loss and la not in forward_only)
              for la in part_params}
-    lora = getattr(family, "lora", None)
+    lora = family.lora
     return Training(roles, frozenset(frozen), frozenset(n for v in part_params.values() for n in v),
                     lora.rank if lora is not None else 0)
 

@@ -41,7 +41,6 @@ from mmpipe.errors import ConfigError
 from mmpipe.parallel.topology import threads_per_rank
 from mmpipe.planning.collectives import CommModel, comm_group_sizes, get_comm_model
 from mmpipe.planning.measure import META_PARAMS, get_profile, meta_profile, parameter_count
-from mmpipe.planning.offline import resolve_for_plan
 from mmpipe.planning.memory import (
     device_memory_bytes,
     run_shape,
@@ -49,6 +48,7 @@ from mmpipe.planning.memory import (
     step_loss_bytes,
     state_bytes,
 )
+from mmpipe.planning.offline import resolve_for_plan
 from mmpipe.planning.place import recomputed_ms, layer_costs, place, predict, stage_times
 from mmpipe.planning.simulate import simulate_shared_cores
 

@@ -14,10 +14,12 @@ from typing import Callable, Optional
 import torch
 
 from mmpipe.config.deepspeed import adamw_kernel
+from mmpipe.config.fields import thawed_copy
+from mmpipe.data.json_files import write_json
 from mmpipe.parallel.cpu_process import keep_freed_memory
 from mmpipe.parallel.layers import PipeLayer, plain_state_key
 from mmpipe.parallel.step_loss import frozen_prefix
-from mmpipe.planning.cache import _write_json, cache_dir
+from mmpipe.planning.cache import cache_dir
 from mmpipe.planning.collectives import fit_comm, measure_p2p
 from mmpipe.planning.memory import STEP_LOSS_BLOCK_PAIR_BYTES, STEP_LOSS_PAIR_BYTES, adamw_temp_bytes
 from mmpipe.planning.place import layer_costs
@@ -121,10 +123,10 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
                 "measure again)")
         if measure_comm and not prof["comm"].get("measured"):  # cached without transfers: measure them now
             prof["comm"] = _measure_comm(layer_costs(prof))
-            _write_json(path, prof)
+            write_json(path, prof)
         if family.step_loss and "loss_pair_s" not in prof:  # cached before the step loss was timed
             prof["loss_pair_s"] = _time_loss_pair(family, prof, device, threads)
-            _write_json(path, prof)
+            write_json(path, prof)
         return _with_schedule(prof, family, cfg)
     shapes = family.example_batches(micro_batch_size, cfg.data.max_length, device, packed=cfg.data.packing,
                                      data_cfg=cfg.data)
@@ -147,7 +149,7 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
     if family.step_loss:
         prof["loss_pair_s"] = _time_loss_pair(family, prof, device, threads)
     if use_cache:
-        _write_json(path, prof)
+        write_json(path, prof)
     return _with_schedule(prof, family, cfg)
 
 
@@ -331,7 +333,6 @@ def meta_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = f
     (``fused_attention_on_meta``, ``dropout_on_meta``), or a GPU (``gpu_kernels``: a plan made on a
     CPU host for GPUs). No times: ``timed`` is False, and what reads it says so."""
     device = torch.device("meta")
-    from mmpipe.config.fields import thawed_copy
     data = thawed_copy(cfg.data)
     data.train = None  # (the budgets alone: a plan for another machine need not read its data)
     shapes = family.example_batches(micro_batch_size, cfg.data.max_length, device, packed=cfg.data.packing,
@@ -431,11 +432,11 @@ def _with_step_loss(prof: dict, family) -> dict:
                              "frozen_prefix": len(frozen_prefix(family.layer_names(), set(forward_only))),
                              # the batch loss's B x B transient: rows per micro-batch, bytes per pair
                              "rows": int(prof.get("key", {}).get("micro_batch_size") or 0),
-                             "pair_bytes": int(getattr(family, "step_loss_pair_bytes", STEP_LOSS_PAIR_BYTES)),
+                             "pair_bytes": int(family.step_loss_pair_bytes or STEP_LOSS_PAIR_BYTES),
                              "block_rows": int(family.step_loss_block_rows),
                              "block_pair_bytes": STEP_LOSS_BLOCK_PAIR_BYTES,
                              # with D > 1, each rank its own rows of the loss (model.local_loss)
-                             "local": bool(getattr(family, "local_step_loss", False)),
+                             "local": bool(family.local_step_loss),
                              # seconds per pair of the loss and its gradients (0: not timed)
                              "pair_s": float(prof.get("loss_pair_s", 0.0))}
     return prof

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from mmpipe.data.balance import StagePrices
 from mmpipe.planning.place import layer_costs, recomputed_ms
 
 
@@ -42,7 +43,6 @@ def layer_prices(prof: dict, family, cfg, micro_batch_size: int) -> dict:
 
 def stage_prices(plan):
     """The per-stage ``StagePrices`` of ``plan.prices`` under the plan's cut (None without prices)."""
-    from mmpipe.data.balance import StagePrices
     if not plan.prices:
         return None
     p = plan.prices

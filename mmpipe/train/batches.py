@@ -16,6 +16,7 @@ from mmpipe.parallel.strategies import LABEL_PLACEHOLDER
 from mmpipe.planning.flops import step_counter
 from mmpipe.planning.prices import stage_prices
 from mmpipe.train.faults import agree
+from mmpipe.train.price_refit import PriceRefit
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,7 +84,6 @@ class TrainData:
         import itertools
         import os
 
-        from mmpipe.train.price_refit import PriceRefit
 
         cfg, rank, where = run.cfg, run.rank, run.where
         sample_log = None

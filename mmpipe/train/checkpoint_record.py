@@ -12,8 +12,10 @@ import torch
 
 from mmpipe._version import __version__
 from mmpipe.config.schema import family_of
+from mmpipe.data.json_files import write_json
 from mmpipe.errors import MmpipeError
 from mmpipe.parallel.plan import stage_lists
+from mmpipe.planning.cache import cache_dir
 from mmpipe.train.checkpoint_files import json_dict, readable
 
 RECORD_FILE = "mmpipe_checkpoint.json"  # self-describing: family, model config, layout, step, data, versions
@@ -120,7 +122,6 @@ def _file_digest(path: str) -> str:
     """sha256 of a weight file's contents, read once: kept in the measurement cache under (path, size,
     modification time), which a re-saved or edited file changes (so a 14 GB base is read once, not at
     every export, generate and resume)."""
-    from mmpipe.planning.cache import _write_json, cache_dir
     st = os.stat(path)
     key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
     store = os.path.join(cache_dir(), "file_digests.json")
@@ -136,7 +137,7 @@ def _file_digest(path: str) -> str:
                 h.update(chunk)
         known[key] = h.hexdigest()
         try:
-            _write_json(store, known)
+            write_json(store, known)
         except OSError:  # a read-only cache: hashed again next time
             pass
     return known[key]

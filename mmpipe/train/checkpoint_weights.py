@@ -10,8 +10,12 @@ from typing import Optional
 
 import torch
 
+from mmpipe.config.resolve import build_family
+from mmpipe.config.schema import load_config
 from mmpipe.errors import MmpipeError
+from mmpipe.families.lora import is_adapter
 from mmpipe.parallel.layers import plain_state_key
+from mmpipe.parallel.plain import plain_model
 from mmpipe.train.checkpoint_files import COMPLETE_FILE, check_complete, is_complete, latest_tag, readable, step_of, \
     tag_for
 from mmpipe.train.checkpoint_record import FROZEN_EXCLUDED, base_fingerprint, check_base, read_record
@@ -55,14 +59,10 @@ def frozen_base(root: str, fingerprint: Optional[dict] = None, where: Optional[s
     """The weights a LoRA checkpoint leaves out: the frozen base, rebuilt from the run's config as the
     run built it (pretrained directories, or the seeded init); ``fingerprint`` (the checkpoint's
     record of its pretrained directories) refuses another base in one line."""
-    from mmpipe.config.resolve import build_family
-    from mmpipe.parallel.plain import plain_model
-    from mmpipe.config.schema import load_config
     cfg_path = os.path.join(os.path.dirname(os.path.normpath(root)), "config.yaml")
     if not os.path.isfile(cfg_path):
         raise MmpipeError(f"{root}: the checkpoint holds the adapters only (a LoRA run) and the run's config.yaml, "
                           f"which rebuilds its frozen base, is not beside it ({cfg_path})")
-    from mmpipe.families.lora import is_adapter
     cfg = load_config(cfg_path)
     check_base(fingerprint, base_fingerprint(cfg.to_dict()["model"]), where or root, cfg_path)
     model = plain_model(build_family(cfg))
@@ -70,7 +70,8 @@ def frozen_base(root: str, fingerprint: Optional[dict] = None, where: Optional[s
 
 
 def load_model_weights(root: str, tag: Optional[str] = None) -> dict:
-    """State dict in the plain ``DualEncoder``'s names, from a checkpoint of any layout."""
+    """State dict in the plain model's names (``parallel.plain.PlainModel``: every family's), from a checkpoint of any
+    layout (a pipeline's per-layer files, or a single-process / ZeRO one)."""
     tag = tag or latest_tag(root)
     d = os.path.join(root, tag)
     layers_file = os.path.join(d, LAYERS_FILE)

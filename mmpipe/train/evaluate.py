@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from mmpipe.config.fields import thawed_copy
 from mmpipe.data.sampler import eval_batches
 from mmpipe.parallel.strategies import LABEL_PLACEHOLDER
 from mmpipe.train.batches import DataStats, _as_pipe_batches
@@ -27,7 +28,6 @@ class Evaluator:
 
         def val_batches():
             if run.where.reads_data:
-                from mmpipe.config.fields import thawed_copy
                 data_cfg = thawed_copy(run.cfg.data)
                 data_cfg.packing = False  # one row per val sample (idx counts samples)
                 ds = family.dataset(val, run.tok, data_cfg)

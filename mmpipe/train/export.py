@@ -30,8 +30,8 @@ from mmpipe.data.tokenizer import load_tokenizer, tokenizer_choice
 from mmpipe.errors import ConfigError, NoHFFormat
 from mmpipe.families.lora import adapter_state as lora_adapters
 from mmpipe.families.lora import base_name, merged
-from mmpipe.train.checkpoint_weights import load_weights
 from mmpipe.parallel.plain import plain_model
+from mmpipe.train.checkpoint_weights import load_weights
 
 MARKER = "mmpipe_export.json"
 _PRETRAINED_FILES = ("config.json", "preprocessor_config.json")

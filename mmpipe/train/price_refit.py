@@ -20,12 +20,12 @@ from typing import Optional
 import numpy as np
 import torch.distributed as dist
 
+from mmpipe.planning.prices import refit_stage, stage_prices
 from mmpipe.train.faults import _warn
 
 
 class PriceRefit:
     def __init__(self, run, sampler, clock, start_step: int):
-        from mmpipe.planning.prices import stage_prices
         cfg, topo = run.cfg, run.topo
         self.every = cfg.data.balance_refit
         self.prior = stage_prices(run.plan) if cfg.data.balance == "cost" else None
@@ -81,7 +81,6 @@ class PriceRefit:
         return {"step": step, "from_step": step + self.lead, **rec}
 
     def _fit(self) -> dict:
-        from mmpipe.planning.prices import refit_stage
         feats = np.concatenate([f for f, _ in self.seen])  # [steps x D x A, 3]
         text = self.prior.text_slots(feats)  # [P, micro-batches]: a stage's squares in its own slots
         out = {"vision_scale": [], "token_scale": [], "base_ms": [], "error_before": [], "error_after": [],

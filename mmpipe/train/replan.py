@@ -25,6 +25,10 @@ from typing import Optional
 import torch.distributed as dist
 
 from mmpipe.errors import ConfigError
+from mmpipe.parallel.plan import stage_lists
+from mmpipe.parallel.startup import close_distributed, free_port
+from mmpipe.planning.measure import get_profile
+from mmpipe.planning.place import layer_costs, place, predict, stage_times
 from mmpipe.train.faults import _warn
 from mmpipe.train.setup import cut_limits
 
@@ -73,8 +77,6 @@ class Replanner:
         return decision[0]
 
     def _decide(self, run) -> Optional[dict]:
-        from mmpipe.planning.measure import get_profile
-        from mmpipe.planning.place import layer_costs, place, predict, stage_times
         plan, cfg, topo = run.plan, run.cfg, run.topo
         M = topo.accumulation_steps
         if self.prof is None:
@@ -114,8 +116,6 @@ class Replanner:
 def continue_on_new_cut(run, writer, step: int, decision: dict) -> None:
     """Every rank, after its checkpoint at ``step`` and with its data closed (the trainer's part of the
     decision): the new cut as a plan file, then this same process again on it (``os.execv``)."""
-    from mmpipe.parallel.startup import close_distributed, free_port  # (free_port: below the ephemeral range)
-    from mmpipe.parallel.plan import stage_lists
     path = os.path.join(run.out_dir, f"replan_step{step}.json")
     port = [None]
     if run.rank == 0:

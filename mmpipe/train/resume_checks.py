@@ -8,6 +8,7 @@ import os
 from typing import Optional
 
 from mmpipe.errors import MmpipeError
+from mmpipe.families.lora import is_adapter
 from mmpipe.train.checkpoint_files import check_complete, latest_tag, readable
 from mmpipe.train.checkpoint_record import FROZEN_EXCLUDED, absolute_paths, check_base, flat_keys, read_record
 from mmpipe.train.checkpoint_weights import load_model_weights
@@ -117,7 +118,6 @@ def check_adapters(tag_dir: str, named_params, stages: Optional[list], aliases: 
     run's, of the same shape (one line otherwise: resumed with other target modules, another rank
     or other frozen groups, its adapters would be dropped)."""
     saved = readable(tag_dir, lambda: load_model_weights(os.path.dirname(tag_dir), os.path.basename(tag_dir)))
-    from mmpipe.families.lora import is_adapter
     mine = dict(named_params)
     layers = None if not stages else [n for st in stages for n in st if any(k.startswith(n + ".") for k in mine)]
     missing = [n for n, p in mine.items() if p.requires_grad and n not in saved and aliases.get(n) not in saved]

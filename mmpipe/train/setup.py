@@ -39,6 +39,9 @@ from mmpipe.parallel.topology import Topology
 from mmpipe.planning.layouts import layouts_json, plan_layouts
 from mmpipe.planning.measure import get_profile
 from mmpipe.planning.micro_batch import auto_micro_batch, check_auto_micro_batch
+from mmpipe.planning.place import pick_schedule
+from mmpipe.planning.place import place as place_stages
+from mmpipe.planning.prices import layer_prices
 from mmpipe.train.checkpoint_record import saved_plan
 from mmpipe.train.faults import _everywhere, _rank0_decides, _warn, agree
 from mmpipe.train.run_dir import check_run_dir, prepare_run_dir
@@ -331,7 +334,6 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
     """The run's ``Plan`` (``mmpipe.planning.place.place``), computed once, on rank 0: on a resume of a
     measured placement, the checkpoint's plan (a new profile could differ); else from measured costs
     (``parallel.profile``, unless ``measure`` is False), else from trainable parameters."""
-    from mmpipe.planning.place import pick_schedule, place
     names, segments, P = family.layer_names(), family.segments(), topo.pipeline_stages
     M, mbs = topo.accumulation_steps, topo.micro_batch_size
     p = cfg.parallel
@@ -358,7 +360,7 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
                            run_micro_batches=cfg.train.steps * M / P)
     costs = ([sum(v.values()) for v in params.values()] if p.placement == "parameters" else
              [1 + sum(n for name, n in v.items() if name not in frozen) for v in params.values()])
-    plan = place(names, segments, P, p.placement, M, prof=prof, param_costs=costs, plan_file=p.plan,
+    plan = place_stages(names, segments, P, p.placement, M, prof=prof, param_costs=costs, plan_file=p.plan,
                  micro_batch_size=mbs, precision=cfg.train.precision, zero_stage=p.zero_stage,
                  data_parallel=topo.data_parallel, **cut_limits(cfg, params, frozen))
     if plan.why and "moved onto the stage before" in plan.why and not plan.chosen:
@@ -378,7 +380,6 @@ def cut_limits(cfg, params: dict, frozen) -> dict:
 
 def _prices(cfg, family, mbs: int, forward_only, frozen, prof) -> dict:
     """``data.balance: cost``'s per-layer prices, from ``prof`` or a profile taken (or read from the cache) now."""
-    from mmpipe.planning.prices import layer_prices
     if prof is None:
         prof = get_profile(cfg, family, mbs, forward_only, frozen, threads=torch.get_num_threads(),
                            measure_comm=False, log=lambda s: print(f"[mmpipe] {s}", flush=True))

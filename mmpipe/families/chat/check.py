@@ -8,6 +8,9 @@ import json
 import sys
 import tempfile
 
+from mmpipe.config.fields import thawed_copy
+from mmpipe.config.resolve import build_family
+from mmpipe.config.schema import family_of, replace
 from mmpipe.data.tokenizer import load_tokenizer, tokenizer_choice, train_tokenizer
 
 
@@ -27,15 +30,12 @@ def run_chat_check(path: str, cfg, as_json: bool = False, out=None, err=None) ->
     fraction is within ``data.max_bad_fraction``, else 1."""
     from tqdm import tqdm
 
-    from mmpipe.config.resolve import build_family
-    from mmpipe.config.schema import family_of, replace
     out, err = out or sys.stdout, err or sys.stderr
     fam_cls = family_of(cfg)
     samples = fam_cls.read_records(path, cfg.data, "--manifest")
     tok = _tokenizer(cfg, fam_cls, samples)
     cfg = replace(cfg, model=fam_cls.resolve(cfg.model, tok, cfg.data))
     family = build_family(cfg.model, cfg.train.seed)
-    from mmpipe.config.fields import thawed_copy
     data_cfg = thawed_copy(cfg.data)
     data_cfg.packing = False  # every sample on its own
     ds = family.dataset(samples, tok, data_cfg)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+from mmpipe.data.balance import SampleUnits
+from mmpipe.data.sample_keys import image_key, key_fields, sample_key
 from mmpipe.data.sampler import _item_key
 from mmpipe.errors import DataError
-from mmpipe.data.sample_keys import image_key, key_fields, sample_key
 from mmpipe.families.chat.encoder import ChatEncoder
 
 class ChatDataset:
@@ -37,7 +38,6 @@ class ChatDataset:
     def units(self):
         """``SampleUnits`` per sample (``data.balance: cost``): its image tokens and its encoded tokens (an
         unusable sample: 0 and 0; the loader replaces it by the next usable one)."""
-        from mmpipe.data.balance import SampleUnits
         vision, tokens = [], []
         for s in self.samples:
             enc = None if s.error is not None else self.encoder.encode(s)
@@ -147,7 +147,6 @@ class PackedChatDataset:
     @property
     def units(self):
         """``SampleUnits`` per pack: its samples' image tokens and tokens summed."""
-        from mmpipe.data.balance import SampleUnits
         u = self.chat.units
         return SampleUnits([sum(u.vision[i] for i in p) for p in self.packs],
                            [sum(int(u.tokens[i]) for i in p) for p in self.packs])

@@ -18,7 +18,11 @@ import torch
 from mmpipe.errors import ConfigError
 from mmpipe.families.base import Family
 from mmpipe.families.chat import loss as lm
-from mmpipe.families.chat.records import IMAGE, SPECIAL_TOKENS
+from mmpipe.families.chat.check import run_chat_check
+from mmpipe.families.chat.dataset import ChatCollate, ChatDataset, PackedChatDataset
+from mmpipe.families.chat.encoder import add_chat_tokens, ChatEncoder
+from mmpipe.families.chat.records import chat_texts, IMAGE, read_chat, SPECIAL_TOKENS
+from mmpipe.families.towers.common import ATTENTION_CHOICES
 
 
 class ChatFamily(Family):
@@ -38,7 +42,6 @@ class ChatFamily(Family):
 
     @classmethod
     def validate(cls, model_cfg, where: str) -> None:
-        from mmpipe.families.towers.common import ATTENTION_CHOICES
         attention = getattr(model_cfg, "attention", "sdpa")
         if attention not in ATTENTION_CHOICES:
             raise ConfigError(f"{where}: model.attention={attention!r} is not one of {', '.join(ATTENTION_CHOICES)} "
@@ -47,22 +50,18 @@ class ChatFamily(Family):
     # ---- data ----------------------------------------------------------------------------------
     @classmethod
     def read_records(cls, path, data_cfg, key):
-        from mmpipe.families.chat.records import read_chat
         return read_chat(path, data_cfg.image_folder, key)
 
     @classmethod
     def record_texts(cls, records):
-        from mmpipe.families.chat.records import chat_texts
         return chat_texts(records)
 
     @classmethod
     def prepare_tokenizer(cls, tokenizer):
-        from mmpipe.families.chat.encoder import add_chat_tokens
         return add_chat_tokens(tokenizer)
 
     @classmethod
     def check_data(cls, path, cfg, as_json=False, workers=1):
-        from mmpipe.families.chat.check import run_chat_check
         return run_chat_check(path, cfg, as_json)
 
     @classmethod
@@ -99,7 +98,6 @@ class ChatFamily(Family):
     def encoder(self, tokenizer, max_length: int, data_cfg=None):
         from functools import partial
 
-        from mmpipe.families.chat.encoder import ChatEncoder
         return ChatEncoder(tokenizer, self.image_token_id, partial(self.image_tokens, data_cfg=data_cfg), max_length,
                            self.image_wrap(tokenizer), video=self.video_input(tokenizer, data_cfg),
                            no_video=f"has a video, but model.type={self.name} has no video input (qwen2_5_vl, qwen3_vl "
@@ -117,13 +115,11 @@ class ChatFamily(Family):
         return float((ids == self.image_token_id).sum()), float(ids.numel())
 
     def dataset(self, records, tokenizer, data_cfg, seed=None):
-        from mmpipe.families.chat.dataset import ChatDataset, PackedChatDataset
         chat = ChatDataset(records, self.encoder(tokenizer, data_cfg.max_length, data_cfg),
                            self.pixels(self.cfg, data_cfg, seed))
         return PackedChatDataset(chat, data_cfg.max_length) if getattr(data_cfg, "packing", False) else chat
 
     def collate(self, tokenizer, data_cfg):
-        from mmpipe.families.chat.dataset import ChatCollate
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         return ChatCollate(pad, self.pixels(self.cfg, data_cfg), data_cfg.pad_multiple,
                            data_cfg.max_length if data_cfg.padding == "max_length" else None)

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from mmpipe.errors import ConfigError, DataError
-from mmpipe.families.chat.records import IMAGE, VIDEO
+from mmpipe.families.chat.records import IMAGE, read_chat, VIDEO
 
 
 class ChatGenerator:
@@ -126,7 +126,6 @@ def exact_match(gen: ChatGenerator, run_dir: str, chat_file: str, limit: Optiona
     import json
     from collections import Counter, defaultdict
 
-    from mmpipe.families.chat.records import read_chat
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit {limit}: give 1 or more (the most questions to score), or leave it out for all")
     if max_new_tokens < 1:

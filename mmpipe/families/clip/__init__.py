@@ -10,14 +10,17 @@ from typing import Optional
 import torch
 from torch import nn
 
+from mmpipe.config.fields import thawed_copy
 from mmpipe.config.registry import register_family
-from mmpipe.errors import ConfigError
+from mmpipe.data.tokenizer import eos_id as eos_of
+from mmpipe.errors import ConfigError, NoHFFormat
 from mmpipe.families.base import Layer
 from mmpipe.families.clip import model as m
 from mmpipe.families.clip.config import ClipConfig
 from mmpipe.families.image_text import ImageTextFamily
 from mmpipe.families.products import Matmul
 from mmpipe.families.towers import hf
+from mmpipe.families.towers.hf import image_processor
 from mmpipe.families.towers.text import TextSpec
 from mmpipe.families.towers.vision import VisionSpec
 
@@ -65,8 +68,6 @@ class ClipFamily(ImageTextFamily):
     def resolve(cls, model_cfg, tokenizer, data_cfg):
         """Text-tower fields a config may leave to the tokenizer. With pretrained text weights the
         tokenizer must fit their vocabulary, and pooling reads the EOS of the tokenizer actually used."""
-        from mmpipe.config.fields import thawed_copy
-        from mmpipe.data.tokenizer import eos_id as eos_of
         num_tokens, eos_id = len(tokenizer), eos_of(tokenizer)
         out = thawed_copy(model_cfg)
         t = out.text
@@ -240,7 +241,6 @@ class ClipFamily(ImageTextFamily):
     def hf_export(self, state, tokenizer, data_cfg=None):
         """``CLIPModel`` + ``CLIPProcessor`` (CLIP ViT + CLIP text) or ``VisionTextDualEncoderModel`` +
         its processor (CLIP ViT + BERT with its pooler); other towers raise ``NoHFFormat``."""
-        from mmpipe.errors import NoHFFormat
         from mmpipe.families.clip.adapter import format_of
         kind, why = format_of(self)
         if kind is None:
@@ -252,7 +252,6 @@ class ClipFamily(ImageTextFamily):
         return self.hf.hf_model(state), P(self.preprocessor(), tokenizer)
 
     def preprocessor(self):
-        from mmpipe.families.towers.hf import image_processor
         return image_processor(self.vision.image_size, self.vision.mean, self.vision.std)
 
     @property

@@ -12,6 +12,7 @@ import re
 import torch
 
 from mmpipe.errors import ConfigError
+from mmpipe.families.towers import hf
 
 _BLOCK = {"layer_norm1.": "ln_1.", "layer_norm2.": "ln_2.", "mlp.fc1.": "mlp.c_fc.", "mlp.fc2.": "mlp.c_proj.",
           "self_attn.out_proj.": "attn.out_proj."}
@@ -81,7 +82,6 @@ def to_open_clip(hf_state: dict) -> dict:
 def open_clip_state(family, state: dict) -> dict:
     """mmpipe's plain state dict of a CLIP ViT + CLIP text model, softmax or sigmoid loss (whose
     ``logit_bias`` CLIPModel lacks) -> open_clip's ``CLIP`` state dict (0-dim scale and bias)."""
-    from mmpipe.families.towers import hf
     rules = hf.CLIP_VISION_RULES + hf.CLIP_TEXT_RULES + hf.CLIP_TOP_RULES + [("loss.logit_bias", "logit_bias")]
     theirs = {}
     for k, v in state.items():

@@ -11,11 +11,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mmpipe.config.fields import thawed_copy
 from mmpipe.config.registry import register_family
 from mmpipe.errors import ConfigError
 from mmpipe.families.base import Layer
+from mmpipe.families.chat.export_format import no_added_special_tokens, plain_template, set_generation_defaults
 from mmpipe.families.chat.family import ChatFamily
+from mmpipe.families.chat.layers import LmHead, TokenEmbed
 from mmpipe.families.chat.masks import mark_mask
+from mmpipe.families.chat.records import ROLE_TOKENS
 from mmpipe.families.qwen_vl import model as m
 from mmpipe.families.qwen_vl.config import Qwen25VLConfig
 from mmpipe.families.qwen_vl.video import NativeVideo, VideoInput, check_budgets, video_processor
@@ -117,7 +121,6 @@ class Qwen25VLFamily(ChatFamily):
         """Qwen2-VL's vision tokens as special tokens (a directory's tokenizer holds them already), and,
         for a tokenizer without a chat template, the plain template's role markers (``<image>`` itself
         never reaches the tokenizer: the encoder expands it)."""
-        from mmpipe.families.chat.records import ROLE_TOKENS
         tokens = cls.special_tokens + (() if getattr(tokenizer, "chat_template", None) else ROLE_TOKENS)
         missing = [t for t in tokens if t not in tokenizer.get_vocab()]
         if missing:
@@ -128,7 +131,6 @@ class Qwen25VLFamily(ChatFamily):
     def resolve(cls, model_cfg, tokenizer, data_cfg):
         """``model.image_token_id`` (the tokenizer's ``<|image_pad|>``) and ``model.llm.vocab_size`` (at
         least the tokenizer's size), when left unset."""
-        from mmpipe.config.fields import thawed_copy
         out = thawed_copy(model_cfg)
         image_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
         if out.image_token_id is None:
@@ -222,7 +224,6 @@ class Qwen25VLFamily(ChatFamily):
         return self._layers
 
     def build_unseeded(self, name: str) -> nn.Module:
-        from mmpipe.families.chat.layers import LmHead, TokenEmbed
         parts, RMSNorm = self.model_parts()
         v, t = self.vision_cfg, self.text_cfg
         PatchEmbed, VisionBlock, Merger = parts.vision_classes()
@@ -441,7 +442,6 @@ class Qwen25VLFamily(ChatFamily):
         ``Qwen2_5_VLProcessor``: the run's image processor, tokenizer and chat template)."""
         import transformers
 
-        from mmpipe.families.chat.export_format import no_added_special_tokens, plain_template, set_generation_defaults
         stop = self.encoder(tokenizer, 1).end_of_turn_ids()  # before the template is set: as training rendered
         if not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = plain_template(VISION_START + IMAGE_PAD + VISION_END)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from mmpipe.families.base import HFAdapter
 from mmpipe.families.towers.common import transformers_facing
+from mmpipe.families.towers.hf import translate
 
 # mmpipe prefix -> transformers prefixes tried in order (the saved layout, then the in-memory one)
 LOAD_RULES = [("vision.embed.", ["visual.patch_embed.", "model.visual.patch_embed."]),
@@ -14,13 +15,6 @@ LOAD_RULES = [("vision.embed.", ["visual.patch_embed.", "model.visual.patch_embe
               ("llm.blocks.", ["model.layers.", "model.language_model.layers."]),
               ("llm.head.norm.", ["model.norm.", "model.language_model.norm."]),
               ("llm.head.lm_head.", ["lm_head."])]
-
-
-def _translate(name: str, rules) -> str:
-    for mine, theirs in rules:
-        if name.startswith(mine):
-            return theirs + name[len(mine):]
-    raise KeyError(f"no transformers name for {name}")
 
 
 class QwenVLHF(HFAdapter):
@@ -39,16 +33,16 @@ class QwenVLHF(HFAdapter):
         return transformers_facing(self.family.hf_cfg)
 
     def to_hf(self, state: dict) -> dict:
-        return {_translate(k, self.rules): v for k, v in state.items()}
+        return {translate(k, self.rules, strict=True): v for k, v in state.items()}
 
     def from_hf(self, hf_state: dict) -> dict:
         inverse = sorted(((theirs, mine) for mine, theirs in self.rules), key=lambda r: -len(r[0]))
-        return {_translate(k, inverse): v for k, v in hf_state.items()}
+        return {translate(k, inverse, strict=True): v for k, v in hf_state.items()}
 
     def adapter_name(self, plain: str) -> str:
         """A plain LoRA parameter name -> its name inside the transformers model as peft wraps it."""
         stem, rest = plain.split(".lora_", 1)
-        return _translate(stem + ".weight", self.rules)[:-len(".weight")] + ".lora_" + rest
+        return translate(stem + ".weight", self.rules, strict=True)[:-len(".weight")] + ".lora_" + rest
 
     def unused_hf_keys(self, hf_keys) -> list:
         return []

@@ -26,6 +26,7 @@ import torch
 
 from mmpipe.families.chat.layers import through
 from mmpipe.families.chat.masks import attention_inputs
+from mmpipe.families.towers.varlen import VARLEN_SPANS
 
 
 class VisionMeta(NamedTuple):
@@ -69,7 +70,6 @@ def vision_meta(grid: torch.Tensor, cfg) -> VisionMeta:
 def longest_span(cu: torch.Tensor, cfg):
     """The longest span of ``cu`` for a ViT attending by span boundaries (``model.attention: varlen``), read once
     per boundaries tensor; None for sdpa (transformers splits the spans itself)."""
-    from mmpipe.families.towers.varlen import VARLEN_SPANS
     if cfg._attn_implementation != VARLEN_SPANS:
         return None
     memo = getattr(cu, "_mmpipe_longest", None)

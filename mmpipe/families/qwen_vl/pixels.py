@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from mmpipe.errors import ConfigError
+
 
 class NativePixels:
     """``processor``: a transformers Qwen2-VL image processor (the directory's, or built from defaults
@@ -26,7 +28,6 @@ class NativePixels:
         """Itself, once its pixel bounds are usable (else one line naming ``data.min_pixels`` / ``data.max_pixels``):
         ``min_pixels > max_pixels`` would invert the order of sizes (a small image more tokens than a large
         one), and a bound below one merge unit (``(patch x merge)^2`` pixels) resizes nothing to it."""
-        from mmpipe.errors import ConfigError
         unit = (self.patch * self.merge) ** 2
         if self.min_pixels > self.max_pixels:
             raise ConfigError(f"data.min_pixels={self.min_pixels} is above data.max_pixels={self.max_pixels}: an image "

@@ -9,6 +9,7 @@ import warnings
 
 import torch
 
+from mmpipe.families.chat.masks import mask_kind
 from mmpipe.families.products import (
     DECODER_BLOCK,
     Matmul,
@@ -17,6 +18,7 @@ from mmpipe.families.products import (
     decoder_products,
     span_attention_products,
 )
+from mmpipe.families.qwen_vl.qwen3_5_model import sample_spans
 
 VISION_BLOCK = {"qkv": "attn.qkv", "o": "attn.proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
                 "down": "mlp.down_proj"}
@@ -102,12 +104,10 @@ def _chunked(n: int) -> int:
 def recurrent_shape(batch: dict, mb: MicroBatch) -> MicroBatch:
     """``mb`` with the runs a linear-attention block makes on a packed row (``qwen3_5_model``: sample by sample,
     its padding not at all); other rows run whole (``recurrent_spans`` left empty)."""
-    from mmpipe.families.chat.masks import mask_kind
-    from mmpipe.families.qwen_vl.qwen3_5_model import _spans
     mask = batch.get("attention_mask")
     if torch.is_tensor(mask) and not mask.is_meta and mask.device.type == "cpu" and mask.dim() == 2 \
             and mask_kind(mask) == "packed":
-        return mb._replace(recurrent_spans=tuple(end - start for row in mask.tolist() for start, end in _spans(row)))
+        return mb._replace(recurrent_spans=tuple(end - start for row in mask.tolist() for start, end in sample_spans(row)))
     return mb
 
 

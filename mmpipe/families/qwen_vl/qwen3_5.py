@@ -12,7 +12,7 @@ from __future__ import annotations
 from mmpipe.config.registry import register_family
 from mmpipe.errors import ConfigError
 from mmpipe.families.qwen_vl import Qwen25VLFamily, pretrained_config, set_token_ids
-from mmpipe.families.qwen_vl import qwen3_5_model as m
+from mmpipe.families.qwen_vl import products, qwen3_5_model as m
 from mmpipe.families.qwen_vl.qwen3_5_config import Qwen35Config
 from mmpipe.families.towers.common import use_attention
 
@@ -102,9 +102,7 @@ class Qwen35Family(Qwen25VLFamily):
         return self.layer(name).segment
 
     def micro_batch(self, batch: dict):
-        from mmpipe.families.qwen_vl import products
         return products.recurrent_shape(batch, super().micro_batch(batch))
 
     def matmuls(self, name: str, mb) -> list:
-        from mmpipe.families.qwen_vl import products
         return products.qwen3_5_matmuls(self, name, mb)

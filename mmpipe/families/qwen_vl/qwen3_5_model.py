@@ -129,7 +129,7 @@ def decoder_block_cls():
                                        else None, **kwargs)
             out = hidden_states.new_zeros(hidden_states.shape[:-1] + (self.out_proj.out_features,))
             for b, row in enumerate(attention_mask.tolist()):
-                for start, end in _spans(row):
+                for start, end in sample_spans(row):
                     out[b, start:end] = super().forward(hidden_states[b:b + 1, start:end], **kwargs)[0]
             return out
 
@@ -155,7 +155,7 @@ def decoder_block_cls():
     return DecoderBlock
 
 
-def _spans(segments: list) -> list:
+def sample_spans(segments: list) -> list:
     """[(start, end)] of each sample (a run of one segment id > 0) of a packed row."""
     out, start = [], None
     for t, s in enumerate(segments + [0]):

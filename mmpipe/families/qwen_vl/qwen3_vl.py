@@ -15,10 +15,10 @@ from mmpipe.config.registry import register_family
 from mmpipe.errors import ConfigError
 from mmpipe.families.base import Layer
 from mmpipe.families.qwen_vl import Qwen25VLFamily, pretrained_config, set_token_ids
-from mmpipe.families.qwen_vl import qwen3_vl_model as q
+from mmpipe.families.qwen_vl import products, qwen3_vl_model as q
 from mmpipe.families.qwen_vl.qwen3_5 import Qwen35Family
 from mmpipe.families.qwen_vl.qwen3_vl_config import Qwen3VLConfig
-from mmpipe.families.towers.common import use_attention
+from mmpipe.families.towers.common import init_transformer_part, use_attention
 
 _VISION_FIELDS = ("depth", "hidden_size", "num_heads", "intermediate_size", "patch_size", "temporal_patch_size",
                   "spatial_merge_size", "num_position_embeddings", "deepstack_visual_indexes")
@@ -103,13 +103,11 @@ class Qwen3VLFamily(Qwen25VLFamily):
                         + [Layer("llm.head", "llm", q.m.llm_head_step)])
 
     def matmuls(self, name: str, mb) -> list:
-        from mmpipe.families.qwen_vl import products
         return products.qwen3_vl_matmuls(self, name, mb)
 
     def build_unseeded(self, name: str):
         if not name.startswith("deepstack."):
             return super().build_unseeded(name)
-        from mmpipe.families.towers.common import init_transformer_part
         module = q.deepstack_merger_cls()(self.vision_cfg)
         init_transformer_part(module, std=getattr(self.text_cfg, "initializer_range", 0.02))
         return module

@@ -28,6 +28,8 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
+from mmpipe.errors import ConfigError
+
 FRAME_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 
 
@@ -266,7 +268,6 @@ def video_processor(pretrained: Optional[str], style: str, defaults: dict, data_
 def check_budgets(min_frames, max_frames, min_pixels, max_pixels) -> None:
     """One line for a frame or pixel budget whose minimum is above its maximum (the processor would sample past
     the frame budget, or grow a small video past the pixel budget); unset ones (None) are not checked."""
-    from mmpipe.errors import ConfigError
     for what, lo, hi in (("frames", min_frames, max_frames), ("pixels", min_pixels, max_pixels)):
         if lo is not None and hi is not None and lo > hi:
             raise ConfigError(f"data.video_min_{what}={lo} is above data.video_max_{what}={hi} (the video processor's "

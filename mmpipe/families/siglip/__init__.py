@@ -10,17 +10,19 @@ import math
 import torch
 from torch import nn
 
+from mmpipe.config.fields import thawed_copy
 from mmpipe.config.registry import register_family
-from mmpipe.errors import ConfigError, one_line
+from mmpipe.data.loader import Collate
+from mmpipe.errors import ConfigError, NoHFFormat, one_line
 from mmpipe.families.base import HFAdapter, Layer
 from mmpipe.families.clip import ClipFamily
 from mmpipe.families.clip import model as m
 from mmpipe.families.image_text import ImageTextFamily
 from mmpipe.families.products import Matmul
-from mmpipe.families.towers import siglip as parts
-from mmpipe.families.towers.common import use_attention
 from mmpipe.families.siglip.config import SiglipConfig
 from mmpipe.families.towers import hf
+from mmpipe.families.towers import siglip as parts
+from mmpipe.families.towers.common import use_attention
 
 _FIELDS = {"vision": ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "image_size",
                       "patch_size"),
@@ -92,7 +94,6 @@ class SiglipFamily(ClipFamily):
     def resolve(cls, model_cfg, tokenizer, data_cfg):
         """The text tower's vocabulary from the tokenizer (or the tokenizer checked against the
         weights'), its length from ``data.max_length`` when unset."""
-        from mmpipe.config.fields import thawed_copy
         out = thawed_copy(model_cfg)
         t = out.text
         if model_cfg.pretrained:
@@ -156,7 +157,6 @@ class SiglipFamily(ClipFamily):
     def collate(self, tokenizer, data_cfg):
         """Every caption padded to the tower's length (SigLIP pools the last position, as its processor
         pads), whatever ``data.padding`` says."""
-        from mmpipe.data.loader import Collate
         return Collate(tokenizer, self.text_length, "max_length", 1)
 
     def example_batch(self, micro_batch_size: int, max_length: int, device, packed: bool = False) -> dict:
@@ -176,7 +176,6 @@ class SiglipFamily(ClipFamily):
     def hf_export(self, state, tokenizer, data_cfg=None):
         """``SiglipModel`` + ``SiglipProcessor`` (its image processor resizes to the square size, as
         SigLIP's does; the tokenizer pads to the tower's length)."""
-        from mmpipe.errors import NoHFFormat
         if self.cfg.loss != "sigmoid":
             raise NoHFFormat("SiglipModel's loss is the sigmoid loss; this model trained the softmax loss")
         from transformers import SiglipProcessor

@@ -8,6 +8,10 @@ import zlib
 import torch
 from torch import nn
 
+from mmpipe.config.fields import option
+from mmpipe.errors import ConfigError
+from mmpipe.families.towers import varlen
+
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -22,7 +26,6 @@ ATTENTION_CHOICES = ("sdpa", "varlen")
 
 def attention_option():
     """The chat families' ``model.attention`` field."""
-    from mmpipe.config.fields import option
     return option("sdpa", "sdpa: torch's fused attention, a packed row's samples kept apart by a block-diagonal mask "
                   "(the reference); varlen: packed rows, and a native-resolution ViT's image / window spans, attended "
                   "by their span boundaries (cu_seqlens) - torch's varlen flash kernel on a CUDA GPU in bf16 (or "
@@ -33,16 +36,13 @@ def use_attention(*configs, kind: str = ATTENTION, spans: bool = False) -> None:
     """Give transformers ``configs`` the run's attention implementation: ``sdpa``, or ``varlen``
     (``towers.varlen``; ``spans``: the configs of ViTs whose attention takes ``cu_seqlens``)."""
     if kind not in ATTENTION_CHOICES:
-        from mmpipe.errors import ConfigError
         raise ConfigError(f"model.attention={kind!r} is not one of {', '.join(ATTENTION_CHOICES)} (sdpa: packed rows "
                           "through a block-diagonal mask; varlen: by their span boundaries)")
     name = ATTENTION
     if kind == "varlen":
-        from mmpipe.families.towers import varlen
         for c in configs if not spans else ():  # (the Qwen ViTs' attention takes none whatever their config says)
             p = getattr(c, "attention_dropout", 0.0) or 0.0
             if p > 0:
-                from mmpipe.errors import ConfigError
                 raise ConfigError(f"model.attention=varlen: the decoder's attention_dropout is {p} (model.pretrained's "
                                   "config.json); the varlen kernels take no attention dropout: set it to 0 there or use "
                                   "model.attention=sdpa")

@@ -26,10 +26,13 @@ CLIP_TOP_RULES = [("visual_projection.", "visual_projection."), ("text_projectio
 RESNET_RULES = [("vision.embed.", "")] + [(f"vision.blocks.{i}.", f"layer{i + 1}.") for i in range(4)]
 
 
-def translate(name: str, rules) -> Optional[str]:
+def translate(name: str, rules, strict: bool = False) -> Optional[str]:
+    """``name`` under the first rule whose prefix it has; None (``strict``: ``KeyError``) when none has."""
     for mine, theirs in rules:
         if name.startswith(mine):
             return theirs + name[len(mine):]
+    if strict:
+        raise KeyError(f"no transformers name for {name}")
     return None
 
 

@@ -8,25 +8,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mmpipe.config.fields import thawed_copy
 from mmpipe.config.registry import register_family
 from mmpipe.errors import ConfigError
 from mmpipe.families.base import Layer
+from mmpipe.families.chat.export_format import PLAIN_TEMPLATE, no_added_special_tokens, set_generation_defaults
 from mmpipe.families.chat.family import ChatFamily
 from mmpipe.families.chat.masks import mark_mask
 from mmpipe.families.chat.records import IMAGE
 from mmpipe.families.products import Matmul, decoder_products
-from mmpipe.families.towers import hf
-from mmpipe.families.towers.vision import vit_products
+from mmpipe.families.towers import hf, siglip
 from mmpipe.families.towers.common import (
+    init_transformer_part,
+    normalize_pixels,
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
-    init_transformer_part,
     use_attention,
 )
+from mmpipe.families.towers.hf import image_processor
+from mmpipe.families.towers.siglip import SIGLIP_MEAN, SIGLIP_STD
+from mmpipe.families.towers.siglip import products as siglip_products
+from mmpipe.families.towers.vision import _clip_block_cls, ClipVisionEmbed, vit_products
 from mmpipe.families.vlm import model as m
-from mmpipe.families.vlm.adapter import LLM_RULES, LOAD_RULES, VISION_RULES
+from mmpipe.families.vlm.adapter import LLM_RULES, LOAD_RULES, VISION_RULES, VlmHF
 from mmpipe.families.vlm.config import VlmConfig
-from mmpipe.families.chat.export_format import PLAIN_TEMPLATE, no_added_special_tokens, set_generation_defaults
 from mmpipe.families.vlm.hf_configs import check_shapes, feature_choice, hf_configs, vision_config
 
 @register_family
@@ -54,7 +59,6 @@ class VlmFamily(ChatFamily):
     def resolve(cls, model_cfg, tokenizer, data_cfg):
         """``model.llm.vocab_size`` (at least the tokenizer's size), ``model.image_token_id`` (the
         tokenizer's ``<image>``) and the rotary table's length, when left unset."""
-        from mmpipe.config.fields import thawed_copy
         out = thawed_copy(model_cfg)
         n = len(tokenizer)
         cls.resolve_image_token(out, tokenizer)
@@ -126,8 +130,6 @@ class VlmFamily(ChatFamily):
         return self._layers
 
     def build_unseeded(self, name: str) -> nn.Module:
-        from mmpipe.families.towers import siglip
-        from mmpipe.families.towers.vision import ClipVisionEmbed, _clip_block_cls
         v, t = self.vision_cfg, self.text_cfg
         if name == "vision.embed":
             module = (siglip.VisionEmbed if self.siglip_tower else ClipVisionEmbed)(v, *self.pixel_stats())
@@ -153,9 +155,8 @@ class VlmFamily(ChatFamily):
         and the LM head's on every (padded) token position."""
         v, t = self.vision_cfg, self.text_cfg
         if self.siglip_tower and name.startswith("vision."):
-            from mmpipe.families.towers.siglip import products
             part = "embed" if name == "vision.embed" else "blocks"
-            return products("vision", part, v, mb.images if part == "embed" else max(mb.images, 1),
+            return siglip_products("vision", part, v, mb.images if part == "embed" else max(mb.images, 1),
                             (v.image_size // v.patch_size) ** 2)
         if name == "vision.embed":
             return vit_products(v, "embed", mb.images)
@@ -232,13 +233,11 @@ class VlmFamily(ChatFamily):
         return model, proc
 
     def preprocessor(self):
-        from mmpipe.families.towers.hf import image_processor
         return image_processor(self.vision_cfg.image_size, *self.pixel_stats())
 
     @property
     def hf(self):
         """The transformers adapter: ``to_hf`` / ``from_hf``, ``hf_config()`` (LlavaConfig), ``hf_model``."""
-        from mmpipe.families.vlm.adapter import VlmHF
         return VlmHF(self)
 
     def tied_weights(self) -> list:
@@ -250,7 +249,6 @@ class VlmFamily(ChatFamily):
         return self.vision_cfg.model_type == "siglip_vision_model"
 
     def pixel_stats(self) -> tuple:
-        from mmpipe.families.towers.siglip import SIGLIP_MEAN, SIGLIP_STD
         return (SIGLIP_MEAN, SIGLIP_STD) if self.siglip_tower else (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
 
     def n_image_tokens(self) -> int:
@@ -265,8 +263,6 @@ class VlmFamily(ChatFamily):
     def generation_inputs(self, images: list, data_cfg=None) -> dict:
         """``pixel_values`` (N, 3, S, S) float, normalised, of the images at generation, decoded and
         resized as training's loader did (no augmentation)."""
-        from mmpipe.errors import ConfigError
-        from mmpipe.families.towers.common import normalize_pixels
         px = self.pixels(self.cfg, data_cfg)
         out = []
         for path in images:

@@ -5,6 +5,7 @@ vision-only (CLIP) or LM-only (Llama, Qwen2) directory."""
 from __future__ import annotations
 
 from mmpipe.families.base import HFAdapter
+from mmpipe.families.towers.hf import translate
 
 # mmpipe name prefix -> transformers names tried in order (the layout save_pretrained writes today,
 # then llava-hf's older one, then the in-memory names)
@@ -28,13 +29,6 @@ LLM_RULES = [("llm.embed.", ["model."]), ("llm.blocks.", ["model.layers."]), ("l
 RULES = [(mine, names[-1]) for mine, names in LOAD_RULES]
 
 
-def _translate(name: str, rules) -> str:
-    for mine, theirs in rules:
-        if name.startswith(mine):
-            return theirs + name[len(mine):]
-    raise KeyError(f"no transformers name for {name}")
-
-
 class VlmHF(HFAdapter):
     def hf_config(self):
         from transformers import LlavaConfig
@@ -47,13 +41,13 @@ class VlmHF(HFAdapter):
     def to_hf(self, state: dict) -> dict:
         """Plain state dict -> transformers' (the vision blocks past the feature layer, which LLaVA
         never runs, and the unused post-layernorm and SigLIP pooling head are not in it: ``unused_hf_keys``)."""
-        return {_translate(k, RULES): v for k, v in state.items()}
+        return {translate(k, RULES, strict=True): v for k, v in state.items()}
 
     def adapter_name(self, plain: str) -> str:
         """A plain LoRA parameter name -> its name inside ``LlavaForConditionalGeneration`` as peft
         wraps it (``...q_proj.lora_A.default.weight``)."""
         stem, rest = plain.split(".lora_", 1)
-        return _translate(stem + ".weight", RULES)[:-len(".weight")] + ".lora_" + rest
+        return translate(stem + ".weight", RULES, strict=True)[:-len(".weight")] + ".lora_" + rest
 
     def unused_hf_keys(self, hf_keys) -> list:
         k = self.family.vision_blocks
@@ -66,7 +60,7 @@ class VlmHF(HFAdapter):
         for k, v in hf_state.items():
             if k in self.unused_hf_keys([k]):
                 continue
-            out[_translate(k, inverse)] = v
+            out[translate(k, inverse, strict=True)] = v
         return out
 
     def hf_model(self, state: dict):

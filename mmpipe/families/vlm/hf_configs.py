@@ -3,6 +3,7 @@
 configured sizes; the vision feature choice and the shape checks, each mistake in one line."""
 from __future__ import annotations
 
+from mmpipe.config.fields import thawed_copy
 from mmpipe.errors import ConfigError
 from mmpipe.families.towers import hf
 
@@ -23,7 +24,6 @@ def feature_choice(model_cfg):
     LLaVA directory's own (``model.pretrained``), else the tower's (``FEATURE_DEFAULTS``); set, it must
     agree with the directory's (one line if not). ``default`` (drop the class token) with a SigLIP tower,
     which has none, would drop a real patch of every image: one line."""
-    from mmpipe.config.fields import thawed_copy
     out = thawed_copy(model_cfg)
     top = llava_config(out) if out.pretrained else None
     tower = vision_config(out).model_type
