@@ -113,7 +113,8 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
     from deepspeed.accelerator import get_accelerator
     device = torch.device(get_accelerator().device_name())
     threads = threads or torch.get_num_threads()
-    digest = profile_digest(profile_key(cfg, family, micro_batch_size, threads, device.type, forward_only, frozen))
+    key = profile_key(cfg, family, micro_batch_size, threads, device.type, forward_only, frozen)
+    digest = profile_digest(key)
     path = os.path.join(cache_dir(), f"{digest}.json")
     if use_cache and not refresh and os.path.isfile(path):
         with open(path) as fh:
