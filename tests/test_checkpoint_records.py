@@ -163,12 +163,16 @@ def test_resume_refuses_other_lora_settings_or_packing(lora_run, change, key):
 def test_a_precision_change_resumes_through_the_layout_free_files(lora_run, tmp_path):
     """fp32 -> bf16: DeepSpeed's optimizer wrapper differs, so its own files do not fit (they failed with
     KeyError 'dynamic_loss_scale'); the layout-free weights and Adam moments do, by parameter name."""
-    saved = checkpoint_record.layout_record(_Topo(), _cfg("fp32"), None, None)
-    assert not resume_checks.same_layout(saved, checkpoint_record.layout_record(_Topo(), _cfg("bf16"), None, None))
-    assert resume_checks.same_layout(saved, checkpoint_record.layout_record(_Topo(), _cfg("fp32"), None, None))
-    # the pipeline schedule is recorded, and holds no state: another one reads the same per-stage files
-    other = checkpoint_record.layout_record(_Topo(), _cfg("fp32"), None, None, "frozen_first")
-    assert other["schedule"] == "frozen_first" and saved["schedule"] == "1f1b" and resume_checks.same_layout(saved, other)
+    from mmpipe.parallel.schedules import Order
+    one = Order("1f1b")
+    saved = checkpoint_record.layout_record(_Topo(), _cfg("fp32"), None, None, one)
+    assert not resume_checks.same_layout(saved, checkpoint_record.layout_record(_Topo(), _cfg("bf16"), None, None, one))
+    assert resume_checks.same_layout(saved, checkpoint_record.layout_record(_Topo(), _cfg("fp32"), None, None, one))
+    # the pipeline order is recorded, and holds no state: another one reads the same per-stage files
+    for order in (Order("frozen_first", 1), Order("zb_h1")):
+        other = checkpoint_record.layout_record(_Topo(), _cfg("fp32"), None, None, order)
+        assert other["schedule"] == order.name and other["frozen_stages"] == order.frozen
+        assert saved["schedule"] == "1f1b" and resume_checks.same_layout(saved, other)
     run = _copy(lora_run, tmp_path)
     sets = LORA + [f"data.train={lora_run['train']}", f"train.output_dir={run}", "train.precision=bf16"]
     proc = _train(lora_run["work"], sets, ["--resume"])

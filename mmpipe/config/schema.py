@@ -19,6 +19,7 @@ from mmpipe.config.fields import Section, in_range, range_text, thawed_copy
 from mmpipe.config.fields import option as _f
 from mmpipe.config.registry import get_family
 from mmpipe.errors import ConfigError
+from mmpipe.parallel.schedules import SCHEDULES
 
 
 def _model_section(type_name: str = "clip", where: str = "config"):
@@ -114,9 +115,12 @@ class ParallelConfig(Section):
                         "DeepSpeed's uniform, parameters, type:REGEX")
     schedule: str = _f("auto", "the pipeline order (mmpipe.parallel.schedules): 1f1b (DeepSpeed's default order); "
                        "frozen_first (leading stages whose layers are all frozen run their forwards back to back and "
-                       "never wait for or receive a gradient; 1F1B after them); gpipe (every forward, then every "
-                       "backward); auto: frozen_first where leading stages train nothing and the simulator predicts "
-                       "it no slower, else 1f1b")
+                       "never wait for or receive a gradient; 1F1B after them); zb_h1 (zero bubble's ZB-H1: each "
+                       "backward split into the input gradient and the linear layers' weight gradients, which fill "
+                       "the bubble; 1F1B's live activations plus the queued weight-gradient inputs); gpipe (every "
+                       "forward, then every backward); auto: with measured costs, every cut is predicted under every "
+                       "order that applies to it and the fastest pair within parallel.memory_budget_gb is taken; "
+                       "without them frozen_first where leading stages train nothing, else 1f1b")
     profile: bool = _f(True, "cost layers by measured forward/backward time (rank 0 profiles at start, cached in "
                        "~/.cache/mmpipe or $MMPIPE_CACHE); false: by trainable parameter count")
     plan: Optional[str] = _f(None, "JSON file with \"stages\": per-stage lists of layer names (e.g. a run's plan.json); overrides placement")
@@ -288,10 +292,10 @@ _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "tru
 def _check_type(key: str, tp, value, where: str):
     if tp in (str, "str") and value is False and key in _YAML_OFF:  # YAML 1.1 reads a bare off as false
         return "off"
-    if tp in (str, "str") and isinstance(value, bool) and key in _CHOICES:  # ... and on / yes / true as true
+    if tp in (str, "str") and isinstance(value, bool) and key in _choices():  # ... and on / yes / true as true
         typed = "on/yes/true" if value else "off/no/false"
         raise ConfigError(f"{where}: {key}={typed} (YAML's {str(value).lower()}) is not one of "
-                          f"{', '.join(_CHOICES[key])}")
+                          f"{', '.join(_choices()[key])}")
     origin = typing.get_origin(tp)
     if origin is typing.Union:  # Optional[X] or Union[X, Y]
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -435,8 +439,12 @@ _CHOICES = {
     "parallel.activation_checkpointing": ("none", "all", "auto"),
     "data.balance": ("none", "cost"),
     "parallel.replan": ("off", "auto"),
-    "parallel.schedule": ("auto", "1f1b", "frozen_first", "gpipe"),
 }
+
+
+def _choices() -> dict:
+    """Every setting's choices; ``parallel.schedule``'s from the registry of orders (a plugin's included)."""
+    return {**_CHOICES, "parallel.schedule": ("auto",) + tuple(SCHEDULES)}
 
 
 def check_ranges(section, prefix: str, where: str) -> None:
@@ -458,7 +466,7 @@ def check_ranges(section, prefix: str, where: str) -> None:
 def validate(cfg: RunConfig) -> None:
     """Checks that need no process group: choices, ranges, ZeRO with a pipeline."""
     where = cfg.source or "config"
-    for key, choices in _CHOICES.items():
+    for key, choices in _choices().items():
         if cfg.get(key) not in choices:
             raise ConfigError(f"{where}: {key}={cfg.get(key)!r} is not one of {', '.join(choices)}")
     placement = cfg.parallel.placement

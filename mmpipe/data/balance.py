@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 
 from mmpipe.data.processes import pool_context
-from mmpipe.parallel.schedules import step_seconds
+from mmpipe.parallel.schedules import Order, step_seconds
 
 
 @dataclass
@@ -48,8 +48,8 @@ class StagePrices:
     pad_multiple: int = 1
     fixed_length: bool = False
     base: Optional[list] = None  # seconds per micro-batch per stage, whatever it holds (a refit's intercept)
-    order: str = "1f1b"  # the run's pipeline schedule and its leading stages that train nothing: how a rank's
-    frozen: int = 0  # micro-batches are priced as a step (``schedules.step_seconds``)
+    order: Optional[Order] = None  # the run's pipeline order: how a rank's micro-batches are priced as a step
+    # (``schedules.step_seconds``; one stage: their sum)
     squares: Optional[list] = None  # seconds per row x padded length², per stage (attention's scores)
 
     def __post_init__(self):
@@ -60,7 +60,7 @@ class StagePrices:
         """These prices with each stage's vision and text prices multiplied (a row's slots and its squares by
         the same factor) and its base set."""
         return StagePrices([p * a for p, a in zip(self.vision, vision)], [p * b for p, b in zip(self.tokens, tokens)],
-                           self.max_length, self.pad_multiple, self.fixed_length, list(base), self.order, self.frozen,
+                           self.max_length, self.pad_multiple, self.fixed_length, list(base), self.order,
                            [p * b for p, b in zip(self.squares, tokens)])
 
     def text_slots(self, features: np.ndarray) -> np.ndarray:
@@ -72,7 +72,9 @@ class StagePrices:
 
     def step(self, C: np.ndarray) -> np.ndarray:
         """Predicted seconds of a rank's step over micro-batches with per-stage costs ``C`` [..., M, P]."""
-        return step_seconds(self.order, C, self.frozen)
+        if C.shape[-1] > 1 and self.order is None:
+            raise ValueError("StagePrices.order: a pipeline's prices need the run's order")
+        return step_seconds(self.order, C) if C.shape[-1] > 1 else C.sum(axis=(-1, -2))
 
 
 class StepBalancer:
@@ -159,8 +161,9 @@ class StepBalancer:
         return [[max(s, step), asdict(p)] for s, p in self.schedule if s >= now]
 
     def restore_schedule(self, saved: list) -> None:
-        order = {"order": self.prices.order, "frozen": self.prices.frozen}  # this run's pipeline order
-        self.schedule = [(int(s), StagePrices(**{**p, **order})) for s, p in saved]
+        self.schedule = [(int(s), StagePrices(**{**{k: v for k, v in p.items() if k not in ("order", "frozen")},
+                                                 "order": self.prices.order}))  # this run's pipeline order
+                         for s, p in saved]
 
     # ---- costs -------------------------------------------------------------------------------
     def features(self, groups: list) -> np.ndarray:

@@ -11,6 +11,7 @@ that exercises the patch's behaviour.
 | ``check_version`` | ``deepspeed.__version__`` (public) | a DeepSpeed newer than ``CHECKED`` is named once |
 | ``fix_recv_buffer_dtype`` | ``PipelineEngine._allocate_or_extend_buffers``, ``_grad_layer_buf``, ``_allocate_buffer`` | buffers reused across dtypes with 3+ stages |
 | ``wrap_instructions`` | ``PipelineEngine._INSTRUCTION_MAP`` | the per-instruction stage clock |
+| ``split_backward``, ``instruction_class`` | ``PipelineEngine._INSTRUCTION_MAP``, ``grad_layer``, ``_running_engine_backward``, ``using_bf16_optimizer``, ``BF16_Optimizer.clear_lp_grads`` / ``update_hp_grads`` / ``immediate_grad_update``, ``deepspeed.runtime.pipe.schedule.BufferOpInstruction`` / ``PipeInstruction`` | the backward as input gradient (B) and weight gradients (W) apart: zero-bubble orders |
 | ``loss_per_buffer`` | ``PipelineEngine._INSTRUCTION_MAP``, ``loss``, ``_exec_forward_pass``, ``_exec_backward_pass`` | a last stage whose order runs two forwards before a backward (``gpipe``) backpropagates each micro-batch's own loss |
 | ``set_train_schedule`` | ``PipelineEngine._train_schedule``, ``deepspeed.runtime.pipe.schedule`` (``PipeSchedule`` and its instruction classes) | the run's pipeline order (``parallel.schedules``) as the engine's schedule |
 | ``is_zero_optimizer`` | the class name ``DeepSpeedZeroOptimizer`` | grouped clipping under ZeRO-1/2 |
@@ -81,6 +82,59 @@ def wrap_instructions(engine, wrap: Callable) -> None:
     engine._INSTRUCTION_MAP = {cls: wrap(cls.__name__, fn) for cls, fn in table.items()}
 
 
+_SPLIT: dict = {}
+
+
+def instruction_class(kind: str):
+    """DeepSpeed's instruction class of an action kind, with the split backward's two added (a ``BufferOpInstruction``
+    ``BackwardInputPass(buffer_id, micro_batch=)`` and a ``PipeInstruction`` ``BackwardWeightPass(micro_batch=)``)."""
+    from deepspeed.runtime.pipe import schedule as S
+    if not _SPLIT:
+        _SPLIT["BackwardInputPass"] = type("BackwardInputPass", (S.BufferOpInstruction,), {})
+        _SPLIT["BackwardWeightPass"] = type("BackwardWeightPass", (S.PipeInstruction,), {})
+    return _SPLIT.get(kind) or getattr(S, kind)
+
+
+def split_backward(engine, store) -> None:
+    """Teach ``engine`` the two halves of a backward (``parallel.zero_bubble``): ``BackwardInputPass`` is its own
+    ``BackwardPass`` with the stage's split layers queueing their weight-gradient inputs into ``store`` (the received
+    gradient copied first: DeepSpeed receives the next one into the same buffer, and a queued output gradient may be
+    it); ``BackwardWeightPass`` computes one micro-batch's weight gradients as a backward does on a non-last stage
+    (``_running_engine_backward`` set, so ZeRO's post-backward hook stands aside; the bf16 optimizer's low-precision
+    gradients moved into its fp32 buffers, which without ``immediate_grad_update`` only its backward does)."""
+    import torch
+    from deepspeed.runtime.pipe import schedule as S
+    table = dict(engine._INSTRUCTION_MAP)
+    backward = table[S.BackwardPass]
+
+    def backward_input(self, buffer_id, micro_batch):
+        received = self.grad_layer
+        if received is not None and not self.is_last_stage():
+            self.grad_layer = received.clone() if torch.is_tensor(received) else [t.clone() for t in received]
+        try:
+            with store.backward_input(micro_batch):
+                backward(self, buffer_id)
+        finally:
+            self.grad_layer = received
+
+    def backward_weight(self, micro_batch):
+        opt = self.optimizer
+        moves = self.using_bf16_optimizer and not getattr(opt, "immediate_grad_update", False)
+        if moves:
+            opt.clear_lp_grads()  # (what B left there is in the fp32 buffers already)
+        self._running_engine_backward = True
+        try:
+            store.weight_gradients(micro_batch)
+        finally:
+            self._running_engine_backward = False
+        if moves:
+            opt.update_hp_grads(clear_lp_grads=True)
+
+    table[instruction_class("BackwardInputPass")] = backward_input
+    table[instruction_class("BackwardWeightPass")] = backward_weight
+    engine._INSTRUCTION_MAP = table
+
+
 def loss_per_buffer(engine) -> None:
     """DeepSpeed's last stage backpropagates ``self.loss``, which holds the latest forward's loss: right
     for 1F1B (each backward follows its own forward), wrong for an order that runs two forwards before a
@@ -111,11 +165,14 @@ def set_train_schedule(engine, actions: list) -> None:
     """Make ``engine.train_batch`` run ``actions`` (``parallel.schedules.Action``: DeepSpeed's instruction
     names, with micro-batches) instead of its ``TrainSchedule``: ``PipelineEngine._train_schedule`` is
     overridden on this instance (as DeepSpeed's own ``DualPipeVEngine`` overrides it on its class); a
-    micro-batch's buffer is its index modulo the buffers the stream needs."""
+    micro-batch's buffer is its index modulo the buffers the stream needs; a split backward's instructions carry
+    their micro-batch (``instruction_class``)."""
     from deepspeed.runtime.pipe import schedule as S
 
     n = buffers(actions)
-    cmds = [getattr(S, a.kind)(a.micro_batch % n) if a.micro_batch is not None else getattr(S, a.kind)()
+    cmds = [instruction_class(a.kind)(a.micro_batch % n, micro_batch=a.micro_batch) if a.kind == "BackwardInputPass"
+            else instruction_class(a.kind)(micro_batch=a.micro_batch) if a.kind == "BackwardWeightPass"
+            else getattr(S, a.kind)(a.micro_batch % n) if a.micro_batch is not None else getattr(S, a.kind)()
             for a in actions]
 
     class Stream(S.PipeSchedule):

@@ -8,6 +8,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
+from mmpipe.parallel.schedules import Order, default_order
+
 
 @dataclass
 class Plan:
@@ -25,9 +27,17 @@ class Plan:
     why: Optional[str] = None
     predicted: Optional[dict] = field(default=None)
     prices: Optional[dict] = field(default=None)  # data.balance=cost: ``mmpipe.planning.prices.layer_prices``
-    schedule: str = "1f1b"  # the pipeline order (``mmpipe.parallel.schedules``); a schema-2 plan ran 1F1B
-    frozen_stages: int = 0  # leading stages that train nothing (``frozen_first`` runs them forward only)
-    schedules: Optional[dict] = field(default=None)  # predicted step seconds per schedule considered (measured costs)
+    order: Order = field(default_factory=default_order)  # the pipeline order (``parallel.schedules``)
+    schedules: Optional[dict] = field(default=None)  # the chosen cut's predicted step seconds per schedule weighed
+    weighed: Optional[list] = field(default=None)  # every (cut, schedule) pair weighed: predicted step, fullest stage
+
+    @property
+    def schedule(self) -> str:
+        return self.order.name
+
+    @property
+    def frozen_stages(self) -> int:
+        return self.order.frozen
 
     @property
     def num_stages(self) -> int:
@@ -38,7 +48,10 @@ class Plan:
         return stage_lists(self.layers, self.parts)
 
     def to_json(self) -> dict:
-        return {"schema": SCHEMA, **asdict(self), "stages": self.stages}
+        doc = asdict(self)
+        order = doc.pop("order")  # written as the schedule's name and its leading frozen stages
+        return {"schema": SCHEMA, **doc, "schedule": order["name"], "frozen_stages": order["frozen"],
+                "stages": self.stages}
 
     def write(self, path: str) -> None:
         with open(path, "w") as fh:
@@ -46,8 +59,10 @@ class Plan:
 
     @classmethod
     def from_json(cls, doc: dict) -> "Plan":
-        known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in doc.items() if k in known})
+        """A plan.json of any schema (a schema-2 plan ran 1F1B: the default order)."""
+        known = {f for f in cls.__dataclass_fields__} - {"order"}
+        order = Order(doc["schedule"], int(doc.get("frozen_stages", 0))) if "schedule" in doc else default_order()
+        return cls(**{k: v for k, v in doc.items() if k in known}, order=order)
 
 
 def stage_lists(names: Sequence[str], parts: Sequence[int]) -> list[list[str]]:
@@ -67,4 +82,4 @@ def parts_from_lists(names: Sequence[str], lists: Sequence[Sequence[str]]) -> li
     return parts
 
 
-SCHEMA = 3
+SCHEMA = 4  # 4: ``weighed`` (every cut and schedule the planner predicted)

@@ -1,9 +1,10 @@
 """The runtime seam: where DeepSpeed's engine is made (``initialize``, the one call of
 ``deepspeed.initialize``), where a pipeline stage is given the run's order (``install_schedule``: the
 stage's stream from ``parallel.schedules``, installed as the engine's schedule, handed to the stage clock,
-and the stage's executor told what the order implies), and the runner that drives a pipeline's step
-(``PipelineRunner``: the stream's training part by ``train_batch``; a step loss's features pass first by
-``eval_batch``, which runs the same order)."""
+and the stage's executor told what the order implies; an order that splits the backward gets its two
+instructions and the stage's linear layers their split backward, ``parallel.zero_bubble``), and the runner that
+drives a pipeline's step (``PipelineRunner``: the stream's training part by ``train_batch``; a step loss's
+features pass first by ``eval_batch``, which runs the same order)."""
 from __future__ import annotations
 
 import contextlib
@@ -12,11 +13,18 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from mmpipe.parallel.ds_compat import eval_batch_in_train_mode, loss_per_buffer, reset_total_loss, set_train_schedule
+from mmpipe.parallel.ds_compat import (
+    eval_batch_in_train_mode,
+    loss_per_buffer,
+    reset_total_loss,
+    set_train_schedule,
+    split_backward,
+)
 from mmpipe.parallel.layers import PipeLayer
-from mmpipe.parallel.schedules import forward_only, stream
+from mmpipe.parallel.schedules import forward_only
 from mmpipe.parallel.stage_clock import StageClock
 from mmpipe.parallel.step_loss import FirstPassMemo, Replay, StepLossCache, frozen_prefix, is_stochastic
+from mmpipe.parallel.zero_bubble import WeightGradStore, install
 
 
 def initialize(**kwargs):
@@ -25,27 +33,31 @@ def initialize(**kwargs):
     return deepspeed.initialize(**kwargs)
 
 
-def install_schedule(engine, plan, micro_batches: int, step_loss: bool, clock=None) -> list:
-    """Stage ``engine.stage_id``'s stream under ``plan.schedule`` (a step loss's features pass first, which
+def install_schedule(engine, plan, micro_batches: int, step_loss: bool) -> tuple:
+    """Stage ``engine.stage_id``'s stream under ``plan.order`` (a step loss's features pass first, which
     DeepSpeed's ``eval_batch`` runs in the same order); its training part becomes
     the engine's schedule. The executor reads the stream: a stage that runs no backward leaves its outputs
     untied to its inputs (``executor.anchor``), a stage that receives activations but sends no gradient back
-    (the first that trains after ``frozen_first``'s forward-only stages) takes its inputs as constants.
-    Returns the whole stream."""
+    (the first that trains after ``frozen_first``'s forward-only stages) takes its inputs as constants. An order
+    that splits the backward (``B``, ``W``): the stage's trainable linear layers defer their weight gradients into
+    a ``WeightGradStore`` and the engine learns the two instructions. Returns (the whole stream, the store or
+    None)."""
     P, s = engine.num_stages, engine.stage_id
-    kw = {"frozen": plan.frozen_stages}
-    train = stream(plan.schedule, P, micro_batches, s, **kw)
+    train = plan.order.stream(P, micro_batches, s)
     set_train_schedule(engine, train)
     loss_per_buffer(engine)
-    whole = stream(plan.schedule, P, micro_batches, s, step_loss=step_loss, **kw)
-    if clock is not None:
-        clock.stream = whole
+    store = None
+    if any(a.kind == "BackwardWeightPass" for a in train):
+        store = WeightGradStore()
+        install(engine.module, store)
+        split_backward(engine, store)
+    whole = plan.order.stream(P, micro_batches, s, step_loss=step_loss)
     executor = engine.module.executor
     if forward_only(train):  # no gradient ever comes back: outputs need no tie to the inputs
         executor.anchor = False
     if any(a.kind == "RecvActivation" for a in train) and not any(a.kind == "SendGrad" for a in train):
         executor.detach = plan.layers[plan.parts[s]]  # received inputs whose gradient nobody takes
-    return whole
+    return whole, store
 
 
 def keyed_dropout(module, executor, dp_rank: int, accumulation: int, everywhere: bool) -> bool:
@@ -78,11 +90,12 @@ class PipelineRunner:
 
     def __init__(self, engine, topo, plan, stage_timing: bool = True):
         self.engine, self.topo = engine, topo
+        self.stream, self.split = install_schedule(engine, plan, topo.accumulation_steps,
+                                                   engine.module.family.step_loss)
         self.clock = None
-        if stage_timing:
+        if stage_timing:  # (after the order's instructions: it times each of them)
             self.clock = StageClock(engine)
-        self.stream = install_schedule(engine, plan, topo.accumulation_steps, engine.module.family.step_loss,
-                                       self.clock)
+            self.clock.stream = self.stream
         self.cache = self.replay = self.memo = None
         family, run = engine.module.family, engine.module.executor  # how this stage's layers run
         self.keyed = keyed_dropout(engine.module, run, engine.grid.get_data_parallel_rank(), topo.accumulation_steps,
@@ -109,7 +122,8 @@ class PipelineRunner:
         else:
             if self.replay is not None:
                 self.replay.start(step)
-            loss = self.engine.train_batch(data_iter).detach()
+            with self._split_step():
+                loss = self.engine.train_batch(data_iter).detach()
         if self.clock is not None:
             self.timings = self.clock.end_step()
         return loss
@@ -136,10 +150,16 @@ class PipelineRunner:
             self.replay.start(step)
         if self.memo is not None:
             self.memo.start(recording=False)
-        loss = engine.train_batch(iter(batches) if batches is not None else None).detach()
+        with self._split_step():
+            loss = engine.train_batch(iter(batches) if batches is not None else None).detach()
         if self.memo is not None:
             self.memo.clear()
         return loss
+
+    def _split_step(self):
+        """A training pass of a split-backward order: the linear layers defer their weight gradients (for the whole
+        pass: a checkpointed layer recomputes its forward inside ``B``)."""
+        return self.split.step() if self.split is not None else contextlib.nullcontext()
 
     def eval_outputs(self, batches, n_micro: int) -> Optional[list]:
         reset_total_loss(self.engine)

@@ -19,7 +19,8 @@ import time
 from mmpipe.parallel.ds_compat import wrap_instructions
 from mmpipe.parallel.schedules import PASSES
 
-CATEGORY = {"ForwardPass": "fwd", "BackwardPass": "bwd", "OptimizerStep": "opt", "LoadMicroBatch": "data",
+CATEGORY = {"ForwardPass": "fwd", "BackwardPass": "bwd", "BackwardInputPass": "bwd", "BackwardWeightPass": "bwd",
+            "OptimizerStep": "opt", "LoadMicroBatch": "data",
             "SendActivation": "comm", "RecvActivation": "comm", "SendGrad": "comm", "RecvGrad": "comm",
             "ReduceGrads": "reduce", "ReduceTiedGrads": "reduce"}
 FIELDS = ("fwd", "bwd", "opt", "data", "comm", "reduce", "wall")
@@ -116,7 +117,8 @@ def stage_record(vectors: dict, num_stages: int) -> dict:
 
 
 # ---- trace outputs ---------------------------------------------------------------------------------
-COLORS = {"ForwardPass": "#4C72B0", "BackwardPass": "#DD8452", "OptimizerStep": "#55A868", "LoadMicroBatch": "#8172B3",
+COLORS = {"ForwardPass": "#4C72B0", "BackwardPass": "#DD8452", "BackwardInputPass": "#DD8452",
+          "BackwardWeightPass": "#C44E52", "OptimizerStep": "#55A868", "LoadMicroBatch": "#8172B3",
           "SendActivation": "#C7C7C7", "RecvActivation": "#AAAAAA", "SendGrad": "#D0D0D0", "RecvGrad": "#B5B5B5",
           "ReduceGrads": "#937860", "ReduceTiedGrads": "#937860"}
 
@@ -160,8 +162,9 @@ def write_timeline_png(path: str, per_rank: list, coords: list, title: str = "")
     ax.invert_yaxis()
     ax.set_xlabel("ms")
     ax.set_title(title or "pipeline timeline")
-    shown = ["ForwardPass", "BackwardPass", "OptimizerStep", "LoadMicroBatch", "RecvActivation", "RecvGrad",
-             "ReduceGrads"]
+    ran = {e[0] for events, _ in per_rank for e in events}
+    backward = ["BackwardInputPass", "BackwardWeightPass"] if "BackwardWeightPass" in ran else ["BackwardPass"]
+    shown = ["ForwardPass"] + backward + ["OptimizerStep", "LoadMicroBatch", "RecvActivation", "RecvGrad", "ReduceGrads"]
     ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in shown], loc="upper center",
               bbox_to_anchor=(0.5, -0.45), ncol=len(shown), fontsize=7, frameon=False)
     fig.tight_layout()

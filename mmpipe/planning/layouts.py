@@ -38,6 +38,7 @@ from typing import Optional
 
 from mmpipe.config.groups import frozen_layout, resolve_groups
 from mmpipe.errors import ConfigError
+from mmpipe.parallel.schedules import Order, default_order
 from mmpipe.parallel.topology import threads_per_rank
 from mmpipe.planning.collectives import CommModel, comm_group_sizes, get_comm_model
 from mmpipe.planning.measure import META_PARAMS, get_profile, meta_profile, parameter_count
@@ -74,6 +75,7 @@ class LayoutPrediction:
     clipping: str = "grouped"
     checkpointing: bool = False  # activation checkpointing
     breakdown: list = field(default_factory=list)  # per stage: MemoryBreakdown.to_dict()
+    order: Optional[Order] = None  # a pipeline row's order (chosen with its cut)
 
     @property
     def peak(self) -> int:
@@ -110,7 +112,8 @@ def predict_layouts(prof: dict, comm: CommModel, world: int, batch_size: int, mi
                     precision: str, names: list, segments: list, memory_budget: Optional[int] = None,
                     cores: Optional[int] = None, zero_stages=(0, 1, 2, 3), placements=("modality", "auto"),
                     max_pipeline: Optional[int] = None, grouped_clip: bool = False,
-                    fetch_units=None, checkpointing=(False,), zero3_checkpointing_why: str = "") -> list:
+                    fetch_units=None, checkpointing=(False,), zero3_checkpointing_why: str = "",
+                    schedule: str = "auto") -> list:
     """Every layout of ``world`` ranks (see the module doc), predicted; a list of ``LayoutPrediction``.
     ``fetch_units``: (modules whose parameters ZeRO-3 partitions, modules whose parameters it keeps
     persistent, the persistent parameters' element count, parameter tensors), or one count of
@@ -118,10 +121,12 @@ def predict_layouts(prof: dict, comm: CommModel, world: int, batch_size: int, mi
     and all-gathers the persistent parameters after each step; ZeRO-2 hooks every parameter tensor.
     Default: one partitioned module (and one tensor) per layer. ``checkpointing``: predict each
     layout without and/or with activation checkpointing; ``zero3_checkpointing_why``: the family cannot
-    run ZeRO-3 with it (those rows do not fit, and say why)."""
+    run ZeRO-3 with it (those rows do not fit, and say why); ``schedule``: ``parallel.schedule`` (a pipeline row's cut
+    and order are chosen together, ``place``)."""
     out = []
     for ck in checkpointing:
         ctx = _Ctx({**prof, "checkpointing": ck}, comm, world, batch_size, micro_batch_size, precision, cores)
+        ctx.schedule = schedule
         units = fetch_units if isinstance(fetch_units, tuple) else (fetch_units or len(ctx.costs), 0)
         units = tuple(units)[:4]
         units = units + (0,) * max(0, 3 - len(units)) + ((len(ctx.costs),) if len(units) < 4 else ())
@@ -163,6 +168,7 @@ class _Ctx:
         self.slope = (self.over - 1) / (fair - 1) if fair > 1 else 1.0
         self.costs = layer_costs(_scaled(prof, self.over))
         self.w_b, self.g_b, _ = state_bytes(precision)
+        self.schedule = "auto"  # ``parallel.schedule``
 
     def micro_batches(self, row, dp: int) -> int:
         if self.batch % (self.mbs * dp):
@@ -193,7 +199,7 @@ def step_loss_summary(prof: dict, batch: int, row: "LayoutPrediction") -> Option
     flops = 2 * own * batch * width * 3  # the logits, then their gradient for both sides' features
     if D * M == 1:
         return f"step loss: one micro-batch on one rank, {batch} x {batch} in the graph ({flops / 1e12:.2f} TFLOP)"
-    mem = step_loss_bytes(run_shape(prof), M, D)
+    mem = step_loss_bytes(run_shape(prof, default_order()), M, D)  # (the order does not change the loss's bytes)
     how = (f"its own {own} of {batch} rows (model.local_loss); every rank the whole B x B would be {D}x the work"
            if own < batch else "all of them" + (" (model.local_loss=false)" if D > 1 else ""))
     return (f"step loss per rank ({row.name}): {own} x {batch} pairs = {own * batch / 1e6:.1f}M, "
@@ -260,25 +266,27 @@ def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: l
     if not M:
         return row
     try:
-        plan = place(names, segments, P, pl, M, prof=_scaled(ctx.raw, ctx.over), micro_batch_size=ctx.mbs,
-                     precision=ctx.precision, zero_stage=z, data_parallel=D)
+        plan = place(names, segments, P, pl, M, schedule=ctx.schedule, prof=_scaled(ctx.raw, ctx.over),
+                     micro_batch_size=ctx.mbs, precision=ctx.precision, zero_stage=z, data_parallel=D)
     except ConfigError as e:
         row.fits, row.why = False, str(e)
         return row
     parts = row.parts = list(plan.parts)
     row.placement = pl if pl != "auto" else f"auto:{plan.chosen or pl}"
+    row.order = plan.order
     # oversubscription counts the ranks busy at once, instruction by instruction: a pipeline's
     # waiting stages free their cores (fill, drain, imbalance), its steady state does not
     t = stage_times(ctx.raw, parts)
     step_loss = ctx.raw.get("step_loss")
     gather = ctx.comm.time("allgather", D, M * step_loss["features_bytes"]) if step_loss and D > 1 else 0.0
     if ctx.cores and D * P * ctx.threads > ctx.cores:
-        sim, _ = simulate_shared_cores(t["F"], t["B"], M, t["comm"], t["opt"], t["comm_grad"], D, ctx.threads,
-                                       ctx.cores, ctx.slope, step_loss=bool(step_loss), first_pass=t.get("F1"))
+        sim, _ = simulate_shared_cores(t["F"], t["B"], M, plan.order, t["comm"], t["opt"], t["comm_grad"], D,
+                                       ctx.threads, ctx.cores, ctx.slope, step_loss=bool(step_loss),
+                                       first_pass=t.get("F1"), W=t["W"])
         raw_busy = [M * (a + b + a1) + o for a, b, a1, o in zip(t["F"], t["B"], t.get("F1", [0.0] * P), t["opt"])]
         f = sum(sim.busy) / sum(raw_busy) if sum(raw_busy) else 1.0  # the mean stretch, for what follows
     else:
-        sim, f = predict(ctx.raw, parts, M), 1.0
+        sim, f = predict(ctx.raw, parts, M, plan.order), 1.0
     sprof = _scaled(ctx.raw, f)
     t = stage_times(sprof, parts)
     dp_comm = opt_saving = 0.0
@@ -300,8 +308,8 @@ def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: l
 
 
 def _memory(row, ctx: _Ctx, parts: list, M: int, z: int, dp: int) -> None:
-    """The row's predicted peak per stage (``mmpipe.planning.memory``), totals and breakdowns."""
-    mem = stage_breakdown(ctx.costs, parts, M, ctx.precision, z, dp, run_shape(ctx.raw))
+    """The row's predicted peak per stage (``mmpipe.planning.memory``) under its order, totals and breakdowns."""
+    mem = stage_breakdown(ctx.costs, parts, M, ctx.precision, z, dp, run_shape(ctx.raw, row.order or default_order()))
     row.memory = [m.total for m in mem]
     row.breakdown = [m.to_dict() for m in mem]
 
@@ -419,7 +427,8 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
                            family.segments(), memory_budget=budget, cores=cores() if on_cpu else None,
                            grouped_clip=grouped_clip, fetch_units=fetch_units(family),
                            checkpointing=checkpointing_choices(cfg),
-                           zero3_checkpointing_why=family.zero3_checkpointing_refusal())
+                           zero3_checkpointing_why=family.zero3_checkpointing_refusal(),
+                           schedule=cfg.parallel.schedule)
     if unfit_ok and not any(r.fits for r in rows):  # (mmpipe plan: the table all the same; chosen None)
         best, why = None, "no layout fits"
     else:

@@ -18,6 +18,7 @@ from mmpipe.config.fields import thawed_copy
 from mmpipe.data.json_files import write_json
 from mmpipe.parallel.cpu_process import keep_freed_memory
 from mmpipe.parallel.layers import PipeLayer, plain_state_key
+from mmpipe.parallel.schedules import Order, candidates
 from mmpipe.parallel.step_loss import frozen_prefix
 from mmpipe.planning.cache import cache_dir
 from mmpipe.planning.collectives import fit_comm, measure_p2p
@@ -64,11 +65,21 @@ def profile_key(cfg, family, micro_batch_size: int, threads: int, device: str, f
             "precision": cfg.train.precision,
             "device": device, "threads": threads, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "forward_only": sorted(forward_only),
-            "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 14,
+            "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 15,
+            "split_backward": split_backward(cfg),
             # a chat family's example shapes may come from its data (``example_batches``: image sizes)
             "data": _data_key(cfg.data.train) if family.data_format == "chat" else None,
             # a CPU profile is timed as a rank computes, with or without mmpipe's malloc settings
             "cpu_malloc": device != "cpu" or os.environ.get("MMPIPE_CPU_MALLOC", "").lower() != "default"}
+
+
+def split_backward(cfg) -> bool:
+    """Whether the profile times each layer's backward split (``B``, ``W``) too: the run may take a split-backward
+    order (``parallel.schedule`` asks for one, or ``auto`` weighs one at P >= 2)."""
+    name, P = cfg.parallel.schedule, cfg.parallel.pipeline_stages
+    if name == "auto":
+        return P > 1 and any(o.splits_backward() for o in candidates(P, 0))
+    return Order(name).splits_backward()
 
 
 def profile_digest(key: dict) -> str:
@@ -141,7 +152,8 @@ def get_profile(cfg, family, micro_batch_size: int, forward_only: frozenset = fr
     torch.set_num_threads(threads)
     try:
         costs, passes = _profile_shapes(cfg, family, micro_batch_size, forward_only, frozen, device, shapes,
-                                        repeats, passes or (3 if device.type == "cpu" else 1), run_micro_batches, log)
+                                        repeats, passes or (3 if device.type == "cpu" else 1), run_micro_batches, log,
+                                        split_backward(cfg))
     finally:
         torch.set_num_threads(old)
     comm = _measure_comm(costs) if measure_comm else {"latency_s": 0.0, "s_per_byte": 0.0, "samples": {},
@@ -158,7 +170,7 @@ PROFILE_SHARE = 0.1  # a profile's timed passes take at most about this share of
 
 
 def _profile_shapes(cfg, family, mbs: int, forward_only, frozen, device, shapes: list, repeats: int, passes: int,
-                    run_micro_batches: Optional[float], log) -> tuple:
+                    run_micro_batches: Optional[float], log, split: bool = False) -> tuple:
     """(costs, passes) of the family's example shapes (``[(weight, batch)]``): each timed shape ``passes``
     times (the median per layer), a weight-0 shape (memory only) once, one round; progress per shape (and a
     bar per layer with ``log.progress``). After the first timed pass, the rest is cut to fit ``PROFILE_SHARE``
@@ -179,7 +191,7 @@ def _profile_shapes(cfg, family, mbs: int, forward_only, frozen, device, shapes:
                                   f"profile shape {k + 1}/{len(shapes)}")
                 runs.append(profile_layers(layers, batch, repeats=repeats if weight > 0 else 1,
                                            warmup=warmup if weight > 0 else 0, n_layers=n_layers, loss_fn=loss_fn,
-                                           workspace=i == 0))
+                                           workspace=i == 0, split=split and weight > 0))
                 if weight > 0:
                     seen += 1
                 if weight > 0 and first is None:  # the first timed pass prices the rest against the run

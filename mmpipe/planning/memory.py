@@ -3,11 +3,11 @@ activations in flight under 1F1B, per-stage peaks, the device's memory, and the 
 that fits a budget."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
 from mmpipe.errors import ConfigError
-from mmpipe.parallel.schedules import leading_frozen, live_activations, streams
+from mmpipe.parallel.schedules import Order, buffers, default_order, live_activations, queued_weight_grads
 
 
 # ---- memory model --------------------------------------------------------------------------------
@@ -83,10 +83,16 @@ def bytes_per_param(precision: str, zero_stage: int, data_parallel: int,
     return w + g + optimizer_bytes(precision, zero_stage, data_parallel, pipelined), w
 
 
-def held(stage: int, stages: int, micro_batches: int, order: str = "1f1b", frozen: int = 0) -> int:
+def held(stage: int, stages: int, micro_batches: int, order: Order) -> int:
     """Micro-batches whose activations a stage holds at once: its stream's (``schedules.live_activations``
-    under the pipeline schedule ``order``; ``frozen`` leading stages train nothing)."""
-    return live_activations(streams(order, stages, micro_batches, frozen)[stage])
+    under the pipeline order ``order``)."""
+    return live_activations(order.streams(stages, micro_batches)[stage])
+
+
+def queued(stage: int, stages: int, micro_batches: int, order: Order) -> int:
+    """Micro-batches whose weight-gradient inputs a split backward keeps queued at once on a stage
+    (``schedules.queued_weight_grads``; 0 for an order whose backward is whole)."""
+    return queued_weight_grads(order.streams(stages, micro_batches)[stage])
 
 
 # bytes per pair of the global batch a step loss (``Family.batch_loss_grads``) holds at once: autograd
@@ -127,12 +133,12 @@ class RunShape:
     loss_local: bool = False  # with D > 1 each rank computes only its own rows x B of the loss (``model.local_loss``)
     adamw_temp: int = 4  # bytes per parameter AdamW's step makes (``config.deepspeed.adamw_kernel``: multi-tensor 4,
     # fused none, the CPU's per-parameter loop one parameter's at a time: none counted)
-    order: str = "1f1b"  # the pipeline schedule (``parallel.schedules``)
+    order: Order = field(default_factory=default_order)  # the pipeline order (``parallel.schedules``)
 
 
-def run_shape(prof: dict, checkpointing: Optional[bool] = None) -> RunShape:
-    """The ``RunShape`` a profile was made for (``planning.measure.get_profile`` marks it);
-    ``checkpointing`` overrides the profile's."""
+def run_shape(prof: dict, order: Order, checkpointing: Optional[bool] = None) -> RunShape:
+    """The ``RunShape`` a profile was made for (``planning.measure.get_profile`` marks it), under the pipeline
+    order ``order``; ``checkpointing`` overrides the profile's."""
     sl = prof.get("step_loss") or {}
     return RunShape(bool(prof.get("checkpointing")) if checkpointing is None else checkpointing,
                     frozenset(prof.get("key", {}).get("forward_only", [])),
@@ -140,7 +146,7 @@ def run_shape(prof: dict, checkpointing: Optional[bool] = None) -> RunShape:
                     tuple(tuple(t) for t in prof.get("ties", ())), int(prof.get("batch_bytes", 0)),
                     bool(prof.get("last_reads", False)), int(sl.get("rows", 0)), int(sl.get("pair_bytes", 0)),
                     int(sl.get("block_rows", 0)), int(sl.get("block_pair_bytes", 0)), bool(sl.get("local", False)),
-                    int(prof.get("adamw_temp", 4)))
+                    int(prof.get("adamw_temp", 4)), order)
 
 
 @dataclass
@@ -149,7 +155,7 @@ class MemoryBreakdown:
     weights: float = 0.0
     grads: float = 0.0
     optimizer: float = 0.0
-    activations: float = 0.0  # saved for backward, times the micro-batches in flight
+    activations: float = 0.0  # saved for backward, times the micro-batches in flight (and a split backward's queue)
     buffers: float = 0.0  # stage-boundary transfers and the outputs kept for backward
     workspace: float = 0.0  # one layer's transient bytes in its forward/backward (profiled)
     step_workspace: float = 0.0  # the optimizer step's temporaries (AdamW's fp32 tensor per parameter, ``step_split``)
@@ -224,7 +230,7 @@ def _features(costs: list, stage: int, stages: int, micro_batches: int, dp: int,
     out = 0.0
     if stage == 0:  # handed out as the engine takes them (``TrainData.step_batches``); a pipeline's input
         # buffers keep those in flight; one process, or a step loss's first pass, holds the step's all
-        kept = micro_batches if stages == 1 or sch.features_bytes else held(stage, stages, micro_batches)
+        kept = micro_batches if stages == 1 or sch.features_bytes else held(stage, stages, micro_batches, sch.order)
         out += kept * sch.batch_bytes
     elif stage == stages - 1 and sch.last_reads:  # it keeps the labels only; a batch is whole while the
         out += sch.batch_bytes  # loader makes it (its pieces too, but at the step's start: not the peak)
@@ -245,16 +251,18 @@ def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str
     feature cache. ``parts`` of one stage (P = 1) is the whole model on each data-parallel rank."""
     P = len(parts) - 1
     out = []
-    frozen = leading_frozen(parts, [c.name for c in costs], shape.forward_only)
+    streams = shape.order.streams(P, micro_batches) if P > 1 else None
     for s in range(P):
         a, b = parts[s], parts[s + 1]
-        k = held(s, P, micro_batches, shape.order, frozen) if P > 1 else 1
+        k = live_activations(streams[s]) if P > 1 else 1
+        q = queued_weight_grads(streams[s]) if P > 1 else 0  # a split backward's weight-gradient inputs
         w, g, o = _states(costs, a, b, precision, zero_stage, data_parallel, shape.ties, pipelined=P > 1)
         # the outputs of each micro-batch in flight are kept for its backward (the last stage's for the
-        # loss), and a non-last stage receives their gradient into one more buffer of that size
-        buffers = (k + (s < P - 1)) * costs[b - 1].out_bytes
+        # loss), and a non-last stage receives their gradient into one more buffer of that size; a pipe
+        # buffer beyond those in flight holds a received input early (a zero-bubble order's)
+        buffers_ = (k + (s < P - 1)) * costs[b - 1].out_bytes
         if s > 0:
-            buffers += _in_bytes(costs, a)
+            buffers_ += (1 + max(0, buffers(streams[s]) - max(k, 2))) * _in_bytes(costs, a)
         workspace = max(c.workspace for c in costs[a:b])
         last = costs[b - 1]
         if s == P - 1 and shape.checkpointing and last.name not in shape.forward_only:
@@ -268,7 +276,8 @@ def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str
         sharded = optimizer_split(precision, zero_stage, P > 1)[0] > 0
         made_split, made_whole = step_split(precision, zero_stage, P > 1)
         step = trainable * (shape.adamw_temp / (data_parallel if sharded else 1) + made_split / data_parallel + made_whole)
-        out.append(MemoryBreakdown(w, g, o, activation_bytes(costs, a, b, k, shape), buffers, workspace, step,
+        out.append(MemoryBreakdown(w, g, o, activation_bytes(costs, a, b, k, shape) + q * sum(
+                                       c.w_bytes for c in costs[a:b]), buffers_, workspace, step,
                                    _features(costs, s, P, micro_batches, data_parallel, shape),
                                    _step_loss(s, P, micro_batches, data_parallel, shape),
                                    # one pass (one micro-batch per rank), or ZeRO-3's first micro-batch recomputing it

@@ -8,6 +8,7 @@ from mmpipe.config.deepspeed import AUTO, load_json
 from mmpipe.config.schema import RunConfig, replace
 from mmpipe.data.shards import iter_tar
 from mmpipe.errors import ConfigError, DataError
+from mmpipe.parallel.schedules import Order, candidates, default_order
 from mmpipe.planning.measure import _with_schedule, iter_layers, precision_dtype
 from mmpipe.planning.memory import pick_micro_batch, run_shape, stage_memory
 from mmpipe.planning.profiler import profile_layers
@@ -35,6 +36,13 @@ def probe_batch(cfg, family, source, tok, m: int, device) -> tuple:
     return tuple(b[f].to(device) for f in family.inputs)
 
 
+def possible_orders(requested: str, P: int) -> list:
+    """The orders a run of ``P`` stages asking for ``requested`` may take (before its cut is known)."""
+    if P == 1:
+        return [default_order()]
+    return candidates(P, 0) if requested == "auto" else [Order(requested)]
+
+
 def auto_micro_batch(cfg, family, source, tok, pipeline_stages: int, data_parallel: int,
                      parts: Optional[list], forward_only: frozenset, frozen_params: frozenset, budget_bytes: int,
                      device, log: Optional[Callable[[str], None]] = None) -> tuple[int, dict]:
@@ -51,11 +59,13 @@ def auto_micro_batch(cfg, family, source, tok, pipeline_stages: int, data_parall
         micro_batches = per_rank // m
         # what the run does beyond forward and backward (checkpointing, ties, the step's batches, a
         # step loss's feature cache), as the layout model reads it from a profile
-        schedule = run_shape(_with_schedule({"key": {"micro_batch_size": m, "forward_only": sorted(forward_only),
-                                                        "precision": cfg.train.precision},
-                                               "layers": [c.to_dict() for c in costs]}, family, cfg))
-        return max(stage_memory(costs, parts, micro_batches, cfg.train.precision, cfg.parallel.zero_stage,
-                                data_parallel, schedule))
+        # (the order is chosen with the cut, after: the size must fit under every order the run may take)
+        prof = _with_schedule({"key": {"micro_batch_size": m, "forward_only": sorted(forward_only),
+                                       "precision": cfg.train.precision}, "layers": [c.to_dict() for c in costs]},
+                              family, cfg)
+        return max(max(stage_memory(costs, parts, micro_batches, cfg.train.precision, cfg.parallel.zero_stage,
+                                    data_parallel, run_shape(prof, order)))
+                   for order in possible_orders(cfg.parallel.schedule, pipeline_stages))
 
     return pick_micro_batch(per_rank, peak, budget_bytes, log, min_size=family.min_micro_batch)
 

@@ -12,6 +12,8 @@ from mmpipe.config.resolve import resolve_family
 from mmpipe.config.schema import family_of, replace
 from mmpipe.data.tokenizer import StandInTokenizer, load_tokenizer, tokenizer_choice
 from mmpipe.errors import ConfigError
+from mmpipe.parallel.plan import Plan
+from mmpipe.parallel.schedules import default_order
 from mmpipe.parallel.topology import threads_per_rank
 from mmpipe.planning.measure import get_profile, meta_profile
 from mmpipe.planning.memory import adamw_temp_bytes, run_shape, stage_breakdown, stage_memory
@@ -28,9 +30,9 @@ def run_memory(cfg, run_dir: str, world: int, use_cache: bool = True, log=None, 
     if os.path.isfile(plan_file):
         with open(plan_file) as fh:
             run_plan = json.load(fh)
-        parts, M = run_plan["parts"], run_plan["micro_batches"]
+        parts, M, order = run_plan["parts"], run_plan["micro_batches"], Plan.from_json(run_plan).order
     else:  # P = 1 (no plan written): the whole model on each of ``world`` data-parallel ranks
-        parts, M = None, cfg.train.batch_size // (int(cfg.parallel.micro_batch_size) * world)
+        parts, M, order = None, cfg.train.batch_size // (int(cfg.parallel.micro_batch_size) * world), default_order()
     if os.path.isdir(os.path.join(run_dir, "tokenizer")):  # the run's own vocabulary
         from dataclasses import replace as dc_replace
         cfg = replace(cfg, data=dc_replace(cfg.data, tokenizer=os.path.join(run_dir, "tokenizer")))
@@ -50,7 +52,7 @@ def run_memory(cfg, run_dir: str, world: int, use_cache: bool = True, log=None, 
                 prof["adamw_temp"] = adamw_temp_bytes("fused")
     parts = parts or [0, len(prof["layers"])]
     return stage_breakdown(layer_costs(prof), parts, M, cfg.train.precision, cfg.parallel.zero_stage, world // P,
-                           run_shape(prof))
+                           run_shape(prof, order))
 
 
 # ---- mmpipe plan ----------------------------------------------------------------------------------
@@ -111,14 +113,15 @@ def plan_all(cfg, stages: int, data_parallel: int = 1, threads: Optional[int] = 
            "placements": {}, "plans": {}}
     cap = int(cfg.parallel.memory_budget_gb * 2**30) if cfg.parallel.memory_budget_gb else None
     for pl in PLACEMENTS + ((cfg.parallel.placement,) if cfg.parallel.placement.startswith("type:") else ()):
-        plan = place(names, segments, stages, pl, M, prof=prof, micro_batch_size=mbs, memory_cap=cap,
-                     precision=cfg.train.precision, zero_stage=cfg.parallel.zero_stage, data_parallel=data_parallel)
+        plan = place(names, segments, stages, pl, M, schedule=cfg.parallel.schedule, prof=prof, micro_batch_size=mbs,
+                     memory_cap=cap, precision=cfg.train.precision, zero_stage=cfg.parallel.zero_stage,
+                     data_parallel=data_parallel)
         parts = plan.parts
-        sim = predict(prof, parts, M)
+        sim = predict(prof, parts, M, plan.order)
         mem = stage_memory(costs, parts, M, cfg.train.precision, cfg.parallel.zero_stage, data_parallel,
-                           run_shape(prof))
+                           run_shape(prof, plan.order))
         out["plans"][pl] = plan
-        out["placements"][pl] = {"parts": parts, "stages": plan.stages, "sim": sim.to_dict(),
+        out["placements"][pl] = {"parts": parts, "stages": plan.stages, "sim": sim.to_dict(), "order": plan.order,
                                  "stage_times": stage_times(prof, parts), "memory": mem}
     return out
 

@@ -52,8 +52,8 @@ def stage_prices(plan):
         vision.append(sum(p["seconds"][i] for i in span if p["drivers"][i] == "vision"))
         tokens.append(sum(p["seconds"][i] for i in span if p["drivers"][i] == "tokens"))
         squares.append(sum(p.get("squares", [0.0] * len(p["seconds"]))[i] for i in span if p["drivers"][i] == "tokens"))
-    return StagePrices(vision, tokens, p["max_length"], p["pad_multiple"], p["fixed_length"], order=plan.schedule,
-                       frozen=plan.frozen_stages, squares=squares)
+    return StagePrices(vision, tokens, p["max_length"], p["pad_multiple"], p["fixed_length"], order=plan.order,
+                       squares=squares)
 
 
 def _forward_flops(family, name: str, mb) -> float:

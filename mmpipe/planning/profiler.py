@@ -10,7 +10,11 @@ gives, per layer and micro-batch shape:
 - ``act_bytes``: memory autograd keeps for backward (saved tensors, counted once per storage,
   parameters excluded) plus the layer's inputs (a stage keeps them per micro-batch in flight);
 - ``out_bytes``: size of what the layer hands on (the send/receive volume at a stage boundary);
-- ``param_bytes`` / ``trainable``: weights held, and how many of them train.
+- ``param_bytes`` / ``trainable``: weights held, and how many of them train;
+- ``w_bytes``: what a split backward (``parallel.zero_bubble``) queues for the weight gradients of its trainable
+  ``nn.Linear`` layers (each one's input and output gradient) between ``B`` and ``W``; with ``split``, ``bwd_in_ms``
+  / ``bwd_w_ms``: the two halves timed apart (``B``: the input gradient and the rest; ``W``: the deferred weight
+  gradients).
 
 ``mmpipe.planning.memory`` turns these into a per-stage peak for a layout (weights, gradients,
 optimizer state, activations times the micro-batches in flight under 1F1B, checkpointed or not).
@@ -26,6 +30,7 @@ import torch
 
 from mmpipe.parallel.executor import wants_grad
 from mmpipe.parallel.live_bytes import LiveBytes
+from mmpipe.parallel.zero_bubble import WeightGradStore, install
 
 
 @dataclass
@@ -46,6 +51,15 @@ class LayerCost:
     grad_bytes: Optional[int] = None  # bytes of those gradients (None: ``out_bytes``)
     in_bytes: Optional[int] = None  # the layer's input (what it keeps per micro-batch when checkpointed)
     workspace: int = 0  # bytes its backward needs beyond what it saved and its parameters' gradients
+    w_bytes: int = 0  # a split backward's queue between B and W (its trainable linear layers' inputs and outputs)
+    bwd_in_ms: Optional[float] = None  # a split backward's B (None: not measured; ``bwd_ms`` is the whole)
+    bwd_w_ms: Optional[float] = None  # ... and its W
+
+    def backward_split(self) -> tuple:
+        """(B, W) milliseconds: measured, else the whole backward in B."""
+        if self.bwd_in_ms is None or self.bwd_w_ms is None:
+            return self.bwd_ms, 0.0
+        return self.bwd_in_ms, self.bwd_w_ms
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -151,7 +165,7 @@ class CacheEvictor:
 
 def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
                    timed: bool = True, cold: bool = True, n_layers: Optional[int] = None,
-                   loss_fn: Optional[Callable] = None, workspace: bool = True) -> list[LayerCost]:
+                   loss_fn: Optional[Callable] = None, workspace: bool = True, split: bool = False) -> list[LayerCost]:
     """Costs of ``layers`` (PipeLayers on their device and dtype; a list, or an iterator that builds
     them one at a time) for one micro-batch ``inputs``.
 
@@ -163,7 +177,8 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
     on the last layer's outputs (a family with label fields), run as part of the last of the
     ``n_layers`` layers: its saved tensors and working set are the last stage's too. ``workspace``:
     count each layer's working set (a further forward and backward; bytes do not change between
-    passes, so a repeated profile counts them once)."""
+    passes, so a repeated profile counts them once). ``split``: also time the backward as a split-backward order
+    runs it (``B`` then ``W``, after a forward of their own)."""
     device = inputs[0].device
     evict = CacheEvictor(device) if (cold and timed) else (lambda: None)
     rounds = (warmup + repeats) if timed else 1
@@ -179,9 +194,11 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
     no_grad_inputs = [False] * (1 if torch.is_tensor(inputs) else len(inputs))
     for i, layer in enumerate(layers):
         ptrs = {p.untyped_storage()._cdata for p in layer.parameters()}
-        fwd, bwd = [], []
-        act = out_b = in_b = 0
+        fwd, bwd, halves = [], [], []
+        act = out_b = in_b = w_b = 0
         y = None
+        store = WeightGradStore()
+        splits = split and timed and install(layer, store) > 0
         for r in range(rounds):
             y = None  # free the previous round's graph first
             x_in = _detach(x, no_grad_inputs if (i == 0 and r > 0) else flags)
@@ -189,12 +206,12 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
             evict()
             t0 = time.perf_counter()
             run = _WithLoss(layer, loss_fn if i == (n_layers or 0) - 1 else None)
-            with _SavedBytes(ptrs, in_ptrs) as saved:
+            with _SavedBytes(ptrs, in_ptrs) as saved, _LinearIO(layer, r == 0) as linear_io:
                 y = run(x_in)
             _sync(device)
             fwd.append(time.perf_counter() - t0)
             if r == 0:
-                in_b = _nbytes(x_in)
+                in_b, w_b = _nbytes(x_in), linear_io.total
                 act, out_b = saved.total + in_b, run.out_bytes or _nbytes(y)
                 sent = [t for t in ([y] if torch.is_tensor(y) else y) if torch.is_tensor(t)]
                 back = [t for t in sent if wants_grad(t)]
@@ -207,8 +224,14 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
             _sync(device)
             bwd.append(time.perf_counter() - t0)
+            if splits:
+                halves.append(_split_backward(run, _detach(x, no_grad_inputs if (i == 0 and r > 0) else flags), store,
+                                              evict, device))
         layer.zero_grad(set_to_none=True)
         params = list(layer.parameters())
+        half = ({"bwd_in_ms": 1e3 * statistics.median(h[0] for h in halves[keep]),
+                 "bwd_w_ms": 1e3 * statistics.median(h[1] for h in halves[keep])} if halves else
+                {"bwd_in_ms": None, "bwd_w_ms": None} if not split else {"bwd_w_ms": 0.0})
         costs.append(LayerCost(
             name=getattr(layer, "name", str(i)),
             fwd_ms=1e3 * statistics.median(fwd[keep]), bwd_ms=1e3 * statistics.median(bwd[keep]),
@@ -217,12 +240,57 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
             params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
             opt_ms=optimizer_ms(layer, repeats if timed else 0, evict),
             out_tensors=len(sent), grad_tensors=len(back), grad_bytes=_nbytes(back), in_bytes=in_b,
-            workspace=backward_workspace(run, _detach(x, flags), layer) if workspace else 0))
+            workspace=backward_workspace(run, _detach(x, flags), layer) if workspace else 0, w_bytes=w_b, **half))
+        if split and not halves:  # nothing to defer: the whole backward is B
+            costs[-1].bwd_in_ms = costs[-1].bwd_ms
         ys = [y] if torch.is_tensor(y) else list(y)
         flags = next_flags
         x = _marked(ys[0], ys[0].detach()) if torch.is_tensor(y) else tuple(_marked(t, t.detach()) for t in ys)
         del layer, y, ys, params
     return costs
+
+
+class _LinearIO:
+    """Bytes of the inputs and outputs of a layer's trainable ``nn.Linear`` modules in one forward (what a split
+    backward queues for their weight gradients: the input, and an output gradient of the output's size); on the
+    meta device too."""
+
+    def __init__(self, layer, on: bool):
+        self.layer, self.on, self.total, self.handles = layer, on, 0, []
+
+    def _count(self, module, args, out):
+        if torch.is_grad_enabled() and module.weight.requires_grad:
+            self.total += _nbytes(args[0]) + _nbytes(out)
+
+    def __enter__(self):
+        if self.on:
+            self.handles = [m.register_forward_hook(self._count) for m in self.layer.modules()
+                            if isinstance(m, torch.nn.Linear)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+def _split_backward(run, x_in, store, evict, device) -> tuple:
+    """(B seconds, W seconds) of one micro-batch through ``run`` as a split-backward order runs it."""
+    with store.step():
+        y = run(x_in)
+        outs = [o for o in ([y] if torch.is_tensor(y) else y)
+                if torch.is_tensor(o) and o.is_floating_point() and o.grad_fn is not None]
+        evict()
+        t0 = time.perf_counter()
+        with store.backward_input(0):
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        _sync(device)
+        t1 = time.perf_counter()
+        evict()
+        t2 = time.perf_counter()
+        store.weight_gradients(0)
+        _sync(device)
+        return t1 - t0, time.perf_counter() - t2
 
 
 class _WithLoss:
@@ -259,11 +327,17 @@ def backward_workspace(run, x_in, layer) -> int:
     return max(0, int(counter.peak - before - grads))
 
 
+TIMES = ("fwd_ms", "bwd_ms", "opt_ms", "bwd_in_ms", "bwd_w_ms")
+
+
+def _times(cs, combine) -> dict:
+    return {k: combine([getattr(c, k) for c in cs]) for k in TIMES if all(getattr(c, k) is not None for c in cs)}
+
+
 def median_costs(runs: list) -> list[LayerCost]:
     """One cost per layer from several profiling passes: each time the median over the passes."""
     from dataclasses import replace
-    return [replace(cs[0], **{k: statistics.median(getattr(c, k) for c in cs) for k in ("fwd_ms", "bwd_ms", "opt_ms")})
-            for cs in zip(*runs)]
+    return [replace(cs[0], **_times(cs, statistics.median)) for cs in zip(*runs)]
 
 
 def mixed_costs(shapes: list) -> list[LayerCost]:
@@ -274,8 +348,8 @@ def mixed_costs(shapes: list) -> list[LayerCost]:
     total = sum(w for w, _ in shapes)
     out = []
     for cs in zip(*(costs for _, costs in shapes)):
-        times = {k: sum(w * getattr(c, k) for (w, _), c in zip(shapes, cs)) / total for k in ("fwd_ms", "bwd_ms", "opt_ms")}
-        sizes = {k: max(getattr(c, k) for c in cs) for k in ("act_bytes", "out_bytes", "workspace")}
+        times = _times(cs, lambda v: sum(w * x for (w, _), x in zip(shapes, v)) / total)
+        sizes = {k: max(getattr(c, k) for c in cs) for k in ("act_bytes", "out_bytes", "workspace", "w_bytes")}
         for k in ("in_bytes", "grad_bytes"):
             vals = [getattr(c, k) for c in cs if getattr(c, k) is not None]
             sizes[k] = max(vals) if vals else None

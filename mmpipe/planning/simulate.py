@@ -2,7 +2,8 @@
 
 It replays the run's pipeline order (``mmpipe.parallel.schedules``: per stage the stream the runtime
 installs as the engine's schedule; ``1f1b`` is DeepSpeed's own, its deferred activation sends included)
-with given durations: ``ForwardPass`` = F[s], ``BackwardPass`` = B[s], ``OptimizerStep`` = opt[s],
+with given durations: ``ForwardPass`` = F[s], ``BackwardPass`` = B[s] (a split backward's
+``BackwardInputPass`` = B[s] - W[s], ``BackwardWeightPass`` = W[s]), ``OptimizerStep`` = opt[s],
 ``LoadMicroBatch`` = load[s]. Sends and receives are blocking rendezvous between neighbours (as
 ``torch.distributed.send/recv`` are): a pair starts when both sides reach it and takes the
 boundary's transfer time. Any registered schedule (``gpipe``, ``frozen_first``, a plugin's) is
@@ -16,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from mmpipe.parallel.schedules import replay, streams
+from mmpipe.parallel.schedules import Order, replay
 from mmpipe.planning.memory import divisors
 
 
@@ -34,16 +35,17 @@ class SimResult:
                 "parts": self.parts}
 
 
-BUSY_KINDS = ("ForwardPass", "BackwardPass", "OptimizerStep", "LoadMicroBatch", "FeaturesPass")
+BUSY_KINDS = ("ForwardPass", "BackwardPass", "OptimizerStep", "LoadMicroBatch", "FeaturesPass", "BackwardInputPass",
+              "BackwardWeightPass")
 
 
-def simulate(F: list, B: list, micro_batches: int, comm: Optional[list] = None, opt: Optional[list] = None,
-             load: Optional[list] = None, schedule: str = "1f1b", comm_grad: Optional[list] = None,
+def simulate(F: list, B: list, micro_batches: int, order: Order, comm: Optional[list] = None,
+             opt: Optional[list] = None, load: Optional[list] = None, comm_grad: Optional[list] = None,
              stretch: Optional[list] = None, step_loss: bool = False, gather: float = 0.0,
-             first_pass: Optional[list] = None, frozen: int = 0) -> SimResult:
-    """The step of ``schedule`` (``mmpipe.parallel.schedules``; ``frozen``: leading stages that train
-    nothing, for ``frozen_first``). ``F``, ``B``, ``opt``, ``load``: seconds per stage (``F``/``B``: or per
-    stage a list over micro-batches); ``comm[s]``: seconds to move one
+             first_pass: Optional[list] = None, W: Optional[list] = None) -> SimResult:
+    """The step of ``order`` (``mmpipe.parallel.schedules``). ``F``, ``B``, ``opt``, ``load``: seconds per stage
+    (``F``/``B``: or per stage a list over micro-batches); ``W``: the seconds of ``B`` a split backward
+    defers (per stage; default none); ``comm[s]``: seconds to move one
     micro-batch's activations across the boundary between stage s and s+1, ``comm_grad[s]`` its
     gradients back (default: ``comm[s]``); ``stretch[s][i]``: a factor on the duration of stage s's
     i-th instruction (``simulate_shared_cores``); ``step_loss``: a forward-only pass first, its
@@ -56,14 +58,18 @@ def simulate(F: list, B: list, micro_batches: int, comm: Optional[list] = None, 
     opt = opt if opt is not None else [0.0] * P
     load = load if load is not None else [0.0] * P
     first_pass = first_pass if first_pass is not None else F
-    sts = streams(schedule, P, M, frozen, step_loss)
-    per = {"ForwardPass": F, "FeaturesPass": first_pass, "BackwardPass": B}
+    W = W if W is not None else [0.0] * P
+    sts = order.streams(P, M, step_loss)
+    per = {"ForwardPass": F, "FeaturesPass": first_pass, "BackwardPass": B, "BackwardInputPass": B}
     own = {"OptimizerStep": opt, "LoadMicroBatch": load}
 
     def duration(s, a, i):
-        if a.kind in per:
+        if a.kind == "BackwardWeightPass":
+            d = W[s]
+        elif a.kind in per:
             d = per[a.kind][s]
             d = d[a.micro_batch] if isinstance(d, (list, tuple)) else d
+            d = d - W[s] if a.kind == "BackwardInputPass" else d
         elif a.kind in own:
             d = own[a.kind][s]
         else:
@@ -85,10 +91,10 @@ def simulate(F: list, B: list, micro_batches: int, comm: Optional[list] = None, 
     return SimResult(step, busy, idle, sum(idle) / P, timeline)
 
 
-def simulate_shared_cores(F: list, B: list, micro_batches: int, comm: Optional[list], opt: Optional[list],
-                          comm_grad: Optional[list], replicas: int, threads: int, cores: int, slope: float = 1.0,
-                          iters: int = 40, step_loss: bool = False, gather: float = 0.0,
-                          first_pass: Optional[list] = None, schedule: str = "1f1b", frozen: int = 0) -> tuple:
+def simulate_shared_cores(F: list, B: list, micro_batches: int, order: Order, comm: Optional[list],
+                          opt: Optional[list], comm_grad: Optional[list], replicas: int, threads: int, cores: int,
+                          slope: float = 1.0, iters: int = 40, step_loss: bool = False, gather: float = 0.0,
+                          first_pass: Optional[list] = None, W: Optional[list] = None) -> tuple:
     """The schedule when the stages' ranks (``replicas`` data-parallel copies of the pipeline, each
     rank ``threads`` threads) share ``cores``: each compute instruction runs slower by the
     oversubscription o = ranks computing at once x threads / cores while it runs: 1 + (o - 1) x
@@ -98,11 +104,11 @@ def simulate_shared_cores(F: list, B: list, micro_batches: int, comm: Optional[l
     predicted 4 stages on 2 cores 8-11% fast). Returns (SimResult, stretch per instruction)."""
     import bisect
     P = len(F)
-    sts = streams(schedule, P, micro_batches, frozen, step_loss)
+    sts = order.streams(P, micro_batches, step_loss)
     stretch = [[1.0] * len(st) for st in sts]
     kinds_of = [[i for i, a in enumerate(st) if a.kind in BUSY_KINDS] for st in sts]
-    extra = {"step_loss": step_loss, "gather": gather, "first_pass": first_pass, "schedule": schedule, "frozen": frozen}
-    r = simulate(F, B, micro_batches, comm, opt, comm_grad=comm_grad, **extra)
+    extra = {"step_loss": step_loss, "gather": gather, "first_pass": first_pass, "W": W}
+    r = simulate(F, B, micro_batches, order, comm, opt, comm_grad=comm_grad, **extra)
     for it in range(iters):
         busy = [(s, a, b) for s, kind, _, a, b in r.timeline if kind in BUSY_KINDS]  # stream order per stage
         edges = sorted({t for _, a, b in busy for t in (a, b)})
@@ -122,7 +128,7 @@ def simulate_shared_cores(F: list, B: list, micro_batches: int, comm: Optional[l
         moved = max(abs(x - y) for u, v in zip(stretch, new) for x, y in zip(u, v))
         w = 1.0 if it == 0 else 0.5  # damped after the first update (stretching one stage moves the others)
         stretch = [[(1 - w) * x + w * y for x, y in zip(u, v)] for u, v in zip(stretch, new)]
-        r = simulate(F, B, micro_batches, comm, opt, comm_grad=comm_grad, stretch=stretch, **extra)
+        r = simulate(F, B, micro_batches, order, comm, opt, comm_grad=comm_grad, stretch=stretch, **extra)
         if moved < 1e-4:
             break
     return r, stretch
@@ -134,16 +140,20 @@ def bubble_formula(stages: int, micro_batches: int) -> float:
 
 
 def recommend_micro_batches(F: list, B: list, comm: list, opt: list, per_rank_batch: int, target_bubble: float,
-                            stage_peak_bytes=None, budget_bytes: Optional[int] = None) -> dict:
+                            order: Order, stage_peak_bytes=None, budget_bytes: Optional[int] = None,
+                            W: Optional[list] = None) -> dict:
     """The fewest micro-batches per step (a divisor of the per-rank batch, so the global batch
     holds) whose simulated bubble is under ``target_bubble``. ``F``/``B`` are per micro-batch of
     the *current* size; a count M means micro-batches of per_rank_batch / M samples, with times
     scaled linearly (a lower bound on small micro-batches, which run less efficiently).
-    ``stage_peak_bytes(M)`` (optional) gives the fullest stage's peak memory for M."""
+    ``stage_peak_bytes(M)`` (optional) gives the fullest stage's peak memory for M; ``order``: the run's pipeline
+    order (``W``: the seconds of ``B`` it defers, per stage)."""
+    W = W if W is not None else [0.0] * len(F)
     rows = []
     for M in divisors(per_rank_batch):
         scale = 1.0 / M
-        r = simulate([f * scale for f in F], [b * scale for b in B], M, [c * scale for c in comm], opt)
+        r = simulate([f * scale for f in F], [b * scale for b in B], M, order, [c * scale for c in comm], opt,
+                     W=[w * scale for w in W])
         fits = budget_bytes is None or stage_peak_bytes is None or stage_peak_bytes(M) <= budget_bytes
         rows.append({"micro_batches": M, "micro_batch_size": per_rank_batch // M, "bubble": r.bubble,
                      "step_time": r.step_time, "fits": fits})
@@ -155,7 +165,8 @@ def recommend_micro_batches(F: list, B: list, comm: list, opt: list, per_rank_ba
         lowest = min(feasible, key=lambda r: r["bubble"]) if feasible else None
         # the bubble left with (nearly) unlimited micro-batches is the stages' imbalance
         big = 1024
-        floor = simulate([f / big for f in F], [b / big for b in B], big, [c / big for c in comm], opt).bubble
+        floor = simulate([f / big for f in F], [b / big for b in B], big, order, [c / big for c in comm], opt,
+                         W=[w / big for w in W]).bubble
         cause = (f"the stages are unbalanced: even unlimited micro-batches leave a {floor:.0%} bubble; balance them "
                  "(parallel.placement=auto)" if floor > target_bubble else
                  f"the per-rank batch of {per_rank_batch} allows at most {rows[-1]['micro_batches']} micro-batches; "

@@ -15,6 +15,7 @@ from mmpipe.config.schema import family_of
 from mmpipe.data.json_files import write_json
 from mmpipe.errors import MmpipeError
 from mmpipe.parallel.plan import stage_lists
+from mmpipe.parallel.schedules import Order
 from mmpipe.planning.cache import cache_dir
 from mmpipe.train.checkpoint_files import json_dict, readable
 
@@ -22,11 +23,12 @@ RECORD_FILE = "mmpipe_checkpoint.json"  # self-describing: family, model config,
 FROZEN_EXCLUDED = "frozen_excluded"  # the record's flag: the checkpoint holds no frozen weight (a LoRA base)
 
 
-def layout_record(topo, cfg, layer_names: Optional[list], parts: Optional[list], schedule: str = "1f1b") -> dict:
+def layout_record(topo, cfg, layer_names: Optional[list], parts: Optional[list], order: Order) -> dict:
     """What a checkpoint's DeepSpeed files are tied to: stages, their layers, data-parallel degree
-    (with ZeRO, optimizer state is partitioned over it) and ZeRO stage; and the pipeline schedule that
+    (with ZeRO, optimizer state is partitioned over it) and ZeRO stage; and the pipeline order that
     wrote it (the order holds no state: a resume under another one reads the same files)."""
-    return {"pipeline_stages": topo.pipeline_stages, "data_parallel": topo.data_parallel, "schedule": schedule,
+    return {"pipeline_stages": topo.pipeline_stages, "data_parallel": topo.data_parallel, "schedule": order.name,
+            "frozen_stages": order.frozen,
             "zero_stage": cfg.parallel.zero_stage, "placement": cfg.parallel.placement,
             "stages": stage_lists(layer_names, parts) if layer_names is not None else None,
             "decay_split": family_of(cfg).decay_split, "precision": cfg.train.precision}

@@ -87,7 +87,7 @@ def build_engine(run) -> Engine:
     pipelined = topo.pipeline_stages > 1
     layer_names = run.plan.layers if pipelined else None
     parts = run.plan.parts if pipelined else None
-    layout = layout_record(topo, cfg, layer_names, parts, run.plan.schedule)
+    layout = layout_record(topo, cfg, layer_names, parts, run.plan.order)
     stage_of = [topo.coords(r)[0] for r in range(run.world)]
     eng = Engine(
         engine=engine, runner=strategy.runner(engine, cfg.log.stage_timing),

@@ -95,16 +95,19 @@ class Replanner:
         for s in range(plan.num_stages):
             for c in costs[plan.parts[s]:plan.parts[s + 1]]:
                 d = c.to_dict()
-                d["fwd_ms"], d["bwd_ms"] = d["fwd_ms"] * scale[s], d["bwd_ms"] * scale[s]
+                for k in ("fwd_ms", "bwd_ms", "bwd_in_ms", "bwd_w_ms"):
+                    d[k] = d[k] * scale[s] if d.get(k) is not None else d.get(k)
                 scaled["layers"].append(d)
-        try:  # under the run's memory budget, as its own plan was: a cut that does not fit is never a move
-            best = place(plan.layers, plan.segments, plan.num_stages, "auto", M, prof=scaled,
-                         micro_batch_size=topo.micro_batch_size, precision=cfg.train.precision,
+        try:  # under the run's memory budget, as its own plan was: a cut that does not fit is never a move; under
+            # the run's schedule (a new cut may change frozen_first's leading frozen stages, nothing else)
+            best = place(plan.layers, plan.segments, plan.num_stages, "auto", M, schedule=plan.order.name,
+                         prof=scaled, micro_batch_size=topo.micro_batch_size, precision=cfg.train.precision,
                          zero_stage=cfg.parallel.zero_stage, data_parallel=topo.data_parallel,
                          **cut_limits(cfg, run.family.meta_params(), run.frozen[1]))
         except ConfigError:  # no cut fits the budget
             return None
-        now, then = predict(scaled, plan.parts, M).step_time, predict(scaled, best.parts, M).step_time
+        now = predict(scaled, plan.parts, M, plan.order).step_time
+        then = predict(scaled, best.parts, M, best.order).step_time
         slow = measured > then * (1 + self.margin) and now > then * (1 + self.margin) and best.parts != plan.parts
         self.hits = self.hits + 1 if slow else 0
         if self.hits < self.window:

@@ -285,8 +285,8 @@ def place(cfg: RunConfig, family, where: Placement, tok, source, frozen: FrozenL
     plan = _rank0_decides(rank, lambda: make_plan(cfg, family, where.topo, frozen_names, forward_only, saved))
     if plan.chosen and rank == 0:
         _warn(f"parallel.placement=auto -> {plan.chosen} ({plan.why})")
-    if cfg.parallel.schedule == "auto" and plan.schedule != "1f1b" and rank == 0:
-        print(f"[mmpipe] parallel.schedule=auto -> {plan.schedule}" + (" (predicted " + ", ".join(
+    if cfg.parallel.schedule == "auto" and plan.num_stages > 1 and rank == 0:
+        print(f"[mmpipe] parallel.schedule=auto -> {plan.order.name}" + (" (predicted " + ", ".join(
             f"{k} {1e3 * v:.1f} ms" for k, v in plan.schedules.items()) + ")" if plan.schedules else ""), flush=True)
     check_frozen_stages(cfg, plan, part_params, frozen_names)
     return cfg, where, plan
@@ -360,14 +360,15 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
                            run_micro_batches=cfg.train.steps * M / P)
     costs = ([sum(v.values()) for v in params.values()] if p.placement == "parameters" else
              [1 + sum(n for name, n in v.items() if name not in frozen) for v in params.values()])
-    plan = place_stages(names, segments, P, p.placement, M, prof=prof, param_costs=costs, plan_file=p.plan,
-                 micro_batch_size=mbs, precision=cfg.train.precision, zero_stage=p.zero_stage,
-                 data_parallel=topo.data_parallel, **cut_limits(cfg, params, frozen))
+    plan = place_stages(names, segments, P, p.placement, M, schedule=p.schedule, prof=prof, param_costs=costs,
+                        plan_file=p.plan, micro_batch_size=mbs, precision=cfg.train.precision, zero_stage=p.zero_stage,
+                        data_parallel=topo.data_parallel, forward_only=forward_only, freeze_hint=hint,
+                        **cut_limits(cfg, params, frozen))
     if plan.why and "moved onto the stage before" in plan.why and not plan.chosen:
         print(f"[mmpipe] parallel.placement={p.placement}: {plan.why}; stage boundaries {plan.parts}", flush=True)
     if balance:  # a resume keeps the saved prices: its steps are regrouped as the first run's were
         plan.prices = (saved or {}).get("prices") or _prices(cfg, family, mbs, forward_only, frozen, prof)
-    return pick_schedule(p.schedule, plan, prof, forward_only, hint)
+    return plan
 
 
 def cut_limits(cfg, params: dict, frozen) -> dict:
