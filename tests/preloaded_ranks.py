@@ -26,7 +26,9 @@ PRELOAD = ["torch", "deepspeed", "deepspeed.runtime.pipe.engine", "transformers"
            "transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.qwen3_vl.modeling_qwen3_vl",
            "tokenizers", "safetensors.torch", "PIL.Image"]
 MAY_DIFFER = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",
-              "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "PYTHONPATH"}
+              "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "PYTHONPATH",
+              # set by mmpipe.data.tokenizer when a test imports it (read by tokenizers when it forks, not at import)
+              "TOKENIZERS_PARALLELISM"}
 MAY_DIFFER_PREFIXES = ("MMPIPE_", "PYTEST_")
 
 _server = None  # (ForkServer, the environment it started with, a fresh interpreter's sys.path)

@@ -7,13 +7,16 @@ import numpy as np
 
 import pytest
 
+from mmpipe.parallel.schedules import Order
 from mmpipe.planning.simulate import bubble_formula, recommend_micro_batches, simulate
+
+ONE = Order("1f1b")  # DeepSpeed's order: what these tests of the simulator and the cut are about
 
 
 @pytest.mark.parametrize("P,M", [(2, 1), (2, 8), (3, 5), (4, 8), (4, 16)])
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_equal_stages_give_the_textbook_bubble(P, M, schedule):
-    r = simulate([1.0] * P, [2.0] * P, M, schedule=schedule)
+    r = simulate([1.0] * P, [2.0] * P, M, order=Order(schedule))
     assert r.step_time == pytest.approx(3.0 * (M + P - 1))
     assert r.bubble == pytest.approx(bubble_formula(P, M))
     assert all(i == pytest.approx(bubble_formula(P, M)) for i in r.idle_frac)
@@ -21,18 +24,18 @@ def test_equal_stages_give_the_textbook_bubble(P, M, schedule):
 
 def test_the_slowest_stage_sets_the_pace():
     # stage 1 three times slower: M x (F1 + B1) plus stage 0's fill and drain
-    r = simulate([1.0, 3.0], [2.0, 6.0], 8)
+    r = simulate([1.0, 3.0], [2.0, 6.0], 8, order=ONE)
     assert r.step_time == pytest.approx(8 * 9 + 3)
     assert r.idle_frac[1] == pytest.approx(3 / 75) and r.idle_frac[0] == pytest.approx(1 - 24 / 75)
 
 
 def test_transfers_and_optimizer_add_to_the_step():
-    base = simulate([1.0] * 2, [2.0] * 2, 4).step_time
-    assert simulate([1.0] * 2, [2.0] * 2, 4, comm=[0.5]).step_time > base
-    assert simulate([1.0] * 2, [2.0] * 2, 4, opt=[1.5, 0.0]).step_time == pytest.approx(base + 1.5)
+    base = simulate([1.0] * 2, [2.0] * 2, 4, order=ONE).step_time
+    assert simulate([1.0] * 2, [2.0] * 2, 4, comm=[0.5], order=ONE).step_time > base
+    assert simulate([1.0] * 2, [2.0] * 2, 4, opt=[1.5, 0.0], order=ONE).step_time == pytest.approx(base + 1.5)
     # the last stage's optimizer step overlaps stage 0's last backward (2.0): hidden up to that
-    assert simulate([1.0] * 2, [2.0] * 2, 4, opt=[0.0, 1.5]).step_time == pytest.approx(base)
-    assert simulate([1.0] * 2, [2.0] * 2, 4, opt=[0.0, 2.5]).step_time == pytest.approx(base + 0.5)
+    assert simulate([1.0] * 2, [2.0] * 2, 4, opt=[0.0, 1.5], order=ONE).step_time == pytest.approx(base)
+    assert simulate([1.0] * 2, [2.0] * 2, 4, opt=[0.0, 2.5], order=ONE).step_time == pytest.approx(base + 0.5)
 
 
 def test_activations_and_gradients_cross_with_their_own_costs():
@@ -41,7 +44,7 @@ def test_activations_and_gradients_cross_with_their_own_costs():
     costs count DeepSpeed's messages: one per tensor of the activation tuple, one per gradient."""
     from mmpipe.planning.place import stage_times
     from mmpipe.planning.profiler import LayerCost
-    r = simulate([1.0, 3.0], [2.0, 6.0], 8, comm=[0.5], comm_grad=[0.25])
+    r = simulate([1.0, 3.0], [2.0, 6.0], 8, comm=[0.5], comm_grad=[0.25], order=ONE)
     assert r.step_time == pytest.approx(8 * (9 + 0.5 + 0.25) + 3)
     # a tuple of 3 tensors (hidden states, token ids, mask) of which one wants a gradient
     layers = [LayerCost("a", 1.0, 2.0, 0, 1000, 0, 0, 0, out_tensors=3, grad_tensors=1, grad_bytes=400).to_dict(),
@@ -55,20 +58,20 @@ def test_shared_cores_stretch_each_instruction_by_the_ranks_computing_with_it():
     """Ranks sharing cores: an instruction runs slower by how many ranks compute while it runs."""
     from mmpipe.parallel.schedules import stream
     from mmpipe.planning.simulate import simulate_shared_cores
-    plain = simulate([1.0], [2.0], 4).step_time
+    plain = simulate([1.0], [2.0], 4, order=ONE).step_time
     # data parallel: 4 copies of one stage always compute together on 2 cores -> 2x, or 2.3x when
     # the measured slowdown per unit of oversubscription is 1.3 (1 + (2 - 1) x 1.3)
-    assert simulate_shared_cores([1.0], [2.0], 4, [], [0.0], None, 4, 1, 2)[0].step_time == pytest.approx(2 * plain)
-    assert simulate_shared_cores([1.0], [2.0], 4, [], [0.0], None, 4, 1, 2, slope=1.3)[0].step_time == \
+    assert simulate_shared_cores([1.0], [2.0], 4, [], [0.0], None, 4, 1, 2, order=ONE)[0].step_time == pytest.approx(2 * plain)
+    assert simulate_shared_cores([1.0], [2.0], 4, [], [0.0], None, 4, 1, 2, slope=1.3, order=ONE)[0].step_time == \
         pytest.approx(2.3 * plain)
     # enough cores: nothing changes
     F, B = [1.0, 1.0], [2.0, 2.0]
-    assert simulate_shared_cores(F, B, 8, [0.0], [0.0] * 2, None, 1, 1, 2)[0].step_time == \
-        pytest.approx(simulate(F, B, 8).step_time)
+    assert simulate_shared_cores(F, B, 8, [0.0], [0.0] * 2, None, 1, 1, 2, order=ONE)[0].step_time == \
+        pytest.approx(simulate(F, B, 8, order=ONE).step_time)
     # two stages on one core: the fill (stage 0's first forward alone) runs at full speed, the
     # steady state at half: between 1x and 2x the dedicated-core step
-    r, stretch = simulate_shared_cores(F, B, 8, [0.0], [0.0] * 2, None, 1, 1, 1)
-    base = simulate(F, B, 8).step_time
+    r, stretch = simulate_shared_cores(F, B, 8, [0.0], [0.0] * 2, None, 1, 1, 1, order=ONE)
+    base = simulate(F, B, 8, order=ONE).step_time
     assert 1.3 * base < r.step_time < 2 * base
     first_fwd = [i for i, a in enumerate(stream("1f1b", 2, 8, 0)) if a.kind == "ForwardPass"][0]
     assert stretch[0][first_fwd] == pytest.approx(1.0, abs=0.02)
@@ -76,12 +79,12 @@ def test_shared_cores_stretch_each_instruction_by_the_ranks_computing_with_it():
 
 
 def test_micro_batch_recommendation_and_its_limit():
-    rec = recommend_micro_batches([1.0, 1.0], [2.0, 2.0], [0.0], [0.0, 0.0], per_rank_batch=64, target_bubble=0.1)
+    rec = recommend_micro_batches([1.0, 1.0], [2.0, 2.0], [0.0], [0.0, 0.0], per_rank_batch=64, target_bubble=0.1, order=ONE)
     assert rec["best"]["micro_batches"] == 16  # (P-1)/(M+P-1) <= 0.1 first at M = 9 -> next divisor 16
     assert rec["best"]["bubble"] <= 0.1
-    rec = recommend_micro_batches([1.0, 1.0], [2.0, 2.0], [0.0], [0.0, 0.0], per_rank_batch=4, target_bubble=0.1)
+    rec = recommend_micro_batches([1.0, 1.0], [2.0, 2.0], [0.0], [0.0, 0.0], per_rank_batch=4, target_bubble=0.1, order=ONE)
     assert rec["best"] is None and "at most 4 micro-batches" in rec["why"]
-    rec = recommend_micro_batches([1.0, 3.0], [2.0, 6.0], [0.0], [0.0, 0.0], per_rank_batch=64, target_bubble=0.1)
+    rec = recommend_micro_batches([1.0, 3.0], [2.0, 6.0], [0.0], [0.0, 0.0], per_rank_batch=64, target_bubble=0.1, order=ONE)
     assert rec["best"] is None and "unbalanced" in rec["why"]
 
 
@@ -101,7 +104,7 @@ def _profile(vision_fwd, vision_bwd, text_fwd=1.0, text_bwd=2.0, n_vision=6, n_t
 def place(prof, names, branches, P, placement, micro_batches):
     """The planner's Plan, as (parts, {placement: prediction})."""
     from mmpipe.planning.place import place as plan
-    p = plan(names, branches, P, placement, micro_batches, prof=prof)
+    p = plan(names, branches, P, placement, micro_batches, schedule="1f1b", prof=prof)
     assert p.layers == names and p.segments == branches and p.costs == "profile"
     return p.parts, p.predicted
 
@@ -185,7 +188,7 @@ def test_cost_balance_keeps_the_steps_samples_and_evens_the_slots(ranks):
     computes it for itself)."""
     from mmpipe.data.balance import StagePrices, StepBalancer
     units = _step_units()
-    prices = StagePrices([1e-4, 0.0], [0.0, 2e-5], max_length=1024, pad_multiple=4)
+    prices = StagePrices([1e-4, 0.0], [0.0, 2e-5], max_length=1024, pad_multiple=4, order=ONE)
     plain = [list(range(i, i + 4)) for i in range(0, 64, 4)]
     b = StepBalancer(units, prices, ranks)
     got = b.regroup(plain)
@@ -245,7 +248,7 @@ def test_refit_prices_regroup_from_their_step_and_a_resume_keeps_them():
     from mmpipe.data.balance import StagePrices, StepBalancer
     from mmpipe.data.sampler import MicroBatchSampler
     units = _step_units()
-    prices = StagePrices([1e-4, 0.0], [0.0, 2e-5], max_length=1024, pad_multiple=4)
+    prices = StagePrices([1e-4, 0.0], [0.0, 2e-5], max_length=1024, pad_multiple=4, order=ONE)
     make = lambda start=0, at=None: MicroBatchSampler(  # noqa: E731
         64, 4, 8, 2, 0, seed=1, start_step=start, start_at=at, balancer=StepBalancer(units, prices, 2))
     plain, refit = make(), make()
@@ -274,7 +277,7 @@ def test_cost_balance_with_variable_micro_batches_evens_padded_slots():
     vision = rng.choice([0, 16, 64], 64, p=[0.4, 0.4, 0.2]).astype(float)
     tokens = np.where(rng.random(64) < 0.15, rng.integers(300, 500, 64), rng.integers(10, 60, 64)) + vision.astype(int)
     units = SampleUnits(vision, tokens)
-    prices = StagePrices([1e-4, 0.0], [0.0, 2e-5], max_length=1024, pad_multiple=4)
+    prices = StagePrices([1e-4, 0.0], [0.0, 2e-5], max_length=1024, pad_multiple=4, order=ONE)
     plain = [list(range(i, i + 4)) for i in range(0, 64, 4)]
     fixed, var = StepBalancer(units, prices, 1), StepBalancer(units, prices, 1, variable=True)
     a, b = fixed.regroup(plain), var.regroup(plain)
@@ -295,7 +298,7 @@ def test_regrouping_ahead_in_a_worker_process_gives_the_same_groups():
     from mmpipe.data.balance import StagePrices, StepBalancer
     from mmpipe.data.sampler import MicroBatchSampler
     units = _step_units()
-    prices = StagePrices([1e-4, 0.0], [0.0, 2e-5], max_length=1024, pad_multiple=4)
+    prices = StagePrices([1e-4, 0.0], [0.0, 2e-5], max_length=1024, pad_multiple=4, order=ONE)
     make = lambda: MicroBatchSampler(64, 4, 8, 2, 0, seed=1, balancer=StepBalancer(units, prices, 2, variable=True))  # noqa: E731
     inline, ahead = make(), make()
     ahead.balancer.start_ahead()
@@ -347,7 +350,7 @@ def _stage_mem(prof, parts, P, M):
     from mmpipe.planning.memory import bytes_per_param, held
     from mmpipe.planning.place import layer_costs
     per_t, per_f = bytes_per_param("fp32", 0, 1)
-    mem = [c.static_bytes(per_t, per_f) + held(0, P, M) * c.act_bytes for c in layer_costs(prof)]
+    mem = [c.static_bytes(per_t, per_f) + held(0, P, M, ONE) * c.act_bytes for c in layer_costs(prof)]
     return [sum(mem[a:b]) for a, b in zip(parts, parts[1:])]
 
 
@@ -358,14 +361,14 @@ def test_auto_returns_only_a_cut_under_the_memory_cap_and_says_which_was_over():
     from mmpipe.errors import ConfigError
     from mmpipe.planning.place import place as plan
     prof, names, branches = _profile(2.0 / 3, 4.0 / 3)  # both branches 12 units: modality is balanced
-    modality = plan(names, branches, 2, "modality", 4, prof=prof).parts
+    modality = plan(names, branches, 2, "modality", 4, schedule="1f1b", prof=prof).parts
     cap = max(_stage_mem(prof, modality, 2, 4)) - 1
-    p = plan(names, branches, 2, "auto", 4, prof=prof, memory_cap=cap)
+    p = plan(names, branches, 2, "auto", 4, schedule="1f1b", prof=prof, memory_cap=cap)
     assert p.chosen == "balanced" and max(_stage_mem(prof, p.parts, 2, 4)) <= cap
     assert set(p.predicted) == {"balanced"} and "over parallel.memory_budget_gb: modality" in p.why
-    assert plan(names, branches, 2, "auto", 4, prof=prof).parts == modality  # (without the cap: modality)
+    assert plan(names, branches, 2, "auto", 4, schedule="1f1b", prof=prof).parts == modality  # (no cap: modality)
     with pytest.raises(ConfigError, match="no cut fits the memory cap"):
-        plan(names, branches, 2, "modality", 4, prof=prof, memory_cap=cap)
+        plan(names, branches, 2, "modality", 4, schedule="1f1b", prof=prof, memory_cap=cap)
 
 
 def test_a_replan_moves_only_to_a_cut_under_the_memory_budget():

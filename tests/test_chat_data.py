@@ -109,9 +109,9 @@ def test_marker_count_mismatch_and_bad_lines_name_the_place(tok, tmp_path):
         {"from": "human", "value": "<video>what happens?"}, {"from": "gpt", "value": "yo"}]}]))
     row = read_chat(str(llava))[0]
     assert row.error is None and row.videos == (str(tmp_path / "v.mp4"),)
-    llava.write_text(json.dumps([{"id": "v2", "video": "v.mp4", "conversations": [
-        {"from": "human", "value": "what happens?"}, {"from": "gpt", "value": "yo"}]}]))
-    assert read_chat(str(llava))[0].error == "0 <video> marker(s) but 1 video(s)"
+    llava.write_text(json.dumps([{"id": "v2", "video": ["v.mp4", "w.mp4"], "conversations": [
+        {"from": "human", "value": "<video><video><video>what happens?"}, {"from": "gpt", "value": "yo"}]}]))
+    assert read_chat(str(llava))[0].error == "3 <video> marker(s) but 2 video(s)"  # (missing marks are added)
 
 
 def test_swift_rows_without_image_tags_get_them_as_ms_swift_adds_them(tok, tmp_path):

@@ -14,10 +14,12 @@ from helpers import TINY, assert_same_training, train_losses
 import mmpipe
 from mmpipe.config.resolve import build_family
 from mmpipe.families.base import Family
-from mmpipe.parallel.step_loss import FirstPassMemo, Replay, StepLossCache, frozen_prefix, is_stochastic
 from mmpipe.parallel.plain import plain_model
+from mmpipe.parallel.schedules import Order
+from mmpipe.parallel.step_loss import FirstPassMemo, Replay, StepLossCache, frozen_prefix, is_stochastic
 
 TINY_SETS = ["model.text.vocab_size=300", "model.text.max_position_embeddings=16", "model.text.eos_token_id=2"]
+ONE = Order("1f1b")  # DeepSpeed's order
 
 
 def test_the_batch_loss_is_open_clips_on_the_same_features():
@@ -340,10 +342,10 @@ def test_the_simulator_adds_the_forward_only_pass_and_the_gather():
     from mmpipe.planning.simulate import simulate
     for P, M in ((2, 4), (3, 8)):
         F, B, comm = [1.0] * P, [2.0] * P, [0.0] * (P - 1)
-        plain = simulate(F, B, M, comm).step_time
+        plain = simulate(F, B, M, comm, order=ONE).step_time
         assert plain == (M + P - 1) * 3.0
-        assert simulate(F, B, M, comm, step_loss=True).step_time == plain + M * 1.0
-        assert simulate(F, B, M, comm, step_loss=True, gather=0.5).step_time == plain + M * 1.0 + 0.5
+        assert simulate(F, B, M, comm, step_loss=True, order=ONE).step_time == plain + M * 1.0
+        assert simulate(F, B, M, comm, step_loss=True, gather=0.5, order=ONE).step_time == plain + M * 1.0 + 0.5
 
 
 def test_a_frozen_prefix_is_costed_once():
@@ -359,11 +361,11 @@ def test_a_frozen_prefix_is_costed_once():
     t = stage_times(prof, [0, 2, 4])
     assert t["F1"] == [4e-3, 4e-3] and t["F"] == [2e-3, 4e-3]
     assert "F1" not in stage_times(_prof(layers), [0, 2, 4])
-    full = predict({**prof, "step_loss": {"features_bytes": 4000, "frozen_prefix": 0}}, [0, 2, 4], 4).step_time
-    assert predict(prof, [0, 2, 4], 4).step_time < full
+    full = predict({**prof, "step_loss": {"features_bytes": 4000, "frozen_prefix": 0}}, [0, 2, 4], 4, ONE).step_time
+    assert predict(prof, [0, 2, 4], 4, ONE).step_time < full
     F, B, M = [1.0, 1.0], [0.0, 2.0], 4
-    plain = simulate(F, B, M, [0.0]).step_time
-    reused = simulate([0.0, 1.0], B, M, [0.0], step_loss=True, first_pass=F).step_time
+    plain = simulate(F, B, M, [0.0], order=ONE).step_time
+    reused = simulate([0.0, 1.0], B, M, [0.0], step_loss=True, first_pass=F, order=ONE).step_time
     # the last stage's M forwards of the first pass on top; the training pass has no fill left
     # (stage 0 hands its recorded outputs on at once), the first pass has the one fill
     assert reused == plain + M * 1.0

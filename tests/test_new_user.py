@@ -313,7 +313,7 @@ def test_placement_mistakes_are_config_errors(tmp_path):
     n = len(names)
 
     def plan_parts(_, stages, placement):
-        return place(names, segments, stages, placement, 1, param_costs=[1] * n).parts
+        return place(names, segments, stages, placement, 1, schedule="1f1b", param_costs=[1] * n).parts
     with pytest.raises(ConfigError, match=f"parallel.pipeline_stages={n + 1} is more than the model's {n} layers"):
         plan_parts(family, n + 1, "modality")
     with pytest.raises(ConfigError, match="parallel.placement=type:nomatch matches 0 layer"):

@@ -311,8 +311,8 @@ def test_exported_run_answers_through_transformers_as_mmpipe_generate(family_run
         path = str(tmp_path / f"held_out_{k}.png")
         im.resize(size).save(path)
         question = qa[0][0]
-        # (mmpipe's prompt puts the image first, then a newline, as chat data writes "<image>\n...")
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "\n" + question}]}]
+        # (mmpipe's prompt puts the image first, straight before the text, as the Qwen chat template renders it)
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
         enc = proc(text=proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
                    images=[Image.open(path).convert("RGB")], return_tensors="pt")
         ids, _ = g.prompt(question, path)

@@ -49,9 +49,10 @@ def test_the_memory_model_holds_the_streams_activations():
     for P in range(2, 7):
         for M in range(1, 13):
             for s in range(P):
-                assert held(s, P, M) == S.live_activations(S.stream("1f1b", P, M, s)) == min(P - s, M)
-                assert held(s, P, M, "gpipe") == M
-                assert held(s, P, M, "frozen_first", 1) == (1 if s == 0 else min(P - s, M))
+                assert held(s, P, M, S.Order("1f1b")) == S.live_activations(S.stream("1f1b", P, M, s)) == min(P - s, M)
+                assert held(s, P, M, S.Order("gpipe")) == M
+                assert held(s, P, M, S.Order("frozen_first", 1)) == (1 if s == 0 else min(P - s, M))
+                assert held(s, P, M, S.Order("zb_h1")) == min(P - s, M)  # 1F1B's live activations
 
 
 def test_memory_breakdown_reads_the_schedule():
@@ -61,10 +62,10 @@ def test_memory_breakdown_reads_the_schedule():
     from mmpipe.planning.profiler import LayerCost
     costs = [LayerCost(f"l{i}", fwd_ms=1.0, bwd_ms=0.0 if i < 2 else 2.0, act_bytes=1000, out_bytes=100,
                        param_bytes=40, params=10, trainable=0 if i < 2 else 10) for i in range(6)]
-    shape = RunShape(forward_only=frozenset({"l0", "l1"}))
+    shape = RunShape(forward_only=frozenset({"l0", "l1"}), order=S.Order("1f1b"))
     plain = stage_breakdown(costs, [0, 2, 4, 6], 8, "fp32", shape=shape)
     first = stage_breakdown(costs, [0, 2, 4, 6], 8, "fp32", shape=RunShape(forward_only=shape.forward_only,
-                                                                           order="frozen_first"))
+                                                                           order=S.Order("frozen_first", 1)))
     assert first[0].buffers == 2 * 100 < plain[0].buffers == (3 + 1) * 100
     assert [m.total for m in first[1:]] == [m.total for m in plain[1:]]
 
@@ -75,16 +76,24 @@ def test_the_balancers_step_price_is_the_simulators_step():
     on every stage, for every schedule, on random costs."""
     from mmpipe.planning.simulate import simulate
     rng = np.random.default_rng(0)
-    for name, frozen in (("1f1b", 0), ("gpipe", 0), ("frozen_first", 1)):
+    for name, frozen in (("1f1b", 0), ("gpipe", 0), ("frozen_first", 1), ("zb_h1", 0)):
+        order = S.Order(name, frozen)
         for P in range(2, 6):
             for M in range(1, 9):
                 C = rng.random((5, M, P))
-                got = S.step_seconds(name, C, frozen)
+                got = S.step_seconds(order, C)
                 for i in range(5):
-                    only = [S.forward_only(x) for x in S.streams(name, P, M, frozen)]
+                    only = [S.forward_only(x) for x in order.streams(P, M)]
                     F = [[C[i, m, s] * (1.0 if only[s] else 1 / 3) for m in range(M)] for s in range(P)]
                     B = [[C[i, m, s] * 2 / 3 for m in range(M)] for s in range(P)]
-                    want = simulate(F, B, M, schedule=name, frozen=frozen).step_time
+                    W = [float(np.mean(C[i, :, s])) / 3 for s in range(P)] if name == "zb_h1" else None
+                    if W is not None:  # (the simulator's W is per stage: a micro-batch-independent check)
+                        C[i] = np.mean(C[i], axis=0, keepdims=True)
+                        got = S.step_seconds(order, C)
+                        F = [[C[i, 0, s] / 3] * M for s in range(P)]
+                        B = [[C[i, 0, s] * 2 / 3] * M for s in range(P)]
+                        W = [C[i, 0, s] / 3 for s in range(P)]
+                    want = simulate(F, B, M, W=W, order=order).step_time
                     assert got[i] == pytest.approx(want, abs=1e-9), (name, P, M)
 
 
@@ -119,8 +128,8 @@ def test_a_registered_schedule_is_read_by_the_simulator():
         return S.gpipe(P, M, s)
     try:
         from mmpipe.planning.simulate import simulate
-        a = simulate([1.0, 2.0], [2.0, 3.0], 4, [0.1], schedule="test_gpipe_alias").step_time
-        assert a == simulate([1.0, 2.0], [2.0, 3.0], 4, [0.1], schedule="gpipe").step_time
+        a = simulate([1.0, 2.0], [2.0, 3.0], 4, [0.1], order=S.Order("test_gpipe_alias")).step_time
+        assert a == simulate([1.0, 2.0], [2.0, 3.0], 4, [0.1], order=S.Order("gpipe")).step_time
     finally:
         del S.SCHEDULES["test_gpipe_alias"]
         S.streams.cache_clear()
@@ -140,11 +149,11 @@ def test_auto_picks_frozen_first_when_the_simulator_predicts_it_faster():
             "key": {"forward_only": ["l0", "l1"]}}
     plan = pick_schedule("auto", Plan([f"l{i}" for i in range(4)], ["v", "v", "t", "t"], [0, 2, 4], "modality", 8),
                          prof, {"l0", "l1"})
-    assert plan.frozen_stages == 1 and set(plan.schedules) == {"1f1b", "frozen_first"}
+    assert plan.frozen_stages == 1 and set(plan.schedules) == {"1f1b", "frozen_first", "zb_h1"}
     assert plan.schedules["frozen_first"] < plan.schedules["1f1b"] and plan.schedule == "frozen_first"
     kept = pick_schedule("1f1b", Plan([f"l{i}" for i in range(4)], ["v"] * 4, [0, 2, 4], "modality", 8), prof,
                          {"l0", "l1"})
-    assert kept.schedule == "1f1b" and kept.frozen_stages == 1
+    assert kept.order == S.Order("1f1b")  # (the leading frozen stages are an order's only where it reads them)
     none = pick_schedule("auto", Plan([f"l{i}" for i in range(4)], ["v"] * 4, [0, 1, 4], "modality", 8), prof, set())
     assert none.schedule == "1f1b" and none.frozen_stages == 0
     with pytest.raises(ConfigError, match=r"parallel.schedule=frozen_first: stage 0 \(l0 .. l0\) trains l0 \(HOW\); "):
@@ -171,3 +180,62 @@ def test_frozen_firsts_refusal_names_the_layer_that_trains_and_the_familys_key(c
     fo = frozen_layout(fam, resolve_groups(cfg.optim, type(fam))).forward_only
     assert next(n for n in fam.layer_names() if n not in fo) == layer
     assert freeze_key(cfg.optim, fam, layer) == key
+
+
+def test_zb_h1_runs_each_pass_once_in_order_with_1f1bs_activations_and_a_third_of_its_bubble():
+    """For P 2..6 and M 1..12: every micro-batch has one F, one B and one W per stage, each W after its B and each B
+    after its F; the shared replay meets every send and receive (no deadlock); DeepSpeed's buffers hold (one
+    received gradient at a time, a buffer taken again only after its micro-batch sent its gradient); peak live
+    activations equal 1F1B's, the weight-gradient queue is counted apart; with F = B = W the bubble at P = 4,
+    M = 8 is (P - 1) / (3M + P - 1) = 11.1% (1F1B's 27.3%)."""
+    from mmpipe.planning.memory import queued
+    from mmpipe.planning.simulate import simulate
+    zb, one = S.Order("zb_h1"), S.Order("1f1b")
+    for P in range(2, 7):
+        for M in range(1, 13):
+            sts = zb.streams(P, M)
+            S.order(sts)  # every send meets its receive
+            for s, st in enumerate(sts):
+                at = {}
+                for i, a in enumerate(st):
+                    assert (a.kind, a.micro_batch) not in at or a.micro_batch is None, (P, M, s, a)
+                    at[(a.kind, a.micro_batch)] = i
+                n = S.buffers(st)
+                for m in range(M):
+                    assert at[("ForwardPass", m)] < at[("BackwardInputPass", m)] < at[("BackwardWeightPass", m)]
+                    assert "BackwardPass" not in {a.kind for a in st}
+                    if s < P - 1:  # DeepSpeed receives a gradient into one buffer: its B comes before the next
+                        r, b = at[("RecvGrad", m)], at[("BackwardInputPass", m)]
+                        assert r < b and not any(a.kind == "RecvGrad" for a in st[r + 1:b]), (P, M, s, m)
+                    if m >= n:  # a pipe buffer is taken again only once its last micro-batch is done with it
+                        first = at[("RecvActivation", m)] if s > 0 else at[("LoadMicroBatch", m)]
+                        done = at[("SendGrad", m - n)] if s > 0 else at[("BackwardInputPass", m - n)]
+                        assert done < first, (P, M, s, m)
+                assert at[("BackwardWeightPass", M - 1)] < at[("ReduceTiedGrads", None)]  # every W before the step
+                assert S.live_activations(st) == S.live_activations(one.streams(P, M)[s])
+                assert 1 <= queued(s, P, M, zb) <= min(s + 1, M) and queued(s, P, M, one) == 0
+                in_flight = peak = 0  # forward run, weight gradient not yet: at most P micro-batches (the paper's bound)
+                for a in st:
+                    in_flight += (a.kind == "ForwardPass") - (a.kind == "BackwardWeightPass")
+                    peak = max(peak, in_flight)
+                assert peak <= min(P, M), (P, M, s)
+    unit = simulate([1.0] * 4, [2.0] * 4, 8, W=[1.0] * 4, order=zb)
+    assert unit.bubble == pytest.approx(3 / 27) and unit.bubble <= 0.12
+    assert simulate([1.0] * 4, [2.0] * 4, 8, order=one).bubble == pytest.approx(9 / 33)
+
+
+def test_the_memory_model_counts_the_weight_gradient_queue_and_the_early_buffers():
+    """Under zb_h1 a stage holds 1F1B's activations, plus its queued weight-gradient inputs (``LayerCost.w_bytes``
+    per micro-batch queued) and the inputs it receives before an earlier micro-batch's backward (one more pipe
+    buffer); a layer without trainable linear layers queues nothing."""
+    from mmpipe.planning.memory import RunShape, stage_breakdown
+    from mmpipe.planning.profiler import LayerCost
+    costs = [LayerCost(f"l{i}", fwd_ms=1.0, bwd_ms=2.0, act_bytes=1000, out_bytes=100, param_bytes=40, params=10,
+                       trainable=10, in_bytes=100, w_bytes=300) for i in range(8)]
+    parts, M = [0, 2, 4, 6, 8], 8
+    one = stage_breakdown(costs, parts, M, "fp32", shape=RunShape(order=S.Order("1f1b")))
+    zb = stage_breakdown(costs, parts, M, "fp32", shape=RunShape(order=S.Order("zb_h1")))
+    for s in range(4):
+        early = S.buffers(S.Order("zb_h1").streams(4, M)[s]) - max(2, S.live_activations(S.Order("1f1b").streams(4, M)[s]))
+        assert zb[s].activations - one[s].activations == S.queued_weight_grads(S.Order("zb_h1").streams(4, M)[s]) * 2 * 300
+        assert zb[s].buffers - one[s].buffers == (early * 100 if s else 0)

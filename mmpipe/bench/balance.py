@@ -12,6 +12,7 @@ from mmpipe.config.registry import get_family
 from mmpipe.config.schema import family_of, load_config
 from mmpipe.data.cache import prepare
 from mmpipe.data.synth import MIXED_SIZES, synth, synth_skewed_chat, synth_vlm
+from mmpipe.parallel.plan import Plan
 from mmpipe.planning.charts import write_plan_png
 from mmpipe.planning.offline import median_profile, plan_all, single_process_time
 from mmpipe.planning.place import layer_costs, predict
@@ -79,8 +80,9 @@ def _balance_model(args, title: str, config: str, extra: list, info: dict, tmp: 
         st, out, _ = pooled(runs[pl], args.warmup)
         meas = {**measured_from_run(out, skip=args.warmup), "step_time": st}
         with open(os.path.join(out, "plan.json")) as fh:
-            parts = json.load(fh)["parts"]
-        sim = predict(plan["profile"], parts, M)
+            run_plan = Plan.from_json(json.load(fh))
+        parts = run_plan.parts
+        sim = predict(plan["profile"], parts, M, run_plan.order)
         measured[pl] = meas["step_time"]
         rows.append((pl, parts, meas, sim))
         if pl == "auto" and not extra:

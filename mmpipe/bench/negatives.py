@@ -13,6 +13,7 @@ from mmpipe.bench.common import ROOT, append_benchmarks, launch, pooled, with_sc
 from mmpipe.config.schema import family_of, load_config
 from mmpipe.data.cache import prepare
 from mmpipe.data.synth import synth
+from mmpipe.parallel.plan import Plan
 from mmpipe.planning.offline import plan_all
 from mmpipe.planning.place import predict
 
@@ -45,8 +46,9 @@ def bench_negatives(args, tmp: str) -> int:
         # profiled now, after the runs: a profile cached at another time of this shared machine can be 20% off
         plan = plan_all(load_config(args.config, common + sets), 2, threads=1, log=log, refresh=True)
         with open(os.path.join(out, "plan.json")) as fh:
-            parts = json.load(fh)["parts"]
-        rows.append((name, measured, predict(plan["profile"], parts, plan["micro_batches"]).step_time))
+            run_plan = Plan.from_json(json.load(fh))
+        rows.append((name, measured, predict(plan["profile"], run_plan.parts, plan["micro_batches"],
+                                             run_plan.order).step_time))
     base = {False: rows[0], True: rows[2]}
     lines = ["| negatives | step ms measured | predicted | error | vs micro_batch measured | predicted |",
              "|---|---|---|---|---|---|"]

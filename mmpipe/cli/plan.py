@@ -7,10 +7,11 @@ import os
 
 from mmpipe.config.schema import load_config
 from mmpipe.errors import ConfigError
+from mmpipe.parallel.plan import Plan
 from mmpipe.planning.charts import write_memory_png, write_plan_png, write_png
 from mmpipe.planning.layouts import format_table, layouts_json, plan_layouts, step_loss_summary
 from mmpipe.planning.offline import _profile_for, format_plan, plan_all, run_memory
-from mmpipe.planning.place import pick_schedule, predict
+from mmpipe.planning.place import predict
 from mmpipe.planning.simulate import recommend_micro_batches
 from mmpipe.train.memory_meter import read_memory
 from mmpipe.train.metrics import measured_from_run, read_metrics
@@ -71,7 +72,7 @@ def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> st
     steps = len(read_metrics(metrics)) if os.path.isfile(metrics) else 0
     if steps > TIMING_SKIP:  # the first steps (start-up, allocation) are not timed
         _, prof = _profile_for(cfg, P, log=log, use_cache=use_cache)
-        sim, meas = predict(prof, parts, M), measured_from_run(run_dir, TIMING_SKIP)
+        sim, meas = predict(prof, parts, M, Plan.from_json(run_plan).order), measured_from_run(run_dir, TIMING_SKIP)
         lines.append(f"| step ms | {1e3 * sim.step_time:.1f} | {1e3 * meas['step_time']:.1f} | "
                      f"{100 * (sim.step_time / meas['step_time'] - 1):+.0f}% |")
         for s in range(P):
@@ -88,6 +89,18 @@ def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> st
             lines.append(f"| rank {r['rank']} (stage {r['stage']}) peak MB | {p / 2**20:.1f} | {m / 2**20:.1f} | "
                          f"{100 * (p / m - 1):+.1f}% |")
     return "\n".join(lines + ([note] if steps <= TIMING_SKIP else []))
+
+
+def weighed_table(plan) -> str:
+    """The (cut, schedule) pairs the planner weighed: predicted step, its fullest stage's peak, whether it fits the
+    memory budget; the chosen one marked."""
+    lines = ["\n(cut, schedule) pairs weighed:", "| cut | stages | schedule | step ms | fullest stage MB | fits |",
+             "|---|---|---|---|---|---|"]
+    for r in plan.weighed or []:
+        mark = " **chosen**" if r["parts"] == plan.parts and r["schedule"] == plan.order.name else ""
+        lines.append(f"| {r['cut']} | {r['parts']} | {r['schedule']}{mark} | {1e3 * r['step_time']:.1f} | "
+                     f"{r['peak_bytes'] / 2**20:.1f} | {'yes' if r['fits'] else 'no'} |")
+    return "\n".join(lines)
 
 
 def cmd_plan(args) -> int:
@@ -110,8 +123,10 @@ def cmd_plan(args) -> int:
     per_rank = cfg.train.batch_size // args.dp
     M = plan["micro_batches"]
     scale = M  # stage times are per micro-batch of the configured size; rescale to the whole per-rank batch
+    chosen_plan = plan["plans"][chosen]
     rec = recommend_micro_batches([f * scale for f in t["F"]], [b * scale for b in t["B"]],
-                                  [c * scale for c in t["comm"]], t["opt"], per_rank, args.target_bubble)
+                                  [c * scale for c in t["comm"]], t["opt"], per_rank, args.target_bubble,
+                                  W=[w * scale for w in t["W"]], order=chosen_plan.order)
     if rec["best"]:
         b = rec["best"]
         print(f"\nrecommended: {b['micro_batches']} micro-batches of {b['micro_batch_size']} "
@@ -120,13 +135,11 @@ def cmd_plan(args) -> int:
         print("\n" + rec["why"])
     out = args.out or os.path.join(cfg.train.output_dir, "plan")
     os.makedirs(out, exist_ok=True)
-    chosen_plan = plan["plans"][chosen]
     chosen_plan.predicted = {k: v["sim"] for k, v in plan["placements"].items()}
-    pick_schedule(cfg.parallel.schedule, chosen_plan, plan["profile"],
-                  set(plan["profile"].get("key", {}).get("forward_only", [])))
-    print(f"\npipeline schedule: {chosen_plan.schedule}" + (" (parallel.schedule=auto)" if cfg.parallel.schedule == "auto"
-                                                           else "") + "; predicted step " + ", ".join(
-        f"{k} {1e3 * v:.1f} ms" for k, v in chosen_plan.schedules.items()))
+    print(f"\npipeline schedule: {chosen_plan.order.name}" + (" (parallel.schedule=auto)" if cfg.parallel.schedule
+                                                              == "auto" else "") + "; predicted step " + ", ".join(
+        f"{k} {1e3 * v:.1f} ms" for k, v in (chosen_plan.schedules or {}).items()))
+    print(weighed_table(chosen_plan))
     chosen_plan.write(os.path.join(out, "plan.json"))
     write_plan_png(os.path.join(out, "plan.png"), plan)
     print(f"\nwrote {out}/plan.json (train with --set parallel.plan={out}/plan.json) and {out}/plan.png")

@@ -25,8 +25,10 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 
 from mmpipe.parallel.sample_rng import KEY_FIELDS, Layout
+from mmpipe.parallel.step_loss import Replay, is_stochastic
 
 
 class LayerExecutor:
@@ -121,3 +123,27 @@ def wants_grad(t) -> bool:
     """A float tensor whose gradient someone needs: not a forward-only layer's gradient sink."""
     return (torch.is_tensor(t) and t.is_floating_point() and t.requires_grad
             and not getattr(t, "_mmpipe_sink", False))
+
+
+def keyed_dropout(module, executor, dp_rank: int, accumulation: int, everywhere: bool) -> bool:
+    """Set up a model that draws dropout (a tower's, LoRA's; ``everywhere``: on any pipeline stage) to draw
+    each sample's from its own key (``sample_rng``) and anything else from (seed, step, layer, the
+    micro-batch's index in the step: rank ``dp_rank``'s first is ``dp_rank`` x ``accumulation``): the same
+    numbers in every layout, grouping and packing. Returns whether the batches carry the sample keys."""
+    mine = is_stochastic(module)
+    if everywhere:  # a stage without dropout still passes the keys on: every stage decides alike
+        flag = torch.tensor([float(mine)], device=_collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        mine = bool(flag.item())
+    if not mine:
+        return False
+    family = module.family
+    executor.replay = Replay(family.seed, offset=dp_rank * accumulation)
+    executor.keyed = True
+    executor.axis_of = {layer.name: family.cost_driver(layer.segment) for layer in family.layers()}
+    return True
+
+
+def _collective_device():
+    from deepspeed.accelerator import get_accelerator
+    return torch.device(get_accelerator().current_device_name())

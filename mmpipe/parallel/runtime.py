@@ -1,5 +1,7 @@
 """The runtime seam: where DeepSpeed's engine is made (``initialize``, the one call of
-``deepspeed.initialize``), where a pipeline stage is given the run's order (``install_schedule``: the
+``deepspeed.initialize``), the two step drivers (``PlainRunner``: P = 1, accumulation by calling ``step()``;
+``PipelineRunner``), which run a step loss's two passes alike (``two_passes``), where a pipeline stage is given
+the run's order (``install_schedule``: the
 stage's stream from ``parallel.schedules``, installed as the engine's schedule, handed to the stage clock,
 and the stage's executor told what the order implies; an order that splits the backward gets its two
 instructions and the stage's linear layers their split backward, ``parallel.zero_bubble``), and the runner that
@@ -20,10 +22,12 @@ from mmpipe.parallel.ds_compat import (
     set_train_schedule,
     split_backward,
 )
+from mmpipe.parallel.executor import keyed_dropout
 from mmpipe.parallel.layers import PipeLayer
+from mmpipe.parallel.sample_rng import KEY_FIELDS
 from mmpipe.parallel.schedules import forward_only
 from mmpipe.parallel.stage_clock import StageClock
-from mmpipe.parallel.step_loss import FirstPassMemo, Replay, StepLossCache, frozen_prefix, is_stochastic
+from mmpipe.parallel.step_loss import FirstPassMemo, StepLossCache, frozen_prefix
 from mmpipe.parallel.zero_bubble import WeightGradStore, install
 
 
@@ -58,30 +62,6 @@ def install_schedule(engine, plan, micro_batches: int, step_loss: bool) -> tuple
     if any(a.kind == "RecvActivation" for a in train) and not any(a.kind == "SendGrad" for a in train):
         executor.detach = plan.layers[plan.parts[s]]  # received inputs whose gradient nobody takes
     return whole, store
-
-
-def keyed_dropout(module, executor, dp_rank: int, accumulation: int, everywhere: bool) -> bool:
-    """Set up a model that draws dropout (a tower's, LoRA's; ``everywhere``: on any pipeline stage) to draw
-    each sample's from its own key (``sample_rng``) and anything else from (seed, step, layer, the
-    micro-batch's index in the step: rank ``dp_rank``'s first is ``dp_rank`` x ``accumulation``): the same
-    numbers in every layout, grouping and packing. Returns whether the batches carry the sample keys."""
-    mine = is_stochastic(module)
-    if everywhere:  # a stage without dropout still passes the keys on: every stage decides alike
-        flag = torch.tensor([float(mine)], device=_collective_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        mine = bool(flag.item())
-    if not mine:
-        return False
-    family = module.family
-    executor.replay = Replay(family.seed, offset=dp_rank * accumulation)
-    executor.keyed = True
-    executor.axis_of = {layer.name: family.cost_driver(layer.segment) for layer in family.layers()}
-    return True
-
-
-def _collective_device():
-    from deepspeed.accelerator import get_accelerator
-    return torch.device(get_accelerator().current_device_name())
 
 
 class PipelineRunner:
@@ -131,30 +111,23 @@ class PipelineRunner:
     def _step_loss_step(self, data_iter, step: int) -> torch.Tensor:
         """Pass 1: the step's micro-batches forward-only through every stage (DeepSpeed's inference
         schedule, training mode) for the last layer's features; the last stage's batch loss; pass 2:
-        DeepSpeed's 1F1B over the same micro-batches, the last stage backpropagating surrogates."""
+        the run's order over the same micro-batches, the last stage backpropagating surrogates."""
         engine = self.engine
         batches = ([next(data_iter) for _ in range(self.topo.accumulation_steps)] if data_iter is not None
                    else None)
         reset_total_loss(engine)
-        if self.replay is not None:
-            self.replay.start(step)
-        if self.memo is not None:
-            self.memo.start(recording=True)
-        with eval_batch_in_train_mode(engine), _monitors_off(engine):
-            out = engine.eval_batch(iter(batches) if batches is not None else None, compute_loss=False,
-                                    reduce_output=None, bcast_loss=False,
-                                    num_micro_batches=self.topo.accumulation_steps)
-        if self.cache is not None:
-            self.cache.fill(list(out))
-        if self.replay is not None:
-            self.replay.start(step)
-        if self.memo is not None:
-            self.memo.start(recording=False)
-        with self._split_step():
-            loss = engine.train_batch(iter(batches) if batches is not None else None).detach()
-        if self.memo is not None:
-            self.memo.clear()
-        return loss
+
+        def features():
+            with eval_batch_in_train_mode(engine), _monitors_off(engine):
+                return list(engine.eval_batch(iter(batches) if batches is not None else None, compute_loss=False,
+                                              reduce_output=None, bcast_loss=False,
+                                              num_micro_batches=self.topo.accumulation_steps))
+
+        def train():
+            with self._split_step():
+                return engine.train_batch(iter(batches) if batches is not None else None).detach()
+
+        return two_passes(self.replay, self.memo, self.cache, step, features, train)
 
     def _split_step(self):
         """A training pass of a split-backward order: the linear layers defer their weight gradients (for the whole
@@ -180,6 +153,29 @@ class PipelineRunner:
         return list(out)
 
 
+def two_passes(replay, memo, cache, step: int, features, train):
+    """A step loss's two passes, for every runner: each micro-batch's features without autograd (``features()``;
+    the same dropout as the training pass, ``replay``; a frozen prefix recorded, ``memo``), the batch loss over all
+    of them (``cache.fill``, where this rank computes it), then ``train()`` with the frozen prefix's outputs taken
+    from the first pass; returns what ``train`` returns."""
+    if replay is not None:
+        replay.start(step)
+    if memo is not None:
+        memo.start(recording=True)
+    out = features()
+    if cache is not None:
+        cache.fill(out)
+    if replay is not None:
+        replay.start(step)
+    if memo is not None:
+        memo.start(recording=False)
+    try:
+        return train()
+    finally:
+        if memo is not None:
+            memo.clear()
+
+
 @contextlib.contextmanager
 def _monitors_off(engine):
     """DeepSpeed's monitors (tensorboard/csv blocks) make ``eval_batch`` log a mean eval loss from
@@ -193,3 +189,94 @@ def _monitors_off(engine):
     finally:
         if monitor is not None:
             monitor.enabled = enabled
+
+
+class PlainRunner:
+    """P = 1: the plain model under DeepSpeed's engine; accumulation done by calling step()."""
+
+    clock = None
+
+    def __init__(self, engine, topo):
+        self.engine, self.topo = engine, topo
+        module, A, D = engine.module, topo.accumulation_steps, topo.data_parallel
+        self.cache = None  # a step loss over more than one micro-batch: the feature cache
+        run = module.executor  # how every layer runs (parallel.executor)
+        self.keyed = keyed_dropout(module, run, dist.get_rank() if D > 1 else 0, A, everywhere=False)
+        if module.family.step_loss and A * D > 1:
+            loss_module = module.get_submodule(module.family.layer_names()[-1])
+            self.cache = StepLossCache(module.family, loss_module, A, D, dist.get_rank() if D > 1 else 0)
+            prefix = frozen_prefix(module.family.layer_names(), run.forward_only)
+            if prefix and A > 1 and engine.zero_optimization_stage() < 3:  # ZeRO-3 traces the modules' order
+                run.memo = FirstPassMemo(prefix)
+
+    def _to_device(self, tensors):
+        """The fields on the engine's device; the sample keys stay on the host, where dropout reads them."""
+        n = len(self.engine.module.family.inputs)
+        keys = range(n, n + len(KEY_FIELDS)) if self.keyed else ()
+        return tuple(t if i in keys else t.to(self.engine.device, non_blocking=True) for i, t in enumerate(tensors))
+
+    def _step_loss_step(self, data_iter, step: int) -> torch.Tensor:
+        """The step's micro-batches forward-only for their features, the batch loss, then each
+        micro-batch trained on its surrogate (``mmpipe.parallel.step_loss``). With one micro-batch
+        per rank, no pass is repeated: its features, with autograd, are gathered (detached) and its
+        surrogate backpropagated."""
+        run, cache = self.engine.module.executor, self.cache
+        batches = [next(data_iter)[0] for _ in range(self.topo.accumulation_steps)]
+        run.features = True
+        if len(batches) == 1:  # data parallel, one micro-batch per rank: one pass, as open_clip's
+            try:  # the live features give the step's loss and the gathered features their negatives
+                if run.replay is not None:
+                    run.replay.start(step)
+                out = self.engine(*self._to_device(batches[0]))
+                cache.fill([out])
+                self.engine.backward(cache.surrogate(out))
+                self.engine.step()
+            finally:
+                run.features = False
+            return cache.loss
+
+        def features():
+            with torch.no_grad():
+                return [self.engine(*self._to_device(inputs)) for inputs in batches]
+
+        def train():
+            for inputs in batches:
+                self.engine.backward(cache.surrogate(self.engine(*self._to_device(inputs))))
+                self.engine.step()
+            return cache.loss
+
+        try:
+            return two_passes(run.replay, run.memo, cache, step, features, train)
+        finally:
+            run.features = False
+
+    def train_step(self, data_iter, step: int = 0, trace: bool = False) -> torch.Tensor:
+        if self.cache is not None:
+            return self._step_loss_step(data_iter, step)
+        if self.engine.module.executor.replay is not None:
+            self.engine.module.executor.replay.start(step)
+        losses = []
+        for _ in range(self.topo.accumulation_steps):
+            inputs, labels = next(data_iter)
+            labels = labels if isinstance(labels, tuple) else ()
+            loss = self.engine(*self._to_device(inputs + labels))
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(loss.detach().float())
+        mean = torch.stack(losses).mean()
+        if self.topo.data_parallel > 1:
+            dist.all_reduce(mean)
+            mean /= self.topo.data_parallel
+        return mean
+
+    @torch.no_grad()
+    def eval_outputs(self, batches, n_micro: int) -> Optional[list]:
+        module = self.engine.module
+        stats = module.family.eval_stats
+        module.eval()
+        out = []
+        for inputs, labels in batches:
+            o = module.eval_outputs(*self._to_device(inputs))
+            out.append(stats(o, *self._to_device(labels)) if stats is not None else o)
+        module.train()
+        return out

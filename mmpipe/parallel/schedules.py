@@ -50,16 +50,20 @@ TAIL = (Action("ReduceTiedGrads"), Action("ReduceGrads"), Action("OptimizerStep"
 
 SCHEDULES: dict[str, Callable] = {}
 APPLIES: dict[str, Callable] = {}  # name -> applies(P, frozen): a candidate of ``auto`` where True
+READS_FROZEN: set = set()  # the schedules whose order depends on ``frozen`` (the others run every stage alike)
 DEFAULT = "1f1b"  # DeepSpeed's own order: what a run gets where nothing else applies (one stage, no profile)
 
 
-def register(name: str, applies: Optional[Callable[[int, int], bool]] = None):
+def register(name: str, applies: Optional[Callable[[int, int], bool]] = None, reads_frozen: bool = False):
     """Add a schedule ``fn(P, M, stage, frozen) -> [Action]`` under ``name`` (a plugin may add its own); ``applies(P,
-    frozen)``: where ``parallel.schedule=auto`` weighs it (None: never; it runs when asked for by name)."""
+    frozen)``: where ``parallel.schedule=auto`` weighs it (None: never; it runs when asked for by name);
+    ``reads_frozen``: its order depends on the leading stages that train nothing."""
     def add(fn):
         SCHEDULES[name] = fn
         if applies is not None:
             APPLIES[name] = applies
+        if reads_frozen:
+            READS_FROZEN.add(name)
         return fn
     return add
 
@@ -87,9 +91,14 @@ def default_order() -> Order:
     return Order(DEFAULT)
 
 
+def order_of(name: str, frozen: int) -> Order:
+    """Schedule ``name`` on a cut whose ``frozen`` leading stages train nothing (recorded where the order reads it)."""
+    return Order(name, frozen if name in READS_FROZEN else 0)
+
+
 def candidates(P: int, frozen: int) -> list:
     """The orders ``auto`` weighs for a cut of ``P`` stages whose ``frozen`` leading stages train nothing."""
-    return [Order(n, frozen) for n, ok in APPLIES.items() if ok(P, frozen)]
+    return [order_of(n, frozen) for n, ok in APPLIES.items() if ok(P, frozen)]
 
 
 def stream(name: str, P: int, M: int, stage: int, *, frozen: int = 0, step_loss: bool = False) -> list:
@@ -169,7 +178,7 @@ def gpipe(P: int, M: int, s: int, frozen: int = 0) -> list:
     return out + list(TAIL)
 
 
-@register("frozen_first", applies=lambda P, frozen: P > 1 and frozen > 0)
+@register("frozen_first", applies=lambda P, frozen: P > 1 and frozen > 0, reads_frozen=True)
 def frozen_first(P: int, M: int, s: int, frozen: int = 0) -> list:
     """The ``frozen`` leading stages forward only, back to back; 1F1B on the stages after them."""
     k = min(max(frozen, 0), P - 1)

@@ -280,9 +280,9 @@ def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: l
     step_loss = ctx.raw.get("step_loss")
     gather = ctx.comm.time("allgather", D, M * step_loss["features_bytes"]) if step_loss and D > 1 else 0.0
     if ctx.cores and D * P * ctx.threads > ctx.cores:
-        sim, _ = simulate_shared_cores(t["F"], t["B"], M, plan.order, t["comm"], t["opt"], t["comm_grad"], D,
-                                       ctx.threads, ctx.cores, ctx.slope, step_loss=bool(step_loss),
-                                       first_pass=t.get("F1"), W=t["W"])
+        sim, _ = simulate_shared_cores(t["F"], t["B"], M, t["comm"], t["opt"], t["comm_grad"], D, ctx.threads,
+                                       ctx.cores, ctx.slope, step_loss=bool(step_loss), first_pass=t.get("F1"),
+                                       W=t["W"], order=plan.order)
         raw_busy = [M * (a + b + a1) + o for a, b, a1, o in zip(t["F"], t["B"], t.get("F1", [0.0] * P), t["opt"])]
         f = sum(sim.busy) / sum(raw_busy) if sum(raw_busy) else 1.0  # the mean stretch, for what follows
     else:

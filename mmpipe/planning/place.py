@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 from mmpipe.errors import ConfigError
 from mmpipe.parallel.plan import Plan, parts_from_lists
-from mmpipe.parallel.schedules import Order, candidates, default_order, leading_frozen
+from mmpipe.parallel.schedules import Order, candidates, default_order, leading_frozen, order_of
 from mmpipe.planning.memory import bytes_per_param, held, run_shape, stage_memory
 from mmpipe.planning.partition import every_stage_trains, min_max_partition, modality_partition
 from mmpipe.planning.profiler import LayerCost
@@ -108,7 +108,7 @@ def orders_for(requested: str, parts: list, names: list, forward_only, freeze_hi
         raise ConfigError(f"parallel.schedule=frozen_first: stage 0 ({names[parts[0]]} .. {names[parts[1] - 1]}) "
                           f"trains {first}{how}; frozen_first needs leading stages whose layers are all frozen (and "
                           "fp32 with zero_stage 0); use parallel.schedule=1f1b or auto")
-    return [Order(requested, frozen)]
+    return [order_of(requested, frozen)]
 
 
 def _weigh(plan: Plan, prof: dict, requested: str, cuts: dict, over: dict, memory_cap: Optional[int], precision: str,
@@ -231,8 +231,8 @@ def predict(prof: dict, parts: list, micro_batches: int, order: Order):
     """The simulated step of ``parts`` under ``order`` (a step loss's forward-only pass included,
     ``prof["step_loss"]``)."""
     t = stage_times(prof, parts)
-    r = simulate(t["F"], t["B"], micro_batches, order, t["comm"], t["opt"], comm_grad=t["comm_grad"],
-                 step_loss=bool(prof.get("step_loss")), first_pass=t.get("F1"), W=t["W"])
+    r = simulate(t["F"], t["B"], micro_batches, t["comm"], t["opt"], comm_grad=t["comm_grad"],
+                 step_loss=bool(prof.get("step_loss")), first_pass=t.get("F1"), W=t["W"], order=order)
     r.parts = list(parts)
     return r
 

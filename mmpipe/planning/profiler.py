@@ -177,8 +177,7 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
     on the last layer's outputs (a family with label fields), run as part of the last of the
     ``n_layers`` layers: its saved tensors and working set are the last stage's too. ``workspace``:
     count each layer's working set (a further forward and backward; bytes do not change between
-    passes, so a repeated profile counts them once). ``split``: also time the backward as a split-backward order
-    runs it (``B`` then ``W``, after a forward of their own)."""
+    passes, so a repeated profile counts them once). ``split``: also time the backward split (``B``, ``W``)."""
     device = inputs[0].device
     evict = CacheEvictor(device) if (cold and timed) else (lambda: None)
     rounds = (warmup + repeats) if timed else 1
@@ -196,8 +195,7 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
         ptrs = {p.untyped_storage()._cdata for p in layer.parameters()}
         fwd, bwd, halves = [], [], []
         act = out_b = in_b = w_b = 0
-        y = None
-        store = WeightGradStore()
+        y, store = None, WeightGradStore()
         splits = split and timed and install(layer, store) > 0
         for r in range(rounds):
             y = None  # free the previous round's graph first
@@ -229,9 +227,6 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
                                               evict, device))
         layer.zero_grad(set_to_none=True)
         params = list(layer.parameters())
-        half = ({"bwd_in_ms": 1e3 * statistics.median(h[0] for h in halves[keep]),
-                 "bwd_w_ms": 1e3 * statistics.median(h[1] for h in halves[keep])} if halves else
-                {"bwd_in_ms": None, "bwd_w_ms": None} if not split else {"bwd_w_ms": 0.0})
         costs.append(LayerCost(
             name=getattr(layer, "name", str(i)),
             fwd_ms=1e3 * statistics.median(fwd[keep]), bwd_ms=1e3 * statistics.median(bwd[keep]),
@@ -240,9 +235,8 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
             params=sum(p.numel() for p in params), trainable=sum(p.numel() for p in params if p.requires_grad),
             opt_ms=optimizer_ms(layer, repeats if timed else 0, evict),
             out_tensors=len(sent), grad_tensors=len(back), grad_bytes=_nbytes(back), in_bytes=in_b,
-            workspace=backward_workspace(run, _detach(x, flags), layer) if workspace else 0, w_bytes=w_b, **half))
-        if split and not halves:  # nothing to defer: the whole backward is B
-            costs[-1].bwd_in_ms = costs[-1].bwd_ms
+            workspace=backward_workspace(run, _detach(x, flags), layer) if workspace else 0, w_bytes=w_b,
+            **_halves(halves[keep], split, bwd[keep])))
         ys = [y] if torch.is_tensor(y) else list(y)
         flags = next_flags
         x = _marked(ys[0], ys[0].detach()) if torch.is_tensor(y) else tuple(_marked(t, t.detach()) for t in ys)
@@ -271,6 +265,15 @@ class _LinearIO:
     def __exit__(self, *exc):
         for h in self.handles:
             h.remove()
+
+
+def _halves(halves: list, split: bool, bwd: list) -> dict:
+    """``bwd_in_ms`` / ``bwd_w_ms`` of a layer: the medians of its timed (B, W) seconds; nothing deferred, the
+    whole backward is B; not measured (``split`` off): None."""
+    if halves:
+        return {"bwd_in_ms": 1e3 * statistics.median(h[0] for h in halves),
+                "bwd_w_ms": 1e3 * statistics.median(h[1] for h in halves)}
+    return {"bwd_in_ms": 1e3 * statistics.median(bwd), "bwd_w_ms": 0.0} if split else {}
 
 
 def _split_backward(run, x_in, store, evict, device) -> tuple:

@@ -39,10 +39,10 @@ BUSY_KINDS = ("ForwardPass", "BackwardPass", "OptimizerStep", "LoadMicroBatch", 
               "BackwardWeightPass")
 
 
-def simulate(F: list, B: list, micro_batches: int, order: Order, comm: Optional[list] = None,
-             opt: Optional[list] = None, load: Optional[list] = None, comm_grad: Optional[list] = None,
-             stretch: Optional[list] = None, step_loss: bool = False, gather: float = 0.0,
-             first_pass: Optional[list] = None, W: Optional[list] = None) -> SimResult:
+def simulate(F: list, B: list, micro_batches: int, comm: Optional[list] = None, opt: Optional[list] = None,
+             load: Optional[list] = None, comm_grad: Optional[list] = None, stretch: Optional[list] = None,
+             step_loss: bool = False, gather: float = 0.0, first_pass: Optional[list] = None,
+             W: Optional[list] = None, *, order: Order) -> SimResult:
     """The step of ``order`` (``mmpipe.parallel.schedules``). ``F``, ``B``, ``opt``, ``load``: seconds per stage
     (``F``/``B``: or per stage a list over micro-batches); ``W``: the seconds of ``B`` a split backward
     defers (per stage; default none); ``comm[s]``: seconds to move one
@@ -91,10 +91,10 @@ def simulate(F: list, B: list, micro_batches: int, order: Order, comm: Optional[
     return SimResult(step, busy, idle, sum(idle) / P, timeline)
 
 
-def simulate_shared_cores(F: list, B: list, micro_batches: int, order: Order, comm: Optional[list],
-                          opt: Optional[list], comm_grad: Optional[list], replicas: int, threads: int, cores: int,
-                          slope: float = 1.0, iters: int = 40, step_loss: bool = False, gather: float = 0.0,
-                          first_pass: Optional[list] = None, W: Optional[list] = None) -> tuple:
+def simulate_shared_cores(F: list, B: list, micro_batches: int, comm: Optional[list], opt: Optional[list],
+                          comm_grad: Optional[list], replicas: int, threads: int, cores: int, slope: float = 1.0,
+                          iters: int = 40, step_loss: bool = False, gather: float = 0.0,
+                          first_pass: Optional[list] = None, W: Optional[list] = None, *, order: Order) -> tuple:
     """The schedule when the stages' ranks (``replicas`` data-parallel copies of the pipeline, each
     rank ``threads`` threads) share ``cores``: each compute instruction runs slower by the
     oversubscription o = ranks computing at once x threads / cores while it runs: 1 + (o - 1) x
@@ -108,7 +108,7 @@ def simulate_shared_cores(F: list, B: list, micro_batches: int, order: Order, co
     stretch = [[1.0] * len(st) for st in sts]
     kinds_of = [[i for i, a in enumerate(st) if a.kind in BUSY_KINDS] for st in sts]
     extra = {"step_loss": step_loss, "gather": gather, "first_pass": first_pass, "W": W}
-    r = simulate(F, B, micro_batches, order, comm, opt, comm_grad=comm_grad, **extra)
+    r = simulate(F, B, micro_batches, comm, opt, comm_grad=comm_grad, order=order, **extra)
     for it in range(iters):
         busy = [(s, a, b) for s, kind, _, a, b in r.timeline if kind in BUSY_KINDS]  # stream order per stage
         edges = sorted({t for _, a, b in busy for t in (a, b)})
@@ -128,7 +128,7 @@ def simulate_shared_cores(F: list, B: list, micro_batches: int, order: Order, co
         moved = max(abs(x - y) for u, v in zip(stretch, new) for x, y in zip(u, v))
         w = 1.0 if it == 0 else 0.5  # damped after the first update (stretching one stage moves the others)
         stretch = [[(1 - w) * x + w * y for x, y in zip(u, v)] for u, v in zip(stretch, new)]
-        r = simulate(F, B, micro_batches, order, comm, opt, comm_grad=comm_grad, stretch=stretch, **extra)
+        r = simulate(F, B, micro_batches, comm, opt, comm_grad=comm_grad, stretch=stretch, order=order, **extra)
         if moved < 1e-4:
             break
     return r, stretch
@@ -140,8 +140,8 @@ def bubble_formula(stages: int, micro_batches: int) -> float:
 
 
 def recommend_micro_batches(F: list, B: list, comm: list, opt: list, per_rank_batch: int, target_bubble: float,
-                            order: Order, stage_peak_bytes=None, budget_bytes: Optional[int] = None,
-                            W: Optional[list] = None) -> dict:
+                            stage_peak_bytes=None, budget_bytes: Optional[int] = None, W: Optional[list] = None, *,
+                            order: Order) -> dict:
     """The fewest micro-batches per step (a divisor of the per-rank batch, so the global batch
     holds) whose simulated bubble is under ``target_bubble``. ``F``/``B`` are per micro-batch of
     the *current* size; a count M means micro-batches of per_rank_batch / M samples, with times
@@ -152,8 +152,8 @@ def recommend_micro_batches(F: list, B: list, comm: list, opt: list, per_rank_ba
     rows = []
     for M in divisors(per_rank_batch):
         scale = 1.0 / M
-        r = simulate([f * scale for f in F], [b * scale for b in B], M, order, [c * scale for c in comm], opt,
-                     W=[w * scale for w in W])
+        r = simulate([f * scale for f in F], [b * scale for b in B], M, [c * scale for c in comm], opt,
+                     W=[w * scale for w in W], order=order)
         fits = budget_bytes is None or stage_peak_bytes is None or stage_peak_bytes(M) <= budget_bytes
         rows.append({"micro_batches": M, "micro_batch_size": per_rank_batch // M, "bubble": r.bubble,
                      "step_time": r.step_time, "fits": fits})
@@ -165,8 +165,8 @@ def recommend_micro_batches(F: list, B: list, comm: list, opt: list, per_rank_ba
         lowest = min(feasible, key=lambda r: r["bubble"]) if feasible else None
         # the bubble left with (nearly) unlimited micro-batches is the stages' imbalance
         big = 1024
-        floor = simulate([f / big for f in F], [b / big for b in B], big, order, [c / big for c in comm], opt,
-                         W=[w / big for w in W]).bubble
+        floor = simulate([f / big for f in F], [b / big for b in B], big, [c / big for c in comm], opt,
+                         W=[w / big for w in W], order=order).bubble
         cause = (f"the stages are unbalanced: even unlimited micro-batches leave a {floor:.0%} bubble; balance them "
                  "(parallel.placement=auto)" if floor > target_bubble else
                  f"the per-rank batch of {per_rank_batch} allows at most {rows[-1]['micro_batches']} micro-batches; "
