@@ -119,9 +119,10 @@ class PipelineRunner:
 
         def features():
             with eval_batch_in_train_mode(engine), _monitors_off(engine):
-                return list(engine.eval_batch(iter(batches) if batches is not None else None, compute_loss=False,
-                                              reduce_output=None, bcast_loss=False,
-                                              num_micro_batches=self.topo.accumulation_steps))
+                out = engine.eval_batch(iter(batches) if batches is not None else None, compute_loss=False,
+                                        reduce_output=None, bcast_loss=False,
+                                        num_micro_batches=self.topo.accumulation_steps)
+            return list(out) if out is not None else None  # (the last stage's features; None elsewhere)
 
         def train():
             with self._split_step():
