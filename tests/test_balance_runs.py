@@ -50,12 +50,15 @@ def test_stage_time_is_accounted_and_the_trace_is_written(runs):
     trace = json.load(open(os.path.join(out, "trace.json")))
     xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {e["args"]["step"] for e in xs} == {2, 3}
+    with open(os.path.join(out, "plan.json")) as fh:
+        order = json.load(fh)["schedule"]  # (auto: the fastest predicted order with this cut)
+    backward = {"BackwardInputPass", "BackwardWeightPass"} if order == "zb_h1" else {"BackwardPass"}
     for stage in (0, 1):
         kinds = {e["name"] for e in xs if e["pid"] == stage}
-        assert {"ForwardPass", "BackwardPass", "OptimizerStep"} <= kinds
+        assert {"ForwardPass", "OptimizerStep"} | backward <= kinds, (order, kinds)
     assert {"SendActivation", "RecvGrad"} <= {e["name"] for e in xs if e["pid"] == 0}
     # 4 micro-batches per step, each forwarded twice: the features pass of CLIP's global-batch loss,
-    # then 1F1B (docs/design.md), over the 2 traced steps
+    # then the run's order (docs/design.md), over the 2 traced steps
     assert sum(1 for e in xs if e["pid"] == 1 and e["name"] == "ForwardPass") == 2 * 4 * 2
     assert open(os.path.join(out, "timeline.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 

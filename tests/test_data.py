@@ -202,7 +202,8 @@ def test_auto_micro_batch_picks_the_largest_size_that_fits(tiny_data, tok):
     from mmpipe.data.manifest import read_manifest
     from mmpipe.data.source import TrainSource
     from mmpipe.planning.measure import build_layers
-    from mmpipe.planning.memory import stage_memory
+    from mmpipe.parallel.schedules import Order
+    from mmpipe.planning.memory import RunShape, stage_memory
     from mmpipe.planning.micro_batch import auto_micro_batch, probe_batch
     from mmpipe.planning.profiler import profile_layers
     cfg = load_config(TINY, [f"model.text.vocab_size={len(tok)}", "model.text.eos_token_id=3",
@@ -213,9 +214,10 @@ def test_auto_micro_batch_picks_the_largest_size_that_fits(tiny_data, tok):
     layers = build_layers(spec)
     dev = torch.device("cpu")
 
-    def peak(m):  # measured independently of the search: every stage of the 2-stage layout
+    def peak(m):  # measured independently of the search: every stage of the 2-stage layout, under either order
         costs = profile_layers(layers, probe_batch(cfg, spec, source, tok, m, dev), timed=False)
-        return max(stage_memory(costs, parts, 48 // m, "fp32"))
+        return max(max(stage_memory(costs, parts, 48 // m, "fp32", shape=RunShape(order=Order(name))))
+                   for name in ("1f1b", "zb_h1"))
 
     peaks = {m: peak(m) for m in (4, 6, 8)}
     assert peaks[4] < peaks[6] < peaks[8]  # activations grow with the micro-batch

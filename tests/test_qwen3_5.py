@@ -262,7 +262,8 @@ def test_packed_rows_train_alike_on_one_process_and_on_two_stages(family_runs_of
     mbs = [json.loads(line) for line in open(os.path.join(two, "samples", "rank0.jsonl"))]
     assert mbs and sum(len(m["keys"]) for m in mbs) >= 3 * 2 * len(mbs), [len(m["keys"]) for m in mbs]  # 2 rows each
     np.testing.assert_allclose(train_losses(two), train_losses(one), rtol=1e-5)
-    assert_weights_close(_weights(two, 3), _weights(one, 3), rtol=1e-5, atol=1e-6)
+    # (atol 2e-6: one recurrent projection's element of ~0.01 lands 1.3e-6 apart on some CPUs, at the base commit too)
+    assert_weights_close(_weights(two, 3), _weights(one, 3), rtol=1e-5, atol=2e-6)
     bf16 = ["train.precision=bf16"]
     one, _ = runs.get("bf16_p1", 1, ["parallel.pipeline_stages=1"] + bf16, "python", flags=["--stop-at", "3"])
     two, _ = runs.get("bf16_p2", 2, ["parallel.pipeline_stages=2", f"parallel.plan={plan}"] + bf16,

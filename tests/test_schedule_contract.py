@@ -31,7 +31,7 @@ def test_frozen_first_trains_bit_for_bit_as_1f1b(family_runs_of, layout):
         assert json.load(fh)["schedule"] == "1f1b"
     # auto: the frozen leading stages run forward only (predicted no slower; the prediction is in the plan)
     assert plan["schedule"] == "frozen_first" and plan["frozen_stages"] >= 1, plan
-    assert set(plan["schedules"]) == {"1f1b", "frozen_first"}
+    assert set(plan["schedules"]) == {"1f1b", "frozen_first", "zb_h1"}  # every order that applies was weighed
     assert "parallel.schedule=auto -> frozen_first" in proc.stdout + proc.stderr
     losses = train_losses(first)
     assert len(losses) == 3 and losses == train_losses(plain)

@@ -286,3 +286,32 @@ def test_imports_between_mmpipe_modules_are_at_the_top_unless_they_would_pull_a_
     assert needless_lazy_imports(planted) == ["mmpipe.train.planted:4 -> mmpipe.errors",
                                               "mmpipe.train.planted:5 -> mmpipe.parallel.schedules"]
     assert needless_lazy_imports(sources) == []
+
+
+def schedule_defaults(sources: dict, names: set) -> list:
+    """Outside ``parallel/schedules.py``: a schedule's name as a default (a function argument's, a record field's),
+    and DeepSpeed's order named at all outside the benches (which name the orders they compare): every reader takes
+    the run's ``Order``."""
+    out = []
+    for mod, text in sources.items():
+        if mod == "mmpipe.parallel.schedules":
+            continue
+        for node in ast.walk(ast.parse(text)):
+            defaults = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                defaults = node.args.defaults + [d for d in node.args.kw_defaults if d is not None]
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                defaults = [node.value]
+            if any(isinstance(d, ast.Constant) and d.value in names for d in defaults):
+                out.append(f"{mod}:{node.lineno}")
+            if isinstance(node, ast.Constant) and node.value == "1f1b" and not mod.startswith("mmpipe.bench"):
+                out.append(f"{mod}:{node.lineno}")
+    return sorted(set(out))
+
+
+def test_no_schedule_default_outside_the_schedules_module():
+    from mmpipe.parallel.schedules import SCHEDULES
+    names = set(SCHEDULES)
+    planted = {"mmpipe.planning.x": 'def predict(prof, schedule: str = "1f1b"):\n    pass\n'}
+    assert schedule_defaults(planted, names) == ["mmpipe.planning.x:1"]
+    assert schedule_defaults({m: open(p).read() for m, p in _modules().items()}, names) == []

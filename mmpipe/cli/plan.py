@@ -7,7 +7,7 @@ import os
 
 from mmpipe.config.schema import load_config
 from mmpipe.errors import ConfigError
-from mmpipe.parallel.plan import Plan
+from mmpipe.parallel.plan import order_of_json
 from mmpipe.planning.charts import write_memory_png, write_plan_png, write_png
 from mmpipe.planning.layouts import format_table, layouts_json, plan_layouts, step_loss_summary
 from mmpipe.planning.offline import _profile_for, format_plan, plan_all, run_memory
@@ -72,7 +72,7 @@ def compare_with_run(cfg, run_dir: str, use_cache: bool = True, log=print) -> st
     steps = len(read_metrics(metrics)) if os.path.isfile(metrics) else 0
     if steps > TIMING_SKIP:  # the first steps (start-up, allocation) are not timed
         _, prof = _profile_for(cfg, P, log=log, use_cache=use_cache)
-        sim, meas = predict(prof, parts, M, Plan.from_json(run_plan).order), measured_from_run(run_dir, TIMING_SKIP)
+        sim, meas = predict(prof, parts, M, order_of_json(run_plan)), measured_from_run(run_dir, TIMING_SKIP)
         lines.append(f"| step ms | {1e3 * sim.step_time:.1f} | {1e3 * meas['step_time']:.1f} | "
                      f"{100 * (sim.step_time / meas['step_time'] - 1):+.0f}% |")
         for s in range(P):

@@ -119,7 +119,8 @@ class ParallelConfig(Section):
                        "backward split into the input gradient and the linear layers' weight gradients, which fill "
                        "the bubble; 1F1B's live activations plus the queued weight-gradient inputs); gpipe (every "
                        "forward, then every backward); auto: with measured costs, every cut is predicted under every "
-                       "order that applies to it and the fastest pair within parallel.memory_budget_gb is taken; "
+                       "order that applies to it and the fastest pair within parallel.memory_budget_gb is taken "
+                       "(orders of that cut predicted within 5% of it are a tie: the one holding least memory); "
                        "without them frozen_first where leading stages train nothing, else 1f1b")
     profile: bool = _f(True, "cost layers by measured forward/backward time (rank 0 profiles at start, cached in "
                        "~/.cache/mmpipe or $MMPIPE_CACHE); false: by trainable parameter count")

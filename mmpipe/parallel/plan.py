@@ -59,10 +59,14 @@ class Plan:
 
     @classmethod
     def from_json(cls, doc: dict) -> "Plan":
-        """A plan.json of any schema (a schema-2 plan ran 1F1B: the default order)."""
+        """A plan.json of any schema."""
         known = {f for f in cls.__dataclass_fields__} - {"order"}
-        order = Order(doc["schedule"], int(doc.get("frozen_stages", 0))) if "schedule" in doc else default_order()
-        return cls(**{k: v for k, v in doc.items() if k in known}, order=order)
+        return cls(**{k: v for k, v in doc.items() if k in known}, order=order_of_json(doc))
+
+
+def order_of_json(doc: dict) -> Order:
+    """The order a plan.json records (a schema-2 plan, or one that names none, ran 1F1B: the default order)."""
+    return Order(doc["schedule"], int(doc.get("frozen_stages", 0))) if "schedule" in doc else default_order()
 
 
 def stage_lists(names: Sequence[str], parts: Sequence[int]) -> list[list[str]]:

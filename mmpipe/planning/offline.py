@@ -12,7 +12,7 @@ from mmpipe.config.resolve import resolve_family
 from mmpipe.config.schema import family_of, replace
 from mmpipe.data.tokenizer import StandInTokenizer, load_tokenizer, tokenizer_choice
 from mmpipe.errors import ConfigError
-from mmpipe.parallel.plan import Plan
+from mmpipe.parallel.plan import order_of_json
 from mmpipe.parallel.schedules import default_order
 from mmpipe.parallel.topology import threads_per_rank
 from mmpipe.planning.measure import get_profile, meta_profile
@@ -30,7 +30,7 @@ def run_memory(cfg, run_dir: str, world: int, use_cache: bool = True, log=None, 
     if os.path.isfile(plan_file):
         with open(plan_file) as fh:
             run_plan = json.load(fh)
-        parts, M, order = run_plan["parts"], run_plan["micro_batches"], Plan.from_json(run_plan).order
+        parts, M, order = run_plan["parts"], run_plan["micro_batches"], order_of_json(run_plan)
     else:  # P = 1 (no plan written): the whole model on each of ``world`` data-parallel ranks
         parts, M, order = None, cfg.train.batch_size // (int(cfg.parallel.micro_batch_size) * world), default_order()
     if os.path.isdir(os.path.join(run_dir, "tokenizer")):  # the run's own vocabulary

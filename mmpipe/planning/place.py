@@ -28,6 +28,7 @@ from mmpipe.planning.profiler import LayerCost
 from mmpipe.planning.simulate import simulate
 
 MEASURED = ("modality", "balanced", "auto")
+ORDER_TIE = 0.05  # orders of one cut predicted this close are a tie (the model's error here is larger): least memory
 
 
 def place(names: list, segments: list, num_stages: int, placement: str, micro_batches: int, *, schedule: str,
@@ -77,23 +78,30 @@ def place(names: list, segments: list, num_stages: int, placement: str, micro_ba
     movable = trains and not plan_file and placement in ("modality", "balanced", "auto") and \
         (zero_stage > 0 or precision != "fp32")
     if weigh is not None:
+        first = dict(weigh["cuts"])
         if movable:  # (a cut the optimizer cannot hold is weighed as it will run)
             weigh["cuts"] = {k: every_stage_trains(v, trains) for k, v in weigh["cuts"].items()}
         _weigh(plan, prof, schedule, weigh["cuts"], weigh["over"], memory_cap, precision, zero_stage, data_parallel,
                forward_only, freeze_hint)
+        was = next(first[k] for k, v in weigh["cuts"].items() if v == plan.parts)
+        if was != plan.parts:
+            plan.why = (f"{plan.why}; " if plan.why else "") + _moved(names, was, plan.parts, precision, zero_stage)
     plan.parts = [int(x) for x in plan.parts]
     if movable and weigh is None:
         parts = every_stage_trains(plan.parts, trains)
         if parts != plan.parts:
-            moved = ", ".join(n for a, b in zip(plan.parts[1:-1], parts[1:-1]) for n in names[a:b])
-            plan.why = (f"{plan.why}; " if plan.why else "") + (
-                f"a stage held only frozen layers, which the {precision}/ZeRO-{zero_stage} optimizer cannot hold: "
-                f"{moved} moved onto the stage before")
+            plan.why = (f"{plan.why}; " if plan.why else "") + _moved(names, plan.parts, parts, precision, zero_stage)
             plan.parts = parts
     if weigh is None:
         pick_schedule(schedule, plan, prof, forward_only, freeze_hint, precision=precision, zero_stage=zero_stage,
                       data_parallel=data_parallel, memory_cap=memory_cap)
     return plan
+
+
+def _moved(names: list, was: list, parts: list, precision: str, zero_stage: int) -> str:
+    moved = ", ".join(n for a, b in zip(was[1:-1], parts[1:-1]) for n in names[a:b])
+    return (f"a stage held only frozen layers, which the {precision}/ZeRO-{zero_stage} optimizer cannot hold: {moved} "
+            "moved onto the stage before")
 
 
 def orders_for(requested: str, parts: list, names: list, forward_only, freeze_hint=None) -> list:
@@ -120,13 +128,20 @@ def _weigh(plan: Plan, prof: dict, requested: str, cuts: dict, over: dict, memor
     for cut, parts in cuts.items():
         for order in orders_for(requested, parts, names, forward_only, freeze_hint):
             sim = predict(prof, parts, M, order)
-            peak = max(stage_memory(costs, parts, M, precision, zero_stage, data_parallel, run_shape(prof, order)))
+            mem = stage_memory(costs, parts, M, precision, zero_stage, data_parallel, run_shape(prof, order))
             rows.append({"cut": cut, "parts": list(parts), "schedule": order.name, "frozen_stages": order.frozen,
-                         "step_time": sim.step_time, "peak_bytes": int(peak), "sim": sim,
-                         "fits": memory_cap is None or peak <= memory_cap})
+                         "step_time": sim.step_time, "peak_bytes": int(max(mem)), "total_bytes": int(sum(mem)),
+                         "sim": sim, "fits": memory_cap is None or max(mem) <= memory_cap})
     untimed = prof.get("timed") is False
     pool = [r for r in rows if r["fits"]] or rows  # (none fits: the cut search already said what it could)
-    best = min(pool, key=lambda r: (r["peak_bytes"] if untimed else r["step_time"], rows.index(r)))
+    # the fastest pair's cut (a model sized on the meta device has no times: the lowest peak's); of its orders, those
+    # predicted within ``ORDER_TIE`` of the fastest are a tie, and the one holding least wins (the fullest stage,
+    # then all stages: frozen_first does a subset of 1F1B's work and is often predicted the same; a split backward
+    # holds its queue, so it is taken where it gains more than the model's error)
+    fastest = min(pool, key=lambda r: (r["peak_bytes"] if untimed else r["step_time"], rows.index(r)))
+    tied = [r for r in pool if r["cut"] == fastest["cut"] and (untimed or r["step_time"] <= fastest["step_time"]
+                                                                * (1 + ORDER_TIE))]
+    best = min(tied, key=lambda r: (r["peak_bytes"], r["total_bytes"], rows.index(r)))
     plan.parts, plan.order = list(best["parts"]), Order(best["schedule"], best["frozen_stages"])
     plan.weighed = [{k: v for k, v in r.items() if k != "sim"} for r in rows]
     plan.schedules = {r["schedule"]: r["step_time"] for r in rows if r["cut"] == best["cut"]}
