@@ -19,7 +19,8 @@ between the passes). No DeepSpeed import here.
 - ``zb_h1``: zero bubble's handcrafted ZB-H1 (Qi et al., arXiv 2401.10241): each backward split into ``B`` (the
   input gradient, ``BackwardInputPass``: what the stage before waits for) and ``W`` (the weight gradients,
   ``BackwardWeightPass``: nobody waits for them); 1F1B's warm-up forwards, then F, B and - from stage s's
-  (s+1)-th backward on - the W of the micro-batch s backwards earlier; the remaining W's fill the cool-down. Peak
+  (s+1)-th backward on - the W of the micro-batch s backwards earlier; the remaining W's fill the cool-down (a B
+  and its W with nothing between them - the first stage's, which sends no gradient - run as one ``BackwardPass``). Peak
   live activations (forward run, B not yet) are 1F1B's (P - s on stage s); at most s micro-batches' weight-gradient
   inputs wait in stage s's queue. With F = B = W the bubble is (P - 1) / (3M + P - 1), a third of 1F1B's.
 
@@ -269,8 +270,20 @@ def _zb_h1_streams(P: int, M: int) -> tuple:
                     timed.append((t + 1, 0, 1, Action("SendGrad", m)))
             else:
                 timed.append((t, 3, 0, Action("BackwardWeightPass", m)))
-        out.append(tuple(a for *_, a in sorted(timed, key=lambda x: x[:3])) + TAIL)
+        out.append(tuple(_fused(a for *_, a in sorted(timed, key=lambda x: x[:3]))) + TAIL)
     return tuple(out)
+
+
+def _fused(actions) -> list:
+    """A micro-batch's B and W with nothing between them (a first stage sends no input gradient) as one
+    ``BackwardPass``: the same order, without the split's cost (its weight-gradient inputs read back later)."""
+    out = []
+    for a in actions:
+        if a.kind == "BackwardWeightPass" and out and out[-1] == Action("BackwardInputPass", a.micro_batch):
+            out[-1] = Action("BackwardPass", a.micro_batch)
+        else:
+            out.append(a)
+    return out
 
 
 @register("zb_h1", applies=lambda P, frozen: P > 1)
