@@ -24,23 +24,10 @@ def _modules() -> dict:
 
 
 def _imports(name: str, path: str, mods: dict) -> set:
+    """The mmpipe modules ``name`` imports, anywhere in it (function-level imports included)."""
     tree = ast.parse(open(path).read())
-    pkg = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
-    deps = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = pkg.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
-            for alias in node.names:
-                for cand in (f"{base}.{alias.name}", base):
-                    if cand in mods and cand != name:
-                        deps.add(cand)
-                        break
-        elif isinstance(node, ast.Import):
-            deps.update(a.name for a in node.names if a.name in mods and a.name != name)
-    return deps
+    return {t for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+            for t in _targets(name, path.endswith("__init__.py"), node, mods) if isinstance(t, str) and t != name}
 
 
 def _cycles(graph: dict) -> list:

@@ -71,10 +71,7 @@ def bench_schedule(args, tmp: str) -> int:
             idle = ", ".join(f"{x:.0%}" for x in measured_from_run(mid, skip=args.warmup)["idle_frac"])
             lines.append(f"| {P} | {name} | {plan['frozen_stages']} | {1e3 * st:.0f} | {1e3 * pred[name]:.0f} | "
                          f"{base / st:.2f}x | {pred['1f1b'] / pred[name]:.2f}x | {idle} | {auto} |")
-            for f in ("trace.json", "timeline.png"):
-                src = os.path.join(runs[(P, name)][0], f)
-                if os.path.isfile(src):
-                    shutil.copy(src, os.path.join(art, f"schedule_p{P}_{name}_{f}"))
+            _keep_timeline(runs[(P, name)][0], art, f"schedule_p{P}_{name}")
     table = "\n".join(lines)
     notes = (f"bench_vlm.yaml with optim.freeze_vit and optim.freeze_aligner (fp32, ZeRO-0: the frozen stage holds "
              f"no optimizer state), modality placement, P ranks x 1 thread, {args.steps} steps per run, median step "
@@ -94,6 +91,13 @@ def bench_schedule(args, tmp: str) -> int:
 
 
 ZERO_BUBBLE = ("1f1b", "zb_h1")
+
+
+def _keep_timeline(run: str, art: str, prefix: str) -> None:
+    """A traced run's trace and timeline into ``benchmarks/``."""
+    for f in ("trace.json", "timeline.png"):
+        if os.path.isfile(os.path.join(run, f)):
+            shutil.copy(os.path.join(run, f), os.path.join(art, f"{prefix}_{f}"))
 
 
 def bench_zero_bubble(args, tmp: str) -> int:
@@ -137,10 +141,7 @@ def bench_zero_bubble(args, tmp: str) -> int:
                          f"{100 * (predicted[name] / st - 1):+.0f}% | {measured['1f1b'] / st:.2f}x (median "
                          f"{statistics.median(paired):.2f}x, {paired[0]:.2f}-{paired[-1]:.2f}x) | "
                          f"{predicted['1f1b'] / predicted[name]:.2f}x | {idle} |")
-            for f in ("trace.json", "timeline.png"):
-                src = os.path.join(runs[(M, name)][0], f)
-                if os.path.isfile(src):
-                    shutil.copy(src, os.path.join(art, f"schedule_zb_m{M}_{name}_{f}"))
+            _keep_timeline(runs[(M, name)][0], art, f"schedule_zb_m{M}_{name}")
     table = "\n".join(lines)
     notes = (f"bench_vlm.yaml trained whole (fp32, ZeRO-0), P = 2 on the balanced cut of one profile (both orders on "
              "it: parallel.plan), "

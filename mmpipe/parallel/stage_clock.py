@@ -117,7 +117,7 @@ def stage_record(vectors: dict, num_stages: int) -> dict:
 
 
 # ---- trace outputs ---------------------------------------------------------------------------------
-COLORS = {"ForwardPass": "#4C72B0", "BackwardPass": "#DD8452", "BackwardInputPass": "#DD8452",
+COLORS = {"ForwardPass": "#4C72B0", "BackwardPass": "#DD8452", "BackwardInputPass": "#F0B27A",
           "BackwardWeightPass": "#C44E52", "OptimizerStep": "#55A868", "LoadMicroBatch": "#8172B3",
           "SendActivation": "#C7C7C7", "RecvActivation": "#AAAAAA", "SendGrad": "#D0D0D0", "RecvGrad": "#B5B5B5",
           "ReduceGrads": "#937860", "ReduceTiedGrads": "#937860"}
@@ -163,7 +163,7 @@ def write_timeline_png(path: str, per_rank: list, coords: list, title: str = "")
     ax.set_xlabel("ms")
     ax.set_title(title or "pipeline timeline")
     ran = {e[0] for events, _ in per_rank for e in events}
-    backward = ["BackwardInputPass", "BackwardWeightPass"] if "BackwardWeightPass" in ran else ["BackwardPass"]
+    backward = [k for k in ("BackwardPass", "BackwardInputPass", "BackwardWeightPass") if k in ran] or ["BackwardPass"]
     shown = ["ForwardPass"] + backward + ["OptimizerStep", "LoadMicroBatch", "RecvActivation", "RecvGrad", "ReduceGrads"]
     ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in shown], loc="upper center",
               bbox_to_anchor=(0.5, -0.45), ncol=len(shown), fontsize=7, frameon=False)
