@@ -95,6 +95,18 @@ def instruction_class(kind: str):
     return _SPLIT.get(kind) or getattr(S, kind)
 
 
+def _instruction(a, buffers: int):
+    """The instruction of an action: its buffer (micro-batch modulo ``buffers``) where it takes one; a split backward's
+    with its micro-batch too (the weight gradients', which touch no buffer, with that alone)."""
+    cls = instruction_class(a.kind)
+    if a.micro_batch is None:
+        return cls()
+    if a.kind == "BackwardWeightPass":
+        return cls(micro_batch=a.micro_batch)
+    extra = {"micro_batch": a.micro_batch} if a.kind == "BackwardInputPass" else {}
+    return cls(a.micro_batch % buffers, **extra)
+
+
 def split_backward(engine, store) -> None:
     """Teach ``engine`` the two halves of a backward (``parallel.zero_bubble``): ``BackwardInputPass`` is its own
     ``BackwardPass`` with the stage's split layers queueing their weight-gradient inputs into ``store`` (the received
@@ -170,10 +182,7 @@ def set_train_schedule(engine, actions: list) -> None:
     from deepspeed.runtime.pipe import schedule as S
 
     n = buffers(actions)
-    cmds = [instruction_class(a.kind)(a.micro_batch % n, micro_batch=a.micro_batch) if a.kind == "BackwardInputPass"
-            else instruction_class(a.kind)(micro_batch=a.micro_batch) if a.kind == "BackwardWeightPass"
-            else getattr(S, a.kind)(a.micro_batch % n) if a.micro_batch is not None else getattr(S, a.kind)()
-            for a in actions]
+    cmds = [_instruction(a, n) for a in actions]
 
     class Stream(S.PipeSchedule):
         def steps(self):

@@ -62,9 +62,7 @@ def count_frames(container, stream) -> int:
     n = int(stream.frames)
     if n > 0:
         return n
-    n = sum(1 for packet in container.demux(stream) if packet.size)
-    container.seek(0)
-    return n
+    return sum(1 for packet in container.demux(stream) if packet.size)
 
 
 def is_frames(source) -> bool:
