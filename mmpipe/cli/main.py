@@ -101,19 +101,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_guarded(func, args) -> int:
-    rank = os.environ.get("RANK", "0")
     try:
-        return _guarded(func, args, rank)
+        return _guarded(func, args)
     finally:  # (a finished run has closed it already; after an error, before the interpreter's exit)
         startup = sys.modules.get("mmpipe.parallel.startup")  # (not imported: no process group was made)
         if startup is not None:
             startup.close_distributed(finished=False)
 
 
-def _guarded(func, args, rank: str) -> int:
+def _guarded(func, args) -> int:
     try:
         return func(args)
     except MmpipeError as e:
+        rank = os.environ.get("RANK", "0")  # (after a scheduler's variables became torch's: launchers.adopt)
         everywhere = getattr(e, "everywhere", isinstance(e, ConfigError))  # raised alike on every rank
         if rank == "0" or not everywhere:
             prefix = "" if rank == "0" or everywhere else f"[rank {rank}] "
@@ -122,14 +122,13 @@ def _guarded(func, args, rank: str) -> int:
     except RuntimeError as e:  # torch.distributed's DistBackendError is one
         if not _peer_lost(e):
             raise
+        rank = os.environ.get("RANK", "0")
         # another rank exited (its own error line is printed by it): one line here naming it, no traceback
         who = describe_lost()
         what = f"{who} is gone" if who else "lost contact with another rank"
         print(f"mmpipe: [rank {rank}] stopped: {what}; resume from the last complete checkpoint with --resume "
               f"({one_line(e)})", file=sys.stderr, flush=True)
         return 3
-
-
 
 
 def _peer_lost(e: BaseException) -> bool:

@@ -213,6 +213,11 @@ class TrainConfig(Section):
                                            "at once", gt=0)
     max_bad_steps: int = _f(3, "stop after this many consecutive steps skipped for non-finite gradients (0 = never; an fp16 overflow that lowers the loss scale does not count)", ge=0)
     eval_every: int = _f(0, "zero-shot retrieval eval every N steps (0 = only at the end)", ge=0)
+    resume: Union[bool, str] = _f(False, "false: a fresh run (one into a train.output_dir holding a run is refused); "
+                                  "true: continue from the latest checkpoint (= --resume); auto: continue from the "
+                                  "newest complete checkpoint if train.output_dir holds one, else start fresh (= "
+                                  "--resume auto: the same command starts a job and continues it after a requeue or "
+                                  "a restart)")
     keep_checkpoints: int = _f(2, "checkpoints kept on disk (oldest removed); 0 = keep all", ge=0)
 
 
@@ -480,6 +485,8 @@ def validate(cfg: RunConfig) -> None:
     if cfg.parallel.layout == "auto" and mbs == "auto":
         raise ConfigError(f"{where}: parallel.layout=auto compares layouts at one micro-batch size: set "
                           "parallel.micro_batch_size to a number")
+    if cfg.train.resume not in (True, False, "auto"):
+        raise ConfigError(f"{where}: train.resume must be true, false or auto, got {cfg.train.resume!r}")
     if isinstance(mbs, str) and mbs != "auto":
         raise ConfigError(f"{where}: parallel.micro_batch_size must be a positive integer or auto, got {mbs!r}")
     for key, choices in (("data.augment", ("none", "crop", "crop_flip")), ("data.padding", ("batch", "max_length"))):

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from mmpipe.errors import ConfigError
 from mmpipe.parallel.cpu_process import keep_freed_memory
 from mmpipe.parallel.ds_compat import skip_cpu_shm_allreduce
+from mmpipe.parallel.launchers import adopt, device_index
 from mmpipe.parallel.topology import cpu_threads
 
 
@@ -51,7 +52,9 @@ def free_port() -> int:
 
 
 def init_distributed(timeout_minutes: Optional[float] = None) -> tuple[int, int]:
-    """Join (or, under plain ``python``, create) the process group with the accelerator's backend."""
+    """Join (or, under plain ``python``, create) the process group with the accelerator's backend;
+    the launcher's variables first (``launchers.adopt``: Slurm's and MPI's become torch's)."""
+    adopt()
     if "RANK" not in os.environ:  # plain `python launch/train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
@@ -61,7 +64,7 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> tuple[int, int]
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     deepspeed.utils.logger.setLevel(logging.WARNING)
     if get_accelerator().device_name() != "cpu":  # before the first collective: NCCL uses the current device
-        get_accelerator().set_device(int(os.environ["LOCAL_RANK"]))
+        get_accelerator().set_device(device_index(int(os.environ["LOCAL_RANK"]), get_accelerator().device_count()))
     else:  # before the model and its activations exist
         keep_freed_memory()
     global _OWN_GROUP
@@ -72,6 +75,7 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> tuple[int, int]
             skip_cpu_shm_allreduce()
         kw = {"timeout": timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
         try:
+            join_restarted_attempt(get_accelerator(), kw.get("timeout"))
             deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), **kw)
         except RuntimeError as e:  # torch's DistNetworkError: the rendezvous port is taken
             if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
@@ -87,6 +91,25 @@ def init_distributed(timeout_minutes: Optional[float] = None) -> tuple[int, int]
         torch.set_num_threads(threads)
         CPU_THREADS = f"{threads} CPU thread{'s' if threads != 1 else ''} ({why})"
     return dist.get_rank(), dist.get_world_size()
+
+
+def join_restarted_attempt(accelerator, timeout) -> None:
+    """A group restarted by torchrun (``--max-restarts``) meets in its agent's store, which torch keeps
+    across attempts (the static rendezvous's and c10d's shared store alike) with the failed attempt's
+    keys in it: a process group made there reads the dead ranks' addresses (gloo: "connectFullMesh
+    failed ... Connection refused"). A restarted attempt makes its group under a prefix of its own;
+    DeepSpeed then adopts the group (it makes one only where none is)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt in ("", "0"):
+        return
+    from datetime import timedelta
+    timeout = timeout or timedelta(minutes=30)
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout=timeout)
+    kw = {"device_id": accelerator.device(int(os.environ["LOCAL_RANK"]))} \
+        if accelerator.device_name() == "cuda" and world > 1 else {}
+    dist.init_process_group(accelerator.communication_backend_name(), store=dist.PrefixStore(
+        f"/mmpipe/attempt_{attempt}", agent), rank=rank, world_size=world, timeout=timeout, **kw)
 
 
 _OWN_GROUP = False  # init_distributed created the process group (not a caller before it)

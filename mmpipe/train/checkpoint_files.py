@@ -76,12 +76,25 @@ def check_complete(tag_dir: str, prefix: str = "--resume: ") -> None:
                           "checkpoint" + (" or run without --resume" if prefix else ""))
     if not os.path.isfile(marker):
         return
-    files = readable(marker, lambda: json_dict(marker).get("files", []), prefix=prefix)
-    missing = [f for f in files if not os.path.exists(os.path.join(tag_dir, f))]
+    missing = readable(marker, lambda: missing_files(tag_dir), prefix=prefix)
     if missing:
         raise MmpipeError(f"{prefix}checkpoint {tag_dir} is incomplete: {', '.join(missing[:4])}"
                           f"{' ...' if len(missing) > 4 else ''} missing; restore them, or point latest at an "
                           "earlier checkpoint")
+
+
+def missing_files(tag_dir: str) -> list:
+    """The files a checkpoint's ``COMPLETE`` marker lists that are not there (a damaged checkpoint)."""
+    files = json_dict(os.path.join(tag_dir, COMPLETE_FILE)).get("files", [])
+    return [f for f in files if not os.path.exists(os.path.join(tag_dir, f))]
+
+
+def usable(tag_dir: str) -> bool:
+    """Marked complete, its marker readable and every file it lists present."""
+    try:
+        return is_complete(tag_dir) and not missing_files(tag_dir)
+    except (OSError, ValueError):
+        return False
 
 
 def complete_tags(root: str) -> list:

@@ -1,7 +1,7 @@
 """Faults every rank must agree on: errors raised alike on every rank (``agree``,
-``_rank0_decides``), stop requests by signal (``FaultGuard``: SIGTERM / SIGINT stop at the next step
-boundary with a checkpoint, a second signal at once) and runs of skipped steps
-(``train.max_bad_steps``)."""
+``_rank0_decides``), stop requests by signal (``FaultGuard``: SIGTERM / SIGINT / SIGUSR1 stop at the
+next step boundary with a checkpoint, a second signal at once; ``exit_status`` after such a stop,
+and Slurm's requeue) and runs of skipped steps (``train.max_bad_steps``)."""
 from __future__ import annotations
 
 import os
@@ -13,6 +13,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from mmpipe.errors import ConfigError, DataError, MmpipeError
+from mmpipe.parallel.launchers import request_requeue, slurm_job
 
 SAME_REQUEST_SECONDS = 3.0  # signals this close to the first one are one stop request (launchers relay)
 
@@ -80,6 +81,34 @@ def counts_as_bad(record: dict, previous_loss_scale: Optional[float]) -> bool:
     return not (scale is not None and previous_loss_scale is not None and scale < previous_loss_scale)
 
 
+# what stops a run at the next step boundary with a checkpoint: a scheduler's or the user's stop
+# (SIGTERM: Slurm's scancel and preemption, Kubernetes' pod deletion; SIGINT: Ctrl-C) and Slurm's warning
+# before the time limit (sbatch --signal=USR1@T)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+def exit_status(stopped_by: Optional[str], rank: int, auto: bool) -> int:
+    """The exit status of a run: 0 when it trained to its last step (or ``--stop-at``); after a stop
+    by a signal (its checkpoint complete on every rank) 128 + the signal's number, as a shell reports a
+    process that signal ended (143 SIGTERM, 130 SIGINT, 138 SIGUSR1): not finished, which Kubernetes'
+    ``restartPolicy: ExitCode`` retries and Slurm's ``RequeueExit`` can list. A Slurm job stopped by
+    SIGUSR1 (the time limit nears) asks to be requeued first (rank 0, ``scontrol requeue``), and rank 0
+    logs which it did; ``auto``: the run continues by itself (``train.resume: auto``)."""
+    if stopped_by is None:
+        return 0
+    number = int(signal.Signals[stopped_by])
+    job = slurm_job()
+    if rank == 0 and stopped_by == "SIGUSR1" and job:
+        done, line = request_requeue(job)
+        if done and not auto:
+            line += "; its command continues only with --resume auto (or train.resume: auto)"
+        print(f"[mmpipe] {line}" + ("" if done else f"; exit status {128 + number}"), flush=True)
+    elif rank == 0:
+        print(f"[mmpipe] stopped by {stopped_by}: exit status {128 + number} (continue with "
+              f"{'the same command' if auto else '--resume'})", flush=True)
+    return 128 + number
+
+
 class FaultGuard:
     """This rank's stop requests and bad-step count. A stop request is local until the step's
     gather, where every rank learns it and the first requesting rank (``agree_stop``)."""
@@ -92,11 +121,11 @@ class FaultGuard:
         self.bad_run = 0
         self.last_loss_scale = None  # fp16's dynamic loss scale after the previous step
         if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGTERM, signal.SIGINT):
+            for s in STOP_SIGNALS:
                 signal.signal(s, self.on_signal)
 
     def on_signal(self, signum, frame) -> None:
-        """SIGTERM / SIGINT: stop at the next step boundary with a checkpoint (all ranks agree
+        """SIGTERM / SIGINT / SIGUSR1: stop at the next step boundary with a checkpoint (all ranks agree
         through the step's gather); a second signal stops at once. A signal within
         ``SAME_REQUEST_SECONDS`` of the first is the same request: a Ctrl-C under the ``deepspeed``
         launcher reaches every rank as SIGINT and, from DeepSpeed's ``launch.py`` at once, SIGTERM."""

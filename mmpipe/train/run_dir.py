@@ -1,14 +1,17 @@
-"""The run directory: refuse to overwrite a run by accident, clear it with ``--overwrite``, and
-remove a checkpoint left incomplete by a run killed while saving before ``--resume``."""
+"""The run directory: refuse to overwrite a run by accident, clear it with ``--overwrite``, remove a
+checkpoint left incomplete by a run killed while saving before ``--resume``, and find where
+``--resume auto`` continues (``resume_point``)."""
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import yaml
 
 from mmpipe.errors import ConfigError
 from mmpipe.parallel.plan import stage_lists
-from mmpipe.train.checkpoint_files import point_latest, remove_partial
+from mmpipe.train.checkpoint_files import complete_tags, is_complete, point_latest, remove_partial, step_of, usable, \
+    write_atomic
 from mmpipe.train.checkpoint_record import absolute_paths
 from mmpipe.train.faults import _warn
 from mmpipe.train.metrics import MetricsWriter, NullWriter
@@ -37,6 +40,52 @@ def check_run_dir(out_dir: str, resume: bool, overwrite: bool) -> None:
                           "replace it with --overwrite, or set another train.output_dir")
 
 
+def resume_point(out_dir: str) -> Optional[str]:
+    """Where ``train.resume: auto`` continues: the newest checkpoint of ``out_dir`` marked complete
+    with every file it lists present (one left partial by a kill while saving, or damaged since, is
+    passed over); of a run saved before checkpoints were marked, the one 'latest' names. ``None``: a
+    fresh start, where no checkpoint was ever completed (one line where only damaged ones are)."""
+    root = os.path.join(out_dir, "checkpoints")
+    marked = complete_tags(root)
+    for tag in reversed(marked):
+        if usable(os.path.join(root, tag)):
+            return tag
+    if marked:
+        raise ConfigError(f"train.resume=auto: {root} holds the checkpoint(s) {', '.join(marked[-4:])}, each missing "
+                          "files its COMPLETE marker lists: restore them, or start afresh with --overwrite")
+    latest = os.path.join(root, "latest")
+    if os.path.isfile(latest):
+        tag = open(latest).read().strip()
+        if os.path.isdir(os.path.join(root, tag)):
+            return tag
+    return None
+
+
+def take_resume_point(out_dir: str, tag: str) -> None:
+    """Rank 0, ``train.resume: auto``: 'latest' names ``tag``; the newer checkpoints it passed over go
+    (a partial one is deleted, a damaged one set aside as ``damaged-<tag>``), so that no later save
+    lands in a directory holding an earlier save's files."""
+    root = os.path.join(out_dir, "checkpoints")
+    latest = os.path.join(root, "latest")
+    if not os.path.isfile(latest) or open(latest).read().strip() != tag:
+        write_atomic(latest, tag)
+    import shutil
+    for t in sorted(os.listdir(root), key=step_of):
+        if step_of(t) <= step_of(tag):
+            continue
+        path = os.path.join(root, t)
+        if is_complete(path):
+            aside = os.path.join(root, f"damaged-{t}")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(path, aside)
+            _warn(f"train.resume=auto: {path} is missing files its COMPLETE marker lists: set aside as {aside}; "
+                  f"continuing from {tag}")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            _warn(f"train.resume=auto: removed the incomplete checkpoint {path} (the run stopped while saving it); "
+                  f"continuing from {tag}")
+
+
 def clear_run_dir(out_dir: str, keep=()) -> None:
     """Remove an earlier run's files, except those the new run's config reads (``keep``: e.g. a
     ``data.tokenizer`` or ``parallel.plan`` inside the directory)."""
@@ -58,15 +107,25 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "tokenizer", "config.yaml", "ds_con
              "trace.json", "timeline.png", "tb", "layout.json")
 
 
-def prepare_run_dir(cfg, rank: int, resume: bool, overwrite: bool) -> None:
+def prepare_run_dir(cfg, rank: int, resume: bool, overwrite: bool, auto: Optional[tuple] = None) -> None:
     """Rank 0: clear (``--overwrite``, keeping inputs that live inside it) or create the run
-    directory; on ``--resume`` remove a partial checkpoint, which is never loaded."""
+    directory; on ``--resume`` remove a partial checkpoint, which is never loaded. ``auto``:
+    ``(checkpoint or None,)`` where ``train.resume: auto`` chose (a fresh start replaces a run that
+    never completed a checkpoint)."""
     if rank != 0:
         return
     out_dir, c = cfg.train.output_dir, cfg
+    if auto is not None:
+        print(f"[mmpipe] train.resume=auto: " + (f"continuing from {out_dir}/checkpoints/{auto[0]}" if auto[0] else
+                                                 f"no complete checkpoint in {out_dir}: a fresh start"), flush=True)
+        held = [f for f in RUN_FILES if os.path.exists(os.path.join(out_dir, f))] if not auto[0] else []
+        if held:
+            _warn(f"train.resume=auto: replacing {', '.join(held)} in {out_dir} (a run that never completed a checkpoint)")
     if overwrite:
         clear_run_dir(out_dir, keep=(c.data.tokenizer, c.parallel.plan, c.data.cache, c.train.deepspeed_config))
     os.makedirs(out_dir, exist_ok=True)
+    if auto is not None and auto[0]:
+        take_resume_point(out_dir, auto[0])
     if resume:
         ckpt_dir = os.path.join(out_dir, "checkpoints")
         for tag in remove_partial(ckpt_dir):

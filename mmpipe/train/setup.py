@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
@@ -30,10 +30,12 @@ from mmpipe.data.tokenizer import (
 from mmpipe.errors import ConfigError, MmpipeError
 from mmpipe.families.lora import require_peft
 from mmpipe.parallel import roster
+from mmpipe.parallel.launchers import adopt
 from mmpipe.parallel.plan import (
     Plan,
     parts_from_lists,  # a record older than plans: its stages
 )
+from mmpipe.parallel.launchers import adopt
 from mmpipe.parallel.startup import init_distributed
 from mmpipe.parallel.topology import Topology
 from mmpipe.planning.layouts import layouts_json, plan_layouts
@@ -44,7 +46,7 @@ from mmpipe.planning.place import place as place_stages
 from mmpipe.planning.prices import layer_prices
 from mmpipe.train.checkpoint_record import saved_plan
 from mmpipe.train.faults import _everywhere, _rank0_decides, _warn, agree
-from mmpipe.train.run_dir import check_run_dir, prepare_run_dir
+from mmpipe.train.run_dir import check_run_dir, prepare_run_dir, resume_point
 
 
 @dataclass(frozen=True)
@@ -91,21 +93,27 @@ class ResolvedRun:
         return self.rank == self.topo.reporting_rank
 
 
-def resolve_run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None,
+def resolve_run(cfg: RunConfig, resume: Union[bool, str, None] = None, stop_at: Optional[int] = None,
                 overwrite: bool = False) -> ResolvedRun:
-    """Validate, join the process group, then resolve the run (see the module docstring)."""
+    """Validate, join the process group, then resolve the run (see the module docstring).
+    ``resume``: true, false or ``"auto"`` (None: ``train.resume``)."""
+    adopt()  # a scheduler's variables (Slurm, MPI) become torch's before anything reads RANK
     requested = cfg
     auto_layout = cfg.parallel.layout == "auto"
     if auto_layout:  # everything but the layout is checked first, with a stand-in (data parallel)
         cfg = replace(requested, parallel__pipeline_stages=1, parallel__zero_stage=0)
-    cfg, family_cls, groups, where, data = validate(cfg, resume, stop_at, overwrite)
+    resume, auto = resume_mode(cfg, cfg.train.resume if resume is None else resume, overwrite)
+    fresh = auto is not None and auto[0] is None  # (auto, nothing to continue: replaces a run without a checkpoint)
+    cfg, family_cls, groups, where, data = validate(cfg, resume, stop_at, overwrite or fresh)
     rank, world = init_distributed(cfg.train.collective_timeout_minutes)
     if world > 1:
         roster.gather()  # so that a rank losing contact can name the one that is gone
+    if auto is not None:
+        agree_resume_point(auto[0], world, cfg.train.output_dir)
     layout_doc = None
     if auto_layout:
         cfg, where, layout_doc = choose_layout(requested, family_cls, groups, rank, world, resume)
-    prepare_run_dir(cfg, rank, resume, overwrite)
+    prepare_run_dir(cfg, rank, resume, overwrite or fresh, auto)
     import torch.distributed as dist
     dist.barrier()
     cfg, tok, family, frozen = build_family(cfg, family_cls, groups, rank, data.source)
@@ -113,6 +121,33 @@ def resolve_run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = N
                              auto_mbs=requested.parallel.micro_batch_size == "auto")
     return ResolvedRun(cfg, family, groups, where, data.source, data.val, tok, plan, frozen, rank, world,
                        _device_name(), resume, layout_doc)
+
+
+def resume_mode(cfg: RunConfig, mode, overwrite: bool) -> tuple:
+    """(whether to resume, ``(checkpoint or None,)`` for ``auto``, else None)."""
+    if mode != "auto":
+        return bool(mode), None
+    if overwrite:
+        raise _everywhere(ConfigError, "--resume auto and --overwrite contradict each other: auto continues the run "
+                          f"in train.output_dir={cfg.train.output_dir} when it holds a checkpoint, --overwrite "
+                          "deletes it")
+    try:
+        point = resume_point(cfg.train.output_dir)
+    except ConfigError as e:
+        raise _everywhere(ConfigError, str(e)) from None
+    return point is not None, (point,)
+
+
+def agree_resume_point(point: Optional[str], world: int, out_dir: str) -> None:
+    """Every rank found the same checkpoint (a partly written one is passed over alike)."""
+    import torch.distributed as dist
+    points = [None] * world
+    dist.all_gather_object(points, point)
+    other = next((r for r, p in enumerate(points) if p != points[0]), None)
+    if other is not None:
+        raise _everywhere(ConfigError, f"train.resume=auto: rank 0 finds {points[0] or 'no checkpoint'} in "
+                          f"{out_dir}/checkpoints, rank {other} {points[other] or 'none'}: train.output_dir must be "
+                          "one directory every node sees (a shared filesystem)")
 
 
 LORA_KEYS = ("optim.lora_rank", "optim.lora_alpha", "optim.lora_dropout", "optim.target_modules")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Optional
+from typing import Optional, Union
 
 import torch.distributed as dist
 
@@ -46,10 +46,12 @@ from mmpipe.train.step_stats import (
 )
 
 
-def run(cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None, overwrite: bool = False) -> dict:
-    """Train; ``stop_at`` ends this invocation after that step with a checkpoint (time-limited jobs);
-    ``overwrite`` replaces a run already in ``train.output_dir`` (without it, or ``resume``, that is
-    refused)."""
+def run(cfg: RunConfig, resume: Union[bool, str, None] = None, stop_at: Optional[int] = None,
+        overwrite: bool = False) -> dict:
+    """Train; ``resume``: true, false or ``"auto"`` (None: ``train.resume``); ``stop_at`` ends this
+    invocation after that step with a checkpoint (time-limited jobs); ``overwrite`` replaces a run
+    already in ``train.output_dir`` (without it, or ``resume``, that is refused). Returns the last
+    step, eval, bad samples and ``stopped_by`` (the signal that stopped it early, else None)."""
     return Trainer(cfg, resume, stop_at, overwrite).train()
 
 
@@ -57,7 +59,8 @@ class Trainer:
     """One training run on this rank: ``setup`` wires the resolved run's parts, ``train`` loops
     ``step`` / ``evaluate`` / ``save``."""
 
-    def __init__(self, cfg: RunConfig, resume: bool = False, stop_at: Optional[int] = None, overwrite: bool = False):
+    def __init__(self, cfg: RunConfig, resume: Union[bool, str, None] = None, stop_at: Optional[int] = None,
+                 overwrite: bool = False):
         # ``cfg`` is never changed: the run resolves a config of its own and saves it as-is
         self.cfg, self.resume, self.stop_at, self.overwrite = cfg, resume, stop_at, overwrite
         self.last_eval = None
@@ -89,7 +92,7 @@ class Trainer:
         self.setup()
         cfg, step, guard = self.run.cfg, self.start_step, self.guard
         end = min(cfg.train.steps, self.stop_at) if self.stop_at else cfg.train.steps
-        saved_at = step
+        saved_at, stopped_by = step, None
         while step < end:
             step += 1
             self.profiler.before(step)
@@ -128,12 +131,13 @@ class Trainer:
                     self.save(step)
                 self.writer.info(f"stopped at step {step} by {guard.signal} ({guard.signal_rank}): checkpoint "
                                  f"saved; continue with --resume")
+                stopped_by = guard.signal
                 break
         if self.meter is not None:
             write_memory(self.run.out_dir, self.run.rank, self.run.where.stage, self.meter.peak())
         self.writer.close()
         dist.barrier()
-        return {"step": step, "eval": self.last_eval, "bad_samples": self.ledger.count}
+        return {"step": step, "eval": self.last_eval, "bad_samples": self.ledger.count, "stopped_by": stopped_by}
 
     def step(self, step: int, tracing: bool = False) -> dict:
         """One optimizer step, then one small gather: data counters (summed over the reading ranks),
