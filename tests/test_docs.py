@@ -41,7 +41,13 @@ RULES = [  # (command regex, RUN or the reason it is not run here)
     (r"^mmpipe generate --run runs/demo_qwen3_5 ", "needs make demo-qwen3_5's run; tests/test_qwen3_5.py generates from a run"),
     (r"^(deepspeed|torchrun|accelerate launch|python launch/train\.py) .*--config configs/demo\.yaml", LONG_RUN),
     (r"--config C\b", "C stands for the reader's config; these launch lines run on the tiny config in "
-                      "tests/test_launch.py, test_faults.py (--stop-at, --resume) and test_new_user.py (--overwrite)"),
+                      "tests/test_launch.py, test_faults.py (--stop-at, --resume), test_new_user.py (--overwrite) and "
+                      "test_clusters.py (srun, mpirun, torchrun --max-restarts, --resume auto)"),
+    (r"^CONFIG=\S+ sbatch launch/slurm/train\.sbatch", "needs a Slurm cluster of GPU nodes; tests/test_clusters.py "
+                                                        "submits the file to a real one-node Slurm cluster"),
+    (r"^kubectl apply -f launch/k8s/pytorchjob\.yaml$", "needs a Kubernetes cluster with Kubeflow's training "
+                                                        "operator; tests/test_clusters.py runs the manifest's command "
+                                                        "with the variables the operator sets"),
 ]
 PLACEHOLDERS = {"C": "configs/demo.yaml"}  # a docs placeholder, where a run rule needs a value
 
