@@ -116,7 +116,7 @@ def prepare_run_dir(cfg, rank: int, resume: bool, overwrite: bool, auto: Optiona
         return
     out_dir, c = cfg.train.output_dir, cfg
     if auto is not None:
-        print(f"[mmpipe] train.resume=auto: " + (f"continuing from {out_dir}/checkpoints/{auto[0]}" if auto[0] else
+        print("[mmpipe] train.resume=auto: " + (f"continuing from {out_dir}/checkpoints/{auto[0]}" if auto[0] else
                                                  f"no complete checkpoint in {out_dir}: a fresh start"), flush=True)
         held = [f for f in RUN_FILES if os.path.exists(os.path.join(out_dir, f))] if not auto[0] else []
         if held:

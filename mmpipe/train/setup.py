@@ -35,7 +35,6 @@ from mmpipe.parallel.plan import (
     Plan,
     parts_from_lists,  # a record older than plans: its stages
 )
-from mmpipe.parallel.launchers import adopt
 from mmpipe.parallel.startup import init_distributed
 from mmpipe.parallel.topology import Topology
 from mmpipe.planning.layouts import layouts_json, plan_layouts
