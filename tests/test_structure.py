@@ -302,3 +302,26 @@ def test_no_schedule_default_outside_the_schedules_module():
     planted = {"mmpipe.planning.x": 'def predict(prof, schedule: str = "1f1b"):\n    pass\n'}
     assert schedule_defaults(planted, names) == ["mmpipe.planning.x:1"]
     assert schedule_defaults({m: open(p).read() for m, p in _modules().items()}, names) == []
+
+
+def sibling_imports(graph: dict, families: dict) -> list:
+    """(module, imported) where one family's modules import another's: ``families`` maps a family to the
+    module-name prefixes that are its own (what two families share lives in a module of neither)."""
+    own = {p: fam for fam, prefixes in families.items() for p in prefixes}
+
+    def family_of(module: str):
+        return next((f for p, f in own.items() if module.startswith(p)), None)
+    return sorted((m, t) for m, targets in graph.items() for t in targets
+                  if family_of(m) and family_of(t) and family_of(m) != family_of(t))
+
+
+def test_no_qwen_family_imports_a_sibling():
+    """Qwen3.5 and Qwen3-VL compose what they share (``qwen3_vision``, ``hf_config``) beside Qwen2.5-VL's base
+    rather than stacking on each other; a MoE sibling is one more part, not a floor."""
+    mods = _modules()
+    graph = {m: _imports(m, p, mods) for m, p in mods.items()}
+    q = "mmpipe.families.qwen_vl."
+    families = {"qwen3_5": (q + "qwen3_5",), "qwen3_vl": (q + "qwen3_vl",)}
+    planted = dict(graph, **{q + "qwen3_vl": graph[q + "qwen3_vl"] | {q + "qwen3_5"}})  # the check can fail
+    assert sibling_imports(planted, families) == [(q + "qwen3_vl", q + "qwen3_5")]
+    assert sibling_imports(graph, families) == []

@@ -22,69 +22,22 @@ from mmpipe.families.chat.masks import mark_mask
 from mmpipe.families.chat.records import ROLE_TOKENS
 from mmpipe.families.qwen_vl import model as m
 from mmpipe.families.qwen_vl.config import Qwen25VLConfig
+from mmpipe.families.qwen_vl.hf_config import HFConfigSpec, build_hf_config, check_mrope
 from mmpipe.families.qwen_vl.video import NativeVideo, VideoInput, check_budgets, video_processor
 from mmpipe.families.towers import hf
-from mmpipe.families.towers.common import init_transformer_part, use_attention
+from mmpipe.families.towers.common import init_transformer_part
 
 IMAGE_PAD, VISION_START, VISION_END, VIDEO_PAD = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"
-_VISION_FIELDS = ("depth", "hidden_size", "num_heads", "intermediate_size", "patch_size", "temporal_patch_size",
-                  "spatial_merge_size", "window_size", "fullatt_block_indexes")
-_TEXT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-                "max_position_embeddings")
 
 
-def pretrained_config(cfg, model_type: str, model_class: str, vision_fields, text_fields):
-    """``model.pretrained``'s transformers config, checked: a ``model_type`` directory, the ``model:`` fields set
-    beside it agree, the vocabulary grown to the tokens the tokenizer added."""
-    top = hf.load_hf_config(cfg.pretrained, "model.pretrained")
-    if getattr(top, "model_type", None) != model_type:
-        raise ConfigError(f"model.pretrained: {cfg.pretrained} holds a {getattr(top, 'model_type', '?')}, not a "
-                          f"{model_class} directory")
-    hf.check_fields_agree(cfg.vision, [f for f in vision_fields if getattr(cfg.vision, f) is not None],
-                          top.vision_config, "model.vision", "model.pretrained")
-    hf.check_fields_agree(cfg.llm, [f for f in text_fields if getattr(cfg.llm, f) is not None],
-                          top.text_config, "model.llm", "model.pretrained")
-    if cfg.llm.vocab_size and cfg.llm.vocab_size > top.text_config.vocab_size:
-        top.text_config.vocab_size = cfg.llm.vocab_size
-    return top
-
-
-def qwen_config(cfg):
-    """The ``Qwen2_5_VLConfig`` of a ``model:`` section: ``model.pretrained``'s (fields set beside it must
-    agree), else built from the fields (transformers' defaults for the rest)."""
-    from transformers import Qwen2_5_VLConfig
-    if cfg.pretrained:
-        top = pretrained_config(cfg, "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", _VISION_FIELDS, _TEXT_FIELDS)
-    else:
-        v, t = cfg.vision, cfg.llm
-        vision = {f: getattr(v, f) for f in _VISION_FIELDS if getattr(v, f) is not None}
-        text = {f: getattr(t, f) for f in _TEXT_FIELDS if getattr(t, f) is not None}
-        text.update(vocab_size=t.vocab_size, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-        if t.hidden_size:
-            vision["out_hidden_size"] = t.hidden_size
-        rope = {"rope_type": "default", "rope_theta": float(t.rope_theta or 1_000_000.0)}
-        if t.mrope_section:
-            rope["mrope_section"] = list(t.mrope_section)
-        text["rope_parameters"] = rope
-        top = Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=cfg.image_token_id,
-                               tie_word_embeddings=bool(t.tie_word_embeddings), bos_token_id=None, eos_token_id=None)
-    t = top.text_config
-    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-    section = t.rope_parameters.get("mrope_section", [16, 24, 24])
-    if sum(section) * 2 != head_dim:
-        raise ConfigError(f"model.llm.mrope_section={section} sums to {sum(section)}, but the rotary half of a "
-                          f"{head_dim}-wide head is {head_dim // 2}: give sections that sum to {head_dim // 2}")
-    set_token_ids(top, cfg)
-    use_attention(top.text_config, kind=cfg.attention)
-    use_attention(top.vision_config, kind=cfg.attention, spans=True)
-    return top
-
-
-def set_token_ids(top, cfg) -> None:
-    """The resolved ``model.image_token_id`` / ``model.video_token_id`` (the tokenizer's) into transformers' config."""
-    for key in ("image_token_id", "video_token_id"):
-        if getattr(cfg, key, None) is not None:
-            setattr(top, key, getattr(cfg, key))
+QWEN2_5_VL = HFConfigSpec(
+    "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig",
+    vision_fields=("depth", "hidden_size", "num_heads", "intermediate_size", "patch_size", "temporal_patch_size",
+                   "spatial_merge_size", "window_size", "fullatt_block_indexes"),
+    text_fields=("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                 "max_position_embeddings"),
+    rope={"rope_theta": 1_000_000.0}, check=lambda top: check_mrope(top.text_config, [16, 24, 24]),
+    top_extra={"bos_token_id": None, "eos_token_id": None})
 
 
 @register_family
@@ -194,7 +147,7 @@ class Qwen25VLFamily(ChatFamily):
     @classmethod
     def hf_config(cls, model_cfg):
         """transformers' config of a ``model:`` section (a later Qwen family: its own)."""
-        return qwen_config(model_cfg)
+        return build_hf_config(model_cfg, QWEN2_5_VL)
 
     def model_parts(self):
         """(the module whose ``vision_classes`` / ``decoder_block_cls`` build the layers, the decoder's RMSNorm):

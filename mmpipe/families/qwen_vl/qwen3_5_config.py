@@ -6,21 +6,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mmpipe.config.fields import Section, option
+from mmpipe.families.qwen_vl.qwen3_vision import Qwen3VisionConfig
 from mmpipe.families.towers.common import attention_option
-
-
-@dataclass
-class Qwen35VisionConfig(Section):
-    """The ViT (``Qwen3_5VisionConfig``): learned position grid, 2-D rotary, attention within each frame."""
-    depth: Optional[int] = option(None, "ViT blocks", ge=1)
-    hidden_size: Optional[int] = option(None, "ViT width", ge=1)
-    num_heads: Optional[int] = option(None, "attention heads", ge=1)
-    intermediate_size: Optional[int] = option(None, "MLP width (gelu-tanh)", ge=1)
-    patch_size: Optional[int] = option(None, "patch side in pixels (16)", ge=1)
-    temporal_patch_size: Optional[int] = option(None, "frames per temporal patch (2; an image is repeated)", ge=1)
-    spatial_merge_size: Optional[int] = option(None, "the merger's patch grid side (2: 2x2 patches -> one token)", ge=1)
-    num_position_embeddings: Optional[int] = option(None, "the learned position grid's entries (a square: 2304 = "
-                                                    "48 x 48), resampled bilinearly to each image's grid", ge=1)
 
 
 @dataclass
@@ -63,5 +50,5 @@ class Qwen35Config(Section):
     min_pixels: Optional[int] = option(None, "recorded by the run from data.min_pixels (leave unset)", ge=1)
     max_pixels: Optional[int] = option(None, "recorded by the run from data.max_pixels (leave unset)", ge=1)
     attention: str = attention_option()
-    vision: Qwen35VisionConfig = field(default_factory=Qwen35VisionConfig, metadata={"help": "vision tower"})
+    vision: Qwen3VisionConfig = field(default_factory=Qwen3VisionConfig, metadata={"help": "vision tower"})
     llm: Qwen35TextConfig = field(default_factory=Qwen35TextConfig, metadata={"help": "language model"})

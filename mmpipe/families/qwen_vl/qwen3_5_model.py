@@ -1,9 +1,7 @@
 """Qwen3.5's pipeline layers: transformers' modules (``Qwen3_5ForConditionalGeneration``'s arithmetic), cut
 into mmpipe's layers, with what a packed row needs.
 
-- The ViT (patch 16, temporal patch 2): the patch embedding plus the learned position grid resampled
-  bilinearly to each image's grid, blocks attending within each frame (2-D rotary), the 2x2 merger. Each
-  stage derives the integers it needs from the micro-batch's image grids once (``vision_meta``).
+- The ViT: Qwen3's (``qwen3_vision``, shared with Qwen3-VL).
 - The hybrid decoder: per ``layer_types``, a GatedDeltaNet block (linear attention: a causal depthwise
   conv and a gated delta-rule recurrence) or a gated full-attention block (q/k norm, output gate, partial
   rotary over interleaved multimodal positions). **A packed row's samples never share state**: a
@@ -15,95 +13,8 @@ into mmpipe's layers, with what a packed row needs.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import torch
-
 from mmpipe.families.chat.masks import attention_inputs, mask_kind
-from mmpipe.families.qwen_vl.model import longest_span
-
-
-class VisionMeta(NamedTuple):
-    interp_indices: torch.Tensor
-    interp_weights: torch.Tensor
-    position_ids: torch.Tensor  # (patches, 2): each patch's (row, column), in the processor's merge-block order
-    cu_seqlens: torch.Tensor  # per frame
-
-
-def vision_meta(grid: torch.Tensor, cfg) -> VisionMeta:
-    """The ViT's per-micro-batch integers from the image grids, as transformers derives them (once per grid
-    tensor; a meta grid carries its host values: ``qwen_vl.model.mark_grid``)."""
-    memo = getattr(grid, "_mmpipe_q35_meta", None)
-    if memo is not None:
-        return memo
-    from transformers.vision_utils import (
-        get_vision_cu_seqlens,
-        get_vision_interpolation_indices_and_weights,
-        get_vision_position_ids,
-    )
-    values = getattr(grid, "_mmpipe_grid", None) if grid.is_meta else grid
-    if values is None:
-        raise ValueError("a meta image_grid_thw without its values (mmpipe.families.qwen_vl.model.mark_grid)")
-    side = int(cfg.num_position_embeddings ** 0.5)
-    idx, w = get_vision_interpolation_indices_and_weights(values, num_grid_per_side=side, mode="bilinear",
-                                                          align_corners=True,
-                                                          spatial_merge_size=cfg.spatial_merge_size)
-    dev = grid.device
-    meta = VisionMeta(idx.to(dev), w.to(dev), get_vision_position_ids(values, cfg.spatial_merge_size).to(dev),
-                      get_vision_cu_seqlens(values))
-    try:
-        grid._mmpipe_q35_meta = meta
-    except AttributeError:  # pragma: no cover
-        pass
-    return meta
-
-
-def vision_classes():
-    """(patch embedding with the position grid, vision block, merger): transformers' modules, subclassed so
-    their weights keep transformers' names under each layer."""
-    from torch import nn
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as q
-
-    class PatchEmbed(nn.Module):
-        """``patch_embed`` (a Conv3d over each patch) + ``pos_embed`` (the learned square grid, resampled)."""
-
-        def __init__(self, cfg):
-            super().__init__()
-            self.cfg = cfg
-            self.patch_embed = q.Qwen3_5VisionPatchEmbed(config=cfg)
-            self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
-
-        def forward(self, pixels, grid):
-            h = self.patch_embed(pixels)
-            if not h.shape[0]:  # no image: the position grid still runs (on no index: ZeRO-3 gathers it on every
-                idx = torch.zeros((0, 4), dtype=torch.int64, device=h.device)  # rank alike, DeepSpeed #7170)
-                return h + self.pos_embed(idx).sum(1).to(h.dtype)
-            meta = vision_meta(grid, self.cfg)
-            pos = (self.pos_embed(meta.interp_indices) * meta.interp_weights[:, :, None]).sum(1)
-            return h + pos.to(h.dtype)
-
-    class VisionBlock(q.Qwen3_5VisionBlock):
-        """A vision block with the tower's 2-D rotary table (non-persistent), attending within each frame."""
-
-        def __init__(self, cfg, index: int):
-            super().__init__(cfg)
-            self.cfg = cfg
-            self.rotary = q.Qwen3_5VisionRotaryEmbedding(cfg)
-
-        def forward(self, h, grid):
-            meta = vision_meta(grid, self.cfg)
-            return super().forward(h, cu_seqlens=meta.cu_seqlens, position_embeddings=self.rotary(h, meta.position_ids),
-                                   max_seqlen=longest_span(meta.cu_seqlens, self.cfg))
-
-    class Merger(q.Qwen3_5VisionPatchMerger):
-        def __init__(self, cfg):
-            super().__init__(config=cfg, use_postshuffle_norm=False)
-            self.cfg = cfg
-
-        def forward(self, h, grid):
-            return super().forward(h)
-
-    return PatchEmbed, VisionBlock, Merger
+from mmpipe.families.qwen_vl.qwen3_vision import vision_classes  # noqa: F401 - this family's ViT (``model_parts``)
 
 
 def decoder_block_cls():

@@ -6,13 +6,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mmpipe.config.fields import Section, option
-from mmpipe.families.qwen_vl.qwen3_5_config import Qwen35VisionConfig
+from mmpipe.families.qwen_vl.qwen3_vision import Qwen3VisionConfig
 from mmpipe.families.towers.common import attention_option
 
 
 @dataclass
-class Qwen3VLVisionConfig(Qwen35VisionConfig):
-    """Qwen3.5's ViT (``Qwen3VLVisionConfig``) with DeepStack: chosen blocks' features, each through its own
+class Qwen3VLVisionConfig(Qwen3VisionConfig):
+    """Qwen3's ViT (``Qwen3VLVisionConfig``) with DeepStack: chosen blocks' features, each through its own
     merger, added into the first decoder layers."""
     deepstack_visual_indexes: Optional[list] = option(None, "ViT blocks whose output (through its own merger) is "
                                                       "added at the image positions after decoder layer 0, 1, ...: "

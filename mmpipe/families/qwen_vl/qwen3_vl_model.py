@@ -1,4 +1,4 @@
-"""Qwen3-VL's pipeline layers: Qwen3.5's ViT (``qwen3_5_model``: one home for it), DeepStack's mergers and the
+"""Qwen3-VL's pipeline layers: Qwen3's ViT (``qwen3_vision``: one home for it), DeepStack's mergers and the
 Qwen3 decoder, with ``Qwen3VLForConditionalGeneration``'s arithmetic.
 
 **DeepStack on a pipeline: the features travel.** After each ViT block of ``deepstack_visual_indexes`` a layer
@@ -22,13 +22,7 @@ import torch
 
 from mmpipe.families.chat.masks import attention_inputs
 from mmpipe.families.qwen_vl import model as m
-from mmpipe.families.qwen_vl.qwen3_5_model import vision_classes as _qwen3_vision_classes
-
-
-def vision_classes():
-    """(patch embedding with the position grid, vision block, merger): Qwen3.5's, the same arithmetic as
-    transformers' Qwen3-VL ViT."""
-    return _qwen3_vision_classes()
+from mmpipe.families.qwen_vl.qwen3_vision import vision_classes  # noqa: F401 - this family's ViT (``model_parts``)
 
 
 def deepstack_merger_cls():
