@@ -12,12 +12,14 @@ import pytest
 import torch
 from helpers import TINY_CONFIGS, train_losses
 from PIL import Image
+from qwen_fixtures import resolved_family, write_chat
+from qwen_fixtures import loaded_model as _loaded
+from qwen_fixtures import write_images as _images
 from test_parity import _weights, assert_weights_close, check_layout_parity, reference
 
 import mmpipe
 
 TINY_Q3VL = TINY_CONFIGS["qwen3_vl"]
-SIZES = [(64, 64), (160, 96), (64, 192), (128, 128), (224, 64)]  # five grids at patch 16, merge 2
 
 
 @pytest.fixture(scope="module")
@@ -27,43 +29,11 @@ def q3vl_dir(tmp_path_factory):
 
 
 def _family(d: str, **data):
-    from mmpipe.config.resolve import resolve_family
-    from mmpipe.config.registry import get_family
-    from mmpipe.data.tokenizer import load_tokenizer
-    import yaml
-    path = os.path.join(os.path.dirname(d), "run.yaml")
-    with open(path, "w") as fh:
-        yaml.safe_dump({"model": {"type": "qwen3_vl", "pretrained": d},
-                        "data": {"max_length": 256, "min_pixels": 4096, "max_pixels": 65536, "num_workers": 0, **data}},
-                       fh)
-    tok = get_family("qwen3_vl").prepare_tokenizer(load_tokenizer(d))
-    cfg, fam = resolve_family(mmpipe.load_config(path), tok)
-    return cfg, fam, tok
+    return resolved_family("qwen3_vl", d, **data)
 
 
 def _chat(tmp_path, rows) -> str:
-    with open(tmp_path / "chat.jsonl", "w") as fh:
-        for marks, q, a, ims in rows:
-            fh.write(json.dumps({"messages": [{"role": "user", "content": "".join(marks) + "\n" + q},
-                                              {"role": "assistant", "content": a}], "images": ims}) + "\n")
-    return str(tmp_path / "chat.jsonl")
-
-
-def _images(tmp_path) -> list:
-    rng = np.random.default_rng(0)
-    paths = []
-    for k, (w, h) in enumerate(SIZES):
-        paths.append(str(tmp_path / f"im{k}.png"))
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1])
-    return paths
-
-
-def _loaded(fam):
-    from mmpipe.parallel.plain import plain_model
-    model = plain_model(fam)
-    for name in fam.layer_names():
-        fam.load_pretrained(model.get_submodule(name), name)
-    return model
+    return write_chat(tmp_path / "chat.jsonl", rows)
 
 
 def test_loss_and_logits_are_transformers_fed_by_its_own_processor(q3vl_dir, tmp_path):

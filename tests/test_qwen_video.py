@@ -11,11 +11,12 @@ import os
 import numpy as np
 import pytest
 import torch
+from qwen_fixtures import loaded_model as _loaded
+from qwen_fixtures import resolved_family, write_chat
 from helpers import TINY_CONFIGS, Runs, train_losses
 from PIL import Image
 from test_parity import _weights, assert_weights_close
 
-import mmpipe
 
 WRITERS = {"qwen2_5_vl": "write_tiny_qwen2_5_vl", "qwen3_vl": "write_tiny_qwen3_vl", "qwen3_5": "write_tiny_qwen3_5"}
 # sampled at 1 frame a second, at least 2 frames: the 16-frame clip at 4 fps gives 4 frames (2 temporal patches,
@@ -69,35 +70,11 @@ ROWS = [(["<video>"], "what happens?", "a square moves", [], ["long"]),
 
 
 def _chat(path, media, rows) -> str:
-    with open(path, "w") as fh:
-        for marks, q, a, ims, vids in rows:
-            fh.write(json.dumps({"messages": [{"role": "user", "content": "".join(marks) + "\n" + q},
-                                              {"role": "assistant", "content": a}],
-                                 "images": [media[k] for k in ims], "videos": [media[k] for k in vids]}) + "\n")
-    return str(path)
+    return write_chat(path, rows, media)
 
 
 def _family(name: str, d: str, tmp_path, **data):
-    import yaml
-
-    from mmpipe.config.registry import get_family
-    from mmpipe.config.resolve import resolve_family
-    from mmpipe.data.tokenizer import load_tokenizer
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({"model": {"type": name, "pretrained": d},
-                                    "data": {"max_length": 1024, "min_pixels": 4096, "max_pixels": 65536,
-                                             "num_workers": 0, **VIDEO_DATA, **data}}))
-    tok = get_family(name).prepare_tokenizer(load_tokenizer(d))
-    cfg, fam = resolve_family(mmpipe.load_config(str(path)), tok)
-    return cfg, fam, tok
-
-
-def _loaded(fam):
-    from mmpipe.parallel.plain import plain_model
-    model = plain_model(fam)
-    for name in fam.layer_names():
-        fam.load_pretrained(model.get_submodule(name), name)
-    return model
+    return resolved_family(name, d, yaml_path=tmp_path / f"{name}.yaml", max_length=1024, **{**VIDEO_DATA, **data})
 
 
 def _decoded(source, fps_of_frames: float):
