@@ -74,7 +74,7 @@ def _chat(path, media, rows) -> str:
 
 
 def _family(name: str, d: str, tmp_path, **data):
-    return resolved_family(name, d, yaml_path=tmp_path / f"{name}.yaml", max_length=1024, **{**VIDEO_DATA, **data})
+    return resolved_family(name, d, yaml_path=tmp_path / f"{name}.yaml", **{"max_length": 1024, **VIDEO_DATA, **data})
 
 
 def _decoded(source, fps_of_frames: float):
