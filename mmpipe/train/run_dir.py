@@ -62,27 +62,21 @@ def resume_point(out_dir: str) -> Optional[str]:
 
 
 def take_resume_point(out_dir: str, tag: str) -> None:
-    """Rank 0, ``train.resume: auto``: 'latest' names ``tag``; the newer checkpoints it passed over go
-    (a partial one is deleted, a damaged one set aside as ``damaged-<tag>``), so that no later save
-    lands in a directory holding an earlier save's files."""
+    """Rank 0, ``train.resume: auto``: 'latest' names ``tag``, and a newer checkpoint it passed over as
+    damaged (marked complete, a listed file missing) is set aside as ``damaged-<tag>``, so that no later
+    save lands in a directory holding an earlier save's files (a partial one: ``remove_partial``)."""
+    import shutil
     root = os.path.join(out_dir, "checkpoints")
     latest = os.path.join(root, "latest")
     if not os.path.isfile(latest) or open(latest).read().strip() != tag:
         write_atomic(latest, tag)
-    import shutil
-    for t in sorted(os.listdir(root), key=step_of):
-        if step_of(t) <= step_of(tag):
-            continue
+    for t in os.listdir(root):
         path = os.path.join(root, t)
-        if is_complete(path):
+        if step_of(t) > step_of(tag) and is_complete(path):
             aside = os.path.join(root, f"damaged-{t}")
             shutil.rmtree(aside, ignore_errors=True)
             os.rename(path, aside)
             _warn(f"train.resume=auto: {path} is missing files its COMPLETE marker lists: set aside as {aside}; "
-                  f"continuing from {tag}")
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-            _warn(f"train.resume=auto: removed the incomplete checkpoint {path} (the run stopped while saving it); "
                   f"continuing from {tag}")
 
 
