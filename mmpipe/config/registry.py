@@ -13,7 +13,8 @@ from mmpipe.errors import ConfigError
 
 BUILTIN = {"clip": "mmpipe.families.clip", "vlm": "mmpipe.families.vlm", "qwen2_5_vl": "mmpipe.families.qwen_vl",
            "siglip": "mmpipe.families.siglip", "qwen3_5": "mmpipe.families.qwen_vl.qwen3_5",
-           "qwen3_vl": "mmpipe.families.qwen_vl.qwen3_vl"}
+           "qwen3_vl": "mmpipe.families.qwen_vl.qwen3_vl", "qwen3_5_moe": "mmpipe.families.qwen_vl.qwen3_5_moe",
+           "qwen3_vl_moe": "mmpipe.families.qwen_vl.qwen3_vl_moe"}
 _REGISTRY: dict = {}
 _plugins_loaded = [False]
 

@@ -212,17 +212,14 @@ class Qwen25VLFamily(ChatFamily):
     def load_pretrained(self, module: nn.Module, name: str) -> None:
         if self._source is None:
             return
-        LOAD_RULES = self.hf.load_rules
         src, sd = self._source, {}
         for k, v in module.state_dict().items():
             mine = f"{name}.{k}"
             if self.tied and mine == "llm.head.lm_head.weight":
                 mine = "llm.embed.embed_tokens.weight"
-            theirs = next((p + mine[len(prefix):] for prefix, names in LOAD_RULES if mine.startswith(prefix)
-                           for p in names if p + mine[len(prefix):] in src), None)
+            theirs, w = self.source_weight(src, mine, v.shape)
             if theirs is None:
                 raise ConfigError(f"model.pretrained: {src.path} has no weight for {name}.{k}")
-            w = src.get(theirs)
             if k in ("embed_tokens.weight", "lm_head.weight") and w.shape[0] < v.shape[0] and w.shape[1:] == v.shape[1:]:
                 w = torch.cat([w.to(v.dtype), v[w.shape[0]:]])  # tokens the tokenizer added keep their seeded rows
             if w.shape != v.shape:
@@ -230,6 +227,17 @@ class Qwen25VLFamily(ChatFamily):
                                   f"model expects {tuple(v.shape)} for {name}.{k}")
             sd[k] = w
         module.load_state_dict(sd, strict=True)
+
+    def source_weight(self, src, mine: str, shape) -> tuple:
+        """(the directory's name, its tensor) for the weight ``mine`` (``shape``: what the layer holds); (None,
+        None) where the directory has none."""
+        theirs = self.source_name(src, mine)
+        return (theirs, src.get(theirs)) if theirs is not None else (None, None)
+
+    def source_name(self, src, mine: str):
+        """The directory's name for ``mine`` (``load_rules``: the saved layout, then the in-memory one), or None."""
+        return next((p + mine[len(prefix):] for prefix, names in self.hf.load_rules if mine.startswith(prefix)
+                     for p in names if p + mine[len(prefix):] in src), None)
 
     def tied_weights(self) -> list:
         return [("llm.embed.embed_tokens.weight", "llm.head.lm_head.weight")] if self.tied else []

@@ -76,3 +76,15 @@ class Qwen3VLHF(Qwen35HF):
 
     load_rules = [("deepstack.", ["model.visual.deepstack_merger_list."])] + Qwen35HF.load_rules
     model_class = "Qwen3VLForConditionalGeneration"
+
+
+class Qwen35MoeHF(Qwen35HF):
+    """Qwen3.5-MoE's names: Qwen3.5's (the experts, router and shared expert under each block's ``mlp``)."""
+
+    model_class = "Qwen3_5MoeForConditionalGeneration"
+
+
+class Qwen3VLMoeHF(Qwen3VLHF):
+    """Qwen3-VL-MoE's names: Qwen3-VL's (the experts and router under each block's ``mlp``)."""
+
+    model_class = "Qwen3VLMoeForConditionalGeneration"

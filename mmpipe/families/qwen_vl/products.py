@@ -176,8 +176,7 @@ def qwen3_5_matmuls(family, name: str, mb: MicroBatch) -> list:
     tokens = mb.rows * mb.seq_len
     if name.startswith("llm.blocks."):
         # (the MLP reads the block's residual after its own attention: depth 2, a gradient whenever the block trains)
-        mlp = [Matmul(tokens, t.hidden_size, t.intermediate_size, DECODER_MLP[k]) for k in ("gate", "up")]
-        mlp.append(Matmul(tokens, t.intermediate_size, t.hidden_size, DECODER_MLP["down"], recomputed=False))
+        mlp = dense_mlp_products(tokens, t) if getattr(t, "intermediate_size", None) else []  # (MoE: the experts')
         if t.layer_types[int(name.rsplit(".", 1)[1])] == "linear_attention":
             return gated_delta_products(list(mb.recurrent_spans) or [mb.seq_len] * mb.rows, t) + mlp
         hd, kv = t.head_dim, t.num_key_value_heads * t.head_dim
@@ -187,6 +186,29 @@ def qwen3_5_matmuls(family, name: str, mb: MicroBatch) -> list:
                 + attention_products(mb.rows, mb.seq_len, t.num_attention_heads, hd)
                 + [Matmul(tokens, t.num_attention_heads * hd, t.hidden_size, GATED_ATTENTION["o"])] + mlp)
     return decoder_products(name, mb, t)
+
+
+def dense_mlp_products(tokens: int, t) -> list:
+    """A decoder block's gated MLP on ``tokens`` positions."""
+    mlp = [Matmul(tokens, t.hidden_size, t.intermediate_size, DECODER_MLP[k]) for k in ("gate", "up")]
+    return mlp + [Matmul(tokens, t.intermediate_size, t.hidden_size, DECODER_MLP["down"], recomputed=False)]
+
+
+def expert_products(tokens: int, t) -> list:
+    """A sparse MoE block's products on ``tokens`` positions, active parameters only: the router (H x E), each
+    token's ``num_experts_per_tok`` experts (gate and up fused, then down: transformers' grouped products), and
+    a shared expert with its sigmoid gate where the block has one (Qwen3.5-MoE)."""
+    routed, width, inter = tokens * t.num_experts_per_tok, t.hidden_size, t.moe_intermediate_size
+    out = [Matmul(tokens, width, t.num_experts, "mlp.gate", 1),
+           Matmul(routed, width, 2 * inter, "mlp.experts.gate_up_proj", 1),
+           Matmul(routed, inter, width, "mlp.experts.down_proj")]
+    shared = getattr(t, "shared_expert_intermediate_size", None)
+    if shared:
+        out += [Matmul(tokens, width, shared, "mlp.shared_expert.gate_proj", 1),
+                Matmul(tokens, width, shared, "mlp.shared_expert.up_proj", 1),
+                Matmul(tokens, shared, width, "mlp.shared_expert.down_proj"),
+                Matmul(tokens, width, 1, "mlp.shared_expert_gate", 1)]
+    return out
 
 
 def qwen3_vl_matmuls(family, name: str, mb: MicroBatch) -> list:

@@ -13,18 +13,26 @@ into mmpipe's layers, with what a packed row needs.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
+from mmpipe.errors import ConfigError
 from mmpipe.families.chat.masks import attention_inputs, mask_kind
+from mmpipe.families.qwen_vl.hf_config import check_mrope
 from mmpipe.families.qwen_vl.qwen3_vision import vision_classes  # noqa: F401 - this family's ViT (``model_parts``)
 
 
 def decoder_block_cls():
-    from transformers.models.qwen3_5.modeling_qwen3_5 import (
-        Qwen3_5DecoderLayer,
-        Qwen3_5GatedDeltaNet,
-        Qwen3_5TextRotaryEmbedding,
-    )
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as q
+    return hybrid_block_cls(q.Qwen3_5DecoderLayer, q.Qwen3_5GatedDeltaNet, q.Qwen3_5TextRotaryEmbedding)
 
-    class SampleWiseGatedDeltaNet(Qwen3_5GatedDeltaNet):
+
+@lru_cache(maxsize=None)
+def hybrid_block_cls(layer_cls, delta_net_cls, rotary_cls):
+    """transformers' hybrid decoder layer ``layer_cls`` (Qwen3.5's, Qwen3.5-MoE's) as a pipeline block, its
+    GatedDeltaNet (``delta_net_cls``) keeping a packed row's samples apart, its full attention with the interleaved
+    M-RoPE table of ``rotary_cls``."""
+
+    class SampleWiseGatedDeltaNet(delta_net_cls):
         """A GatedDeltaNet that keeps a row's samples apart: ``attention_mask`` (the batch's: segment ids, 0 =
         padding) decides. Rows of one sample then padding run whole (the padding comes after every real token:
         a causal conv and recurrence never carry it back); left padding as transformers runs it (its inputs
@@ -44,7 +52,7 @@ def decoder_block_cls():
                     out[b, start:end] = super().forward(hidden_states[b:b + 1, start:end], **kwargs)[0]
             return out
 
-    class DecoderBlock(Qwen3_5DecoderLayer):
+    class DecoderBlock(layer_cls):
         """transformers' hybrid decoder layer with its interleaved M-RoPE table (non-persistent); positions
         come with the batch, the mask kind from ``attention_inputs``; a linear-attention layer keeps a packed
         row's samples apart (``SampleWiseGatedDeltaNet``)."""
@@ -54,7 +62,7 @@ def decoder_block_cls():
             if self.block_type == "linear_attention":
                 self.linear_attn.__class__ = SampleWiseGatedDeltaNet  # (its parameters as built: same names)
             else:
-                self.rotary = Qwen3_5TextRotaryEmbedding(config=config)
+                self.rotary = rotary_cls(config=config)
 
         def forward(self, hidden_states, attention_mask, position_ids):
             if self.block_type == "linear_attention":
@@ -76,3 +84,35 @@ def sample_spans(segments: list) -> list:
         if start is None and s > 0:
             start = t
     return out
+
+
+class HybridDecoder:
+    """What a family on Qwen3.5's hybrid decoder declares (listed before its base): each block's kind, the runs a
+    packed row makes through a linear-attention block, the decoder's products."""
+
+    def layer_kind(self, name: str) -> str:
+        """A decoder block's kind (``linear_attention`` | ``full_attention``, from ``layer_types``); other layers:
+        their segment."""
+        if name.startswith("llm.blocks."):
+            return self.text_cfg.layer_types[int(name.rsplit(".", 1)[1])]
+        return self.layer(name).segment
+
+    def micro_batch(self, batch: dict):
+        from mmpipe.families.qwen_vl import products
+        return products.recurrent_shape(batch, super().micro_batch(batch))
+
+    def matmuls(self, name: str, mb) -> list:
+        from mmpipe.families.qwen_vl import products
+        return products.qwen3_5_matmuls(self, name, mb)
+
+
+def check_hybrid_text(t) -> None:
+    """One line for a decoder transformers would build wrong or fail on."""
+    check_mrope(t, [11, 11, 10], default_factor=0.25)
+    if t.linear_num_value_heads % t.linear_num_key_heads:
+        raise ConfigError(f"model.llm.linear_num_value_heads={t.linear_num_value_heads} is not a multiple of "
+                          f"linear_num_key_heads={t.linear_num_key_heads}")
+    bad = [x for x in t.layer_types if x not in ("linear_attention", "full_attention")]
+    if bad or len(t.layer_types) != t.num_hidden_layers:
+        raise ConfigError(f"model.llm.layer_types: give {t.num_hidden_layers} entries, each linear_attention or "
+                          f"full_attention (got {len(t.layer_types)}{', e.g. ' + repr(bad[0]) if bad else ''})")

@@ -18,11 +18,17 @@ A micro-batch without images carries empty features, tied to one merge unit of z
 """
 from __future__ import annotations
 
+from functools import lru_cache, partial
+
 import torch
 
+from mmpipe.errors import ConfigError
+from mmpipe.families.base import Layer
 from mmpipe.families.chat.masks import attention_inputs
 from mmpipe.families.qwen_vl import model as m
+from mmpipe.families.qwen_vl.hf_config import check_mrope
 from mmpipe.families.qwen_vl.qwen3_vision import vision_classes  # noqa: F401 - this family's ViT (``model_parts``)
+from mmpipe.families.towers.common import init_transformer_part
 
 
 def deepstack_merger_cls():
@@ -42,14 +48,21 @@ def deepstack_merger_cls():
 
 def decoder_block_cls():
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextDecoderLayer, Qwen3VLTextRotaryEmbedding
+    return qwen3_block_cls(Qwen3VLTextDecoderLayer, Qwen3VLTextRotaryEmbedding)
 
-    class DecoderBlock(Qwen3VLTextDecoderLayer):
+
+@lru_cache(maxsize=None)
+def qwen3_block_cls(layer_cls, rotary_cls):
+    """transformers' Qwen3 decoder layer ``layer_cls`` (Qwen3-VL's, Qwen3-VL-MoE's) as a pipeline block with the
+    interleaved M-RoPE table of ``rotary_cls``."""
+
+    class DecoderBlock(layer_cls):
         """transformers' Qwen3 decoder layer with its interleaved M-RoPE table (non-persistent); positions come
         with the batch, the mask kind from ``attention_inputs``."""
 
         def __init__(self, config, layer_idx: int):
             super().__init__(config, layer_idx)
-            self.rotary = Qwen3VLTextRotaryEmbedding(config=config)
+            self.rotary = rotary_cls(config=config)
 
         def forward(self, hidden_states, attention_mask, position_ids):
             _, mask, spans = attention_inputs(attention_mask, hidden_states.dtype, self.self_attn.config._attn_implementation)
@@ -108,3 +121,50 @@ def deepstack_add(h, ids, feats, visual_ids: tuple):
         where = where | (ids == other)
     where = where.unsqueeze(-1)
     return h + torch.zeros_like(h).masked_scatter(where, feats.reshape(-1, h.shape[-1]).to(h.dtype))
+
+
+class DeepStack:
+    """What a family with DeepStack declares (listed before its base): the ``deepstack.k`` layers after their ViT
+    blocks, the decoder blocks that add their features (the steps above), DeepStack's mergers in the merger
+    group, their products."""
+    # DeepStack's mergers are ms-swift's "aligner" beside the merger (its qwen3_vl model_arch)
+    default_groups = {"vision": [r"^vision\."], "merger": [r"^merger\.", r"^deepstack\."], "llm": [r"^llm\."]}
+
+    def __init__(self, model_cfg, seed: int = 0):
+        super().__init__(model_cfg, seed)
+        deep = list(self.vision_cfg.deepstack_visual_indexes or [])
+        visual = (self.image_token_id,) + ((self.video_token_id,) if self.video_token_id is not None else ())
+        block = partial(llm_block_step, visual_ids=visual)
+        layers = [Layer("vision.embed", "vision", m.vision_embed_step)]
+        for i in range(self.vision_cfg.depth):
+            layers.append(Layer(f"vision.blocks.{i}", "vision", vision_block_step))
+            if i in deep:
+                layers.append(Layer(f"deepstack.{deep.index(i)}", "vision", deepstack_step))
+        self._layers = (layers + [Layer("merger", "merger", merger_step, takes=("vision",)),
+                                  Layer("llm.embed", "llm", llm_embed_step, takes=("merger",))]
+                        + [Layer(f"llm.blocks.{i}", "llm", block) for i in range(self.text_cfg.num_hidden_layers)]
+                        + [Layer("llm.head", "llm", m.llm_head_step)])
+
+    def matmuls(self, name: str, mb) -> list:
+        from mmpipe.families.qwen_vl import products
+        return products.qwen3_vl_matmuls(self, name, mb)
+
+    def build_unseeded(self, name: str):
+        if not name.startswith("deepstack."):
+            return super().build_unseeded(name)
+        module = deepstack_merger_cls()(self.vision_cfg)
+        init_transformer_part(module, std=getattr(self.text_cfg, "initializer_range", 0.02))
+        return module
+
+
+def check_deepstack(top, default_section: list) -> None:
+    """One line for a model transformers would build wrong or fail on."""
+    t, v = top.text_config, top.vision_config
+    check_mrope(t, default_section)
+    deep = list(v.deepstack_visual_indexes or [])
+    if sorted(set(deep)) != deep or any(not 0 <= i < v.depth for i in deep):
+        raise ConfigError(f"model.vision.deepstack_visual_indexes={deep}: give increasing ViT block indexes below "
+                          f"model.vision.depth={v.depth}")
+    if len(deep) > t.num_hidden_layers:
+        raise ConfigError(f"model.vision.deepstack_visual_indexes has {len(deep)} entries but the decoder has "
+                          f"{t.num_hidden_layers} layers to add them into: give at most {t.num_hidden_layers}")

@@ -197,3 +197,63 @@ def _save_qwen3(model_cls, config, vis: dict, tok, seed: int, min_pixels: int, m
         video_processor=Qwen3VLVideoProcessor(**geometry), tokenizer=tok, chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(out_dir)
     return out_dir
+
+
+TINY_EXPERTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "router_aux_loss_coef": 0.01}
+
+
+def write_tiny_qwen3_5_moe(out_dir: str, seed: int = 0, texts=None, vocab_size: int = 400,
+                           min_pixels: int = 32 * 32 * 4, max_pixels: int = 32 * 32 * 36,
+                           vision: Optional[dict] = None, text: Optional[dict] = None) -> str:
+    """Write a random tiny ``Qwen3_5MoeForConditionalGeneration`` with its processor to ``out_dir``: the ViT and
+    hybrid decoder of ``write_tiny_qwen3_5`` with a sparse MoE block in every layer (8 experts of width 16, top-2,
+    a shared expert of width 16 behind its gate; the aux loss weighted 0.01 so that it shows in a tiny run);
+    tokenizer, chat template and processor as ``write_tiny_qwen3_5``. Returns ``out_dir``."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+    tok = _tokenizer(texts or default_texts(), vocab_size)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vis = {"depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "patch_size": 16,
+           "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16, "in_channels": 3,
+           **(vision or {})}
+    txt = {"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 32, "max_position_embeddings": 512, "vocab_size": len(tok),
+           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+           "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "shared_expert_intermediate_size": 16,
+           **TINY_EXPERTS, "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+           "pad_token_id": ids["<|endoftext|>"], **(text or {})}
+    rotary = int(txt["head_dim"] * 0.25)
+    txt.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                       "mrope_section": [rotary // 2 - 2 * (rotary // 8), rotary // 8, rotary // 8],
+                                       "mrope_interleaved": True})
+    vis.setdefault("out_hidden_size", txt["hidden_size"])
+    config = Qwen3_5MoeConfig(vision_config=vis, text_config=txt, tie_word_embeddings=False,
+                              image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                              vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    return _save_qwen3(Qwen3_5MoeForConditionalGeneration, config, vis, tok, seed, min_pixels, max_pixels, out_dir)
+
+
+def write_tiny_qwen3_vl_moe(out_dir: str, seed: int = 0, texts=None, vocab_size: int = 400,
+                            min_pixels: int = 32 * 32 * 4, max_pixels: int = 32 * 32 * 36,
+                            vision: Optional[dict] = None, text: Optional[dict] = None) -> str:
+    """Write a random tiny ``Qwen3VLMoeForConditionalGeneration`` with its processor to ``out_dir``: the ViT with
+    DeepStack and the decoder of ``write_tiny_qwen3_vl`` whose blocks 0, 1 and 3 are sparse (8 experts of width 16,
+    top-2; block 2 dense: ``mlp_only_layers``); tokenizer, chat template and processor as ``write_tiny_qwen3_5``.
+    Returns ``out_dir``."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+    tok = _tokenizer(texts or default_texts(), vocab_size)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vis = {"depth": 3, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "patch_size": 16,
+           "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16, "in_channels": 3,
+           "deepstack_visual_indexes": [0, 1], **(vision or {})}
+    txt = {"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 512, "vocab_size": len(tok),
+           "mlp_only_layers": [2], **TINY_EXPERTS, "bos_token_id": ids["<|endoftext|>"],
+           "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"], **(text or {})}
+    half = txt["head_dim"] // 2
+    txt.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
+                                       "mrope_section": [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]})
+    vis.setdefault("out_hidden_size", txt["hidden_size"])
+    config = Qwen3VLMoeConfig(vision_config=vis, text_config=txt, tie_word_embeddings=False,
+                              image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                              vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    return _save_qwen3(Qwen3VLMoeForConditionalGeneration, config, vis, tok, seed, min_pixels, max_pixels, out_dir)

@@ -61,6 +61,8 @@ def transformers_facing(config):
     for c in (out, getattr(out, "vision_config", None), getattr(out, "text_config", None)):
         if c is not None and str(getattr(c, "_attn_implementation", "")).startswith("mmpipe_"):
             c._attn_implementation = ATTENTION
+        if c is not None and str(getattr(c, "_experts_implementation", None) or "").startswith("mmpipe_"):
+            c._experts_implementation = None  # (transformers' model picks its own default: grouped_mm)
     return out
 
 
