@@ -23,6 +23,8 @@ TINY_VLM = os.path.join(ROOT, "configs", "tiny_vlm.yaml")
 TINY_CONFIGS = {"clip": TINY, "vlm": TINY_VLM, "qwen2_5_vl": os.path.join(ROOT, "configs", "tiny_qwen2_5_vl.yaml"),
                 "qwen3_5": os.path.join(ROOT, "configs", "tiny_qwen3_5.yaml"),
                 "qwen3_vl": os.path.join(ROOT, "configs", "tiny_qwen3_vl.yaml"),
+                "qwen3_5_moe": os.path.join(ROOT, "configs", "tiny_qwen3_5_moe.yaml"),
+                "qwen3_vl_moe": os.path.join(ROOT, "configs", "tiny_qwen3_vl_moe.yaml"),
                 "siglip": os.path.join(ROOT, "configs", "tiny_siglip.yaml")}
 
 

@@ -65,7 +65,8 @@ TOY_COVERED = "toy family: P = 1 / P = 2 parity in test_toy_family.py; here only
 # families whose parity and resume runs sit in their own test file, beside their other layouts: the
 # session's runs are made per xdist worker, so one file holding them all makes the reference run once
 OWN_FILE = {"qwen2_5_vl": "tests/test_qwen2_5_vl.py", "qwen3_5": "tests/test_qwen3_5.py",
-            "qwen3_vl": "tests/test_qwen3_vl.py"}
+            "qwen3_vl": "tests/test_qwen3_vl.py", "qwen3_5_moe": "tests/test_qwen_moe.py",
+            "qwen3_vl_moe": "tests/test_qwen_moe.py"}
 
 
 

@@ -72,3 +72,102 @@ def test_loss_logits_and_aux_loss_are_transformers(moe_dir, tmp_path):
     ours(*inputs, b["labels"]).backward()
     block = ours.get_submodule(fam.moe_layers()[-1])
     assert block.mlp.gate.weight.grad.abs().sum() > 0 and block.mlp.experts.gate_up_proj.grad.abs().sum() > 0
+
+
+def test_packed_rows_give_the_unpacked_loss_aux_and_every_gradient(moe_dir, tmp_path):
+    """Six samples as six rows and as two packed rows of three: the loss (LM + aux), the router statistics and
+    every gradient (the routers' and experts' included) within 1e-5: a sample's tokens count once wherever they sit,
+    padding not at all."""
+    from mmpipe.families.chat import read_chat
+    name, d = moe_dir
+    paths = write_images(tmp_path)
+    rows = [(["<image>"], "what colour are the shapes?", "red", paths[:1]),
+            ([], "what is two plus two?", "four", []),
+            (["<image>", "<image>"], "how many shapes are there?", "three and two", paths[1:3]),
+            (["<image>"], "where is the shape?", "at the top left", paths[3:4]),
+            (["<image>"], "what kind of shape is shown?", "a circle", paths[4:5]),
+            ([], "what number comes after one?", "two", [])]
+    cfg, fam, tok = resolved_family(name, d)
+    recs = read_chat(write_chat(tmp_path / "chat.jsonl", rows))
+    ds, collate = fam.dataset(recs, tok, cfg.data), fam.collate(tok, cfg.data)
+    single = collate([ds[i] for i in range(6)])
+    pcfg, _, _ = resolved_family(name, d, packing=True, max_length=10**4)
+    packs = fam.dataset(recs, tok, pcfg.data)
+    packs.packs = [[0, 1, 2], [3, 4, 5]]
+    packed = collate([packs[0], packs[1]])
+    assert packed["attention_mask"].max() == 3 and (single["attention_mask"] == 0).any()
+    model = loaded_model(fam).train()
+    got = []
+    for b in (single, packed):
+        model.zero_grad()
+        inputs = [b[k] for k in fam.inputs]
+        loss = model(*inputs, b["labels"], torch.tensor(float((b["labels"] != -100).sum())))
+        loss.backward()
+        with torch.no_grad():
+            stats = model.eval_outputs(*inputs)[1]
+        got.append((loss.detach(), stats, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}))
+    (a, sa, ga), (b, sb, gb) = got
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sb, sa, rtol=1e-5, atol=1e-5)
+    assert ga.keys() == gb.keys() and any(k.endswith("mlp.gate.weight") for k in ga)
+    for k in ga:
+        torch.testing.assert_close(gb[k], ga[k], rtol=1e-5, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def test_expert_products_count_active_parameters():
+    """Analytic FLOPs of a routed block: the router, top-k experts per token (not all E) and the shared expert; the
+    dense block of ``mlp_only_layers`` its MLP."""
+    from helpers import TINY_CONFIGS
+
+    import mmpipe
+    from mmpipe.config.schema import family_of
+    from mmpipe.families.products import MicroBatch
+    for name in FAMILIES:
+        cfg = mmpipe.load_config(TINY_CONFIGS[name], ["model.llm.vocab_size=120", "model.image_token_id=5"])
+        fam = family_of(cfg)(cfg.model)
+        t, mb = fam.text_cfg, MicroBatch(2, 10, 1)
+        products = {p.weight: p for p in fam.matmuls("llm.blocks.3", mb)}
+        assert products["mlp.experts.gate_up_proj"].m == 20 * t.num_experts_per_tok
+        assert products["mlp.gate"].n == t.num_experts
+        assert ("mlp.shared_expert.down_proj" in products) == (name == "qwen3_5_moe")
+        if name == "qwen3_vl_moe":
+            dense = {p.weight for p in fam.matmuls("llm.blocks.2", mb)}
+            assert "mlp.down_proj" in dense and not any("experts" in (w or "") for w in dense)
+
+
+# ---- runs --------------------------------------------------------------------------------------------------
+# P = 2 cut between two MoE blocks: hidden states, the router statistics and the integers cross it
+CUTS = {"qwen3_5_moe": [["vision.embed", "vision.blocks.0", "vision.blocks.1", "merger", "llm.embed", "llm.blocks.0",
+                         "llm.blocks.1"], ["llm.blocks.2", "llm.blocks.3", "llm.head"]],
+        "qwen3_vl_moe": [["vision.embed", "vision.blocks.0", "deepstack.0", "vision.blocks.1", "deepstack.1",
+                          "vision.blocks.2", "merger", "llm.embed", "llm.blocks.0"],
+                         ["llm.blocks.1", "llm.blocks.2", "llm.blocks.3", "llm.head"]]}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_layouts_train_alike_with_the_router_loss(family_runs_of, tmp_path, name):
+    """P = 1 and P = 2 cut between MoE blocks (DeepStack's features and the router statistics cross the cut):
+    the same losses (rtol 1e-5), ``lm_loss``, ``aux_loss`` and expert load, and weights; the logged loss is
+    ``lm_loss + coef x aux_loss`` and the aux loss moves the routers."""
+    import json
+    import os
+
+    import numpy as np
+    from helpers import train_losses
+    from test_parity import _records, _weights, assert_weights_close
+    runs = family_runs_of(name)
+    plan = tmp_path / "cut.json"
+    plan.write_text(json.dumps({"stages": CUTS[name]}))
+    two, _ = runs.get("p2_cut", 2, ["parallel.pipeline_stages=2", f"parallel.plan={plan}"], flags=["--stop-at", "3"])
+    one, _ = runs.get("p1", 1, ["parallel.pipeline_stages=1"], "python", flags=["--stop-at", "3"])
+    with open(os.path.join(two, "plan.json")) as fh:
+        assert json.load(fh)["stages"] == CUTS[name]
+    np.testing.assert_allclose(train_losses(two), train_losses(one), rtol=1e-5)
+    a, b = _records(one), _records(two)
+    for key in ("lm_loss", "aux_loss", "expert_load_min", "expert_load_max", "expert_imbalance"):
+        np.testing.assert_allclose([r[key] for r in b], [r[key] for r in a], rtol=1e-5, err_msg=key)
+    for r in a:
+        assert abs(r["loss"] - (r["lm_loss"] + 0.01 * r["aux_loss"])) < 1e-5 * r["loss"]
+        assert 1.5 < r["aux_loss"] < 3.0 and r["expert_load_min"] <= r["expert_load_max"]
+    # (atol 2e-6: as Qwen3.5's packed run, one linear-attention element of ~0.02 lands 1.3e-6 apart)
+    assert_weights_close(_weights(two, 3), _weights(one, 3), rtol=1e-5, atol=2e-6)

@@ -281,6 +281,19 @@ class Family:
         """The one-line summary of an eval record the trainer prints (None: its numbers, in order)."""
         return None
 
+    # ---- what a family adds to each step's metrics --------------------------------------------------
+    def begin_step(self) -> None:
+        """A training step begins (a family summing its own step metrics starts them again)."""
+
+    def step_columns(self, device) -> Optional[torch.Tensor]:
+        """This rank's sums of the family's step metrics (a 1-D float64 tensor of a fixed length on every rank,
+        gathered with the step's other counters), or None: the family logs nothing of its own."""
+        return None
+
+    def step_record(self, columns) -> dict:
+        """The step record's fields from every rank's ``step_columns`` (world x columns, host values)."""
+        return {}
+
     # ---- a loss over the whole step ---------------------------------------------------------------
     @property
     def step_loss(self) -> bool:

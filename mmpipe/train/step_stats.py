@@ -103,22 +103,26 @@ class StepStats:
     # world x ``PriceRefit.columns``: each rank's micro-batches' busy seconds on its stage, then their
     # vision units and token slots (data.balance=cost with a refit; no columns otherwise)
     refit: np.ndarray
+    family: Optional[np.ndarray] = None  # world x the family's ``step_columns`` (None: it has none)
 
     @classmethod
     def gather(cls, fixed: dict, loss: torch.Tensor, lrs: list, timings: list, world: int, device,
-               refit: list = ()) -> "StepStats":
+               refit: list = (), family: Optional[torch.Tensor] = None) -> "StepStats":
         host = torch.stack([torch.as_tensor(v, dtype=torch.float64)  # a host tensor (real tokens) is copied, not read
                             for v in [fixed[k] for k in FIXED] + lrs + timings + list(refit)])
         if host.device != torch.device(device):  # pinned, so the copy to the device does not wait for it
             host = host.pin_memory()
-        mine = torch.cat([loss.detach().reshape(1).to(device=device, dtype=torch.float64),
+        own = family.to(device=device, dtype=torch.float64).reshape(-1) if family is not None else host[:0].to(device)
+        mine = torch.cat([loss.detach().reshape(1).to(device=device, dtype=torch.float64), own,
                           host.to(device, non_blocking=True)])  # NCCL gathers device tensors only
         everyone = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(everyone, mine)
         s, n = torch.stack(everyone).cpu().numpy(), len(FIXED)  # the step's one host read
-        loss, s = s[:, 0], s[:, 1:]
+        f = 1 + own.numel()
+        loss, fam, s = s[:, 0], s[:, 1:f], s[:, f:]
         t = n + len(lrs) + len(timings)
-        return cls(*(s[:, i] for i in range(n)), loss, s[:, n:n + len(lrs)], s[:, n + len(lrs):t], s[:, t:])
+        return cls(*(s[:, i] for i in range(n)), loss, s[:, n:n + len(lrs)], s[:, n + len(lrs):t], s[:, t:],
+                   family=fam if family is not None else None)
 
     def balance_record(self) -> dict:
         """``data.balance: cost``'s predicted slot spread before / after the step's regrouping, the
@@ -162,7 +166,8 @@ def gather_step(run, eng, ledger, data_stats, loss: torch.Tensor, lrs: list, sto
              "tokens": data_stats.tokens, "real_tokens": data_stats.real_tokens, "samples": data_stats.samples,
              "flops": data_stats.flops, "hw_flops": data_stats.hw_flops,
              **{f"balance_{k}": float(data_stats.balance.get(k, 0.0)) for k in BALANCE}}
-    stats = StepStats.gather(fixed, loss, lrs, timings, run.world, eng.engine.device, refit)
+    stats = StepStats.gather(fixed, loss, lrs, timings, run.world, eng.engine.device, refit,
+                             run.family.step_columns(eng.engine.device))
     if stats.new_reports.sum() > 0:  # new bad files somewhere: merge every rank's, in rank order
         per_rank = [None] * run.world
         dist.all_gather_object(per_rank, reports)

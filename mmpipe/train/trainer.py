@@ -145,6 +145,7 @@ class Trainer:
         run, eng, topo = self.run, self.eng, self.run.topo
         lrs = lr_fields(eng.inner, eng.trainable)  # the lr this step uses (the scheduler moves it in the step)
         eng.clipper.step_no = self.data.stats.step = step
+        run.family.begin_step()
         t0 = time.perf_counter()
         with self.meter or contextlib.nullcontext():
             loss = eng.runner.train_step(self.data.step_batches(run, eng.engine.device), step, tracing)
@@ -175,7 +176,8 @@ class Trainer:
         pad = {"pad_fraction": 1.0 - float(stats.real_tokens.sum()) / tokens} if tokens and run.family.token_mean else {}
         flops = (utilization(float(stats.flops.sum()), float(stats.hw_flops.sum()), dt, run.world, self.peak[0])
                  if self.peak is not None else {})
-        return {"step": step, "loss": loss, **lr, "skipped_steps": self.skipped_total,
+        own = run.family.step_record(stats.family) if stats.family is not None else {}
+        return {"step": step, "loss": loss, **own, **lr, "skipped_steps": self.skipped_total,
                 "samples_per_sec": samples / dt, **pad, **clip, "step_time": dt, **flops,
                 "loader_wait": wait, "loader_wait_frac": wait / dt, "bad_samples": self.ledger.count,
                 "samples_seen": self.ledger.drawn, **stage_fields, **stats.balance_record()}

@@ -98,3 +98,15 @@ def packed_spans(attention_mask: torch.Tensor):
         return None
     _, cu, longest = memo
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
+def sample_spans(segments: list) -> list:
+    """[(start, end)] of each sample (a run of one segment id > 0) of a packed row."""
+    out, start = [], None
+    for t, s in enumerate(segments + [0]):
+        if start is not None and (s != segments[start] or s == 0):
+            out.append((start, t))
+            start = None
+        if start is None and s > 0:
+            start = t
+    return out

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from mmpipe.families.chat.masks import mask_kind
+from mmpipe.families.chat.masks import mask_kind, sample_spans
 from mmpipe.families.products import (
     DECODER_BLOCK,
     Matmul,
@@ -18,7 +18,6 @@ from mmpipe.families.products import (
     decoder_products,
     span_attention_products,
 )
-from mmpipe.families.qwen_vl.qwen3_5_model import sample_spans
 
 VISION_BLOCK = {"qkv": "attn.qkv", "o": "attn.proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
                 "down": "mlp.down_proj"}

@@ -16,7 +16,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from mmpipe.errors import ConfigError
-from mmpipe.families.chat.masks import attention_inputs, mask_kind
+from mmpipe.families.chat.masks import attention_inputs, mask_kind, sample_spans
 from mmpipe.families.qwen_vl.hf_config import check_mrope
 from mmpipe.families.qwen_vl.qwen3_vision import vision_classes  # noqa: F401 - this family's ViT (``model_parts``)
 
@@ -72,18 +72,6 @@ def hybrid_block_cls(layer_cls, delta_net_cls, rotary_cls):
             return super().forward(hidden_states, position_embeddings=cos_sin, attention_mask=mask, **spans)
 
     return DecoderBlock
-
-
-def sample_spans(segments: list) -> list:
-    """[(start, end)] of each sample (a run of one segment id > 0) of a packed row."""
-    out, start = [], None
-    for t, s in enumerate(segments + [0]):
-        if start is not None and (s != segments[start] or s == 0):
-            out.append((start, t))
-            start = None
-        if start is None and s > 0:
-            start = t
-    return out
 
 
 class HybridDecoder:
