@@ -101,10 +101,14 @@ def peft_reference(run_dir: str, data: dict, steps: int = REF_STEPS):
         n = sum(label_tokens(b["labels"]) for b in batches)
         total = 0.0
         for b in batches:
+            # a MoE family: transformers' router loss, as mmpipe weighs it (a mean over the step's micro-batches,
+            # where transformers' per-micro-batch sum with num_items_in_batch counts it once per micro-batch)
+            moe = {"output_router_logits": True} if getattr(family, "aux_coef", 0) else {}
             out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"],
-                        **hf_image_inputs(family, b), num_items_in_batch=torch.tensor(n))
-            out.loss.backward()
-            total += float(out.loss.detach())
+                        **hf_image_inputs(family, b), num_items_in_batch=torch.tensor(n), **moe)
+            loss = out.loss - family.aux_coef * out.aux_loss * (1 - 1 / acc) if moe else out.loss
+            loss.backward()
+            total += float(loss.detach())
         losses.append(total)
         torch.nn.utils.clip_grad_norm_(trainable, 0.5)
         opt.step()

@@ -171,3 +171,86 @@ def test_layouts_train_alike_with_the_router_loss(family_runs_of, tmp_path, name
         assert 1.5 < r["aux_loss"] < 3.0 and r["expert_load_min"] <= r["expert_load_max"]
     # (atol 2e-6: as Qwen3.5's packed run, one linear-attention element of ~0.02 lands 1.3e-6 apart)
     assert_weights_close(_weights(two, 3), _weights(one, 3), rtol=1e-5, atol=2e-6)
+
+
+def test_exported_run_answers_through_transformers_as_mmpipe_generate(family_runs_of, moe_dir, tmp_path):
+    """A run from the offline directory (its experts loaded one tensor per expert, or fused) exported ->
+    ``AutoModelForImageTextToText`` (the family's transformers class, experts saved as transformers saves them) +
+    ``AutoProcessor``: greedy ``generate`` gives ``mmpipe generate``'s tokens on held-out images."""
+    import random
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from mmpipe.cli.generate import Generator
+    from mmpipe.data.synth import make_vlm_sample
+    from mmpipe.train.export import export
+    name, d = moe_dir
+    runs = family_runs_of(name)
+    ref, _ = runs.get("p1_pretrained", 1, ["parallel.pipeline_stages=1", f"model.pretrained={d}",
+                                           "model.llm.max_position_embeddings=null", "train.steps=2"], "python")
+    out, _, _ = export(ref, str(tmp_path / "hf"))
+    hf, proc = AutoModelForImageTextToText.from_pretrained(out).eval(), AutoProcessor.from_pretrained(out)
+    assert type(hf).__name__ == FAMILIES[name][0]
+    g = Generator(ref)
+    for k, size in enumerate([(150, 50), (64, 170)]):
+        im, qa = make_vlm_sample(random.Random(k), 48)
+        path = str(tmp_path / f"held_out_{k}.png")
+        im.resize(size).save(path)
+        question = qa[0][0]
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        enc = proc(text=proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                   images=[Image.open(path).convert("RGB")], return_tensors="pt")
+        ids, _ = g.prompt(question, path)
+        assert enc["input_ids"].tolist() == ids.tolist()
+        with torch.no_grad():
+            got = hf.generate(**enc, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
+        want = g.generate_ids(question, path, max_new_tokens=8)
+        assert got[:len(want)] == want and (len(want) == 8 or want[-1] in g.stop)
+
+
+def test_released_qwen3_vl_moe_layout_loads_as_transformers_loads_it(tmp_path):
+    """Qwen3-VL-MoE's released checkpoints hold the fused experts transposed ([E, H, 2I], [E, I, H]): mmpipe's layers
+    get transformers' in-memory tensors from them, as ``from_pretrained`` does."""
+    import glob
+
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    from mmpipe.families.qwen_vl.tiny import write_tiny_qwen3_vl_moe
+    d = write_tiny_qwen3_vl_moe(str(tmp_path / "dir"), text={"moe_intermediate_size": 8})
+    path = glob.glob(d + "/*.safetensors")[0]
+    state = load_file(path)
+    released = {k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v
+                for k, v in state.items()}
+    assert released["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 32, 16)
+    save_file(released, path, metadata={"format": "pt"})
+    hf = Qwen3VLMoeForConditionalGeneration.from_pretrained(d)
+    _, fam, _ = resolved_family("qwen3_vl_moe", d)
+    ours = loaded_model(fam)
+    for k in ("gate_up_proj", "down_proj"):
+        torch.testing.assert_close(ours.get_submodule("llm.blocks.1.mlp.experts").get_parameter(k),
+                                   hf.model.language_model.layers[1].mlp.experts.get_parameter(k), rtol=0, atol=0)
+
+
+def test_lora_equals_a_peft_loop_on_transformers(family_runs_of):
+    """``optim.train_type: lora`` (all-linear, as peft's: attention, the shared expert and its gate; not the routers'
+    bare weights nor the fused experts) on Qwen3.5-MoE against ``peft.get_peft_model`` on
+    ``Qwen3_5MoeForConditionalGeneration`` with its router loss: the same losses and adapters."""
+    import numpy as np
+    from helpers import train_losses
+    from test_lora import LORA_SETS, STEPS, peft_reference
+
+    import mmpipe
+    from mmpipe.families.lora import adapter_state
+    runs = family_runs_of("qwen3_5_moe")
+    out, _ = runs.get("lora_p1", 1, LORA_SETS + ["parallel.pipeline_stages=1"], "python", flags=["--stop-at", str(STEPS)])
+    ref_losses, at_stop, init, _ = peft_reference(out, runs.data, steps=STEPS)
+    np.testing.assert_allclose(train_losses(out), ref_losses, rtol=1e-5, atol=1e-6)
+    got = adapter_state(mmpipe.load_weights(out, STEPS))
+    adapted = {k.split(".lora_")[0].rsplit(".", 1)[1] for k in got}
+    assert adapted == {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "k_proj",
+                       "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "shared_expert_gate"}, adapted
+    assert all(".shared_expert." in k for k in got if ".mlp." in k and "shared_expert_gate" not in k)
+    for k in got:
+        torch.testing.assert_close(got[k], at_stop[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+    assert any(not torch.equal(got[k], init[k]) for k in got if ".lora_B." in k)
