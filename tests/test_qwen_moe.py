@@ -254,3 +254,24 @@ def test_lora_equals_a_peft_loop_on_transformers(family_runs_of):
     for k in got:
         torch.testing.assert_close(got[k], at_stop[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
     assert any(not torch.equal(got[k], init[k]) for k in got if ".lora_B." in k)
+
+
+def test_bf16_and_a_resume_onto_one_process(family_runs_of, tmp_path):
+    """Qwen3.5-MoE in bf16: P = 2 (cut between MoE blocks) trains as P = 1 within bf16's rounding; the P = 2
+    reference's step-4 checkpoint continued at P = 1 (``test_elastic``'s check): steps 5-6 equal."""
+    import json
+
+    import numpy as np
+    from helpers import train_losses
+    from test_elastic import check_resume_on_another_layout
+    from test_parity import _weights, assert_weights_close
+    runs = family_runs_of("qwen3_5_moe")
+    plan = tmp_path / "cut.json"
+    plan.write_text(json.dumps({"stages": CUTS["qwen3_5_moe"]}))
+    bf16 = ["train.precision=bf16"]
+    one, _ = runs.get("bf16_p1", 1, ["parallel.pipeline_stages=1"] + bf16, "python", flags=["--stop-at", "3"])
+    two, _ = runs.get("bf16_p2", 2, ["parallel.pipeline_stages=2", f"parallel.plan={plan}"] + bf16,
+                      flags=["--stop-at", "3"])
+    np.testing.assert_allclose(train_losses(two), train_losses(one), rtol=1e-3)
+    assert_weights_close(_weights(two, 3), _weights(one, 3), rtol=1e-2, atol=4e-3)
+    check_resume_on_another_layout(runs, tmp_path, "el_p1", 1, "python", ["parallel.pipeline_stages=1"])

@@ -306,11 +306,11 @@ def test_no_schedule_default_outside_the_schedules_module():
 
 def sibling_imports(graph: dict, families: dict) -> list:
     """(module, imported) where one family's modules import another's: ``families`` maps a family to the
-    module-name prefixes that are its own (what two families share lives in a module of neither)."""
+    module names (or packages) that are its own (what two families share lives in a module of neither)."""
     own = {p: fam for fam, prefixes in families.items() for p in prefixes}
 
     def family_of(module: str):
-        return next((f for p, f in own.items() if module.startswith(p)), None)
+        return next((f for p, f in own.items() if module == p or module.startswith(p + ".")), None)
     return sorted((m, t) for m, targets in graph.items() for t in targets
                   if family_of(m) and family_of(t) and family_of(m) != family_of(t))
 
@@ -321,7 +321,8 @@ def test_no_qwen_family_imports_a_sibling():
     mods = _modules()
     graph = {m: _imports(m, p, mods) for m, p in mods.items()}
     q = "mmpipe.families.qwen_vl."
-    families = {"qwen3_5": (q + "qwen3_5",), "qwen3_vl": (q + "qwen3_vl",)}
+    # (a family's module; a MoE family's config section extends its dense sibling's text fields: shared sections)
+    families = {name: (q + name,) for name in ("qwen3_5", "qwen3_vl", "qwen3_5_moe", "qwen3_vl_moe")}
     planted = dict(graph, **{q + "qwen3_vl": graph[q + "qwen3_vl"] | {q + "qwen3_5"}})  # the check can fail
     assert sibling_imports(planted, families) == [(q + "qwen3_vl", q + "qwen3_5")]
     assert sibling_imports(graph, families) == []

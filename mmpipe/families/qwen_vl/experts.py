@@ -30,6 +30,7 @@ from torch import nn
 from mmpipe.config.fields import Section, option
 from mmpipe.errors import ConfigError
 from mmpipe.families.chat import loss as lm
+from mmpipe.families.qwen_vl import products
 
 EXPERTS_IMPLEMENTATION = "mmpipe_grouped"  # transformers' grouped_mm; on the meta device, its shapes (planning)
 
@@ -213,11 +214,10 @@ class RoutedExperts:
 
     def matmuls(self, name: str, mb) -> list:
         """The base decoder's products with a routed block's MLP replaced by its experts' (active parameters)."""
-        from mmpipe.families.qwen_vl.products import expert_products
         out = super().matmuls(name, mb)
         if name.startswith("llm.blocks.") and self.routed_block(int(name.rsplit(".", 1)[1])):
-            out = [p for p in out if not (p.weight or "").startswith("mlp.")] + expert_products(mb.rows * mb.seq_len,
-                                                                                               self.text_cfg)
+            dense = [p for p in out if not (p.weight or "").startswith("mlp.")]
+            out = dense + products.expert_products(mb.rows * mb.seq_len, self.text_cfg)
         return out
 
     # ---- loss and metrics ---------------------------------------------------------------------------------

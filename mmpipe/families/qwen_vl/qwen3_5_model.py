@@ -17,6 +17,7 @@ from functools import lru_cache
 
 from mmpipe.errors import ConfigError
 from mmpipe.families.chat.masks import attention_inputs, mask_kind, sample_spans
+from mmpipe.families.qwen_vl import products
 from mmpipe.families.qwen_vl.hf_config import check_mrope
 from mmpipe.families.qwen_vl.qwen3_vision import vision_classes  # noqa: F401 - this family's ViT (``model_parts``)
 
@@ -86,11 +87,9 @@ class HybridDecoder:
         return self.layer(name).segment
 
     def micro_batch(self, batch: dict):
-        from mmpipe.families.qwen_vl import products
         return products.recurrent_shape(batch, super().micro_batch(batch))
 
     def matmuls(self, name: str, mb) -> list:
-        from mmpipe.families.qwen_vl import products
         return products.qwen3_5_matmuls(self, name, mb)
 
 

@@ -26,6 +26,7 @@ from mmpipe.errors import ConfigError
 from mmpipe.families.base import Layer
 from mmpipe.families.chat.masks import attention_inputs
 from mmpipe.families.qwen_vl import model as m
+from mmpipe.families.qwen_vl import products
 from mmpipe.families.qwen_vl.hf_config import check_mrope
 from mmpipe.families.qwen_vl.qwen3_vision import vision_classes  # noqa: F401 - this family's ViT (``model_parts``)
 from mmpipe.families.towers.common import init_transformer_part
@@ -146,7 +147,6 @@ class DeepStack:
                         + [Layer("llm.head", "llm", m.llm_head_step)])
 
     def matmuls(self, name: str, mb) -> list:
-        from mmpipe.families.qwen_vl import products
         return products.qwen3_vl_matmuls(self, name, mb)
 
     def build_unseeded(self, name: str):
