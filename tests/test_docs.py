@@ -32,6 +32,7 @@ RULES = [  # (command regex, RUN or the reason it is not run here)
     (r"^mmpipe plan --config configs/(clip_vit_l14|llava_1_5_7b|qwen2_5_vl_7b|qwen3_5_9b|qwen3_vl_8b|siglip_b16)\.yaml --world 8 --memory-gb 80$",
      RUN),
     (r"^mmpipe plan --config configs/siglip_b16\.yaml --world (64|256) --memory-gb 80$", RUN),
+    (r"^mmpipe plan --config configs/(qwen3_5_35b_a3b|qwen3_vl_30b_a3b)\.yaml --world 16 --memory-gb 80$", RUN),
     (r"^mmpipe plan --config configs/llava_1_5_7b\.yaml --world 8 --memory-gb 80 --gpu-kernels --set optim\.train_type=lora$",
      RUN),
     (r"^mmpipe plan .*--world ", "measures collectives at 4 ranks (minutes); tests/test_layout.py runs --world 2"),
@@ -142,7 +143,7 @@ def test_no_family_page_lists_as_missing_the_analytic_flops_its_runs_log():
     from mmpipe.config.resolve import build_family
     from mmpipe.families.base import MicroBatch
     for name, page in (("qwen2_5_vl", "qwen2_5_vl.md"), ("qwen3_5", "qwen3_5.md"), ("qwen3_vl", "qwen3_vl.md"), ("vlm", "vlm.md"),
-                       ("siglip", "siglip.md")):
+                       ("siglip", "siglip.md"), ("qwen3_5_moe", "qwen_moe.md"), ("qwen3_vl_moe", "qwen_moe.md")):
         sets = (["model.text.vocab_size=200"] if name == "siglip" else
                 ["model.llm.vocab_size=200", "model.image_token_id=199"])
         fam = build_family(mmpipe.load_config(TINY_CONFIGS[name], sets).model, 0)

@@ -38,6 +38,20 @@ CPU_SDPA = {aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a
             # as a dense one: x channels): each gradient a convolution wants costs what its forward does
             aten.convolution_backward: lambda g, x, w, bias, stride, padding, dilation, transposed, out_pad, groups, mask,
             *a, **kw: conv_flop_count(x, w, g, transposed) * (int(mask[0]) + int(mask[1]))}
+
+
+def grouped_mm_flops(a, b, *args, **kw) -> int:
+    """``aten._grouped_mm`` (transformers' experts path; torch's counter has no formula for it), from the operands'
+    shapes: each group's (m x k) @ (k x n), the groups' rows (or, for a weight's gradient, the shared dimension)
+    split by ``offs``."""
+    if len(a) == 2 and len(b) == 3:  # tokens (S x K) by each group's weight (K x N)
+        return 2 * a[0] * a[1] * b[2]
+    if len(a) == 2 and len(b) == 2:  # (K x S) @ (S x N), S split into groups: a weight's gradient
+        return 2 * a[0] * a[1] * b[1]
+    return 2 * a[-2] * a[-1] * b[-1] * (a[0] if len(a) == 3 else 1)
+
+
+CPU_SDPA[aten._grouped_mm] = grouped_mm_flops
 CLIP_SETS = ["model.text.vocab_size=300", "model.text.max_position_embeddings=16", "model.negatives=micro_batch"]
 VLM_SETS = ["model.llm.vocab_size=120", "model.image_token_id=5", "model.llm.max_position_embeddings=64"]
 TINY_QWEN = TINY_CONFIGS["qwen2_5_vl"]
@@ -73,6 +87,10 @@ VARIANTS = {
     "qwen3_vl": (TINY_CONFIGS["qwen3_vl"], QWEN_SETS),
     "qwen3_vl-lora": (TINY_CONFIGS["qwen3_vl"], QWEN_SETS + ["optim.train_type=lora", "optim.freeze_vit=true"]),
     "qwen3_vl-text-only": (TINY_CONFIGS["qwen3_vl"], QWEN_SETS),
+    # the MoE siblings: the router, each token's top-k experts (transformers' grouped products) and Qwen3.5-MoE's
+    # shared expert; Qwen3-VL-MoE's dense block 2 its MLP
+    "qwen3_5_moe": (TINY_CONFIGS["qwen3_5_moe"], QWEN_SETS),
+    "qwen3_vl_moe": (TINY_CONFIGS["qwen3_vl_moe"], QWEN_SETS),
 }
 
 

@@ -18,7 +18,8 @@ from PIL import Image
 from test_parity import _weights, assert_weights_close
 
 
-WRITERS = {"qwen2_5_vl": "write_tiny_qwen2_5_vl", "qwen3_vl": "write_tiny_qwen3_vl", "qwen3_5": "write_tiny_qwen3_5"}
+WRITERS = {"qwen2_5_vl": "write_tiny_qwen2_5_vl", "qwen3_vl": "write_tiny_qwen3_vl", "qwen3_5": "write_tiny_qwen3_5",
+           "qwen3_vl_moe": "write_tiny_qwen3_vl_moe"}  # (a MoE sibling: video as its dense family's)
 # sampled at 1 frame a second, at least 2 frames: the 16-frame clip at 4 fps gives 4 frames (2 temporal patches,
 # Qwen2.5-VL's time index 0 and 4), the 6-frame one at 3 fps 2 frames
 VIDEO_DATA = {"video_fps": 1.0, "video_min_frames": 2}
@@ -129,10 +130,16 @@ def test_video_rows_are_transformers_fed_by_its_own_processor(name, dirs, media,
         assert enc["second_per_grid_ts"].tolist() == [2.0, 2.0, 2.0]  # 1 sampled frame a second: time index 0, 4
     hf = AutoModelForImageTextToText.from_pretrained(dirs[name]).eval()
     model = _loaded(fam).eval()
+    moe = getattr(fam, "aux_coef", 0)  # a MoE family: its outputs carry the router statistics, its loss the aux loss
     with torch.no_grad():
         inputs = [b[k] for k in fam.inputs]
         logits, loss = model.eval_outputs(*inputs), model(*inputs, b["labels"])
-        out = hf(**enc)
+        out = hf(**enc, **({"output_router_logits": True} if moe else {}))
+    if moe:
+        from mmpipe.families.qwen_vl.experts import aux_loss
+        logits, stats = logits
+        torch.testing.assert_close(aux_loss(stats), out.aux_loss, rtol=0, atol=1e-5)
+        loss = loss - moe * out.aux_loss
     torch.testing.assert_close(logits[mask], out.logits[theirs], rtol=0, atol=1e-5)
     total, count = 0.0, 0
     for i in range(len(ROWS)):  # transformers' logits, mmpipe's labels: the token-mean loss

@@ -54,6 +54,8 @@ def make_hf_dir(args, tmp: str) -> tuple:
     cfg = replace(cfg, model=fam_cls.resolve(cfg.model, tok, cfg.data))
     family = fam_cls(cfg.model, cfg.train.seed)
     model, processor = family.hf_export(plain_model(family).state_dict(), tok, cfg.data)
+    if getattr(family, "aux_coef", 0):  # a MoE model: transformers adds the router's loss only when asked (ms-swift
+        model.config.text_config.output_router_logits = True  # asks when router_aux_loss_coef > 0), as mmpipe does
     llava = os.path.join(tmp, "hf_model")
     model.save_pretrained(llava)
     processor.save_pretrained(llava)

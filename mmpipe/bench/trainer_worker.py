@@ -26,7 +26,7 @@ from mmpipe.families.towers.common import normalize_pixels
 # attention and MLP projections, and Qwen3.5's linear-attention in_proj_qkv / in_proj_z / in_proj_b / in_proj_a /
 # out_proj); a model without some of these names simply has fewer
 LORA_TARGETS = (r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|in_proj_qkv|in_proj_z|"
-                r"in_proj_b|in_proj_a|out_proj)")
+                r"in_proj_b|in_proj_a|out_proj|shared_expert_gate)")
 
 def render(processor, messages, generation_prompt=False) -> str:
     return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
@@ -130,19 +130,29 @@ def dummy_vision(model):
     return out.pooler_output.sum() * 0.0
 
 
-def token_mean_loss(model):
+def token_mean_loss(model, accumulation: int = 1):
     """For a model that declines the Trainer's ``num_items_in_batch`` (Qwen2.5-VL: ``accepts_loss_kwargs =
     False``, so each micro-batch's loss is its own token mean and the step weighs micro-batches, not
-    tokens, equally) the causal-LM loss over the global batch's tokens, as ms-swift computes it; None
-    (the model's own loss) for a model that takes the count."""
+    tokens, equally) the causal-LM loss over the global batch's tokens, as ms-swift computes it; for a MoE model
+    with its router loss on (``output_router_logits``), plus ``router_aux_loss_coef`` x the micro-batch's aux loss /
+    (``accumulation`` x the processes: a mean over the step's micro-batches and ranks, as mmpipe weighs it, where
+    the model's own loss would count it once per micro-batch and per rank); None (the model's own loss) for a dense model that takes the count."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if getattr(base, "accepts_loss_kwargs", True):
+    text = base.config.get_text_config()
+    moe = bool(getattr(text, "output_router_logits", False))
+    if getattr(base, "accepts_loss_kwargs", True) and not moe:
         return None
     from transformers.loss.loss_utils import ForCausalLMLoss
-    vocab = base.config.get_text_config().vocab_size
+    vocab = text.vocab_size
 
     def loss(outputs, labels, num_items_in_batch=None):
-        return ForCausalLMLoss(outputs.logits, labels, vocab, num_items_in_batch=num_items_in_batch)
+        lm = ForCausalLMLoss(outputs.logits, labels, vocab, num_items_in_batch=num_items_in_batch)
+        if not moe:
+            return lm
+        # (the Trainer multiplies the loss by its processes before DDP averages it: the token count is global)
+        import torch.distributed as dist
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return lm + text.router_aux_loss_coef * outputs.aux_loss / (accumulation * world)
     return loss
 
 
@@ -220,7 +230,7 @@ def main(spec_path: str) -> None:
                              remove_unused_columns=False, seed=spec["seed"], disable_tqdm=True)
     clock = Clock()
     trainer = InOrder(model=model, args=args, train_dataset=Chat(), data_collator=Collate(processor.tokenizer.pad_token_id),
-                      callbacks=[clock], compute_loss_func=token_mean_loss(model))
+                      callbacks=[clock], compute_loss_func=token_mean_loss(model, spec["accumulation"]))
     trainer.train()
     if trainer.is_world_process_zero():
         losses = [float(r["loss"]) for r in trainer.state.log_history if "loss" in r]
