@@ -275,3 +275,25 @@ def test_bf16_and_a_resume_onto_one_process(family_runs_of, tmp_path):
     np.testing.assert_allclose(train_losses(two), train_losses(one), rtol=1e-3)
     assert_weights_close(_weights(two, 3), _weights(one, 3), rtol=1e-2, atol=4e-3)
     check_resume_on_another_layout(runs, tmp_path, "el_p1", 1, "python", ["parallel.pipeline_stages=1"])
+
+
+@pytest.mark.parametrize("name,key,nprocs,sets", [
+    # pipeline x data parallel against the P = 2 reference (test_parity's check: losses, lr, weights)
+    ("qwen3_5_moe", "p2dp2", 4, ["parallel.pipeline_stages=2"]),
+    # ZeRO-3 over two ranks whose micro-batches route differently (every expert's weights gathered on both)
+    ("qwen3_vl_moe", "dp2_z3", 2, ["parallel.pipeline_stages=1", "parallel.zero_stage=3"]),
+])
+def test_data_parallel_layouts_train_as_the_reference(family_runs_of, name, key, nprocs, sets):
+    """P2 x DP2 (Qwen3.5-MoE) and DP2 with ZeRO-3 (Qwen3-VL-MoE) train the losses and weights of the single-layout
+    reference, the router loss included."""
+    import numpy as np
+    from helpers import train_losses
+    from test_parity import _weights, assert_weights_close, check_layout_parity
+    runs = family_runs_of(name)
+    if key == "p2dp2":
+        check_layout_parity(name, runs, key, nprocs, "deepspeed", sets, loss_rtol=1e-5)
+        return
+    one, _ = runs.get("p1", 1, ["parallel.pipeline_stages=1"], "python", flags=["--stop-at", "3"])
+    out, _ = runs.get(key, nprocs, sets, flags=["--stop-at", "3"])
+    np.testing.assert_allclose(train_losses(out), train_losses(one), rtol=1e-5)
+    assert_weights_close(_weights(out, 3), _weights(one, 3), rtol=1e-5, atol=2e-6)
