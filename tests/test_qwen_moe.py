@@ -297,3 +297,28 @@ def test_data_parallel_layouts_train_as_the_reference(family_runs_of, name, key,
     out, _ = runs.get(key, nprocs, sets, flags=["--stop-at", "3"])
     np.testing.assert_allclose(train_losses(out), train_losses(one), rtol=1e-5)
     assert_weights_close(_weights(out, 3), _weights(one, 3), rtol=1e-5, atol=2e-6)
+
+
+def test_the_router_loss_weight_is_a_setting_and_the_experts_are_the_checkpoints(moe_dir, tmp_path):
+    """``model.llm.router_aux_loss_coef`` over a directory's value (0: no router loss: the loss is the LM loss), where
+    an architecture field that disagrees with the directory is one line naming both."""
+    import yaml
+
+    import mmpipe
+    from mmpipe.config.resolve import resolve_family
+    from mmpipe.data.tokenizer import load_tokenizer
+    from mmpipe.errors import ConfigError
+    name, d = moe_dir
+    cfg, fam, tok = resolved_family(name, d)
+    assert fam.aux_coef == 0.01
+
+    def resolved(llm: dict):
+        path = tmp_path / "run.yaml"
+        path.write_text(yaml.safe_dump({"model": {"type": name, "pretrained": d, "llm": llm},
+                                        "data": {"min_pixels": 4096, "max_pixels": 65536, "num_workers": 0}}))
+        return resolve_family(mmpipe.load_config(str(path)), fam.prepare_tokenizer(load_tokenizer(d)))[1]
+    off = resolved({"router_aux_loss_coef": 0.0})
+    assert off.aux_coef == 0.0 and off.text_cfg.num_experts == 8
+    with pytest.raises(ConfigError, match="num_experts") as e:
+        resolved({"num_experts": 4})
+    assert "\n" not in str(e.value)

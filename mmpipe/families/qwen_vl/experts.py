@@ -45,7 +45,8 @@ class ExpertFields(Section):
                                                    "loss (transformers' router_aux_loss_coef: 0.001; 0 = none)", ge=0)
 
 
-EXPERT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "router_aux_loss_coef")
+EXPERT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")  # the architecture's
+EXPERT_SETTINGS = ("router_aux_loss_coef",)  # a training setting: over model.pretrained's value
 
 
 def check_experts(t) -> None:

@@ -23,6 +23,9 @@ class HFConfigSpec:
     check: Callable  # (top config) -> None: one line for what transformers would build wrong or fail on
     text_extra: Callable = lambda llm: {}  # more text-config entries from model.llm
     top_extra: dict = field(default_factory=dict)  # more top-level config entries
+    # model.llm fields that are training settings, not the architecture: set over model.pretrained's value, not
+    # checked against it (a MoE's router_aux_loss_coef)
+    text_settings: tuple = ()
 
 
 def pretrained_config(cfg, spec: HFConfigSpec):
@@ -38,6 +41,9 @@ def pretrained_config(cfg, spec: HFConfigSpec):
                           top.text_config, "model.llm", "model.pretrained")
     if cfg.llm.vocab_size and cfg.llm.vocab_size > top.text_config.vocab_size:
         top.text_config.vocab_size = cfg.llm.vocab_size
+    for f in spec.text_settings:
+        if getattr(cfg.llm, f) is not None:
+            setattr(top.text_config, f, getattr(cfg.llm, f))
     return top
 
 
@@ -49,7 +55,7 @@ def build_hf_config(cfg, spec: HFConfigSpec):
         import transformers
         v, t = cfg.vision, cfg.llm
         vision = {f: getattr(v, f) for f in spec.vision_fields if getattr(v, f) is not None}
-        text = {f: getattr(t, f) for f in spec.text_fields if getattr(t, f) is not None}
+        text = {f: getattr(t, f) for f in spec.text_fields + spec.text_settings if getattr(t, f) is not None}
         text.update(vocab_size=t.vocab_size, bos_token_id=None, eos_token_id=None, pad_token_id=None,
                     **spec.text_extra(t))
         if t.hidden_size:

@@ -32,6 +32,7 @@ QWEN3_5_MOE = HFConfigSpec(
                  "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings",
                  "shared_expert_intermediate_size") + x.EXPERT_FIELDS,
     rope={"rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25, "mrope_interleaved": True}, check=_check,
+    text_settings=x.EXPERT_SETTINGS,
     text_extra=lambda t: {"full_attention_interval": t.full_attention_interval}
     if t.full_attention_interval and not t.layer_types else {})
 

@@ -34,7 +34,7 @@ QWEN3_VL_MOE = HFConfigSpec(
     text_fields=("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "intermediate_size", "max_position_embeddings", "decoder_sparse_step", "mlp_only_layers")
     + x.EXPERT_FIELDS,
-    rope={"rope_theta": 5_000_000.0, "mrope_interleaved": True}, check=_check)
+    rope={"rope_theta": 5_000_000.0, "mrope_interleaved": True}, check=_check, text_settings=x.EXPERT_SETTINGS)
 
 
 def decoder_block_cls():
