@@ -494,3 +494,53 @@ def test_a_resume_keeps_the_runs_adamw_kernel():
         step = opt.state[p]["step"]
         assert step.dtype == torch.float32 and step.device == p.device and float(step) == 1.0
     opt.step()
+
+
+def test_a_stage_with_several_outputs_walks_its_graph_once():
+    """``one_backward``: DeepSpeed's non-last stage calls ``out.backward`` once per float output it sent (two walks
+    back through a layer both outputs depend on); patched, DeepSpeed's own ``_exec_backward_pass`` walks it once
+    and every gradient is the same. Behaviour in runs: test_qwen_moe.py (the router statistics beside the hidden
+    states), test_qwen3_vl.py (DeepStack's features)."""
+    from types import SimpleNamespace
+
+    import torch
+    from deepspeed.runtime.pipe import schedule as S
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from mmpipe.parallel.ds_compat import one_backward
+    assert "out.backward(gradient=grad, retain_graph=" in _src(PipelineEngine._exec_backward_pass)
+
+    class Counted(torch.autograd.Function):
+        calls = 0
+
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            Counted.calls += 1
+            return g * 2
+
+    def run(patched: bool):
+        torch.manual_seed(0)
+        w = torch.randn(4, 4, requires_grad=True)
+        x = torch.randn(3, 4)
+        h = Counted.apply(x @ w)  # both outputs depend on it
+        outputs = (h.tanh(), (h * h).sum(0), torch.arange(3))  # two float outputs and an integer one
+        engine = SimpleNamespace(
+            _INSTRUCTION_MAP={S.BackwardPass: PipelineEngine._exec_backward_pass}, optimizer=object(),
+            is_last_stage=lambda: False, pipe_buffers={"outputs": [outputs], "output_tensors": [None]},
+            wall_clock_breakdown=lambda: False, is_pipe_partitioned=False, is_grad_partitioned=False,
+            grad_layer=(torch.ones(3, 4), torch.full((4,), 0.5)), using_bf16_optimizer=False,
+            _running_engine_backward=False)
+        if patched:
+            one_backward(engine)
+        Counted.calls = 0
+        engine._INSTRUCTION_MAP[S.BackwardPass](engine, 0)
+        return Counted.calls, w.grad
+    calls, grad = run(False)
+    assert calls == 2  # the check can fail: DeepSpeed's loop walks the shared layer twice
+    once, same = run(True)
+    assert once == 1
+    torch.testing.assert_close(same, grad, rtol=1e-6, atol=1e-6)

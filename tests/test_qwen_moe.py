@@ -322,3 +322,10 @@ def test_the_router_loss_weight_is_a_setting_and_the_experts_are_the_checkpoints
     with pytest.raises(ConfigError, match="num_experts") as e:
         resolved({"num_experts": 4})
     assert "\n" not in str(e.value)
+    if name == "qwen3_vl_moe":  # every block dense: no router, no aux loss (transformers' would be NaN)
+        from helpers import TINY_CONFIGS
+
+        from mmpipe.config.resolve import build_family
+        sets = ["model.llm.vocab_size=120", "model.image_token_id=5", "model.llm.mlp_only_layers=[0,1,2,3]"]
+        with pytest.raises(ConfigError, match="leave no block with experts"):
+            build_family(mmpipe.load_config(TINY_CONFIGS[name], sets).model, 0)

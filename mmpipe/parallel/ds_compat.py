@@ -12,6 +12,7 @@ that exercises the patch's behaviour.
 | ``fix_recv_buffer_dtype`` | ``PipelineEngine._allocate_or_extend_buffers``, ``_grad_layer_buf``, ``_allocate_buffer`` | buffers reused across dtypes with 3+ stages |
 | ``wrap_instructions`` | ``PipelineEngine._INSTRUCTION_MAP`` | the per-instruction stage clock |
 | ``split_backward``, ``instruction_class`` | ``PipelineEngine._INSTRUCTION_MAP``, ``grad_layer``, ``_running_engine_backward``, ``using_bf16_optimizer``, ``BF16_Optimizer.clear_lp_grads`` / ``update_hp_grads`` / ``immediate_grad_update``, ``deepspeed.runtime.pipe.schedule.BufferOpInstruction`` / ``PipeInstruction`` | the backward as input gradient (B) and weight gradients (W) apart: zero-bubble orders |
+| ``one_backward`` | ``PipelineEngine._INSTRUCTION_MAP``, ``pipe_buffers['outputs']``, ``grad_layer``, ``_exec_backward_pass`` calling ``out.backward`` per float output | a stage sending several float tensors (DeepStack's features, a MoE's router statistics) walks its graph once per backward, not once per tensor |
 | ``loss_per_buffer`` | ``PipelineEngine._INSTRUCTION_MAP``, ``loss``, ``_exec_forward_pass``, ``_exec_backward_pass`` | a last stage whose order runs two forwards before a backward (``gpipe``) backpropagates each micro-batch's own loss |
 | ``set_train_schedule`` | ``PipelineEngine._train_schedule``, ``deepspeed.runtime.pipe.schedule`` (``PipeSchedule`` and its instruction classes) | the run's pipeline order (``parallel.schedules``) as the engine's schedule |
 | ``is_zero_optimizer`` | the class name ``DeepSpeedZeroOptimizer`` | grouped clipping under ZeRO-1/2 |
@@ -144,6 +145,37 @@ def split_backward(engine, store) -> None:
 
     table[instruction_class("BackwardInputPass")] = backward_input
     table[instruction_class("BackwardWeightPass")] = backward_weight
+    engine._INSTRUCTION_MAP = table
+
+
+def one_backward(engine) -> None:
+    """DeepSpeed's non-last stage backpropagates each float output it sent by its own ``out.backward(grad)``: a
+    second output that depends on the stage's earlier layers (DeepStack's features after a ViT block, a MoE's
+    router statistics after every routed block) walks the stage's graph again, and a checkpointed layer
+    recomputes again. Give the backward one root instead: the sum of each output times its received gradient
+    (whose gradient with respect to each output is exactly that gradient), backpropagated with gradient 1."""
+    import torch
+    from deepspeed.runtime.pipe import schedule as S
+    table = dict(engine._INSTRUCTION_MAP)
+    backward = table[S.BackwardPass]
+
+    def backward_pass(self, buffer_id):
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        floats = [t for t in outputs if t.is_floating_point()] if isinstance(outputs, tuple) else []
+        if self.is_last_stage() or len(floats) < 2 or self.is_pipe_partitioned:
+            return backward(self, buffer_id)
+        received = self.grad_layer
+        if not all(t.requires_grad for t in floats):  # (DeepSpeed's own backward names the tensor)
+            return backward(self, buffer_id)
+        root = sum((t * g.to(t.dtype)).sum(dtype=torch.float32) for t, g in zip(floats, received))
+        self.pipe_buffers["outputs"][buffer_id] = (root,)
+        self.grad_layer = (torch.ones((), dtype=root.dtype, device=root.device),)
+        try:
+            return backward(self, buffer_id)
+        finally:
+            self.grad_layer = received
+
+    table[S.BackwardPass] = backward_pass
     engine._INSTRUCTION_MAP = table
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from mmpipe.parallel.ds_compat import (
     eval_batch_in_train_mode,
     loss_per_buffer,
+    one_backward,
     reset_total_loss,
     set_train_schedule,
     split_backward,
@@ -49,6 +50,7 @@ def install_schedule(engine, plan, micro_batches: int, step_loss: bool) -> tuple
     P, s = engine.num_stages, engine.stage_id
     train = plan.order.stream(P, micro_batches, s)
     set_train_schedule(engine, train)
+    one_backward(engine)  # (before split_backward: a B pass walks its stage once too)
     loss_per_buffer(engine)
     store = None
     if any(a.kind == "BackwardWeightPass" for a in train):

@@ -151,7 +151,9 @@ def block_step(base, part, acts):
     logits, part.router_logits = part.router_logits, None
     if logits is not None:
         stats = add_router_stats(stats, logits, acts[-2], part.top_k)
-    return (out[0], stats) + tuple(out[1:])
+    elif out[0].requires_grad and not stats.requires_grad:  # a dense block on a stage whose inputs came as constants
+        stats = stats + out[0].reshape(-1)[:1].sum().float() * 0.0  # (frozen_first): the statistics sent on want a
+    return (out[0], stats) + tuple(out[1:])  # gradient back like the hidden states
 
 
 def head_step(base, part, acts):
@@ -164,8 +166,8 @@ class RoutedExperts:
     """What a MoE family adds (listed first: ``class F(RoutedExperts, ..., Qwen25VLFamily)``): its decoder's layer
     steps carry the router statistics (``embed_step`` / ``block_step`` / ``head_step``), its blocks' experts and
     routers initialised as transformers does, its loss adds the load-balancing loss, and each step logs ``lm_loss``,
-    ``aux_loss`` and the experts' load (tokens routed per expert, summed over the MoE layers: min, max, and
-    ``expert_imbalance`` = max / mean)."""
+    ``aux_loss`` and the experts' load (tokens routed per expert in the step, averaged over the MoE layers: min, max,
+    and ``expert_imbalance`` = max / mean)."""
 
     def __init__(self, model_cfg, seed: int = 0):
         super().__init__(model_cfg, seed)
@@ -204,7 +206,7 @@ class RoutedExperts:
         if any(n is None for row in names for n in row):
             return None, None
         w = torch.stack([torch.cat([src.get(n) for n in row], dim=0) for row in names])
-        return names[0][0].replace(".0.", ".N.", 1), w
+        return names[0][0].replace(".experts.0.", ".experts.N.", 1), w
 
     def moe_layers(self) -> list:
         """The decoder blocks with routed experts."""

@@ -25,6 +25,16 @@ def _check(top) -> None:
     if bad:
         raise ConfigError(f"model.llm.mlp_only_layers={t.mlp_only_layers}: {bad[0]} is not a decoder block (0 .. "
                           f"{t.num_hidden_layers - 1})")
+    if not any(routed_block(t, i) for i in range(t.num_hidden_layers)):
+        raise ConfigError(f"model.llm.mlp_only_layers={t.mlp_only_layers} / decoder_sparse_step={t.decoder_sparse_step} "
+                          "leave no block with experts: use model.type=qwen3_vl for a dense decoder")
+
+
+def routed_block(t, index: int) -> bool:
+    """transformers' rule (``Qwen3VLMoeTextDecoderLayer``): sparse unless in ``mlp_only_layers``, every
+    ``decoder_sparse_step``-th block."""
+    return (index not in (t.mlp_only_layers or []) and t.num_experts > 0
+            and (index + 1) % t.decoder_sparse_step == 0)
 
 
 QWEN3_VL_MOE = HFConfigSpec(
@@ -59,8 +69,4 @@ class Qwen3VLMoeFamily(x.RoutedExperts, q.DeepStack, Qwen3Vision, Qwen25VLFamily
         return SimpleNamespace(vision_classes=vision_classes, decoder_block_cls=decoder_block_cls), Qwen3VLMoeTextRMSNorm
 
     def routed_block(self, index: int) -> bool:
-        """transformers' rule (``Qwen3VLMoeTextDecoderLayer``): sparse unless in ``mlp_only_layers``, every
-        ``decoder_sparse_step``-th block."""
-        t = self.text_cfg
-        return (index not in (t.mlp_only_layers or []) and t.num_experts > 0
-                and (index + 1) % t.decoder_sparse_step == 0)
+        return routed_block(self.text_cfg, index)
