@@ -24,11 +24,15 @@ PRELOAD = ["torch", "deepspeed", "deepspeed.runtime.pipe.engine", "transformers"
            "transformers.models.llama.modeling_llama", "transformers.models.siglip.modeling_siglip",
            "transformers.models.qwen2.modeling_qwen2", "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
            "transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.qwen3_vl.modeling_qwen3_vl",
+           "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe",
            "tokenizers", "safetensors.torch", "PIL.Image"]
 MAY_DIFFER = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",
               "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "PYTHONPATH",
               # set by mmpipe.data.tokenizer when a test imports it (read by tokenizers when it forks, not at import)
-              "TOKENIZERS_PARALLELISM"}
+              "TOKENIZERS_PARALLELISM",
+              # set to torch's own default (/tmp/torchinductor_<user>) by importing transformers' MoE modules (through
+              # torch._inductor): read when inductor compiles, and then the same value torch would compute
+              "TORCHINDUCTOR_CACHE_DIR"}
 MAY_DIFFER_PREFIXES = ("MMPIPE_", "PYTEST_")
 
 _server = None  # (ForkServer, the environment it started with, a fresh interpreter's sys.path)
