@@ -32,7 +32,10 @@ MAY_DIFFER = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "C
               "TOKENIZERS_PARALLELISM",
               # set to torch's own default (/tmp/torchinductor_<user>) by importing transformers' MoE modules (through
               # torch._inductor): read when inductor compiles, and then the same value torch would compute
-              "TORCHINDUCTOR_CACHE_DIR"}
+              "TORCHINDUCTOR_CACHE_DIR",
+              # set to "1" by ``import deepspeed`` (which the server has done): a worker importing it after the server
+              # started gets the value every rank gets
+              "PYTORCH_NVML_BASED_CUDA_CHECK"}
 MAY_DIFFER_PREFIXES = ("MMPIPE_", "PYTEST_")
 
 _server = None  # (ForkServer, the environment it started with, a fresh interpreter's sys.path)
