@@ -65,3 +65,30 @@ def loaded_model(fam):
     for name in fam.layer_names():
         fam.load_pretrained(model.get_submodule(name), name)
     return model
+
+
+def check_generates_as_mmpipe(hf, proc, run_dir: str, tmp_path, sizes) -> None:
+    """Greedy ``generate`` of the exported transformers model ``hf`` (its ``proc``) on held-out images of ``sizes``
+    gives ``mmpipe generate``'s tokens for the run ``run_dir``, from the processor's prompt = training's ids (mmpipe's
+    prompt puts the image first, straight before the text, as the Qwen chat template renders it)."""
+    import random
+
+    import torch
+
+    from mmpipe.cli.generate import Generator
+    from mmpipe.data.synth import make_vlm_sample
+    g = Generator(run_dir)
+    for k, size in enumerate(sizes):
+        im, qa = make_vlm_sample(random.Random(k), 48)
+        path = str(tmp_path / f"held_out_{k}.png")
+        im.resize(size).save(path)
+        question = qa[0][0]
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        enc = proc(text=proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                   images=[Image.open(path).convert("RGB")], return_tensors="pt")
+        ids, _ = g.prompt(question, path)
+        assert enc["input_ids"].tolist() == ids.tolist()
+        with torch.no_grad():
+            got = hf.generate(**enc, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
+        want = g.generate_ids(question, path, max_new_tokens=8)
+        assert got[:len(want)] == want and (len(want) == 8 or want[-1] in g.stop)

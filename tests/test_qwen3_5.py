@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import TINY_CONFIGS, train_losses
 from PIL import Image
-from qwen_fixtures import resolved_family, write_chat
+from qwen_fixtures import check_generates_as_mmpipe, resolved_family, write_chat
 from qwen_fixtures import write_images as _images
 from test_parity import _weights, assert_weights_close, check_layout_parity, check_resume, reference
 
@@ -270,12 +270,8 @@ def test_exported_run_answers_through_transformers_as_mmpipe_generate(family_run
     (``Qwen3VLProcessor``): the processor's prompt is training's ids, and greedy ``generate`` (its cache: the
     GatedDeltaNet conv and recurrent states, the full-attention keys and values) gives ``mmpipe generate``'s
     tokens, on held-out images of sizes no training image had."""
-    import random
-
     from transformers import AutoProcessor, Qwen3_5ForConditionalGeneration
 
-    from mmpipe.cli.generate import Generator
-    from mmpipe.data.synth import make_vlm_sample
     from mmpipe.train.export import export
     runs = family_runs_of("qwen3_5")
     ref, _ = runs.get("p1_pretrained", 1, ["parallel.pipeline_stages=1", f"model.pretrained={q35_dir}",
@@ -283,22 +279,7 @@ def test_exported_run_answers_through_transformers_as_mmpipe_generate(family_run
     out, _, _ = export(ref, str(tmp_path / "q35_hf"))
     hf, proc = Qwen3_5ForConditionalGeneration.from_pretrained(out).eval(), AutoProcessor.from_pretrained(out)
     assert type(proc).__name__ == "Qwen3VLProcessor"
-    g = Generator(ref)
-    for k, size in enumerate([(150, 50), (44, 44), (64, 170)]):
-        im, qa = make_vlm_sample(random.Random(k), 48)
-        path = str(tmp_path / f"held_out_{k}.png")
-        im.resize(size).save(path)
-        question = qa[0][0]
-        # (mmpipe's prompt puts the image first, straight before the text, as the Qwen chat template renders it)
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-        enc = proc(text=proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                   images=[Image.open(path).convert("RGB")], return_tensors="pt")
-        ids, _ = g.prompt(question, path)
-        assert enc["input_ids"].tolist() == ids.tolist()
-        with torch.no_grad():
-            got = hf.generate(**enc, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
-        want = g.generate_ids(question, path, max_new_tokens=8)
-        assert got[:len(want)] == want and (len(want) == 8 or want[-1] in g.stop)
+    check_generates_as_mmpipe(hf, proc, ref, tmp_path, [(150, 50), (44, 44), (64, 170)])
 
 
 def test_lora_equals_a_peft_loop_on_transformers(family_runs_of):

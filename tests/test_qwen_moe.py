@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from PIL import Image
-from qwen_fixtures import loaded_model, resolved_family, write_chat, write_images
+from qwen_fixtures import check_generates_as_mmpipe, loaded_model, resolved_family, write_chat, write_images
 
 FAMILIES = {"qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "write_tiny_qwen3_5_moe"),
             "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", "write_tiny_qwen3_vl_moe")}
@@ -177,12 +177,8 @@ def test_exported_run_answers_through_transformers_as_mmpipe_generate(family_run
     """A run from the offline directory (its experts loaded one tensor per expert, or fused) exported ->
     ``AutoModelForImageTextToText`` (the family's transformers class, experts saved as transformers saves them) +
     ``AutoProcessor``: greedy ``generate`` gives ``mmpipe generate``'s tokens on held-out images."""
-    import random
-
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from mmpipe.cli.generate import Generator
-    from mmpipe.data.synth import make_vlm_sample
     from mmpipe.train.export import export
     name, d = moe_dir
     runs = family_runs_of(name)
@@ -191,21 +187,7 @@ def test_exported_run_answers_through_transformers_as_mmpipe_generate(family_run
     out, _, _ = export(ref, str(tmp_path / "hf"))
     hf, proc = AutoModelForImageTextToText.from_pretrained(out).eval(), AutoProcessor.from_pretrained(out)
     assert type(hf).__name__ == FAMILIES[name][0]
-    g = Generator(ref)
-    for k, size in enumerate([(150, 50), (64, 170)]):
-        im, qa = make_vlm_sample(random.Random(k), 48)
-        path = str(tmp_path / f"held_out_{k}.png")
-        im.resize(size).save(path)
-        question = qa[0][0]
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-        enc = proc(text=proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                   images=[Image.open(path).convert("RGB")], return_tensors="pt")
-        ids, _ = g.prompt(question, path)
-        assert enc["input_ids"].tolist() == ids.tolist()
-        with torch.no_grad():
-            got = hf.generate(**enc, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
-        want = g.generate_ids(question, path, max_new_tokens=8)
-        assert got[:len(want)] == want and (len(want) == 8 or want[-1] in g.stop)
+    check_generates_as_mmpipe(hf, proc, ref, tmp_path, [(150, 50), (64, 170)])
 
 
 def test_released_qwen3_vl_moe_layout_loads_as_transformers_loads_it(tmp_path):
