@@ -57,9 +57,10 @@ def test_resume_on_another_layout(family, family_runs_of, tmp_path, key, nprocs,
     check_resume_on_another_layout(family_runs_of(family), tmp_path, key, nprocs, launcher, sets)
 
 
-def check_resume_on_another_layout(runs, tmp_path, key, nprocs, launcher, sets):
-    """The reference's step-4 checkpoint continued on the layout ``sets``: its steps 5-6 (losses, weights)."""
-    ref = reference(runs)
+def check_resume_on_another_layout(runs, tmp_path, key, nprocs, launcher, sets, ref=None):
+    """The reference's (``ref``: a run directory; by default the P = 2 reference) step-4 checkpoint continued on the
+    layout ``sets``: its steps 5-6 (losses, weights)."""
+    ref = ref or reference(runs)
     out = str(tmp_path / key)
     _from_step4(ref, out)
     args = runs.base(out)

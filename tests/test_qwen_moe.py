@@ -311,3 +311,69 @@ def test_the_router_loss_weight_is_a_setting_and_the_experts_are_the_checkpoints
         sets = ["model.llm.vocab_size=120", "model.image_token_id=5", "model.llm.mlp_only_layers=[0,1,2,3]"]
         with pytest.raises(ConfigError, match="leave no block with experts"):
             build_family(mmpipe.load_config(TINY_CONFIGS[name], sets).model, 0)
+
+
+EP = ["parallel.expert_parallel=2"]
+
+
+def test_expert_parallel_trains_as_the_reference_and_resumes_onto_one_process(family_runs_of, tmp_path):
+    """DP2 x EP2 (each rank holds four of the eight experts of every MoE block: DeepSpeed's file has rank 0's four,
+    mmpipe's experts file all eight) trains the P = 2 reference's six steps (losses rtol 1e-5, ``aux_loss`` and expert
+    load, weights at steps 2, 4 and 6); its step-4 checkpoint continued on one process (EP1) gives its steps 5-6."""
+    import glob
+    import os
+
+    import numpy as np
+    from helpers import train_losses
+    from safetensors.torch import load_file
+    from test_elastic import check_resume_on_another_layout
+    from test_parity import _records, _weights, assert_weights_close, reference
+    runs = family_runs_of("qwen3_5_moe")
+    ref = reference(runs)
+    ep, _ = runs.get("dp2_ep2", 2, ["parallel.pipeline_stages=1", "train.save_every=2"] + EP)
+    np.testing.assert_allclose(train_losses(ep), train_losses(ref), rtol=1e-5)
+    for key in ("aux_loss", "expert_load_min", "expert_load_max", "grad_norm"):  # (the norm: over both ranks' experts)
+        np.testing.assert_allclose([r[key] for r in _records(ep)], [r[key] for r in _records(ref)], rtol=1e-5,
+                                   err_msg=key)
+    for step in (2, 4, 6):
+        assert_weights_close(_weights(ep, step), _weights(ref, step), rtol=1e-4, atol=1e-6)
+    d = os.path.join(ep, "checkpoints", "global_step6")
+    name = "llm.blocks.0.mlp.experts.gate_up_proj"
+    held = torch.load(glob.glob(os.path.join(d, "mp_rank_00_model_states.pt"))[0], weights_only=False)["module"]
+    assert held[name].shape[0] == 4 and load_file(os.path.join(d, "experts_stage0.safetensors"))[name].shape[0] == 8
+    check_resume_on_another_layout(runs, tmp_path, "ep2_to_p1", 1, "python", ["parallel.pipeline_stages=1"], ref=ep)
+
+
+def test_pipeline_by_data_by_expert_parallel_trains_as_the_reference(family_runs_of, tmp_path):
+    """P2 x DP2 x EP2 (cut between MoE blocks: the experts of both stages split over their stage's two data-parallel
+    ranks) trains the P = 2 reference (test_parity's check: losses rtol 1e-5, lr, weights)."""
+    import json
+
+    from test_parity import check_layout_parity
+    plan = tmp_path / "cut.json"
+    plan.write_text(json.dumps({"stages": CUTS["qwen3_5_moe"]}))
+    check_layout_parity("qwen3_5_moe", family_runs_of("qwen3_5_moe"), "p2dp2_ep2", 4, "deepspeed",
+                        ["parallel.pipeline_stages=2", f"parallel.plan={plan}"] + EP, loss_rtol=1e-5)
+
+
+def test_expert_parallel_in_bf16(family_runs_of):
+    """DP2 x EP2 in bf16 trains as P = 1 in bf16, within bf16's rounding."""
+    import numpy as np
+    from helpers import train_losses
+    from test_parity import _weights, assert_weights_close
+    runs = family_runs_of("qwen3_5_moe")
+    bf16 = ["train.precision=bf16"]
+    one, _ = runs.get("bf16_p1", 1, ["parallel.pipeline_stages=1"] + bf16, "python", flags=["--stop-at", "3"])
+    ep, _ = runs.get("bf16_dp2_ep2", 2, ["parallel.pipeline_stages=1"] + EP + bf16, flags=["--stop-at", "3"])
+    np.testing.assert_allclose(train_losses(ep), train_losses(one), rtol=1e-3)
+    assert_weights_close(_weights(ep, 3), _weights(one, 3), rtol=1e-2, atol=4e-3)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_expert_data_parallel_with_zero(family_runs_of, zero):
+    """DP4 x EP2 with ZeRO-1 and ZeRO-2: each expert slice lives on two ranks (its gradient reduced over those two,
+    its optimizer state partitioned over them, the other parameters over all four) and trains the P = 2 reference
+    (test_parity's check: losses rtol 1e-5, lr, weights)."""
+    from test_parity import check_layout_parity
+    check_layout_parity("qwen3_5_moe", family_runs_of("qwen3_5_moe"), f"dp4_ep2_z{zero}", 4, "deepspeed",
+                        ["parallel.pipeline_stages=1", f"parallel.zero_stage={zero}"] + EP, loss_rtol=1e-5)

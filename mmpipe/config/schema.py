@@ -130,6 +130,9 @@ class ParallelConfig(Section):
     memory_budget_gb: Optional[float] = _f(None, "per-device memory budget for micro_batch_size=auto; unset = the "
                                            "device's total memory", gt=0)
     zero_stage: int = _f(0, "ZeRO stage (0 or 1 with a pipeline; up to 3 with P = 1)", ge=0, le=3)
+    expert_parallel: int = _f(1, "E: a MoE model's routed experts split over E consecutive data-parallel ranks of "
+                              "each stage (E divides the data-parallel degree and the expert count; tokens exchanged "
+                              "by all-to-all; expert weights, gradients and optimizer state / E; ZeRO 0-2)", ge=1)
     activation_checkpointing: str = _f("auto", "none; all: every trained layer keeps only its input and "
                                        "recomputes its forward in backward (less activation memory, about one more "
                                        "forward; dropout replayed); forward-only frozen layers are never recomputed "
@@ -525,6 +528,14 @@ def validate(cfg: RunConfig) -> None:
             f"{where}: parallel.zero_stage={cfg.parallel.zero_stage} with parallel.pipeline_stages="
             f"{cfg.parallel.pipeline_stages}: DeepSpeed's pipeline engine supports ZeRO 0/1 only "
             "(ZeRO-2/3 partition gradients the pipeline schedule reduces itself); use zero_stage 0 or 1, or pipeline_stages 1")
+    ep = cfg.parallel.expert_parallel
+    if ep > 1 and not fam.routed_experts:
+        raise ConfigError(f"{where}: parallel.expert_parallel={ep}: model.type={cfg.model.type} has no routed experts "
+                          "(expert parallelism is for MoE models: qwen3_5_moe, qwen3_vl_moe); set it to 1")
+    if ep > 1 and cfg.parallel.zero_stage == 3:
+        raise ConfigError(f"{where}: parallel.expert_parallel={ep} with parallel.zero_stage=3: DeepSpeed 0.19.8 "
+                          "partitions ZeRO-3 weights over the whole data-parallel group, not per expert shard; "
+                          "use zero_stage 0-2 with expert_parallel, or expert_parallel 1 with ZeRO-3")
     refusal = fam.zero3_checkpointing_refusal()
     if cfg.parallel.zero_stage == 3 and cfg.parallel.activation_checkpointing == "all" and refusal:
         raise ConfigError(f"{where}: parallel.zero_stage=3 with parallel.activation_checkpointing=all: model.type="

@@ -36,6 +36,10 @@ that exercises the patch's behaviour.
 | ``one_read_overflow_check`` | ``CheckOverflow.has_overflow_serial`` | fp16/bf16 at P = 1 without ZeRO read every gradient's finiteness to the host in turn: one device synchronisation per parameter per step |
 | ``foreach_unfused_step`` | ``FP16_UnfusedOptimizer.step``, ``fp16_groups``, ``fp32_groups``, ``overflow_checker``, ``_skip_invalid_grad_norm``, ``_update_scale``, ``loss_scale_config.cur_scale``, ``clip_grad`` | fp16/bf16 at P = 1 without ZeRO: five kernels per parameter per step (a norm, a cast, an unscale by 1, a copy back) |
 | ``no_single_rank_allreduce`` | ``DeepSpeedEngine.enable_backward_allreduce``, ``dp_world_size`` | ZeRO-0 at P = 1 on one rank flattened, all-reduced and copied back every gradient per step |
+| ``create_expert_groups`` | ``deepspeed.utils.groups._create_expert_and_data_parallel`` (``mp_size``, ``pp_size``), ``_get_expert_parallel_group`` / ``_rank`` | expert parallelism: the expert-parallel group of consecutive data-parallel ranks of a stage, and the expert-data-parallel group DeepSpeed reduces expert gradients over |
+| ``moe_engine`` | ``DeepSpeedEngine._configure_distributed_model``, ``has_moe_layers``, ``deepspeed.moe.utils.is_moe_param`` | an engine over mmpipe's expert slices (no ``deepspeed.moe`` layer) reduces and partitions them as DeepSpeed's own MoE parameters |
+| ``expert_param_groups``, ``group_name`` | the param-group keys ``moe`` and ``name`` (``DeepSpeedZeroOptimizer._configure_moe_settings``, ``configure_moe_param_groups``) | expert slices in their own optimizer groups (partitioned over the expert-data-parallel group), mmpipe's group name kept |
+| ``without_moe_checkpoint`` | ``DeepSpeedEngine.save_checkpoint`` branching on ``has_moe_layers`` (``_save_moe_checkpoint`` walks ``deepspeed.moe`` layers only) | DeepSpeed's plain per-stage files; the expert slices are saved by mmpipe (``train.layout_free_state``) |
 | ``unfused_masters`` | ``FP16_UnfusedOptimizer.fp16_groups``, ``fp32_groups`` | layout-free optimizer state of fp16/bf16 at P = 1 without ZeRO |
 """
 from __future__ import annotations
@@ -550,3 +554,71 @@ def dynamic_loss_scale(ds_optimizer):
     if scaler is not None and getattr(scaler, "dynamic", False):
         return float(scaler.cur_scale)
     return None
+
+
+# ---- expert parallelism: mmpipe's expert slices as DeepSpeed's MoE parameters ------------------------------------
+def create_expert_groups(expert_parallel: int, pipeline_stages: int) -> tuple:
+    """DeepSpeed's expert-parallel and expert-data-parallel groups for ``expert_parallel`` consecutive data-parallel
+    ranks of each stage (the pipe-major rank layout of ``PipeDataParallelTopology``; ``pp_size`` given: before
+    ``initialize`` DeepSpeed has no mpu to read it from). A collective: every rank calls it. Returns (the
+    expert-parallel group, this rank's place in it, DeepSpeed's group name ``ep_size_N``)."""
+    from deepspeed.utils import groups
+    groups._create_expert_and_data_parallel(expert_parallel, mp_size=1, pp_size=pipeline_stages)
+    name = f"ep_size_{expert_parallel}"
+    return groups._get_expert_parallel_group(name), groups._get_expert_parallel_rank(name), name
+
+
+@contextlib.contextmanager
+def moe_engine():
+    """While DeepSpeed builds an engine: a model holding expert parameters (``allreduce = False`` with a
+    ``group_name``: DeepSpeed's own mark) counts as a MoE model (``has_moe_layers``) though it has no
+    ``deepspeed.moe`` layer, so the engine reduces their gradients over the expert-data-parallel group (averaged by
+    the data-parallel degree: ``_reduce_expert_gradients``) and its ZeRO / bf16 optimizers partition them there; set
+    right after the model is placed and broadcast (which already sends expert parameters over their group), before
+    the optimizer is built."""
+    from deepspeed.moe.utils import is_moe_param
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    original = DeepSpeedEngine._configure_distributed_model
+
+    def configure(self, model):
+        original(self, model)
+        if any(is_moe_param(p) for p in self.module.parameters()):
+            self.has_moe_layers = True
+
+    DeepSpeedEngine._configure_distributed_model = configure
+    try:
+        yield
+    finally:
+        DeepSpeedEngine._configure_distributed_model = original
+
+
+def expert_param_groups(torch_groups: list) -> list:
+    """Each optimizer group's expert parameters moved into a sibling group DeepSpeed treats as MoE (``moe: True``,
+    ``name``: the parameters' expert group name, which its ZeRO optimizer partitions over), mmpipe's own group name
+    kept under ``mmpipe_name`` (clipping, logging: ``group_name``); other groups as they are."""
+    from deepspeed.moe.utils import is_moe_param
+    out, experts = [], []
+    for g in torch_groups:
+        mine = [p for p in g["params"] if is_moe_param(p)]
+        out.append({**g, "params": [p for p in g["params"] if not is_moe_param(p)]} if mine else g)
+        for name in sorted({p.group_name for p in mine}):
+            experts.append({**g, "params": [p for p in mine if p.group_name == name], "moe": True, "name": name,
+                            "mmpipe_name": g.get("name")})
+    return out + experts  # (a group left empty stays: DeepSpeed drops empty groups itself)
+
+
+def group_name(g: dict):
+    """mmpipe's name of an optimizer group (``expert_param_groups`` renames an expert group for DeepSpeed)."""
+    return g.get("mmpipe_name", g.get("name"))
+
+
+@contextlib.contextmanager
+def without_moe_checkpoint(engine):
+    """``engine.save_checkpoint`` in DeepSpeed's plain format: its MoE format saves experts per ``deepspeed.moe``
+    layer (none here) and leaves the per-stage model files out; mmpipe writes every expert slice itself."""
+    moe = getattr(engine, "has_moe_layers", False)
+    engine.has_moe_layers = False
+    try:
+        yield
+    finally:
+        engine.has_moe_layers = moe

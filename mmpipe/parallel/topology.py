@@ -27,6 +27,7 @@ class Topology:
     pipeline_stages: int
     micro_batch_size: int
     batch_size: int
+    expert_parallel: int = 1
 
     def __post_init__(self):
         P, W = self.pipeline_stages, self.world_size
@@ -34,6 +35,12 @@ class Topology:
             raise ConfigError(
                 f"parallel.pipeline_stages={P} does not divide the world size {W}: launch a multiple of {P} "
                 f"processes (e.g. deepspeed --num_gpus {P}) or change parallel.pipeline_stages")
+        E = self.expert_parallel
+        if E > 1 and self.data_parallel % E:
+            raise ConfigError(
+                f"parallel.expert_parallel={E} does not divide the data-parallel degree {self.data_parallel} "
+                f"(world {W} / pipeline_stages {P}): the experts split over E data-parallel ranks of a stage; use an "
+                f"expert_parallel dividing {self.data_parallel}, or launch a multiple of {P * E} processes")
         per_step = self.micro_batch_size * self.data_parallel
         if self.batch_size % per_step:
             raise ConfigError(
@@ -44,7 +51,8 @@ class Topology:
     @classmethod
     def from_config(cls, cfg, world_size: int) -> "Topology":
         return cls(world_size=world_size, pipeline_stages=cfg.parallel.pipeline_stages,
-                   micro_batch_size=cfg.parallel.micro_batch_size, batch_size=cfg.train.batch_size)
+                   micro_batch_size=cfg.parallel.micro_batch_size, batch_size=cfg.train.batch_size,
+                   expert_parallel=cfg.parallel.expert_parallel)
 
     @property
     def data_parallel(self) -> int:
@@ -83,8 +91,14 @@ class Topology:
     def is_last_stage(self, rank: int) -> bool:
         return self.coords(rank)[0] == self.pipeline_stages - 1
 
+    def expert_rank(self, rank: int) -> int:
+        """A rank's place in its expert-parallel group (consecutive data-parallel ranks of its stage: DeepSpeed's
+        ``_create_expert_and_data_parallel`` groups)."""
+        return self.coords(rank)[1] % self.expert_parallel
+
     def describe(self) -> str:
         return (f"world={self.world_size} pipeline={self.pipeline_stages} data_parallel={self.data_parallel} "
+                + (f"expert_parallel={self.expert_parallel} " if self.expert_parallel > 1 else "") +
                 f"micro_batch={self.micro_batch_size} accumulation={self.accumulation_steps} "
                 f"global_batch={self.batch_size}")
 

@@ -22,7 +22,8 @@ from mmpipe.train.checkpoint_files import COMPLETE_FILE, check_complete, complet
     tag_for, write_atomic
 from mmpipe.train.checkpoint_record import FROZEN_EXCLUDED, RECORD_FILE, read_record, record_client, saved_layout
 from mmpipe.train.checkpoint_weights import LAYERS_FILE
-from mmpipe.train.layout_free_state import has_plain_optimizer, load_elsewhere, save_plain_optimizer
+from mmpipe.parallel.ds_compat import without_moe_checkpoint
+from mmpipe.train.layout_free_state import has_plain_optimizer, load_elsewhere, save_expert_weights, save_plain_optimizer
 from mmpipe.train.resume_checks import check_adapters, check_layout, check_model, same_layout
 
 
@@ -55,8 +56,9 @@ def save(engine, root: str, step: int, client_state: dict, layer_names: Optional
     change are left out - a resume and ``load_weights`` take them from the run's config, as the run
     built them (``FROZEN_EXCLUDED`` in the record)."""
     tag = tag_for(step)
-    engine.save_checkpoint(root, tag=tag, client_state=dict(client_state, step=step), save_latest=False,
-                           exclude_frozen_parameters=exclude_frozen)
+    with without_moe_checkpoint(engine):
+        engine.save_checkpoint(root, tag=tag, client_state=dict(client_state, step=step), save_latest=False,
+                               exclude_frozen_parameters=exclude_frozen)
     if record is not None:
         record = {**record, FROZEN_EXCLUDED: bool(exclude_frozen)}
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -72,6 +74,7 @@ def save(engine, root: str, step: int, client_state: dict, layer_names: Optional
                        "client": {k: v for k, v in client_state.items() if k != "data"}}, fh, indent=1)
     if plain_optimizer is not None:
         inner, named_params, stage, dp_rank = plain_optimizer
+        save_expert_weights(named_params, d, stage, dp_rank)
         save_plain_optimizer(engine, inner, named_params, d, stage, dp_rank)
     if dist.is_initialized():
         dist.barrier()  # every rank's files are written

@@ -30,6 +30,7 @@ def layout_record(topo, cfg, layer_names: Optional[list], parts: Optional[list],
     return {"pipeline_stages": topo.pipeline_stages, "data_parallel": topo.data_parallel, "schedule": order.name,
             "frozen_stages": order.frozen,
             "zero_stage": cfg.parallel.zero_stage, "placement": cfg.parallel.placement,
+            "expert_parallel": topo.expert_parallel,
             "stages": stage_lists(layer_names, parts) if layer_names is not None else None,
             "decay_split": family_of(cfg).decay_split, "precision": cfg.train.precision}
 

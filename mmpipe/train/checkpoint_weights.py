@@ -21,6 +21,7 @@ from mmpipe.train.checkpoint_files import COMPLETE_FILE, check_complete, is_comp
 from mmpipe.train.checkpoint_record import FROZEN_EXCLUDED, base_fingerprint, check_base, read_record
 
 LAYERS_FILE = "mmpipe_layers.json"  # a pipelined run's layer table: layer index -> the plain model's layer name
+EXPERTS_FILE = "experts_stage{}.safetensors"  # expert parallelism: per stage, every expert's weights (plain names)
 
 
 def load_weights(path: str, step: Optional[int] = None) -> dict:
@@ -73,6 +74,14 @@ def load_model_weights(root: str, tag: Optional[str] = None) -> dict:
     """State dict in the plain model's names (``parallel.plain.PlainModel``: every family's), from a checkpoint of any
     layout (a pipeline's per-layer files, or a single-process / ZeRO one)."""
     tag = tag or latest_tag(root)
+    sd = _deepspeed_weights(root, tag)
+    from safetensors.torch import load_file  # expert parallelism: every expert, over DeepSpeed's rank-0 slices
+    for f in sorted(glob.glob(os.path.join(root, tag, EXPERTS_FILE.format("*")))):
+        sd.update(load_file(f))
+    return sd
+
+
+def _deepspeed_weights(root: str, tag: str) -> dict:
     d = os.path.join(root, tag)
     layers_file = os.path.join(d, LAYERS_FILE)
     if os.path.isfile(layers_file):

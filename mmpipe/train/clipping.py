@@ -23,6 +23,7 @@ import torch.distributed as dist
 from mmpipe.config.groups import Group
 from mmpipe.parallel.ds_compat import (
     dynamic_loss_scale,
+    group_name,
     is_zero_optimizer,
     wrap_zero_step,
     zero_group_grads,
@@ -49,7 +50,7 @@ def _test_inject_nan(named_grads, step: int) -> None:
     me = dist.get_rank() if dist.is_initialized() else 0
     hit = step >= int(at[:-1]) if at.endswith("-") else step == int(at)
     if hit and me == int(rank):
-        for _, gs, _ in named_grads:
+        for _, gs, *_ in named_grads:
             if gs:
                 gs[0].view(-1)[0] = float("nan")
                 return
@@ -86,8 +87,11 @@ class GradClipper:
       are refused there (``train.run``).
     """
 
-    def __init__(self, engine, groups: list[Group], max_norm: Optional[float]):
+    def __init__(self, engine, groups: list[Group], max_norm: Optional[float], experts=None):
         self.engine = engine
+        # expert parallelism (``families.expert_dispatch.ExpertShard``): replicated expert gradients differ over its
+        # group (each rank its experts): their squares are summed over it before the stages'
+        self.expert_group = experts.group if experts is not None else None
         self.max_norm = max_norm
         self.groups = [g for g in groups if not g.frozen]
         self.inner = innermost_optimizer(engine.optimizer)
@@ -151,21 +155,22 @@ class GradClipper:
 
     # -- where the gradients are -----------------------------------------------------------------
     def _hook(self, optimizer, args, kwargs):
-        named = [(g.get("name"), [p.grad for p in g["params"] if p.grad is not None], g.get("replica", False))
-                 for g in optimizer.param_groups]
+        named = [(group_name(g), [p.grad for p in g["params"] if p.grad is not None], g.get("replica", False),
+                  g.get("moe", False)) for g in optimizer.param_groups]
         self._clip(named, scale=1.0)
         return None
 
     def _zero_pre_step(self):
         zo = self._zero
-        named = [(group.get("name"), zero_group_grads(zo, i), group.get("replica", False))
+        named = [(group_name(group), zero_group_grads(zo, i), group.get("replica", False), group.get("moe", False))
                  for i, group in enumerate(zo.optimizer.param_groups)]
         self._clip(named, scale=float(getattr(zo, "loss_scale", 1.0) or 1.0))
 
     # -- the arithmetic --------------------------------------------------------------------------
     def _clip(self, named_grads, scale: float) -> None:
-        """``named_grads``: (group name, gradients, replica) per optimizer group; a replica group (a
-        tied parameter's later copy) is scaled with its group but not counted in its norm. A
+        """``named_grads``: (group name, gradients, replica, expert) per optimizer group; a replica group (a
+        tied parameter's later copy) is scaled with its group but not counted in its norm; an expert group's
+        replicated slices (ZeRO-0) are counted on every rank of the expert-parallel group, summed over it. A
         non-finite norm (reduced over the ranks that hold different gradients, so every rank sees
         it) sets ``skip``: the optimizer step is left out on every rank."""
         t0 = time.perf_counter()
@@ -174,16 +179,26 @@ class GradClipper:
         _test_inject_nan(named_grads, self.step_no)
         grads: dict = {}
         counted: dict = {}
-        for name, gs, replica in named_grads:
+        experts: dict = {}
+        by_expert = self.expert_group is not None and not self.partitioned
+        for name, gs, replica, expert in named_grads:
             if name not in self.names or not gs:
                 continue
             grads.setdefault(name, []).extend(gs)
             if not replica:
-                counted.setdefault(name, []).extend(gs)
+                (experts if expert and by_expert else counted).setdefault(name, []).extend(gs)
         dev = next((x.device for gs in grads.values() for x in gs), self.engine.device)
+
+        def squares(of: dict) -> torch.Tensor:
+            return torch.stack([sum_of_squares(of[n]) if n in of else torch.zeros((), dtype=torch.float64, device=dev)
+                                for n in self.names]) if self.names else torch.zeros(1, dtype=torch.float64, device=dev)
+
         # every group's sum of squares on the device, read by the host once per step (after the all-reduce)
-        sq = torch.stack([sum_of_squares(counted[n]) if n in counted else torch.zeros((), dtype=torch.float64, device=dev)
-                          for n in self.names]) if self.names else torch.zeros(1, dtype=torch.float64, device=dev)
+        sq = squares(counted)
+        if by_expert:  # (every rank of a stage's expert group holds expert slices, or none does)
+            sq_experts = squares(experts)
+            dist.all_reduce(sq_experts, group=self.expert_group)
+            sq = sq + sq_experts
         if self.reduce is not None:
             t1 = time.perf_counter()
             dist.all_reduce(sq, group=self.reduce[0])

@@ -3,6 +3,7 @@ parameter groups, the learning-rate schedule, DeepSpeed's monitors, grouped clip
 the innermost optimizer, and the records a checkpoint carries."""
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -10,8 +11,12 @@ from typing import Any, Optional
 import torch
 
 from mmpipe.config.groups import apply_freeze, lr_lambda, mark_embedding_tables, param_groups
+from mmpipe.families.expert_dispatch import ExpertShard, shard_experts
 from mmpipe.parallel.ds_compat import (
+    create_expert_groups,
+    expert_param_groups,
     fix_fp16_backward_scaling,
+    moe_engine,
     foreach_unfused_step,
     no_initial_unfused_step,
     no_single_rank_allreduce,
@@ -39,6 +44,7 @@ class Engine:
     record: dict  # the checkpoint's run record
     monitor: Any  # DeepSpeed's monitors (tensorboard, csv, wandb blocks of its JSON) or None
     stage_ranks: list  # ranks per stage (per-stage means of the step gather)
+    experts: Optional[ExpertShard] = None  # parallel.expert_parallel > 1: this rank's expert shard
 
 
 def mark_embeddings(model, strategy, family) -> None:
@@ -58,11 +64,24 @@ def mark_embeddings(model, strategy, family) -> None:
                     named[n]._mmpipe_embedding = True
 
 
+def split_experts(model, topo, rank: int) -> ExpertShard:
+    """``parallel.expert_parallel`` = E: DeepSpeed's expert groups made (every rank), and this rank's slice of each
+    MoE block's experts kept (``families.expert_dispatch``; a stage without MoE blocks keeps its layers whole)."""
+    group, ep_rank, name = create_expert_groups(topo.expert_parallel, topo.pipeline_stages)
+    if ep_rank != topo.expert_rank(rank):  # mmpipe's rank arithmetic and DeepSpeed's groups must agree
+        raise RuntimeError(f"rank {rank}: DeepSpeed's expert-parallel rank {ep_rank} is not the topology's "
+                           f"{topo.expert_rank(rank)}")
+    shard = ExpertShard(group, ep_rank, topo.expert_parallel, name)
+    shard_experts(model, shard)
+    return shard
+
+
 def build_engine(run) -> Engine:
     cfg, topo, family = run.cfg, run.topo, run.family
     forward_only = run.frozen.forward_only
     strategy = strategy_for(topo)(family, run.plan, topo, forward_only)
     model = strategy.build_module(dynamic_shape=cfg.data.padding == "batch" or family.dynamic_shapes)
+    shard = split_experts(model, topo, run.rank) if topo.expert_parallel > 1 else None
     if cfg.parallel.activation_checkpointing == "all":
         set_activation_checkpointing(model)
     apply_freeze(strategy.named_parameters(model), run.groups, lora=family.lora is not None)
@@ -70,6 +89,8 @@ def build_engine(run) -> Engine:
     torch_groups = param_groups(strategy.named_parameters(model), run.groups)
     if not torch_groups:  # every layer of this stage is frozen: it still runs, forward only
         torch_groups = [{"name": "none", "params": []}]
+    if shard is not None:
+        torch_groups = expert_param_groups(torch_groups)
     scheduler = None
     if "scheduler" not in run.where.ds_cfg:
         f = lr_lambda(cfg.optim, cfg.train.steps)
@@ -79,7 +100,8 @@ def build_engine(run) -> Engine:
     if cfg.train.precision != "fp32":  # its overflow check: one host read per step, not one per parameter
         one_read_overflow_check()
         foreach_unfused_step()  # and its step: a few multi-tensor kernels, not five per parameter
-    with no_initial_unfused_step():  # bf16 at P = 1 without ZeRO: Adam's first step is the first training step
+    moe = moe_engine() if shard is not None else contextlib.nullcontext()
+    with no_initial_unfused_step(), moe:  # bf16 at P = 1 without ZeRO: Adam's first step is the first training step
         engine, _, _, _ = initialize(model=model, model_parameters=torch_groups, config=run.where.ds_cfg,
                                                lr_scheduler=scheduler)
     no_single_rank_allreduce(engine)  # ZeRO-0 on one rank: no identity all-reduce after each backward
@@ -92,12 +114,13 @@ def build_engine(run) -> Engine:
     eng = Engine(
         engine=engine, runner=strategy.runner(engine, cfg.log.stage_timing),
         # under ZeRO-2/3 DeepSpeed clips (its gradient buckets are not read here); the clipper logs its norm
-        clipper=GradClipper(engine, run.groups, cfg.optim.max_grad_norm),
+        clipper=GradClipper(engine, run.groups, cfg.optim.max_grad_norm, experts=shard),
         inner=innermost_optimizer(engine.optimizer), named_params=list(strategy.named_parameters(model)),
         trainable=[g for g in run.groups if not g.frozen], layer_names=layer_names, parts=parts, layout=layout,
         record=run_record(cfg, layout, run.plan.to_json()),
         monitor=monitor if monitor is not None and monitor.enabled else None,
-        stage_ranks=[[r for r in range(run.world) if stage_of[r] == s] for s in range(topo.pipeline_stages)])
+        stage_ranks=[[r for r in range(run.world) if stage_of[r] == s] for s in range(topo.pipeline_stages)],
+        experts=shard)
     if cfg.log.grads:  # the gradients of these steps, by plain name, before clipping (train.grad_dump)
         steps, out = set(cfg.log.grads), os.path.join(cfg.train.output_dir, "grads")
         eng.clipper.before_clip = lambda step: save_grads(engine, eng.named_params, out, step, run.where.stage,

@@ -6,7 +6,8 @@ Taken where the clipper takes its norms: DeepSpeed has reduced and accumulated t
 and the data-parallel ranks) and unscaled them, nothing is clipped yet. Read through whichever optimizer
 wrapper DeepSpeed built (``ds_compat.optimizer_kind``): the fp32 accumulation buffer of the bf16 optimizer or
 ZeRO (``deepspeed.utils.safe_get_full_grad``, a collective over the data-parallel group), the fp32 masters of
-the unfused one, the parameters' own ``grad`` otherwise. Data-parallel rank 0 of each stage writes."""
+the unfused one, the parameters' own ``grad`` otherwise; an expert slice's gathered over its expert-parallel group
+(every expert's). Data-parallel rank 0 of each stage writes."""
 from __future__ import annotations
 
 import glob
@@ -15,6 +16,7 @@ import re
 
 import torch
 
+from mmpipe.families.expert_dispatch import shard_of
 from mmpipe.parallel.ds_compat import optimizer_kind, unfused_masters
 
 FILE = "step{:06d}.stage{}.safetensors"
@@ -33,6 +35,8 @@ def save_grads(engine, named_params, out_dir: str, step: int, stage: int, dp_ran
             g = safe_get_full_grad(p)
         else:
             g = getattr(masters.get(id(p), p), "grad", None)
+        if shard_of(p) is not None:  # (DeepSpeed gives every expert slice a gradient: each rank joins the gather)
+            g = shard_of(p).gather((g if g is not None else torch.zeros_like(p)).detach().float().reshape(p.shape))
         if g is not None:
             out[name] = g.detach().float().cpu().contiguous()
     if dp_rank == 0:

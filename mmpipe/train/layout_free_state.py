@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from mmpipe.errors import MmpipeError
+from mmpipe.families.expert_dispatch import shard_of
 from mmpipe.parallel.ds_compat import (
     ensure_zero_optimizer_state,
     is_zero3_param,
@@ -21,7 +22,7 @@ from mmpipe.parallel.ds_compat import (
     unfused_masters,
 )
 from mmpipe.train.checkpoint_record import FROZEN_EXCLUDED, read_record
-from mmpipe.train.checkpoint_weights import load_model_weights
+from mmpipe.train.checkpoint_weights import EXPERTS_FILE, load_model_weights
 
 OPTIM_FILE = "optim_stage{}.safetensors"  # per pipeline stage: plain name -> fp32 master and Adam moments
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -64,12 +65,30 @@ def save_plain_optimizer(engine, inner, named_params, tag_dir: str, stage: int, 
             moments = None if m is None else {"exp_avg": m, "exp_avg_sq": v}
         else:
             fp32, moments = _param_state(kind, inner, masters, p)
-        out[f"{name}::fp32"] = fp32.detach().float().cpu().contiguous()
+        whole = _whole(p)
+        out[f"{name}::fp32"] = whole(fp32.detach().float()).cpu().contiguous()
         for k, t in (moments or {}).items():
-            out[f"{name}::{k}"] = t.detach().float().cpu().contiguous()
+            out[f"{name}::{k}"] = whole(t.detach().float()).cpu().contiguous()
     if dp_rank == 0:
         save_file(out, os.path.join(tag_dir, OPTIM_FILE.format(stage)), metadata={"adam_step": str(_adam_step(inner))})
     return True
+
+
+def _whole(p):
+    """An expert slice's tensor -> every expert's (gathered over its expert-parallel group: a collective every rank
+    of the group calls for the same parameters); any other parameter's as it is."""
+    shard = shard_of(p)
+    return (lambda t: t) if shard is None else (lambda t: shard.gather(t.reshape(p.shape)))
+
+
+def save_expert_weights(named_params, tag_dir: str, stage: int, dp_rank: int) -> None:
+    """Expert parallelism: every expert's weights of this stage (DeepSpeed's per-stage files hold data-parallel rank
+    0's slices only), gathered over each expert-parallel group, written by data-parallel rank 0
+    (``EXPERTS_FILE``; ``checkpoint_weights.load_model_weights`` lays them over DeepSpeed's)."""
+    from safetensors.torch import save_file
+    out = {name: shard_of(p).gather(p.detach()).cpu().contiguous() for name, p in named_params if shard_of(p)}
+    if dp_rank == 0 and out:
+        save_file(out, os.path.join(tag_dir, EXPERTS_FILE.format(stage)))
 
 
 def _full_state(p, key: str):
@@ -123,8 +142,9 @@ def load_elsewhere(engine, inner, named_params, tag_dir: str, step: int, aliases
             continue  # a frozen base weight, left out of the checkpoint: the model's own, as built
         if name not in weights:
             raise MmpipeError(f"--resume: {tag_dir} holds no weight for {name}: it is another model's checkpoint")
-        fp32 = state.get(f"{name}::fp32", weights[name].float()).to(p.device)
-        moments = ({k: state[f"{name}::{k}"].to(p.device) for k in ADAM_KEYS}
+        mine = _mine(p)
+        fp32 = mine(state.get(f"{name}::fp32", weights[name].float())).to(p.device)
+        moments = ({k: mine(state[f"{name}::{k}"]).to(p.device) for k in ADAM_KEYS}
                    if f"{name}::exp_avg" in state else None)
         with torch.no_grad():  # the model's own (possibly low-precision, or ZeRO-3 partitioned) weight
             set_zero3_partition(p, fp32) if is_zero3_param(p) else p.data.copy_(fp32.to(p.dtype))
@@ -144,6 +164,12 @@ def load_elsewhere(engine, inner, named_params, tag_dir: str, step: int, aliases
         if "step" in s:
             s["step"] = torch.tensor(adam_step) if torch.is_tensor(s["step"]) else adam_step
     _restore_schedule(engine, step)
+
+
+def _mine(p):
+    """Every expert's tensor -> this rank's slice for an expert parameter (``shard_of``); any other as it is."""
+    shard = shard_of(p)
+    return (lambda t: t) if shard is None else (lambda t: shard.take(t).contiguous())
 
 
 def _restore_schedule(engine, step: int) -> None:

@@ -91,7 +91,10 @@ def _describe(layout: dict) -> str:
 
 
 def same_layout(saved: dict, current: dict) -> bool:
-    """Whether DeepSpeed's own per-stage files fit this run (else the layout-free path)."""
+    """Whether DeepSpeed's own per-stage files fit this run (else the layout-free path; always with expert
+    parallelism on either side: DeepSpeed's files hold data-parallel rank 0's expert slices only)."""
+    if saved.get("expert_parallel", 1) > 1 or current.get("expert_parallel", 1) > 1:
+        return False
     keys = ["pipeline_stages", "zero_stage", "stages"] + (["data_parallel"] if saved["zero_stage"] > 0 else [])
     # another precision: DeepSpeed's optimizer wrappers differ (fp32, bf16, fp16): the layout-free path
     return (saved.get("decay_split", 1) == current.get("decay_split", 1)

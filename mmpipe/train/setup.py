@@ -286,8 +286,18 @@ def choose_layout(requested: RunConfig, family_cls, groups: list, rank: int, wor
 def build_family(cfg: RunConfig, family_cls, groups: list, rank: int, source) -> tuple:
     """(config with the fields left to the tokenizer resolved, tokenizer, family, frozen layout)."""
     tok = agree(rank, lambda: prepare_tokenizer(cfg, family_cls, rank, source))
-    cfg, family = agree(rank, lambda: _balance_keeps_the_loss(*resolve_family(cfg, tok)))
+    cfg, family = agree(rank, lambda: _experts_split(*_balance_keeps_the_loss(*resolve_family(cfg, tok))))
     return cfg, tok, family, frozen_layout(family, groups)
+
+
+def _experts_split(cfg: RunConfig, family) -> tuple:
+    """``parallel.expert_parallel`` divides the routed experts (known once a checkpoint's config is read)."""
+    E = cfg.parallel.expert_parallel
+    if E > 1 and family.num_experts % E:
+        raise ConfigError(f"parallel.expert_parallel={E} does not divide model.llm.num_experts={family.num_experts}: "
+                          f"each rank of an expert-parallel group holds num_experts / E experts; use a divisor of "
+                          f"{family.num_experts}")
+    return cfg, family
 
 
 def _balance_keeps_the_loss(cfg: RunConfig, family) -> tuple:

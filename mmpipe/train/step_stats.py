@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mmpipe.parallel import startup
+from mmpipe.parallel.ds_compat import group_name
 from mmpipe.parallel.stage_clock import FIELDS, write_timeline_png
 from mmpipe.parallel.stage_clock import write_trace as write_trace_json
 
@@ -52,7 +53,7 @@ def eval_due(step: int, eval_every: int, total_steps: int) -> bool:
 def lr_fields(inner_optimizer, groups) -> list:
     """This rank's current lr of every configured group (NaN where the group is not on this rank),
     in config order: the trainer gathers them so every group's lr is logged in every layout."""
-    current = {g.get("name"): g["lr"] for g in inner_optimizer.param_groups}
+    current = {group_name(g): g["lr"] for g in inner_optimizer.param_groups}
     return [current.get(g.name, float("nan")) for g in groups]
 
 

@@ -30,6 +30,7 @@ from torch import nn
 from mmpipe.config.fields import Section, option
 from mmpipe.errors import ConfigError
 from mmpipe.families.chat import loss as lm
+from mmpipe.families.expert_dispatch import dispatch
 from mmpipe.families.qwen_vl import products
 
 EXPERTS_IMPLEMENTATION = "mmpipe_grouped"  # transformers' grouped_mm; on the meta device, its shapes (planning)
@@ -58,9 +59,12 @@ def check_experts(t) -> None:
 
 # ---- transformers' experts, run as its model runs them ------------------------------------------------------
 def _grouped(self, hidden_states, top_k_index, top_k_weights):
-    """transformers' ``grouped_mm`` experts forward; on the meta device (the memory plan) the same products' shapes
-    (every routed token through one expert's matrices: what the grouped kernel keeps for backward)."""
+    """transformers' ``grouped_mm`` experts forward (its experts split over ranks: ``expert_dispatch``); on the meta
+    device (the memory plan) the same products' shapes (every routed token through one expert's matrices: what the
+    grouped kernel keeps for backward)."""
     from transformers.integrations.moe import grouped_mm_experts_forward
+    if getattr(self, "mmpipe_shard", None) is not None:  # split over an expert-parallel group
+        return dispatch(self, hidden_states, top_k_index, top_k_weights, grouped_mm_experts_forward)
     if not hidden_states.is_meta:
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     routed = hidden_states.repeat_interleave(top_k_index.shape[-1], dim=0)
@@ -168,6 +172,7 @@ class RoutedExperts:
     routers initialised as transformers does, its loss adds the load-balancing loss, and each step logs ``lm_loss``,
     ``aux_loss`` and the experts' load (tokens routed per expert in the step, averaged over the MoE layers: min, max,
     and ``expert_imbalance`` = max / mean)."""
+    routed_experts = True
 
     def __init__(self, model_cfg, seed: int = 0):
         super().__init__(model_cfg, seed)

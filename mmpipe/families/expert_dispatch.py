@@ -1,0 +1,127 @@
+"""Expert parallelism's half inside the model: a fused-experts module (transformers' MoE experts: ``gate_up_proj``
+[E, 2I, H] and ``down_proj`` [E, H, I], ``num_experts``) split over the ``E``-rank expert-parallel group of a
+data-parallel group (``shard_experts``: each rank keeps a contiguous slice of E / ``size`` experts), and the token
+exchange that runs it dropless (``dispatch``), the same arithmetic as transformers' ``grouped_mm`` path on one rank.
+
+``dispatch``: the routed (token, expert) pairs sorted by expert (a stable sort: one order on every rank), the counts
+per destination rank exchanged, the rows sent with an autograd all-to-all of uneven splits (its backward is the
+reverse exchange: each token's gradient comes home, each expert's gradient is the sum over every rank's tokens), the
+local experts' grouped products, the rows sent back, weighted by the router and summed over top-k in transformers'
+order. Every rank of the group calls each exchange at the same point of the forward and of the backward (the
+data-parallel ranks of a stage run the same order): a rank that receives no row still joins both, its products tied
+to the graph. The half outside the model (the groups, DeepSpeed's expert reduction, clipping and checkpoints over the
+slices) is ``parallel.experts`` and ``train``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+SLICED = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias", "up_proj", "up_proj_bias")
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """This rank's place in its expert-parallel group: ``rank`` of ``size``, over ``group`` (a process group whose
+    ranks are consecutive data-parallel ranks of one stage); ``group_name`` is DeepSpeed's name for its groups
+    (``ep_size_N``: expert parameters are reduced over the matching expert-data-parallel group)."""
+    group: Any
+    rank: int
+    size: int
+    group_name: str
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a tensor over every expert (dim 0)."""
+        n = full.shape[0] // self.size
+        return full[self.rank * n:(self.rank + 1) * n]
+
+    def gather(self, part: torch.Tensor) -> torch.Tensor:
+        """The tensor over every expert from each rank's slice (a collective over the group)."""
+        parts = [torch.empty_like(part) for _ in range(self.size)]
+        dist.all_gather(parts, part.contiguous(), group=self.group)
+        return torch.cat(parts, dim=0)
+
+
+def is_fused_experts(m: nn.Module) -> bool:
+    p = m._parameters.get("gate_up_proj", m._parameters.get("up_proj"))
+    return isinstance(getattr(m, "num_experts", None), int) and isinstance(p, nn.Parameter) and p.dim() == 3
+
+
+def shard_of(p) -> "ExpertShard | None":
+    """The shard of an expert parameter (``shard_experts``), None for any other."""
+    return getattr(p, "mmpipe_shard", None)
+
+
+def shard_experts(module: nn.Module, shard: ExpertShard) -> int:
+    """Keep this rank's slice of every fused-experts module's tensors (as new parameters, marked for DeepSpeed's expert
+    reduction: ``allreduce = False``, ``group_name``) and route their forward through ``dispatch``. Returns the
+    number of modules split."""
+    n = 0
+    for m in module.modules():
+        if not is_fused_experts(m) or getattr(m, "mmpipe_shard", None) is not None:
+            continue
+        if m.num_experts % shard.size:
+            raise ValueError(f"{m.num_experts} experts do not split over {shard.size} expert-parallel ranks")
+        for name in SLICED:
+            p = m._parameters.get(name)
+            if p is None:
+                continue
+            q = nn.Parameter(shard.take(p.data).clone(), requires_grad=p.requires_grad)
+            q.allreduce, q.group_name, q.mmpipe_shard = False, shard.group_name, shard
+            m._parameters[name] = q
+        m.mmpipe_global_experts = m.num_experts
+        m.num_experts = m.num_experts // shard.size
+        m.mmpipe_shard = shard
+        n += 1
+    return n
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows exchanged with uneven splits; the backward sends each row's gradient back where the row came from."""
+
+    @staticmethod
+    def forward(ctx, rows, send: list, recv: list, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = rows.new_empty((sum(recv),) + tuple(rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
+def dispatch(experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+             local: Callable) -> torch.Tensor:
+    """The experts' output [T, H] for ``hidden`` [T, H] routed to global experts ``top_k_index`` [T, k] with weights
+    ``top_k_weights``, the experts spread over ``experts.mmpipe_shard``'s group; ``local(experts, rows, ids,
+    weights)`` runs this rank's experts (transformers' forward with local ids, top-1, weight 1)."""
+    shard: ExpertShard = experts.mmpipe_shard
+    T, k = top_k_index.shape
+    n_local = experts.num_experts
+    ids = top_k_index.reshape(-1)
+    order = torch.argsort(ids, stable=True)
+    sorted_ids = ids[order]
+    dest = torch.div(sorted_ids, n_local, rounding_mode="floor")
+    send_n = torch.bincount(dest, minlength=shard.size).to(torch.int64)
+    recv_n = torch.empty_like(send_n)
+    dist.all_to_all_single(recv_n, send_n, group=shard.group)
+    send, recv = send_n.tolist(), recv_n.tolist()  # (the splits: one host read per MoE layer)
+    rows = _AllToAll.apply(hidden[order // k], send, recv, shard.group)
+    got_ids = sorted_ids.new_empty(sum(recv))
+    dist.all_to_all_single(got_ids, (sorted_ids - dest * n_local).contiguous(), recv, send, group=shard.group)
+    if rows.shape[0]:
+        out = local(experts, rows, got_ids.unsqueeze(-1), rows.new_ones((rows.shape[0], 1)))
+    else:  # no row for this rank's experts: still joins the exchanges, forward and backward
+        tie = sum(p.reshape(-1)[:1].sum() for p in experts.parameters() if p.requires_grad)
+        out = rows * 0 + (tie * 0 if torch.is_tensor(tie) else 0)
+    back = _AllToAll.apply(out, recv, send, shard.group)
+    weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return weighted[inverse].view(T, k, hidden.shape[-1]).sum(dim=1).to(hidden.dtype)
