@@ -32,7 +32,7 @@ RULES = [  # (command regex, RUN or the reason it is not run here)
     (r"^mmpipe plan --config configs/(clip_vit_l14|llava_1_5_7b|qwen2_5_vl_7b|qwen3_5_9b|qwen3_vl_8b|siglip_b16)\.yaml --world 8 --memory-gb 80$",
      RUN),
     (r"^mmpipe plan --config configs/siglip_b16\.yaml --world (64|256) --memory-gb 80$", RUN),
-    (r"^mmpipe plan --config configs/(qwen3_5_35b_a3b|qwen3_vl_30b_a3b)\.yaml --world 16 --memory-gb 80$", RUN),
+    (r"^mmpipe plan --config configs/(qwen3_5_35b_a3b|qwen3_vl_30b_a3b)\.yaml --world (8|16) --memory-gb 80$", RUN),
     (r"^mmpipe plan --config configs/llava_1_5_7b\.yaml --world 8 --memory-gb 80 --gpu-kernels --set optim\.train_type=lora$",
      RUN),
     (r"^mmpipe plan .*--world ", "measures collectives at 4 ranks (minutes); tests/test_layout.py runs --world 2"),

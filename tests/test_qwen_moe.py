@@ -377,3 +377,25 @@ def test_expert_data_parallel_with_zero(family_runs_of, zero):
     from test_parity import check_layout_parity
     check_layout_parity("qwen3_5_moe", family_runs_of("qwen3_5_moe"), f"dp4_ep2_z{zero}", 4, "deepspeed",
                         ["parallel.pipeline_stages=1", f"parallel.zero_stage={zero}"] + EP, loss_rtol=1e-5)
+
+
+def test_pipelined_expert_parallel_bf16_and_a_resume_onto_expert_parallel(family_runs_of, tmp_path):
+    """P2 x DP2 x EP2 in bf16 (DeepSpeed's bf16 optimizer: expert slices partitioned over their expert-data-parallel
+    group) trains as P = 2 in bf16, within bf16's rounding; the P = 2 reference's step-4 checkpoint (every expert on
+    each rank) continued on DP2 x EP2 with ZeRO-1 gives its steps 5-6."""
+    import json
+
+    import numpy as np
+    from helpers import train_losses
+    from test_elastic import check_resume_on_another_layout
+    from test_parity import _weights, assert_weights_close
+    runs = family_runs_of("qwen3_5_moe")
+    plan = tmp_path / "cut.json"
+    plan.write_text(json.dumps({"stages": CUTS["qwen3_5_moe"]}))
+    cut = ["parallel.pipeline_stages=2", f"parallel.plan={plan}", "train.precision=bf16"]
+    two, _ = runs.get("bf16_p2", 2, cut, flags=["--stop-at", "3"])
+    ep, _ = runs.get("bf16_p2dp2_ep2", 4, cut + EP, flags=["--stop-at", "3"])
+    np.testing.assert_allclose(train_losses(ep), train_losses(two), rtol=1e-3)
+    assert_weights_close(_weights(ep, 3), _weights(two, 3), rtol=1e-2, atol=4e-3)
+    check_resume_on_another_layout(runs, tmp_path, "p2_to_ep2_z1", 2, "deepspeed",
+                                   ["parallel.pipeline_stages=1", "parallel.zero_stage=1"] + EP)

@@ -529,7 +529,7 @@ def validate(cfg: RunConfig) -> None:
             f"{cfg.parallel.pipeline_stages}: DeepSpeed's pipeline engine supports ZeRO 0/1 only "
             "(ZeRO-2/3 partition gradients the pipeline schedule reduces itself); use zero_stage 0 or 1, or pipeline_stages 1")
     ep = cfg.parallel.expert_parallel
-    if ep > 1 and not fam.routed_experts:
+    if ep > 1 and not getattr(fam, "routed_experts", False):  # (a MoE family's mark: ``RoutedExperts``)
         raise ConfigError(f"{where}: parallel.expert_parallel={ep}: model.type={cfg.model.type} has no routed experts "
                           "(expert parallelism is for MoE models: qwen3_5_moe, qwen3_vl_moe); set it to 1")
     if ep > 1 and cfg.parallel.zero_stage == 3:

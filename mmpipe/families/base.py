@@ -70,7 +70,6 @@ class Family:
     # per-micro-batch means: ``loss_units`` counts them and ``loss`` takes the normaliser
     token_mean: ClassVar[bool] = False
     packs: ClassVar[bool] = False  # data.packing: several samples per sequence
-    routed_experts: ClassVar[bool] = False  # MoE blocks whose fused experts split over parallel.expert_parallel ranks
     data_format: ClassVar[str] = ""  # what it trains on: "captions" (image-caption pairs), "chat"
     generates: ClassVar[bool] = False  # mmpipe generate answers with it (chat families)
     # how its parameters split into decayed / undecayed optimizer groups, recorded with checkpoints

@@ -38,6 +38,7 @@ that exercises the patch's behaviour.
 | ``no_single_rank_allreduce`` | ``DeepSpeedEngine.enable_backward_allreduce``, ``dp_world_size`` | ZeRO-0 at P = 1 on one rank flattened, all-reduced and copied back every gradient per step |
 | ``create_expert_groups`` | ``deepspeed.utils.groups._create_expert_and_data_parallel`` (``mp_size``, ``pp_size``), ``_get_expert_parallel_group`` / ``_rank`` | expert parallelism: the expert-parallel group of consecutive data-parallel ranks of a stage, and the expert-data-parallel group DeepSpeed reduces expert gradients over |
 | ``moe_engine`` | ``DeepSpeedEngine._configure_distributed_model``, ``has_moe_layers``, ``deepspeed.moe.utils.is_moe_param`` | an engine over mmpipe's expert slices (no ``deepspeed.moe`` layer) reduces and partitions them as DeepSpeed's own MoE parameters |
+| ``expert_parallel_group`` | ``DeepSpeedEngine.has_moe_layers``, ``expert_parallel_group`` (its dict of expert-parallel groups by name) | grouped clipping sums replicated expert slices' squares over their group |
 | ``expert_param_groups``, ``group_name`` | the param-group keys ``moe`` and ``name`` (``DeepSpeedZeroOptimizer._configure_moe_settings``, ``configure_moe_param_groups``) | expert slices in their own optimizer groups (partitioned over the expert-data-parallel group), mmpipe's group name kept |
 | ``without_moe_checkpoint`` | ``DeepSpeedEngine.save_checkpoint`` branching on ``has_moe_layers`` (``_save_moe_checkpoint`` walks ``deepspeed.moe`` layers only) | DeepSpeed's plain per-stage files; the expert slices are saved by mmpipe (``train.layout_free_state``) |
 | ``unfused_masters`` | ``FP16_UnfusedOptimizer.fp16_groups``, ``fp32_groups`` | layout-free optimizer state of fp16/bf16 at P = 1 without ZeRO |
@@ -590,6 +591,14 @@ def moe_engine():
         yield
     finally:
         DeepSpeedEngine._configure_distributed_model = original
+
+
+def expert_parallel_group(engine):
+    """The expert-parallel group of an engine over expert slices (``moe_engine``), None without one."""
+    if not getattr(engine, "has_moe_layers", False):
+        return None
+    groups = getattr(engine, "expert_parallel_group", None) or {}
+    return next(iter(groups.values()), None)
 
 
 def expert_param_groups(torch_groups: list) -> list:

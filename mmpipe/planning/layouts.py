@@ -33,6 +33,7 @@ why. ``choose`` takes the fastest that fits, or within ``TIE`` of it the simples
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -76,6 +77,7 @@ class LayoutPrediction:
     checkpointing: bool = False  # activation checkpointing
     breakdown: list = field(default_factory=list)  # per stage: MemoryBreakdown.to_dict()
     order: Optional[Order] = None  # a pipeline row's order (chosen with its cut)
+    expert_parallel: int = 1  # a MoE model's routed experts split over this many data-parallel ranks
 
     @property
     def peak(self) -> int:
@@ -113,7 +115,7 @@ def predict_layouts(prof: dict, comm: CommModel, world: int, batch_size: int, mi
                     cores: Optional[int] = None, zero_stages=(0, 1, 2, 3), placements=("modality", "auto"),
                     max_pipeline: Optional[int] = None, grouped_clip: bool = False,
                     fetch_units=None, checkpointing=(False,), zero3_checkpointing_why: str = "",
-                    schedule: str = "auto") -> list:
+                    schedule: str = "auto", num_experts: int = 0) -> list:
     """Every layout of ``world`` ranks (see the module doc), predicted; a list of ``LayoutPrediction``.
     ``fetch_units``: (modules whose parameters ZeRO-3 partitions, modules whose parameters it keeps
     persistent, the persistent parameters' element count, parameter tensors), or one count of
@@ -122,7 +124,8 @@ def predict_layouts(prof: dict, comm: CommModel, world: int, batch_size: int, mi
     Default: one partitioned module (and one tensor) per layer. ``checkpointing``: predict each
     layout without and/or with activation checkpointing; ``zero3_checkpointing_why``: the family cannot
     run ZeRO-3 with it (those rows do not fit, and say why); ``schedule``: ``parallel.schedule`` (a pipeline row's cut
-    and order are chosen together, ``place``)."""
+    and order are chosen together, ``place``); ``num_experts``: a MoE model's routed experts per block: each layout with
+    data parallelism is also predicted with them split over its data-parallel ranks (``expert_split``)."""
     out = []
     for ck in checkpointing:
         ctx = _Ctx({**prof, "checkpointing": ck}, comm, world, batch_size, micro_batch_size, precision, cores)
@@ -130,13 +133,15 @@ def predict_layouts(prof: dict, comm: CommModel, world: int, batch_size: int, mi
         units = fetch_units if isinstance(fetch_units, tuple) else (fetch_units or len(ctx.costs), 0)
         units = tuple(units)[:4]
         units = units + (0,) * max(0, 3 - len(units)) + ((len(ctx.costs),) if len(units) < 4 else ())
-        rows = [_dp_row(ctx, z, grouped_clip, units) for z in zero_stages if world > 1 or z == 0]
+        rows = [_dp_row(ctx, z, grouped_clip, units, e) for z in zero_stages if world > 1 or z == 0
+                for e in expert_split(world, num_experts, z)]
         for P in range(2, min(world, max_pipeline or len(names)) + 1):
             if world % P:
                 continue
             D = world // P
             for z in (0, 1) if D > 1 else (0,):
-                rows += [_pp_row(ctx, P, D, z, pl, names, segments) for pl in placements]
+                rows += [_pp_row(ctx, P, D, z, pl, names, segments, e) for e in expert_split(D, num_experts, z)
+                         for pl in placements]
         for row in rows:
             row.checkpointing = ck
             if ck:
@@ -151,6 +156,32 @@ def predict_layouts(prof: dict, comm: CommModel, world: int, batch_size: int, mi
                 row.why = (f"needs {row.peak / 2**30:.2f} GB on its fullest rank, over the "
                            f"{memory_budget / 2**30:.2f} GB budget")
     return out
+
+
+def expert_split(data_parallel: int, num_experts: int, zero: int) -> list:
+    """The expert-parallel degrees a layout is predicted with: 1, and (a MoE model, ZeRO 0-2) the largest divisor of
+    the data-parallel degree that divides the experts (the common choice: each expert on as few ranks as the layout
+    allows; the degrees between lie between the two)."""
+    if not num_experts or zero == 3 or data_parallel < 2:
+        return [1]
+    e = max(d for d in range(1, data_parallel + 1) if data_parallel % d == 0 and num_experts % d == 0)
+    return [1, e] if e > 1 else [1]
+
+
+def expert_costs(comm, costs: list, D: int, e: int, g_b: int, w_b: int) -> tuple:
+    """Expert parallelism's collectives over ``costs`` (layers of one rank) in ``e``-rank groups of ``D`` data-parallel
+    ranks: (the gradient all-reduce of the step, the parameter all-gather after a ZeRO step, one micro-batch's token
+    exchanges). Routed experts' gradients go over the ``D / e`` ranks holding the same ones, 1 / ``e`` of them each;
+    the rest over all ``D``. Each MoE layer sends its routed rows (``LayerCost.routed_bytes``) out and back in its
+    forward and again in its backward: four all-to-alls, priced as all-gathers of the rows over the ``e`` ranks (each
+    rank sends (e - 1) / e of them, as a ring all-gather does)."""
+    ge = sum(c.experts_trainable for c in costs) if e > 1 else 0
+    we = sum(c.experts for c in costs) if e > 1 else 0
+    G, W = sum(c.trainable for c in costs) - ge, sum(c.params for c in costs) - we
+    grads = comm.time("allreduce", D, G * g_b) + (comm.time("allreduce", D // e, ge / e * g_b) if ge and D > e else 0)
+    gather = comm.time("allgather", D, W * w_b) + (comm.time("allgather", D // e, we / e * w_b) if we and D > e else 0)
+    a2a = sum(4 * comm.time("allgather", e, c.routed_bytes) for c in costs if c.routed_bytes) if e > 1 else 0.0
+    return grads, gather, a2a
 
 
 class _Ctx:
@@ -206,10 +237,10 @@ def step_loss_summary(prof: dict, batch: int, row: "LayoutPrediction") -> Option
             f"{flops / 1e12:.2f} TFLOP a step, {mem / 2**30:.2f} GB at its peak: {how}")
 
 
-def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple) -> LayoutPrediction:
+def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple, e: int = 1) -> LayoutPrediction:
     n, comm, costs = ctx.world, ctx.comm, ctx.costs
-    row = LayoutPrediction(f"DP{n} ZeRO-{z}" if n > 1 else "single process", 1, n, z, None, 0,
-                           clipping="grouped" if z < 2 else "DeepSpeed global")
+    row = LayoutPrediction((f"DP{n} ZeRO-{z}" if n > 1 else "single process") + (f" EP{e}" if e > 1 else ""), 1, n,
+                           z, None, 0, clipping="grouped" if z < 2 else "DeepSpeed global", expert_parallel=e)
     M = row.micro_batches = ctx.micro_batches(row, n)
     if not M:
         return row
@@ -219,15 +250,16 @@ def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple) -> LayoutPredic
     opt = sum(c.opt_ms for c in costs) / 1e3
     G = sum(c.trainable for c in costs) * ctx.g_b
     W = sum(c.params for c in costs) * ctx.w_b
+    grads, gather, a2a = expert_costs(comm, costs, n, e, ctx.g_b, ctx.w_b)
     if z == 0:
-        cm = comm.time("allreduce", n, G)
+        cm = grads
     elif z == 1:
-        cm = comm.time("allreduce", n, G) + comm.time("allgather", n, W)
+        cm = grads + gather
     elif z == 2:
         # DeepSpeed's ZeRO-2 reduces each micro-batch's gradient buckets by all-reduce (its default
         # use_multi_rank_bucket_allreduce) and keeps its own partition; gloo's reduce-scatter costs 5x
         # the all-reduce per byte here, so which one it runs matters
-        cm = M * comm.time("allreduce", n, G) + comm.time("allgather", n, W)
+        cm = M * grads + gather
     else:  # every partitioned module fetched for forward and again for backward; after the step,
         # the updated persistent parameters all-gathered (their latency is in the measured step cost)
         kept = units[2] * ctx.w_b
@@ -251,6 +283,7 @@ def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple) -> LayoutPredic
         fb += sum(c.fwd_ms for c in costs[step_loss.get("frozen_prefix", 0) if z < 3 else 0:]) / 1e3
     if step_loss and n > 1:  # the features' all-gather
         cm += comm.time("allgather", n, M * step_loss["features_bytes"])
+    cm += M * a2a  # (expert parallelism: every micro-batch's token exchanges)
     row.compute = M * fb + (opt / n if z >= 1 else opt) + loss_seconds(step_loss, ctx.batch, n, M) * ctx.over
     row.comm = cm * ctx.over + fixed  # collectives between oversubscribed ranks wait for the cores too
     row.step_time = row.compute + row.comm
@@ -259,14 +292,15 @@ def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple) -> LayoutPredic
     return row
 
 
-def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: list) -> LayoutPrediction:
-    tag = f"PP{P}" + (f"xDP{D}" if D > 1 else "") + f" {pl}" + (f" ZeRO-{z}" if D > 1 else "")
-    row = LayoutPrediction(tag, P, D, z, pl, 0)
+def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: list, e: int = 1) -> LayoutPrediction:
+    tag = f"PP{P}" + (f"xDP{D}" if D > 1 else "") + f" {pl}" + (f" ZeRO-{z}" if D > 1 else "") + (f" EP{e}" if e > 1 else "")
+    row = LayoutPrediction(tag, P, D, z, pl, 0, expert_parallel=e)
     M = row.micro_batches = ctx.micro_batches(row, D)
     if not M:
         return row
     try:
-        plan = place(names, segments, P, pl, M, schedule=ctx.schedule, prof=_scaled(ctx.raw, ctx.over),
+        plan = place(names, segments, P, pl, M, schedule=ctx.schedule,
+                     prof={**_scaled(ctx.raw, ctx.over), "expert_parallel": e},
                      micro_batch_size=ctx.mbs, precision=ctx.precision, zero_stage=z, data_parallel=D)
     except ConfigError as e:
         row.fits, row.why = False, str(e)
@@ -289,18 +323,19 @@ def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: l
         sim, f = predict(ctx.raw, parts, M, plan.order), 1.0
     sprof = _scaled(ctx.raw, f)
     t = stage_times(sprof, parts)
-    dp_comm = opt_saving = 0.0
+    dp_comm = opt_saving = a2a = 0.0
     for s in range(P):
-        G = sum(c.trainable for c in ctx.costs[parts[s]:parts[s + 1]]) * ctx.g_b
-        W = sum(c.params for c in ctx.costs[parts[s]:parts[s + 1]]) * ctx.w_b
-        c_s = (ctx.comm.time("allreduce", D, G) + (ctx.comm.time("allgather", D, W) if z == 1 else 0.0)) * f
+        grads, gather, exchange = expert_costs(ctx.comm, ctx.costs[parts[s]:parts[s + 1]], D, e, ctx.g_b, ctx.w_b)
+        c_s = (grads + (gather if z == 1 else 0.0)) * f
         dp_comm = max(dp_comm, c_s)
+        a2a = max(a2a, M * exchange * f)  # (the stage with the most exchanges holds the others up)
         if z == 1:
             opt_saving = max(opt_saving, t["opt"][s] * (1 - 1 / D))
     # the last stage's loss over the step, between the two passes (its rows only with model.local_loss)
-    row.step_time = sim.step_time - opt_saving + dp_comm + gather * f + loss_seconds(step_loss, ctx.batch, D, M) * f
+    row.step_time = (sim.step_time - opt_saving + dp_comm + gather * f + loss_seconds(step_loss, ctx.batch, D, M) * f
+                     + a2a)
     row.compute = M * max(a + b + a1 for a, b, a1 in zip(t["F"], t["B"], t.get("F1", [0.0] * P)))
-    row.comm = dp_comm + sim.step_time - max(sim.busy)  # waiting, transfers and the reduction
+    row.comm = dp_comm + a2a + sim.step_time - max(sim.busy)  # waiting, transfers, the reduction, expert exchanges
     row.bubble = sim.bubble
     row.samples_per_s = ctx.batch / row.step_time if row.step_time > 0 else 0.0
     _memory(row, ctx, parts, M, z, D)
@@ -309,7 +344,8 @@ def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: l
 
 def _memory(row, ctx: _Ctx, parts: list, M: int, z: int, dp: int) -> None:
     """The row's predicted peak per stage (``mmpipe.planning.memory``) under its order, totals and breakdowns."""
-    mem = stage_breakdown(ctx.costs, parts, M, ctx.precision, z, dp, run_shape(ctx.raw, row.order or default_order()))
+    shape = dataclasses.replace(run_shape(ctx.raw, row.order or default_order()), expert_parallel=row.expert_parallel)
+    mem = stage_breakdown(ctx.costs, parts, M, ctx.precision, z, dp, shape)
     row.memory = [m.total for m in mem]
     row.breakdown = [m.to_dict() for m in mem]
 
@@ -327,7 +363,7 @@ def choose(rows: list, tie: float = TIE) -> tuple:
         raise ConfigError("parallel.layout=auto: no layout fits: " + "; ".join(f"{r.name}: {r.why}" for r in rows)
                           + " (raise parallel.memory_budget_gb, use more ranks, or freeze/shrink the model)")
     near = ok if tie == float("inf") else [r for r in ok if r.step_time <= ok[0].step_time * (1 + tie)]
-    best = min(near, key=lambda r: (r.pipeline_stages, r.zero_stage, r.checkpointing, r.step_time))
+    best = min(near, key=lambda r: (r.pipeline_stages, r.zero_stage, r.checkpointing, r.expert_parallel, r.step_time))
     others = [r for r in ok if r is not best]
     runner_up = f", next {others[0].name} {1e3 * others[0].step_time:.1f} ms" if others else ""
     simpler = (f" (within {tie:.0%} of the fastest, {ok[0].name} {1e3 * ok[0].step_time:.1f} ms, with fewer "
@@ -428,7 +464,8 @@ def plan_layouts(cfg, world: int, memory_gb: Optional[float] = None, use_cache: 
                            grouped_clip=grouped_clip, fetch_units=fetch_units(family),
                            checkpointing=checkpointing_choices(cfg),
                            zero3_checkpointing_why=family.zero3_checkpointing_refusal(),
-                           schedule=cfg.parallel.schedule)
+                           schedule=cfg.parallel.schedule,
+                           num_experts=family.num_experts if getattr(family, "routed_experts", False) else 0)
     if unfit_ok and not any(r.fits for r in rows):  # (mmpipe plan: the table all the same; chosen None)
         best, why = None, "no layout fits"
     else:

@@ -65,7 +65,7 @@ def profile_key(cfg, family, micro_batch_size: int, threads: int, device: str, f
             "precision": cfg.train.precision,
             "device": device, "threads": threads, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
             "forward_only": sorted(forward_only),
-            "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 15,
+            "frozen": hashlib.sha1("\n".join(sorted(frozen)).encode()).hexdigest(), "version": 16,
             "split_backward": split_backward(cfg),
             # a chat family's example shapes may come from its data (``example_batches``: image sizes)
             "data": _data_key(cfg.data.train) if family.data_format == "chat" else None,
@@ -372,6 +372,7 @@ def _with_schedule(prof: dict, family, cfg, gpu: Optional[bool] = None) -> dict:
     forward runs again in its backward), so the predictions cost what runs."""
     prof["checkpointing"] = cfg.parallel.activation_checkpointing == "all"
     prof["adamw_temp"] = adamw_temp_bytes(adamw_kernel(cfg, gpu))  # (``gpu``: for a GPU run planned here)
+    prof["expert_parallel"] = cfg.parallel.expert_parallel  # (the routed experts each rank holds)
     prof["ties"] = tied_layers(family)
     mbs = prof.get("key", {}).get("micro_batch_size")
     if mbs:  # one micro-batch as the loader hands it over (inputs and labels)

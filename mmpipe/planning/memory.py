@@ -134,6 +134,7 @@ class RunShape:
     adamw_temp: int = 4  # bytes per parameter AdamW's step makes (``config.deepspeed.adamw_kernel``: multi-tensor 4,
     # fused none, the CPU's per-parameter loop one parameter's at a time: none counted)
     order: Order = field(default_factory=default_order)  # the pipeline order (``parallel.schedules``)
+    expert_parallel: int = 1  # a MoE layer's routed experts (``LayerCost.experts``) split over this many ranks
 
 
 def run_shape(prof: dict, order: Order, checkpointing: Optional[bool] = None) -> RunShape:
@@ -146,7 +147,7 @@ def run_shape(prof: dict, order: Order, checkpointing: Optional[bool] = None) ->
                     tuple(tuple(t) for t in prof.get("ties", ())), int(prof.get("batch_bytes", 0)),
                     bool(prof.get("last_reads", False)), int(sl.get("rows", 0)), int(sl.get("pair_bytes", 0)),
                     int(sl.get("block_rows", 0)), int(sl.get("block_pair_bytes", 0)), bool(sl.get("local", False)),
-                    int(prof.get("adamw_temp", 4)), order)
+                    int(prof.get("adamw_temp", 4)), order, int(prof.get("expert_parallel", 1)))
 
 
 @dataclass
@@ -199,12 +200,17 @@ def activation_bytes(costs: list, a: int, b: int, k: int, sch: RunShape) -> floa
 
 
 def _states(costs: list, a: int, b: int, precision: str, zero: int, dp: int, ties: tuple = (),
-            pipelined: bool = False) -> tuple:
+            pipelined: bool = False, ep: int = 1) -> tuple:
     """(weights, gradients, optimizer state) bytes of layers ``a..b-1`` on one rank; a parameter tied
-    between two of them (``RunShape.ties``) counted once; the optimizer's per ``optimizer_bytes``."""
+    between two of them (``RunShape.ties``) counted once; the optimizer's per ``optimizer_bytes``. With expert
+    parallelism ``ep``, a MoE layer's routed experts (``LayerCost.experts``) are 1 / ``ep`` of them on each rank,
+    their gradients too, and ZeRO partitions their optimizer state (and ZeRO-2 their gradients) over the ``dp / ep``
+    ranks holding the same experts: the rest as without."""
     w, g, _ = state_bytes(precision)
-    trainable = sum(c.trainable for c in costs[a:b])
-    frozen = sum(c.params - c.trainable for c in costs[a:b])
+    e_tr = sum(c.experts_trainable for c in costs[a:b]) if ep > 1 else 0
+    e_fr = sum(c.experts - c.experts_trainable for c in costs[a:b]) if ep > 1 else 0
+    trainable = sum(c.trainable for c in costs[a:b]) - e_tr
+    frozen = sum(c.params - c.trainable for c in costs[a:b]) - e_fr
     names = {c.name: c for c in costs[a:b]}
     for first, second, n in ties:
         if first in names and second in names:
@@ -214,10 +220,14 @@ def _states(costs: list, a: int, b: int, precision: str, zero: int, dp: int, tie
                 frozen -= n
     n = dp if zero >= 1 else 1
     opt = optimizer_bytes(precision, zero, dp, pipelined, trainable)
+    # the experts (none without expert parallelism: counted above with the rest)
+    ew = (e_tr + e_fr) / ep * w
+    eg = e_tr / ep * g / (dp // ep if zero == 2 else 1)
+    eo = optimizer_bytes(precision, zero, dp // ep, pipelined, e_tr / ep) if e_tr else 0.0
     if zero <= 1:  # (DeepSpeed's pipeline runs ZeRO 0 and 1 only)
-        return trainable * w + frozen * w, trainable * g, opt
+        return trainable * w + frozen * w + ew, trainable * g + eg, opt + eo
     if zero == 2:
-        return trainable * w + frozen * w, trainable * g / n, opt
+        return trainable * w + frozen * w + ew, trainable * g / n + eg, opt + eo
     # ZeRO-3: everything sharded; the largest layer is gathered whole (weights, and gradients in backward)
     gathered = max(c.params * w + c.trainable * g for c in costs[a:b])
     return (trainable + frozen) * w / n + gathered, trainable * g / n, opt
@@ -256,7 +266,8 @@ def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str
         a, b = parts[s], parts[s + 1]
         k = live_activations(streams[s]) if P > 1 else 1
         q = queued_weight_grads(streams[s]) if P > 1 else 0  # a split backward's weight-gradient inputs
-        w, g, o = _states(costs, a, b, precision, zero_stage, data_parallel, shape.ties, pipelined=P > 1)
+        w, g, o = _states(costs, a, b, precision, zero_stage, data_parallel, shape.ties, pipelined=P > 1,
+                          ep=shape.expert_parallel)
         # the outputs of each micro-batch in flight are kept for its backward (the last stage's for the
         # loss), and a non-last stage receives their gradient into one more buffer of that size; a pipe
         # buffer beyond those in flight holds a received input early (a zero-bubble order's)
@@ -272,7 +283,8 @@ def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str
         # torch's multi-tensor AdamW makes one fp32 temporary per (sharded) parameter in its step (its fused
         # kernel none: ``RunShape.adamw_temp``), beside the fp32 gradients DeepSpeed's wrapper makes for it
         # (``step_split``)
-        trainable = sum(c.trainable for c in costs[a:b])
+        E = shape.expert_parallel  # (a rank steps 1 / E of the routed experts)
+        trainable = sum(c.trainable - c.experts_trainable * (1 - 1 / E) for c in costs[a:b])
         sharded = optimizer_split(precision, zero_stage, P > 1)[0] > 0
         made_split, made_whole = step_split(precision, zero_stage, P > 1)
         step = trainable * (shape.adamw_temp / (data_parallel if sharded else 1) + made_split / data_parallel + made_whole)

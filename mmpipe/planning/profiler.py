@@ -28,6 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
+from mmpipe.families.expert_dispatch import is_fused_experts
 from mmpipe.parallel.executor import wants_grad
 from mmpipe.parallel.live_bytes import LiveBytes
 from mmpipe.parallel.zero_bubble import WeightGradStore, install
@@ -54,6 +55,12 @@ class LayerCost:
     w_bytes: int = 0  # a split backward's queue between B and W (its trainable linear layers' inputs and outputs)
     bwd_in_ms: Optional[float] = None  # a split backward's B (None: not measured; ``bwd_ms`` is the whole)
     bwd_w_ms: Optional[float] = None  # ... and its W
+    # a MoE layer: its routed experts' parameters (split over parallel.expert_parallel ranks: ``memory``), and the
+    # bytes of the token rows its experts take per micro-batch (tokens x top-k x hidden: what expert parallelism's
+    # all-to-all sends out and back, forward and backward)
+    experts: int = 0
+    experts_trainable: int = 0
+    routed_bytes: int = 0
 
     def backward_split(self) -> tuple:
         """(B, W) milliseconds: measured, else the whole backward in B."""
@@ -204,7 +211,8 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
             evict()
             t0 = time.perf_counter()
             run = _WithLoss(layer, loss_fn if i == (n_layers or 0) - 1 else None)
-            with _SavedBytes(ptrs, in_ptrs) as saved, _LinearIO(layer, r == 0) as linear_io:
+            with _SavedBytes(ptrs, in_ptrs) as saved, _LinearIO(layer, r == 0) as linear_io, \
+                    _RoutedRows(layer, r == 0) as routed:
                 y = run(x_in)
             _sync(device)
             fwd.append(time.perf_counter() - t0)
@@ -236,12 +244,40 @@ def profile_layers(layers, inputs: tuple, repeats: int = 5, warmup: int = 2,
             opt_ms=optimizer_ms(layer, repeats if timed else 0, evict),
             out_tensors=len(sent), grad_tensors=len(back), grad_bytes=_nbytes(back), in_bytes=in_b,
             workspace=backward_workspace(run, _detach(x, flags), layer) if workspace else 0, w_bytes=w_b,
-            **_halves(halves[keep], split, bwd[keep])))
+            **_experts(layer, routed.total), **_halves(halves[keep], split, bwd[keep])))
         ys = [y] if torch.is_tensor(y) else list(y)
         flags = next_flags
         x = _marked(ys[0], ys[0].detach()) if torch.is_tensor(y) else tuple(_marked(t, t.detach()) for t in ys)
         del layer, y, ys, params
     return costs
+
+
+def _experts(layer, routed_bytes: int) -> dict:
+    """A layer's ``LayerCost`` fields of its routed experts."""
+    ps = [p for m in layer.modules() if is_fused_experts(m) for p in m.parameters(recurse=False)]
+    return {"experts": sum(p.numel() for p in ps), "experts_trainable": sum(p.numel() for p in ps if p.requires_grad),
+            "routed_bytes": routed_bytes}
+
+
+class _RoutedRows:
+    """Bytes of the token rows a layer's fused experts take in one forward (hidden states x top-k: what expert
+    parallelism's all-to-all sends each way); on the meta device too."""
+
+    def __init__(self, layer, on: bool):
+        self.layer, self.on, self.total, self.handles = layer, on, 0, []
+
+    def _count(self, module, args):
+        hidden, top_k_index = args[0], args[1]
+        self.total += hidden.numel() * top_k_index.shape[-1] * hidden.element_size()
+
+    def __enter__(self):
+        if self.on:
+            self.handles = [m.register_forward_pre_hook(self._count) for m in self.layer.modules() if is_fused_experts(m)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
 
 
 class _LinearIO:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from mmpipe.config.groups import Group
 from mmpipe.parallel.ds_compat import (
     dynamic_loss_scale,
+    expert_parallel_group,
     group_name,
     is_zero_optimizer,
     wrap_zero_step,
@@ -87,11 +88,8 @@ class GradClipper:
       are refused there (``train.run``).
     """
 
-    def __init__(self, engine, groups: list[Group], max_norm: Optional[float], experts=None):
+    def __init__(self, engine, groups: list[Group], max_norm: Optional[float]):
         self.engine = engine
-        # expert parallelism (``families.expert_dispatch.ExpertShard``): replicated expert gradients differ over its
-        # group (each rank its experts): their squares are summed over it before the stages'
-        self.expert_group = experts.group if experts is not None else None
         self.max_norm = max_norm
         self.groups = [g for g in groups if not g.frozen]
         self.inner = innermost_optimizer(engine.optimizer)
@@ -180,7 +178,10 @@ class GradClipper:
         grads: dict = {}
         counted: dict = {}
         experts: dict = {}
-        by_expert = self.expert_group is not None and not self.partitioned
+        # expert parallelism: replicated (ZeRO-0) expert slices differ over the expert-parallel group (each rank its
+        # experts): their squares are summed over it before the stages'
+        ep_group = None if self.partitioned else expert_parallel_group(self.engine)
+        by_expert = ep_group is not None
         for name, gs, replica, expert in named_grads:
             if name not in self.names or not gs:
                 continue
@@ -197,7 +198,7 @@ class GradClipper:
         sq = squares(counted)
         if by_expert:  # (every rank of a stage's expert group holds expert slices, or none does)
             sq_experts = squares(experts)
-            dist.all_reduce(sq_experts, group=self.expert_group)
+            dist.all_reduce(sq_experts, group=ep_group)
             sq = sq + sq_experts
         if self.reduce is not None:
             t1 = time.perf_counter()

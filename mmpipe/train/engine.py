@@ -64,24 +64,36 @@ def mark_embeddings(model, strategy, family) -> None:
                     named[n]._mmpipe_embedding = True
 
 
-def split_experts(model, topo, rank: int) -> ExpertShard:
-    """``parallel.expert_parallel`` = E: DeepSpeed's expert groups made (every rank), and this rank's slice of each
-    MoE block's experts kept (``families.expert_dispatch``; a stage without MoE blocks keeps its layers whole)."""
+def expert_shard(topo, rank: int) -> ExpertShard:
+    """``parallel.expert_parallel`` = E: DeepSpeed's expert groups made (a collective: every rank), and this rank's
+    place in its group (``families.expert_dispatch``)."""
     group, ep_rank, name = create_expert_groups(topo.expert_parallel, topo.pipeline_stages)
     if ep_rank != topo.expert_rank(rank):  # mmpipe's rank arithmetic and DeepSpeed's groups must agree
         raise RuntimeError(f"rank {rank}: DeepSpeed's expert-parallel rank {ep_rank} is not the topology's "
                            f"{topo.expert_rank(rank)}")
-    shard = ExpertShard(group, ep_rank, topo.expert_parallel, name)
+    return ExpertShard(group, ep_rank, topo.expert_parallel, name)
+
+
+def build_module(strategy, family, shard, dynamic_shape: bool):
+    """The strategy's module; with expert parallelism each MoE block keeps this rank's slice of its experts as it is
+    built (a family that cuts its layers as it builds them: ``expert_shard`` set meanwhile), or after."""
+    if shard is None:
+        return strategy.build_module(dynamic_shape=dynamic_shape)
+    family.expert_shard = shard
+    try:
+        model = strategy.build_module(dynamic_shape=dynamic_shape)
+    finally:
+        family.expert_shard = None  # (a later profile builds whole layers)
     shard_experts(model, shard)
-    return shard
+    return model
 
 
 def build_engine(run) -> Engine:
     cfg, topo, family = run.cfg, run.topo, run.family
     forward_only = run.frozen.forward_only
     strategy = strategy_for(topo)(family, run.plan, topo, forward_only)
-    model = strategy.build_module(dynamic_shape=cfg.data.padding == "batch" or family.dynamic_shapes)
-    shard = split_experts(model, topo, run.rank) if topo.expert_parallel > 1 else None
+    shard = expert_shard(topo, run.rank) if topo.expert_parallel > 1 else None
+    model = build_module(strategy, family, shard, cfg.data.padding == "batch" or family.dynamic_shapes)
     if cfg.parallel.activation_checkpointing == "all":
         set_activation_checkpointing(model)
     apply_freeze(strategy.named_parameters(model), run.groups, lora=family.lora is not None)
@@ -114,7 +126,7 @@ def build_engine(run) -> Engine:
     eng = Engine(
         engine=engine, runner=strategy.runner(engine, cfg.log.stage_timing),
         # under ZeRO-2/3 DeepSpeed clips (its gradient buckets are not read here); the clipper logs its norm
-        clipper=GradClipper(engine, run.groups, cfg.optim.max_grad_norm, experts=shard),
+        clipper=GradClipper(engine, run.groups, cfg.optim.max_grad_norm),
         inner=innermost_optimizer(engine.optimizer), named_params=list(strategy.named_parameters(model)),
         trainable=[g for g in run.groups if not g.frozen], layer_names=layer_names, parts=parts, layout=layout,
         record=run_record(cfg, layout, run.plan.to_json()),

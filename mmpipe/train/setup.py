@@ -267,12 +267,14 @@ def choose_layout(requested: RunConfig, family_cls, groups: list, rank: int, wor
     # row has none, and the requested one (type:REGEX included) stays as it is
     placement = c["placement"].split(":")[0] if c["placement"] else requested.parallel.placement
     cfg = replace(requested, parallel__pipeline_stages=c["pipeline_stages"], parallel__zero_stage=c["zero_stage"],
-                  parallel__placement=placement,
+                  parallel__placement=placement, parallel__expert_parallel=c.get("expert_parallel", 1),
                   parallel__activation_checkpointing="all" if c.get(
                       "checkpointing", requested.parallel.activation_checkpointing == "all") else "none")
     if rank == 0:
         _warn(f"parallel.layout=auto -> {c['name']}: pipeline_stages={c['pipeline_stages']} data_parallel="
-              f"{c['data_parallel']} zero_stage={c['zero_stage']}" + (f" placement={placement}"
+              f"{c['data_parallel']} zero_stage={c['zero_stage']}"
+              + (f" expert_parallel={c['expert_parallel']}" if c.get("expert_parallel", 1) > 1 else "")
+              + (f" placement={placement}"
                                                                       if c["pipeline_stages"] > 1 else "")
               + (" activation_checkpointing=all" if cfg.parallel.activation_checkpointing == "all" else "") + f" ({choice['why']})")
     try:  # the rest of the config was validated with the stand-in: only the layout's part again

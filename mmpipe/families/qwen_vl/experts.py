@@ -30,7 +30,7 @@ from torch import nn
 from mmpipe.config.fields import Section, option
 from mmpipe.errors import ConfigError
 from mmpipe.families.chat import loss as lm
-from mmpipe.families.expert_dispatch import dispatch
+from mmpipe.families.expert_dispatch import dispatch, shard_experts
 from mmpipe.families.qwen_vl import products
 
 EXPERTS_IMPLEMENTATION = "mmpipe_grouped"  # transformers' grouped_mm; on the meta device, its shapes (planning)
@@ -172,7 +172,8 @@ class RoutedExperts:
     routers initialised as transformers does, its loss adds the load-balancing loss, and each step logs ``lm_loss``,
     ``aux_loss`` and the experts' load (tokens routed per expert in the step, averaged over the MoE layers: min, max,
     and ``expert_imbalance`` = max / mean)."""
-    routed_experts = True
+    routed_experts = True  # (parallel.expert_parallel splits its experts)
+    expert_shard = None  # while a run builds its layers with expert parallelism: each block keeps its slice
 
     def __init__(self, model_cfg, seed: int = 0):
         super().__init__(model_cfg, seed)
@@ -189,6 +190,14 @@ class RoutedExperts:
         module = super().build_unseeded(name)
         if name.startswith("llm.blocks."):
             init_experts(module, getattr(self.text_cfg, "initializer_range", 0.02))
+        return module
+
+    def build_layer(self, name: str):
+        """The layer as built (weights loaded, adapters added); with ``expert_shard`` set, its experts cut to this
+        rank's slice at once: a rank never holds more than one block's whole experts."""
+        module = super().build_layer(name)
+        if self.expert_shard is not None:
+            shard_experts(module, self.expert_shard)
         return module
 
     def source_weight(self, src, mine: str, shape) -> tuple:
