@@ -544,3 +544,33 @@ def test_a_stage_with_several_outputs_walks_its_graph_once():
     once, same = run(True)
     assert once == 1
     torch.testing.assert_close(same, grad, rtol=1e-6, atol=1e-6)
+
+
+def test_expert_parallel_targets_exist_and_groups_split_as_deepspeed_reads_them():
+    """Expert parallelism leans on DeepSpeed's MoE path: its group builder takes the pipeline degree, the engine
+    reduces ``allreduce = False`` parameters over their expert-data-parallel group when ``has_moe_layers``, its ZeRO
+    optimizer keys a MoE group's process group by the group's ``name``, an already split list of groups passes its
+    splitter untouched, and ``save_checkpoint`` branches on ``has_moe_layers`` (the run tests: test_qwen_moe.py's
+    expert-parallel layouts)."""
+    import inspect
+
+    import torch
+    from deepspeed.moe.utils import configure_moe_param_groups, is_moe_param
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.utils import groups
+
+    from mmpipe.parallel.ds_compat import expert_param_groups, group_name
+    assert {"mp_size", "pp_size"} <= set(inspect.signature(groups._create_expert_and_data_parallel).parameters)
+    assert callable(groups._get_expert_parallel_group) and callable(groups._get_expert_parallel_rank)
+    assert "self.has_moe_layers = True" in inspect.getsource(DeepSpeedEngine._configure_distributed_model)
+    assert "expert_grads[param.group_name]" in inspect.getsource(DeepSpeedEngine._get_gradients_for_reduction)
+    assert "if self.has_moe_layers:" in inspect.getsource(DeepSpeedEngine.save_checkpoint)
+    assert "self.expert_dp_process_group[group['name']]" in inspect.getsource(DeepSpeedZeroOptimizer._configure_moe_settings)
+    dense, expert = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, 2))
+    expert.allreduce, expert.group_name = False, "ep_size_2"
+    assert is_moe_param(expert) and not is_moe_param(dense)
+    split = expert_param_groups([{"name": "llm", "params": [dense, expert], "lr": 0.1}])
+    assert [(group_name(g), g.get("name"), g.get("moe", False), len(g["params"])) for g in split] == \
+        [("llm", "llm", False, 1), ("llm", "ep_size_2", True, 1)]
+    assert split[1]["lr"] == 0.1 and configure_moe_param_groups(split) is split

@@ -1,9 +1,11 @@
-"""Expert parallelism: the token exchange on two gloo ranks equals transformers' experts on one (forward, the tokens'
-gradients, each rank's experts' gradients), a rank that receives no token included."""
+"""Expert parallelism's parts: the token exchange on two gloo ranks equals transformers' experts on one (forward, the
+tokens' gradients, each rank's experts' gradients), a rank that receives no token included; the memory model's
+expert slices; its config mistakes in one line. Its layouts train in ``tests/test_qwen_moe.py``."""
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 
@@ -74,3 +76,48 @@ def test_two_rank_dispatch_equals_the_one_rank_experts(tmp_path):
             torch.testing.assert_close(torch.cat([got[0][key], got[1][key]]), full, rtol=1e-5, atol=1e-6)
         if case == "skewed":
             assert float(got[1]["gate_up"].abs().sum()) == 0.0 and float(got[0]["gate_up"].abs().sum()) > 0
+
+
+def test_the_memory_model_holds_a_slice_of_the_experts_per_rank():
+    """A layer of 1000 parameters, 800 of them routed experts, over four data-parallel ranks: with EP2 a rank holds
+    half the experts' weights and gradients; ZeRO partitions their optimizer state over the two ranks holding the
+    same experts (as much per rank as all experts over four), ZeRO-2 their gradients too; without ZeRO half."""
+    from mmpipe.planning.memory import RunShape, optimizer_bytes, stage_breakdown
+    from mmpipe.planning.place import layer_costs
+    costs = layer_costs({"layers": [dict(name="moe", fwd_ms=1.0, bwd_ms=1.0, act_bytes=0, out_bytes=0, param_bytes=0,
+                                         params=1000, trainable=1000, experts=800, experts_trainable=800)]})
+    for precision, zero in (("fp32", 0), ("fp32", 1), ("bf16", 0), ("bf16", 1), ("fp32", 2)):
+        one, two = (stage_breakdown(costs, [0, 1], 1, precision, zero, 4, RunShape(expert_parallel=e))[0]
+                    for e in (1, 2))
+        w = 4 if precision == "fp32" else 2
+        assert one.weights - two.weights == 400 * w
+        assert one.grads - two.grads == (400 * w if zero < 2 else 800 * w / 4 - 400 * w / 2)
+        if zero >= 1:
+            assert two.optimizer == pytest.approx(one.optimizer)
+        else:
+            assert one.optimizer - two.optimizer == pytest.approx(optimizer_bytes(precision, 0, 1, False, 400))
+
+
+def test_expert_parallel_mistakes_are_one_line(tmp_path):
+    """A family without experts, ZeRO-3, an E that does not divide the data-parallel degree or the experts: one line
+    naming the key and the fix."""
+    from types import SimpleNamespace
+
+    from mmpipe.config.schema import load_config
+    from mmpipe.errors import ConfigError
+    from mmpipe.parallel.topology import Topology
+    from mmpipe.train.setup import _experts_split
+    from helpers import TINY_CONFIGS
+    tiny, moe = TINY_CONFIGS["qwen3_5_moe"], ["parallel.expert_parallel=2"]
+    with pytest.raises(ConfigError, match=r"parallel.expert_parallel=2: model.type=clip has no routed experts"):
+        load_config(None, ["model.type=clip", "parallel.expert_parallel=2"])
+    with pytest.raises(ConfigError, match=r"expert_parallel=2 with parallel.zero_stage=3"):
+        load_config(tiny, moe + ["parallel.zero_stage=3"])
+    with pytest.raises(ConfigError, match=r"expert_parallel=4 does not divide the data-parallel degree 2"):
+        Topology(world_size=4, pipeline_stages=2, micro_batch_size=1, batch_size=8, expert_parallel=4)
+    assert Topology(world_size=8, pipeline_stages=2, micro_batch_size=1, batch_size=8,
+                    expert_parallel=2).expert_rank(5) == 1
+    cfg = load_config(tiny, moe)
+    with pytest.raises(ConfigError, match=r"expert_parallel=2 does not divide model.llm.num_experts=7"):
+        _experts_split(cfg, SimpleNamespace(num_experts=7))
+    assert _experts_split(cfg, SimpleNamespace(num_experts=8))[0] is cfg
