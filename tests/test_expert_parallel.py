@@ -121,3 +121,20 @@ def test_expert_parallel_mistakes_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"expert_parallel=2 does not divide model.llm.num_experts=7"):
         _experts_split(cfg, SimpleNamespace(num_experts=7))
     assert _experts_split(cfg, SimpleNamespace(num_experts=8))[0] is cfg
+
+
+def test_a_moe_layer_is_priced_with_its_token_exchanges():
+    """With EP the cut and the order see each MoE layer's four all-to-alls of its routed rows (two in its forward,
+    two in its backward: the split backward's input pass); a dense layer and EP1 as profiled."""
+    from mmpipe.planning.place import with_exchanges
+    layer = dict(name="moe", fwd_ms=1.0, bwd_ms=2.0, bwd_in_ms=1.5, bwd_w_ms=0.5, routed_bytes=1000)
+    prof = {"layers": [layer, dict(name="dense", fwd_ms=1.0, bwd_ms=2.0)],
+            "comm": {"latency_s": 1e-3, "s_per_byte": 1e-6}}
+    assert with_exchanges(prof, 1)["layers"] == prof["layers"] and with_exchanges(prof, 1)["expert_parallel"] == 1
+    two = with_exchanges(prof, 2)
+    one_exchange_ms = 1e3 * (1e-3 + 1e-6 * 1000 / 2)  # latency + the half of the rows that leaves the rank
+    moe, dense = two["layers"]
+    assert moe["fwd_ms"] == pytest.approx(1.0 + 2 * one_exchange_ms)
+    assert moe["bwd_ms"] == pytest.approx(2.0 + 2 * one_exchange_ms)
+    assert moe["bwd_in_ms"] == pytest.approx(1.5 + 2 * one_exchange_ms) and moe["bwd_w_ms"] == 0.5
+    assert dense == prof["layers"][1] and two["expert_parallel"] == 2

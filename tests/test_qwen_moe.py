@@ -374,9 +374,14 @@ def test_expert_data_parallel_with_zero(family_runs_of, zero):
     """DP4 x EP2 with ZeRO-1 and ZeRO-2: each expert slice lives on two ranks (its gradient reduced over those two,
     its optimizer state partitioned over them, the other parameters over all four) and trains the P = 2 reference
     (test_parity's check: losses rtol 1e-5, lr, weights)."""
-    from test_parity import check_layout_parity
-    check_layout_parity("qwen3_5_moe", family_runs_of("qwen3_5_moe"), f"dp4_ep2_z{zero}", 4, "deepspeed",
+    import numpy as np
+    from test_parity import _records, check_layout_parity, reference
+    runs = family_runs_of("qwen3_5_moe")
+    check_layout_parity("qwen3_5_moe", runs, f"dp4_ep2_z{zero}", 4, "deepspeed",
                         ["parallel.pipeline_stages=1", f"parallel.zero_stage={zero}"] + EP, loss_rtol=1e-5)
+    # the norm over every partition (ZeRO-1: mmpipe's, over the world; ZeRO-2: DeepSpeed's): the reference's
+    got, want = _records(runs.get(f"dp4_ep2_z{zero}", 4, [])[0]), _records(reference(runs))[:4]
+    np.testing.assert_allclose([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], rtol=1e-5)
 
 
 def test_pipelined_expert_parallel_bf16_and_a_resume_onto_expert_parallel(family_runs_of, tmp_path):
@@ -388,7 +393,7 @@ def test_pipelined_expert_parallel_bf16_and_a_resume_onto_expert_parallel(family
     import numpy as np
     from helpers import train_losses
     from test_elastic import check_resume_on_another_layout
-    from test_parity import _weights, assert_weights_close
+    from test_parity import _records, _weights, assert_weights_close
     runs = family_runs_of("qwen3_5_moe")
     plan = tmp_path / "cut.json"
     plan.write_text(json.dumps({"stages": CUTS["qwen3_5_moe"]}))
@@ -396,6 +401,38 @@ def test_pipelined_expert_parallel_bf16_and_a_resume_onto_expert_parallel(family
     two, _ = runs.get("bf16_p2", 2, cut, flags=["--stop-at", "3"])
     ep, _ = runs.get("bf16_p2dp2_ep2", 4, cut + EP, flags=["--stop-at", "3"])
     np.testing.assert_allclose(train_losses(ep), train_losses(two), rtol=1e-3)
+    np.testing.assert_allclose([r["grad_norm"] for r in _records(ep)], [r["grad_norm"] for r in _records(two)],
+                               rtol=1e-2)  # (the bf16 optimizer's partitions over the world: each expert once)
     assert_weights_close(_weights(ep, 3), _weights(two, 3), rtol=1e-2, atol=4e-3)
     check_resume_on_another_layout(runs, tmp_path, "p2_to_ep2_z1", 2, "deepspeed",
                                    ["parallel.pipeline_stages=1", "parallel.zero_stage=1"] + EP)
+
+
+def test_expert_parallel_clips_as_one_process_and_trains_lora(family_runs_of):
+    """Clipping that fires (the llm group to 0.5, all to 1.0): DP2 x EP2 takes the one-process run's norms (the llm
+    group's counts each rank's experts once), coefficients, losses and weights; LoRA (the routed experts frozen,
+    sliced all the same) on DP2 x EP2 with ZeRO-1 trains the one-process LoRA run's losses and adapters."""
+    import numpy as np
+    from helpers import train_losses
+    from test_lora import LORA_SETS, STEPS
+    from test_parity import _records, _weights, assert_weights_close
+
+    import mmpipe
+    from mmpipe.families.lora import adapter_state
+    runs = family_runs_of("qwen3_5_moe")
+    clip = ["optim.groups.llm.max_grad_norm=0.5", "optim.max_grad_norm=1.0"]
+    one, _ = runs.get("clip_p1", 1, ["parallel.pipeline_stages=1"] + clip, "python", flags=["--stop-at", "3"])
+    ep, _ = runs.get("clip_dp2_ep2", 2, ["parallel.pipeline_stages=1"] + clip + EP, flags=["--stop-at", "3"])
+    a, b = _records(one), _records(ep)
+    assert all(r["clip_coef.llm"] < 1.0 for r in a)  # the clipping fired
+    for key in ("loss", "grad_norm", "grad_norm.llm", "clip_coef.llm", "clip_coef"):
+        np.testing.assert_allclose([r[key] for r in b], [r[key] for r in a], rtol=1e-5, err_msg=key)
+    assert_weights_close(_weights(ep, 3), _weights(one, 3), rtol=1e-4, atol=1e-6)
+    ref, _ = runs.get("lora_p1", 1, LORA_SETS + ["parallel.pipeline_stages=1"], "python", flags=["--stop-at", str(STEPS)])
+    lora, _ = runs.get("lora_dp2_ep2_z1", 2, LORA_SETS + ["parallel.pipeline_stages=1", "parallel.zero_stage=1"] + EP,
+                       flags=["--stop-at", str(STEPS)])
+    np.testing.assert_allclose(train_losses(lora), train_losses(ref), rtol=1e-5)
+    got, want = adapter_state(mmpipe.load_weights(lora, STEPS)), adapter_state(mmpipe.load_weights(ref, STEPS))
+    assert got.keys() == want.keys() and got
+    for k in got:
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")

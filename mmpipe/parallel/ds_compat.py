@@ -574,7 +574,8 @@ def moe_engine():
     """While DeepSpeed builds an engine: a model holding expert parameters (``allreduce = False`` with a
     ``group_name``: DeepSpeed's own mark) counts as a MoE model (``has_moe_layers``) though it has no
     ``deepspeed.moe`` layer, so the engine reduces their gradients over the expert-data-parallel group (averaged by
-    the data-parallel degree: ``_reduce_expert_gradients``) and its ZeRO / bf16 optimizers partition them there; set
+    the data-parallel degree: ``_reduce_expert_gradients``) and its ZeRO / bf16 optimizers partition them there (when
+    some train: frozen slices are only broadcast over their group, which DeepSpeed does by the mark alone); set
     right after the model is placed and broadcast (which already sends expert parameters over their group), before
     the optimizer is built."""
     from deepspeed.moe.utils import is_moe_param
@@ -583,8 +584,8 @@ def moe_engine():
 
     def configure(self, model):
         original(self, model)
-        if any(is_moe_param(p) for p in self.module.parameters()):
-            self.has_moe_layers = True
+        if any(is_moe_param(p) and p.requires_grad for p in self.module.parameters()):  # (frozen slices, e.g.
+            self.has_moe_layers = True  # LoRA's: no expert optimizer group, nothing to reduce; broadcast as marked)
 
     DeepSpeedEngine._configure_distributed_model = configure
     try:
@@ -609,11 +610,13 @@ def expert_param_groups(torch_groups: list) -> list:
     out, experts = [], []
     for g in torch_groups:
         mine = [p for p in g["params"] if is_moe_param(p)]
-        out.append({**g, "params": [p for p in g["params"] if not is_moe_param(p)]} if mine else g)
+        rest = [p for p in g["params"] if not is_moe_param(p)]
+        if rest or not mine:  # (a group of experts only is not left empty: DeepSpeed's ZeRO and bf16 optimizers
+            out.append({**g, "params": rest} if mine else g)  # index a group's first parameter)
         for name in sorted({p.group_name for p in mine}):
             experts.append({**g, "params": [p for p in mine if p.group_name == name], "moe": True, "name": name,
                             "mmpipe_name": g.get("name")})
-    return out + experts  # (a group left empty stays: DeepSpeed drops empty groups itself)
+    return out + experts
 
 
 def group_name(g: dict):

@@ -51,7 +51,7 @@ from mmpipe.planning.memory import (
     state_bytes,
 )
 from mmpipe.planning.offline import resolve_for_plan
-from mmpipe.planning.place import recomputed_ms, layer_costs, place, predict, stage_times
+from mmpipe.planning.place import layer_costs, place, predict, recomputed_ms, stage_times, with_exchanges
 from mmpipe.planning.simulate import simulate_shared_cores
 
 
@@ -283,7 +283,8 @@ def _dp_row(ctx: _Ctx, z: int, grouped_clip: bool, units: tuple, e: int = 1) -> 
         fb += sum(c.fwd_ms for c in costs[step_loss.get("frozen_prefix", 0) if z < 3 else 0:]) / 1e3
     if step_loss and n > 1:  # the features' all-gather
         cm += comm.time("allgather", n, M * step_loss["features_bytes"])
-    cm += M * a2a  # (expert parallelism: every micro-batch's token exchanges)
+    # expert parallelism: every micro-batch's token exchanges (checkpointing: the forward's two again in backward)
+    cm += M * a2a * (1.5 if ctx.raw.get("checkpointing") else 1.0)
     row.compute = M * fb + (opt / n if z >= 1 else opt) + loss_seconds(step_loss, ctx.batch, n, M) * ctx.over
     row.comm = cm * ctx.over + fixed  # collectives between oversubscribed ranks wait for the cores too
     row.step_time = row.compute + row.comm
@@ -298,20 +299,21 @@ def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: l
     M = row.micro_batches = ctx.micro_batches(row, D)
     if not M:
         return row
+    # expert parallelism's token exchanges priced into their MoE layers (the cut and the order see them)
+    raw = with_exchanges(ctx.raw, e, lambda nbytes: ctx.comm.time("allgather", e, nbytes))
     try:
-        plan = place(names, segments, P, pl, M, schedule=ctx.schedule,
-                     prof={**_scaled(ctx.raw, ctx.over), "expert_parallel": e},
+        plan = place(names, segments, P, pl, M, schedule=ctx.schedule, prof=_scaled(raw, ctx.over),
                      micro_batch_size=ctx.mbs, precision=ctx.precision, zero_stage=z, data_parallel=D)
-    except ConfigError as e:
-        row.fits, row.why = False, str(e)
+    except ConfigError as err:
+        row.fits, row.why = False, str(err)
         return row
     parts = row.parts = list(plan.parts)
     row.placement = pl if pl != "auto" else f"auto:{plan.chosen or pl}"
     row.order = plan.order
     # oversubscription counts the ranks busy at once, instruction by instruction: a pipeline's
     # waiting stages free their cores (fill, drain, imbalance), its steady state does not
-    t = stage_times(ctx.raw, parts)
-    step_loss = ctx.raw.get("step_loss")
+    t = stage_times(raw, parts)
+    step_loss = raw.get("step_loss")
     gather = ctx.comm.time("allgather", D, M * step_loss["features_bytes"]) if step_loss and D > 1 else 0.0
     if ctx.cores and D * P * ctx.threads > ctx.cores:
         sim, _ = simulate_shared_cores(t["F"], t["B"], M, t["comm"], t["opt"], t["comm_grad"], D, ctx.threads,
@@ -320,22 +322,20 @@ def _pp_row(ctx: _Ctx, P: int, D: int, z: int, pl: str, names: list, segments: l
         raw_busy = [M * (a + b + a1) + o for a, b, a1, o in zip(t["F"], t["B"], t.get("F1", [0.0] * P), t["opt"])]
         f = sum(sim.busy) / sum(raw_busy) if sum(raw_busy) else 1.0  # the mean stretch, for what follows
     else:
-        sim, f = predict(ctx.raw, parts, M, plan.order), 1.0
-    sprof = _scaled(ctx.raw, f)
+        sim, f = predict(raw, parts, M, plan.order), 1.0
+    sprof = _scaled(raw, f)
     t = stage_times(sprof, parts)
-    dp_comm = opt_saving = a2a = 0.0
+    dp_comm = opt_saving = 0.0
     for s in range(P):
-        grads, gather, exchange = expert_costs(ctx.comm, ctx.costs[parts[s]:parts[s + 1]], D, e, ctx.g_b, ctx.w_b)
-        c_s = (grads + (gather if z == 1 else 0.0)) * f
+        grads, params, _ = expert_costs(ctx.comm, ctx.costs[parts[s]:parts[s + 1]], D, e, ctx.g_b, ctx.w_b)
+        c_s = (grads + (params if z == 1 else 0.0)) * f
         dp_comm = max(dp_comm, c_s)
-        a2a = max(a2a, M * exchange * f)  # (the stage with the most exchanges holds the others up)
         if z == 1:
             opt_saving = max(opt_saving, t["opt"][s] * (1 - 1 / D))
     # the last stage's loss over the step, between the two passes (its rows only with model.local_loss)
-    row.step_time = (sim.step_time - opt_saving + dp_comm + gather * f + loss_seconds(step_loss, ctx.batch, D, M) * f
-                     + a2a)
+    row.step_time = sim.step_time - opt_saving + dp_comm + gather * f + loss_seconds(step_loss, ctx.batch, D, M) * f
     row.compute = M * max(a + b + a1 for a, b, a1 in zip(t["F"], t["B"], t.get("F1", [0.0] * P)))
-    row.comm = dp_comm + a2a + sim.step_time - max(sim.busy)  # waiting, transfers, the reduction, expert exchanges
+    row.comm = dp_comm + sim.step_time - max(sim.busy)  # waiting, transfers and the reduction
     row.bubble = sim.bubble
     row.samples_per_s = ctx.batch / row.step_time if row.step_time > 0 else 0.0
     _memory(row, ctx, parts, M, z, D)

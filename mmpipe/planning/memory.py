@@ -283,11 +283,16 @@ def stage_breakdown(costs: list, parts: list, micro_batches: int, precision: str
         # torch's multi-tensor AdamW makes one fp32 temporary per (sharded) parameter in its step (its fused
         # kernel none: ``RunShape.adamw_temp``), beside the fp32 gradients DeepSpeed's wrapper makes for it
         # (``step_split``)
-        E = shape.expert_parallel  # (a rank steps 1 / E of the routed experts)
-        trainable = sum(c.trainable - c.experts_trainable * (1 - 1 / E) for c in costs[a:b])
+        # (expert parallelism: a rank steps 1 / E of the routed experts, sharded over the DP / E ranks holding them)
+        E = shape.expert_parallel
+        experts = sum(c.experts_trainable for c in costs[a:b]) if E > 1 else 0
         sharded = optimizer_split(precision, zero_stage, P > 1)[0] > 0
         made_split, made_whole = step_split(precision, zero_stage, P > 1)
-        step = trainable * (shape.adamw_temp / (data_parallel if sharded else 1) + made_split / data_parallel + made_whole)
+
+        def step_bytes(n: float, dp: int) -> float:
+            return n * (shape.adamw_temp / (dp if sharded else 1) + made_split / dp + made_whole)
+        step = (step_bytes(sum(c.trainable for c in costs[a:b]) - experts, data_parallel)
+                + step_bytes(experts / E, data_parallel // E))
         out.append(MemoryBreakdown(w, g, o, activation_bytes(costs, a, b, k, shape) + q * sum(
                                        c.w_bytes for c in costs[a:b]), buffers_, workspace, step,
                                    _features(costs, s, P, micro_batches, data_parallel, shape),

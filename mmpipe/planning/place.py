@@ -205,6 +205,29 @@ def layer_costs(prof: dict) -> list:
     return [LayerCost(**d) for d in prof["layers"]]
 
 
+def with_exchanges(prof: dict, expert_parallel: int, exchange=None) -> dict:
+    """``prof`` for a run with its routed experts split over ``expert_parallel`` ranks: each MoE layer's forward and
+    backward priced with its token exchanges (the routed rows, ``LayerCost.routed_bytes``, out and back: two
+    all-to-alls each way; ``exchange(nbytes)`` seconds for one, by default the profile's stage-to-stage transfer
+    model for the (E - 1) / E of the rows that leave the rank), so a cut and an order see them; and the memory model
+    told the degree (``RunShape.expert_parallel``)."""
+    e = expert_parallel
+    if e <= 1:
+        return {**prof, "expert_parallel": 1}
+    if exchange is None:
+        lat, spb = prof["comm"]["latency_s"], prof["comm"]["s_per_byte"]
+        exchange = lambda nbytes: lat + spb * nbytes * (e - 1) / e  # noqa: E731
+    layers = []
+    for d in prof["layers"]:
+        t = 2e3 * exchange(d["routed_bytes"]) if d.get("routed_bytes") else 0.0
+        if t:
+            d = {**d, "fwd_ms": d["fwd_ms"] + t, "bwd_ms": d["bwd_ms"] + t}
+            if d.get("bwd_in_ms") is not None:  # (a split backward: the input gradient's pass exchanges)
+                d["bwd_in_ms"] += t
+        layers.append(d)
+    return {**prof, "layers": layers, "expert_parallel": e}
+
+
 def recomputed_ms(prof: dict, costs: list) -> list:
     """Per layer, the forward milliseconds its backward runs again: activation checkpointing
     (``prof["checkpointing"]``) recomputes every layer but the forward-only ones."""

@@ -74,7 +74,7 @@ def save(engine, root: str, step: int, client_state: dict, layer_names: Optional
                        "client": {k: v for k, v in client_state.items() if k != "data"}}, fh, indent=1)
     if plain_optimizer is not None:
         inner, named_params, stage, dp_rank = plain_optimizer
-        save_expert_weights(named_params, d, stage, dp_rank)
+        save_expert_weights(named_params, d, stage, dp_rank, exclude_frozen)
         save_plain_optimizer(engine, inner, named_params, d, stage, dp_rank)
     if dist.is_initialized():
         dist.barrier()  # every rank's files are written
@@ -134,6 +134,9 @@ def _load(engine, root: str, layout: Optional[dict], inner, named_params, aliase
             check_layout(saved, layout, tag_dir)
         client = record_client(record)
         readable(tag_dir, lambda: load_elsewhere(engine, inner, named_params, tag_dir, client["step"], aliases))
+        if same_layout({**saved, "expert_parallel": 1}, {**layout, "expert_parallel": 1}) and \
+                saved.get("expert_parallel", 1) == layout.get("expert_parallel", 1):
+            _restore_rng(tag_dir)  # (expert parallelism resumes by parameter name, on its own layout too)
         return client
     # a LoRA checkpoint leaves the frozen base out (the model's own, as built): non-strict, once
     # ``check_adapters`` found every missing weight frozen and every saved adapter in this run
@@ -143,12 +146,17 @@ def _load(engine, root: str, layout: Optional[dict], inner, named_params, aliase
                                                                      load_module_strict=strict))
     if path is None:
         raise MmpipeError(f"--resume: DeepSpeed could not load the checkpoint in {root}")
+    _restore_rng(tag_dir)
+    # the run's records (bad samples, data position, counters) as rank 0 wrote them, the same on every rank
+    return {**(client or {}), **(record_client(record) if record else {})}
+
+
+def _restore_rng(tag_dir: str) -> None:
+    """This rank's RNG state as saved (a checkpoint resumed on the layout that wrote it)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng = os.path.join(tag_dir, f"rng_rank{rank}.pt")
     if os.path.isfile(rng):
         readable(rng, lambda: _set_rng_state(torch.load(rng, weights_only=False)))
-    # the run's records (bad samples, data position, counters) as rank 0 wrote them, the same on every rank
-    return {**(client or {}), **(record_client(record) if record else {})}
 
 
 def _test_die_in_save(step: int, rank: int) -> None:

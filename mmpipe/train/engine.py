@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from mmpipe.config.groups import apply_freeze, lr_lambda, mark_embedding_tables, param_groups
+from mmpipe.errors import ConfigError
 from mmpipe.families.expert_dispatch import ExpertShard, shard_experts
 from mmpipe.parallel.ds_compat import (
     create_expert_groups,
@@ -21,6 +22,7 @@ from mmpipe.parallel.ds_compat import (
     no_initial_unfused_step,
     no_single_rank_allreduce,
     one_read_overflow_check,
+    optimizer_kind,
 )
 from mmpipe.parallel.layers import set_activation_checkpointing
 from mmpipe.parallel.runtime import initialize
@@ -117,6 +119,11 @@ def build_engine(run) -> Engine:
         engine, _, _, _ = initialize(model=model, model_parameters=torch_groups, config=run.where.ds_cfg,
                                                lr_scheduler=scheduler)
     no_single_rank_allreduce(engine)  # ZeRO-0 on one rank: no identity all-reduce after each backward
+    if shard is not None and optimizer_kind(engine.optimizer) == "other":
+        raise ConfigError(f"parallel.expert_parallel={topo.expert_parallel} with {type(engine.optimizer).__name__}: a "
+                          "run with expert parallelism saves and resumes its optimizer state by parameter (every expert "
+                          "gathered), which this optimizer cannot be read by; use mmpipe's default optimizer (no "
+                          "optimizer block in train.deepspeed_config) or expert_parallel 1")
     monitor = getattr(engine, "monitor", None)
     pipelined = topo.pipeline_stages > 1
     layer_names = run.plan.layers if pipelined else None

@@ -81,12 +81,14 @@ def _whole(p):
     return (lambda t: t) if shard is None else (lambda t: shard.gather(t.reshape(p.shape)))
 
 
-def save_expert_weights(named_params, tag_dir: str, stage: int, dp_rank: int) -> None:
+def save_expert_weights(named_params, tag_dir: str, stage: int, dp_rank: int, exclude_frozen: bool = False) -> None:
     """Expert parallelism: every expert's weights of this stage (DeepSpeed's per-stage files hold data-parallel rank
     0's slices only), gathered over each expert-parallel group, written by data-parallel rank 0
-    (``EXPERTS_FILE``; ``checkpoint_weights.load_model_weights`` lays them over DeepSpeed's)."""
+    (``EXPERTS_FILE``; ``checkpoint_weights.load_model_weights`` lays them over DeepSpeed's); frozen ones left out
+    with the frozen base (``exclude_frozen``: a LoRA run's, rebuilt from its config)."""
     from safetensors.torch import save_file
-    out = {name: shard_of(p).gather(p.detach()).cpu().contiguous() for name, p in named_params if shard_of(p)}
+    out = {name: shard_of(p).gather(p.detach()).cpu().contiguous() for name, p in named_params
+           if shard_of(p) and (p.requires_grad or not exclude_frozen)}
     if dp_rank == 0 and out:
         save_file(out, os.path.join(tag_dir, EXPERTS_FILE.format(stage)))
 

@@ -8,6 +8,7 @@ import os
 from typing import Optional
 
 from mmpipe.errors import MmpipeError
+from mmpipe.families.expert_dispatch import shard_of
 from mmpipe.families.lora import is_adapter
 from mmpipe.train.checkpoint_files import check_complete, latest_tag, readable
 from mmpipe.train.checkpoint_record import FROZEN_EXCLUDED, absolute_paths, check_base, flat_keys, read_record
@@ -115,6 +116,12 @@ def check_layout(saved: dict, current: dict, where: str) -> None:
                           "number of ranks); it was saved before mmpipe wrote layout-free optimizer state")
 
 
+def whole_shape(p) -> tuple:
+    """A parameter's shape in a checkpoint: an expert slice's over every expert (``expert_dispatch.shard_of``)."""
+    shard = shard_of(p)
+    return tuple(p.shape) if shard is None else (p.shape[0] * shard.size,) + tuple(p.shape[1:])
+
+
 def check_adapters(tag_dir: str, named_params, stages: Optional[list], aliases: dict) -> None:
     """A LoRA checkpoint (frozen base left out) loads non-strictly: only if every weight of this
     rank it lacks is a frozen one, every adapter it holds for this rank's layers is one of this
@@ -126,7 +133,7 @@ def check_adapters(tag_dir: str, named_params, stages: Optional[list], aliases: 
     missing = [n for n, p in mine.items() if p.requires_grad and n not in saved and aliases.get(n) not in saved]
     extra = [k for k in saved if k not in mine and is_adapter(k)
              and (layers is None or any(k.startswith(n + ".") for n in layers))]
-    shape = [k for k in saved if k in mine and tuple(saved[k].shape) != tuple(mine[k].shape)]
+    shape = [k for k in saved if k in mine and tuple(saved[k].shape) != whole_shape(mine[k])]
     if missing or extra or shape:
         said = [f"{what} {', '.join(ks[:2])}{' ...' if len(ks) > 2 else ''}"
                 for what, ks in (("lacks", missing), ("holds adapters this run has not:", extra),

@@ -40,7 +40,7 @@ from mmpipe.parallel.topology import Topology
 from mmpipe.planning.layouts import layouts_json, plan_layouts
 from mmpipe.planning.measure import get_profile
 from mmpipe.planning.micro_batch import auto_micro_batch, check_auto_micro_batch
-from mmpipe.planning.place import pick_schedule
+from mmpipe.planning.place import pick_schedule, with_exchanges
 from mmpipe.planning.place import place as place_stages
 from mmpipe.planning.prices import layer_prices
 from mmpipe.train.checkpoint_record import saved_plan
@@ -404,6 +404,8 @@ def make_plan(cfg, family, topo, frozen, forward_only, saved=None, measure: bool
         prof = get_profile(cfg, family, mbs, forward_only, frozen, threads=torch.get_num_threads(),
                            measure_comm=p.placement == "auto", log=lambda s: print(f"[mmpipe] {s}", flush=True),
                            run_micro_batches=cfg.train.steps * M / P)
+        prof = with_exchanges(prof, topo.expert_parallel)  # (expert parallelism: MoE layers priced with their
+        # token exchanges; the memory model told the degree)
     costs = ([sum(v.values()) for v in params.values()] if p.placement == "parameters" else
              [1 + sum(n for name, n in v.items() if name not in frozen) for v in params.values()])
     plan = place_stages(names, segments, P, p.placement, M, schedule=p.schedule, prof=prof, param_costs=costs,
