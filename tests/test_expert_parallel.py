@@ -117,6 +117,8 @@ def test_expert_parallel_mistakes_are_one_line(tmp_path):
         Topology(world_size=4, pipeline_stages=2, micro_batch_size=1, batch_size=8, expert_parallel=4)
     assert Topology(world_size=8, pipeline_stages=2, micro_batch_size=1, batch_size=8,
                     expert_parallel=2).expert_rank(5) == 1
+    with pytest.raises(ConfigError, match=r"expert_parallel=2 with optim.target_parameters"):
+        load_config(tiny, moe + ["optim.train_type=lora", "optim.target_parameters=[mlp.experts.gate_up_proj]"])
     cfg = load_config(tiny, moe)
     with pytest.raises(ConfigError, match=r"expert_parallel=2 does not divide model.llm.num_experts=7"):
         _experts_split(cfg, SimpleNamespace(num_experts=7))

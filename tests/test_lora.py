@@ -76,9 +76,10 @@ def peft_reference(run_dir: str, data: dict, steps: int = REF_STEPS):
     family, spec = ours.family, ours.family.lora
     init = {k: v.clone() for k, v in adapter_state(ours.state_dict()).items()}
     hf = family.hf.hf_model(merged(ours.state_dict(), spec)).train()
-    modules = sorted({hf_name(family, k).split(".lora_")[0][len("base_model.model."):] for k in init})
-    model = get_peft_model(hf, LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0,
-                                          target_modules=modules, bias="none"))
+    from mmpipe.families.lora import peft_targets
+    hf_adapters = [hf_name(family, k)[len("base_model.model."):] for k in init]
+    model = get_peft_model(hf, LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, bias="none",
+                                          **peft_targets(spec, hf_adapters)))
     params = dict(model.named_parameters())
     with torch.no_grad():
         for k, v in init.items():

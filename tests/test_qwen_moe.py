@@ -436,3 +436,39 @@ def test_expert_parallel_clips_as_one_process_and_trains_lora(family_runs_of):
     assert got.keys() == want.keys() and got
     for k in got:
         torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def test_lora_on_the_routed_experts_equals_a_peft_loop_and_exports_as_peft(family_runs_of, tmp_path):
+    """``optim.target_parameters`` (peft's parameter LoRA on the fused experts, as ms-swift's --target_parameters)
+    beside all-linear: the same losses and adapters as ``get_peft_model`` with ``target_parameters`` on
+    ``Qwen3_5MoeForConditionalGeneration``; the export is a peft adapter directory whose merged experts are mmpipe's."""
+    import numpy as np
+    from helpers import train_losses
+    from peft import PeftModel
+    from test_lora import LORA_SETS, STEPS, peft_reference
+    from transformers import AutoModelForImageTextToText
+
+    import mmpipe
+    from mmpipe.families.lora import adapter_state
+    from mmpipe.train.export import export
+    runs = family_runs_of("qwen3_5_moe")
+    sets = LORA_SETS + ["parallel.pipeline_stages=1", "optim.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"]
+    out, _ = runs.get("lora_experts_p1", 1, sets, "python", flags=["--stop-at", str(STEPS)])
+    ref_losses, at_stop, init, _ = peft_reference(out, runs.data, steps=STEPS)
+    np.testing.assert_allclose(train_losses(out), ref_losses, rtol=1e-5, atol=1e-6)
+    got = adapter_state(mmpipe.load_weights(out, STEPS))
+    experts = [k for k in got if ".mlp.experts." in k]
+    assert len(experts) == 4 * 4  # four MoE blocks, two parameters, lora_A and lora_B
+    for k in got:
+        torch.testing.assert_close(got[k], at_stop[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+    assert any(not torch.equal(got[k], init[k]) for k in experts if ".lora_B." in k)
+    path, _, _ = export(out, str(tmp_path / "peft"))
+    peft_model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(path + "/base"), path)
+    hf = peft_model.merge_and_unload().state_dict()
+    mine = mmpipe.build_model(mmpipe.load_config(out + "/config.yaml"))
+    mine.load_state_dict(mmpipe.load_weights(out, STEPS), strict=False)
+    from mmpipe.families.lora import merged
+    plain = merged(mine.state_dict(), mine.family.lora)
+    name = "llm.blocks.2.mlp.experts.gate_up_proj"
+    torch.testing.assert_close(hf["model.language_model.layers.2.mlp.experts.gate_up_proj"], plain[name],
+                               rtol=1e-5, atol=1e-6)

@@ -191,6 +191,9 @@ class OptimConfig(Section):
     lora_dropout: float = _f(0.05, "dropout on the LoRA branch's input (ms-swift --lora_dropout)", ge=0, lt=1)
     target_modules: list = _f(["all-linear"], "module names (suffixes) that get adapters; all-linear = every "
                               "nn.Linear of a trained layer except the output head (ms-swift --target_modules)")
+    target_parameters: list = _f([], "parameter names (suffixes) that get peft's parameter LoRA: a MoE's fused routed "
+                                 "experts, e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj] (peft's and "
+                                 "ms-swift's --target_parameters; a low-rank update per expert; lora_dropout 0)")
 
 
 FREEZE_FLAGS = ("freeze_vision", "freeze_projector", "freeze_text", "freeze_vit", "freeze_aligner", "freeze_llm")
@@ -532,6 +535,10 @@ def validate(cfg: RunConfig) -> None:
     if ep > 1 and not getattr(fam, "routed_experts", False):  # (a MoE family's mark: ``RoutedExperts``)
         raise ConfigError(f"{where}: parallel.expert_parallel={ep}: model.type={cfg.model.type} has no routed experts "
                           "(expert parallelism is for MoE models: qwen3_5_moe, qwen3_vl_moe); set it to 1")
+    if ep > 1 and cfg.optim.train_type == "lora" and cfg.optim.target_parameters:
+        raise ConfigError(f"{where}: parallel.expert_parallel={ep} with optim.target_parameters: LoRA on the routed "
+                          "experts keeps every expert's adapters on each rank, which the expert split does not cut yet; "
+                          "use expert_parallel 1 for routed-expert LoRA, or LoRA on the other linears only")
     if ep > 1 and cfg.parallel.zero_stage == 3:
         raise ConfigError(f"{where}: parallel.expert_parallel={ep} with parallel.zero_stage=3: DeepSpeed 0.19.8 "
                           "partitions ZeRO-3 weights over the whole data-parallel group, not per expert shard; "

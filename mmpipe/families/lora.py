@@ -33,6 +33,7 @@ class LoraSpec:
     dropout: float
     target_modules: tuple
     layers: frozenset  # the layers that get adapters (those holding a trained group's parameters)
+    target_parameters: tuple = ()  # peft's parameter LoRA (a MoE's fused experts: one low-rank update per expert)
 
     @property
     def scaling(self) -> float:
@@ -43,7 +44,8 @@ class LoraSpec:
         so its ``repr``, changes with the interpreter's string-hash seed)."""
         return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
                 "target_modules": sorted(self.target_modules) if not isinstance(self.target_modules, str)
-                else self.target_modules, "layers": sorted(self.layers)}
+                else self.target_modules, "layers": sorted(self.layers),
+                **({"target_parameters": sorted(self.target_parameters)} if self.target_parameters else {})}
 
 
 def is_adapter(name: str) -> bool:
@@ -51,8 +53,58 @@ def is_adapter(name: str) -> bool:
 
 
 def base_name(name: str) -> str:
-    """A plain weight's name without peft's wrapper (``q_proj.base_layer.weight`` -> ``q_proj.weight``)."""
-    return name.replace(".base_layer.", ".")
+    """A plain weight's name without peft's wrappers (``q_proj.base_layer.weight`` -> ``q_proj.weight``; a parameter
+    LoRA nests one per targeted parameter: ``experts.base_layer.base_layer.down_proj`` -> ``experts.down_proj``)."""
+    while ".base_layer." in name:
+        name = name.replace(".base_layer.", ".")
+    return name
+
+
+def matches(name: str, targets_: tuple) -> bool:
+    """A parameter name matched by peft's ``target_parameters`` (the name, or a suffix after a dot)."""
+    return any(name == t or name.endswith("." + t) for t in targets_)
+
+
+def expert_delta(a: torch.Tensor, b: torch.Tensor, experts: int, scaling: float) -> torch.Tensor:
+    """peft's ``ParamWrapper`` update of a fused experts tensor [E, out, in] (transformers' layout, not transposed):
+    ``lora_A`` [r E, in] and ``lora_B`` [out, r E], one rank-r product per expert."""
+    A = a.float().reshape(experts, -1, a.shape[-1])
+    B = b.float().reshape(b.shape[0], -1, experts)
+    return torch.einsum("o r e, e r i -> e o i", B, A) * scaling
+
+
+def parameter_adapter(name: str, spec: "LoraSpec") -> bool:
+    """Whether an adapter (``...experts.base_layer.lora_A.default.weight``) is a parameter LoRA's (peft's
+    ``target_parameters``) rather than a Linear's."""
+    stem = name.split(".lora_")[0]
+    while stem.endswith(".base_layer"):
+        stem = stem[:-len(".base_layer")]
+    modules = {t.rpartition(".")[0] for t in spec.target_parameters}
+    return any(m and (stem == m or stem.endswith("." + m)) for m in modules)
+
+
+def peft_targets(spec: "LoraSpec", adapters) -> dict:
+    """``LoraConfig``'s targets for a transformers model holding ``adapters`` (peft's names there): the modules of
+    the Linear adapters, and the spec's ``target_parameters`` where a parameter LoRA is among them."""
+    modules = sorted({n.split(".lora_")[0] for n in adapters if not parameter_adapter(n, spec)})
+    params = any(parameter_adapter(n, spec) for n in adapters)
+    return {"target_modules": modules or None, "target_parameters": list(spec.target_parameters) if params else None}
+
+
+def parameter_wrappers(names, targets_: tuple) -> dict:
+    """{plain parameter name: the module path whose ``lora_A`` / ``lora_B`` adapt it}: peft wraps a module once per
+    targeted parameter, in sorted order of the targets, each wrapper around the next (the first is outermost)."""
+    out = {}
+    by_module: dict = {}
+    for n in names:
+        if matches(n, targets_):
+            module, _, param = n.rpartition(".")
+            by_module.setdefault(module, []).append(param)
+    for module, params in by_module.items():
+        order = sorted(params, key=lambda p: sorted(t for t in targets_ if (module + "." + p).endswith(t))[0])
+        for depth, p in enumerate(order):
+            out[f"{module}.{p}"] = module + ".base_layer" * depth
+    return out
 
 
 def targets(module: nn.Module, target_modules, root: str = "") -> list:
@@ -87,11 +139,13 @@ def inject(module: nn.Module, spec: LoraSpec, seed_context, root: str = "") -> n
     require_peft()
     from peft import LoraConfig, inject_adapter_in_model
     names = targets(module, spec.target_modules, root)
-    if names:
+    params = [n for n, _ in module.named_parameters() if matches(n, spec.target_parameters)]
+    if names or params:
         holder = nn.Module()
         holder.add_module("layer", module)  # peft replaces modules inside a parent, the layer's root too
         cfg = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, bias="none",
-                         target_modules=[f"layer.{n}" if n else "layer" for n in names])
+                         target_modules=[f"layer.{n}" if n else "layer" for n in names] or None,
+                         target_parameters=list(spec.target_parameters) if params else None)
         with seed_context:
             inject_adapter_in_model(cfg, holder, adapter_name=ADAPTER)
         module = holder.layer
@@ -107,10 +161,16 @@ def merged(state: dict, spec: Optional[LoraSpec]) -> dict:
     if spec is None:
         raise ValueError("LoRA weights without a LoRA spec")
     out = {}
+    wrapped = parameter_wrappers([base_name(k) for k in state if not is_adapter(k)], spec.target_parameters)
     for k, v in state.items():
         if is_adapter(k):
             continue
-        if ".base_layer." in k and k.endswith(".weight"):
+        if base_name(k) in wrapped:  # a parameter LoRA (a MoE's fused experts)
+            stem = wrapped[base_name(k)]
+            a, b = state.get(f"{stem}.lora_A.{ADAPTER}.weight"), state.get(f"{stem}.lora_B.{ADAPTER}.weight")
+            if a is not None and b is not None:
+                v = (v.float() + expert_delta(a, b, v.shape[0], spec.scaling)).to(v.dtype)
+        elif ".base_layer." in k and k.endswith(".weight"):
             stem = k[:-len(".base_layer.weight")]
             a, b = state.get(f"{stem}.lora_A.{ADAPTER}.weight"), state.get(f"{stem}.lora_B.{ADAPTER}.weight")
             if a is not None and b is not None:
@@ -139,9 +199,17 @@ def spec_from(optim_cfg, family, groups) -> Optional[LoraSpec]:
     if any(t.rsplit(".", 1)[-1] in HEAD_NAMES for t in tm):
         raise ConfigError(f"optim.target_modules={list(tm)}: the output head ({', '.join(HEAD_NAMES)}) takes no "
                           "adapter in mmpipe (it may be tied to the embedding); leave it out")
-    spec = LoraSpec(optim_cfg.lora_rank, optim_cfg.lora_alpha, float(optim_cfg.lora_dropout), tm, layers)
+    tp = tuple(getattr(optim_cfg, "target_parameters", None) or ())
+    if tp and float(optim_cfg.lora_dropout) > 0:
+        raise ConfigError(f"optim.target_parameters={list(tp)} with optim.lora_dropout={optim_cfg.lora_dropout}: peft's "
+                          "parameter LoRA has no dropout (the update is folded into the weight); set lora_dropout 0")
+    spec = LoraSpec(optim_cfg.lora_rank, optim_cfg.lora_alpha, float(optim_cfg.lora_dropout), tm, layers, tp)
     with torch.device("meta"):
-        hit = sum(len(targets(family.build_unseeded(name), tm, name)) for name in sorted(layers))
+        built = {name: family.build_unseeded(name) for name in sorted(layers)} if tp else {}
+        hit = sum(len(targets(built.get(name) or family.build_unseeded(name), tm, name)) for name in sorted(layers))
+    if tp and not any(matches(n, tp) for m in built.values() for n, _ in m.named_parameters()):
+        raise ConfigError(f"optim.target_parameters={list(tp)} matches no parameter of the trained layers: name a "
+                          "MoE's fused experts, e.g. mlp.experts.gate_up_proj")
     if not hit:
         raise ConfigError(f"optim.target_modules={list(tm)} matches no linear layer of the trained layers "
                           f"({', '.join(sorted(layers)[:4])}...): name modules such as q_proj, or use all-linear")

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
-from mmpipe.families.lora import ADAPTER, is_adapter
+from mmpipe.families.lora import ADAPTER, base_name, is_adapter
 from mmpipe.families.products import Matmul, MicroBatch
 
 
@@ -104,9 +104,13 @@ def product_flops(p: Matmul, layer: str, role: Role, t: Training) -> tuple:
         weight = _param(layer, p.weight, "weight")
     if weight not in t.params and _param(layer, p.weight, "") in t.params:
         weight = _param(layer, p.weight, "")  # a parameter named itself (nn.MultiheadAttention's in_proj_weight)
+    folded = False
+    if weight not in t.params:  # a parameter LoRA (peft's target_parameters: a MoE's fused experts) wraps its module
+        weight = next((n for n in t.params if base_name(n) == _param(layer, p.weight, "")), weight)
+        folded = weight in t.params  # its update is folded into the weight, which then takes a gradient
     if weight not in t.params:
         raise KeyError(f"{layer}: no parameter {weight} for the product {p} (Family.matmuls names the module)")
-    back = f * (int(grad_in) + int(weight not in t.frozen))
+    back = f * (int(grad_in) + int(folded or weight not in t.frozen))
     if adapted and _param(layer, p.weight, f"lora_A.{ADAPTER}.weight") in t.params:
         a, b = 2.0 * p.m * p.k * t.lora_rank, 2.0 * p.m * t.lora_rank * p.n  # x @ A, then @ B
         f += a + b

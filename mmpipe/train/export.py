@@ -29,7 +29,7 @@ from mmpipe.config.schema import family_of, load_config
 from mmpipe.data.tokenizer import load_tokenizer, tokenizer_choice
 from mmpipe.errors import ConfigError, NoHFFormat
 from mmpipe.families.lora import adapter_state as lora_adapters
-from mmpipe.families.lora import base_name, merged
+from mmpipe.families.lora import base_name, merged, peft_targets
 from mmpipe.parallel.plain import plain_model
 from mmpipe.train.checkpoint_weights import load_weights
 
@@ -150,9 +150,8 @@ def _write_adapter(cfg, family, spec, base: dict, adapters: dict, tok, out: str,
     with open(os.path.join(out, BASE_DIR, HF_MARKER), "w") as fh:
         json.dump({"format": "transformers", "class": type(model).__name__, "mmpipe_version": __version__}, fh)
     hf_names = {k: family.hf.adapter_name(k) for k in adapters}
-    modules = sorted({n.split(".lora_")[0] for n in hf_names.values()})
     peft_model = get_peft_model(model, LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                                                  target_modules=modules, bias="none"))
+                                                  bias="none", **peft_targets(spec, hf_names.values())))
     params = dict(peft_model.base_model.model.named_parameters())
     with torch.no_grad():
         for k, v in adapters.items():
