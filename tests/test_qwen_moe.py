@@ -441,7 +441,8 @@ def test_expert_parallel_clips_as_one_process_and_trains_lora(family_runs_of):
 def test_lora_on_the_routed_experts_equals_a_peft_loop_and_exports_as_peft(family_runs_of, tmp_path):
     """``optim.target_parameters`` (peft's parameter LoRA on the fused experts, as ms-swift's --target_parameters)
     beside all-linear: the same losses and adapters as ``get_peft_model`` with ``target_parameters`` on
-    ``Qwen3_5MoeForConditionalGeneration``; the export is a peft adapter directory whose merged experts are mmpipe's."""
+    ``Qwen3_5MoeForConditionalGeneration``; the export is a peft adapter directory whose merged experts are mmpipe's;
+    on DP2 x EP2 with ZeRO-1 (each rank its experts' base slices and rank-r factors) the same losses and adapters."""
     import numpy as np
     from helpers import train_losses
     from peft import PeftModel
@@ -472,3 +473,9 @@ def test_lora_on_the_routed_experts_equals_a_peft_loop_and_exports_as_peft(famil
     name = "llm.blocks.2.mlp.experts.gate_up_proj"
     torch.testing.assert_close(hf["model.language_model.layers.2.mlp.experts.gate_up_proj"], plain[name],
                                rtol=1e-5, atol=1e-6)
+    ep, _ = runs.get("lora_experts_dp2_ep2_z1", 2, sets + ["parallel.zero_stage=1"] + EP, flags=["--stop-at", str(STEPS)])
+    np.testing.assert_allclose(train_losses(ep), train_losses(out), rtol=1e-5)
+    split = adapter_state(mmpipe.load_weights(ep, STEPS))
+    assert split.keys() == got.keys()
+    for k in got:
+        torch.testing.assert_close(split[k], got[k], atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")

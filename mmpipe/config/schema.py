@@ -535,10 +535,6 @@ def validate(cfg: RunConfig) -> None:
     if ep > 1 and not getattr(fam, "routed_experts", False):  # (a MoE family's mark: ``RoutedExperts``)
         raise ConfigError(f"{where}: parallel.expert_parallel={ep}: model.type={cfg.model.type} has no routed experts "
                           "(expert parallelism is for MoE models: qwen3_5_moe, qwen3_vl_moe); set it to 1")
-    if ep > 1 and cfg.optim.train_type == "lora" and cfg.optim.target_parameters:
-        raise ConfigError(f"{where}: parallel.expert_parallel={ep} with optim.target_parameters: LoRA on the routed "
-                          "experts keeps every expert's adapters on each rank, which the expert split does not cut yet; "
-                          "use expert_parallel 1 for routed-expert LoRA, or LoRA on the other linears only")
     if ep > 1 and cfg.parallel.zero_stage == 3:
         raise ConfigError(f"{where}: parallel.expert_parallel={ep} with parallel.zero_stage=3: DeepSpeed 0.19.8 "
                           "partitions ZeRO-3 weights over the whole data-parallel group, not per expert shard; "

@@ -55,11 +55,86 @@ def shard_of(p) -> "ExpertShard | None":
     return getattr(p, "mmpipe_shard", None)
 
 
+# An expert parameter holds its experts' rows (dim 0: the fused tensors, a parameter LoRA's ``lora_A`` [r E, in]),
+# or, for a parameter LoRA's ``lora_B`` [out, r E] (peft: ``reshape(out, r, E)``), every ``r``-th column group
+# interleaved: ``mmpipe_interleave`` = E's stride there (r).
+def whole(p, part: torch.Tensor) -> torch.Tensor:
+    """Every expert's tensor of ``p`` from this rank's ``part`` (a collective over its expert group); any other
+    parameter's as it is."""
+    shard = shard_of(p)
+    if shard is None:
+        return part
+    part = part.reshape(p.shape)
+    r = getattr(p, "mmpipe_interleave", None)
+    if r is None:
+        return shard.gather(part)
+    parts = [torch.empty_like(part) for _ in range(shard.size)]
+    dist.all_gather(parts, part.contiguous(), group=shard.group)
+    out = torch.cat([q.reshape(q.shape[0], r, -1) for q in parts], dim=2)
+    return out.reshape(part.shape[0], -1)
+
+
+def mine(p, full: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of every expert's tensor ``full`` for an expert parameter ``p``; any other as it is."""
+    shard = shard_of(p)
+    if shard is None:
+        return full
+    r = getattr(p, "mmpipe_interleave", None)
+    if r is None:
+        return shard.take(full).contiguous()
+    cols = full.reshape(full.shape[0], r, -1)
+    n = cols.shape[2] // shard.size
+    return cols[:, :, shard.rank * n:(shard.rank + 1) * n].reshape(full.shape[0], -1).contiguous()
+
+
+def whole_shape(p) -> tuple:
+    """A parameter's shape over every expert (a checkpoint's)."""
+    shard = shard_of(p)
+    if shard is None:
+        return tuple(p.shape)
+    if getattr(p, "mmpipe_interleave", None) is not None:
+        return (p.shape[0], p.shape[1] * shard.size)
+    return (p.shape[0] * shard.size,) + tuple(p.shape[1:])
+
+
+def _mark(q: nn.Parameter, shard: ExpertShard, interleave=None) -> nn.Parameter:
+    q.allreduce, q.group_name, q.mmpipe_shard = False, shard.group_name, shard
+    if interleave is not None:
+        q.mmpipe_interleave = interleave
+    return q
+
+
+def _split_parameter_lora(m: nn.Module, shard: ExpertShard) -> None:
+    """A parameter LoRA on fused experts (peft's ``ParamWrapper``: ``lora_A`` [r E, in], ``lora_B`` [out, r E], one
+    rank-r update per expert): this rank's experts' rows of A and columns of B kept, ``num_experts`` local."""
+    E = m.num_experts
+    if E % shard.size:
+        raise ValueError(f"{E} experts do not split over {shard.size} expert-parallel ranks")
+    n = E // shard.size
+    for key in list(m.lora_A.keys()):
+        a, b = m.lora_A[key], m.lora_B[key]
+        r, out = a.weight.shape[0] // E, b.weight.shape[0]
+        a.weight = _mark(nn.Parameter(shard.take(a.weight.data).clone(), requires_grad=a.weight.requires_grad), shard)
+        cols = b.weight.data.reshape(out, r, E)[:, :, shard.rank * n:(shard.rank + 1) * n].reshape(out, r * n)
+        b.weight = _mark(nn.Parameter(cols.clone(), requires_grad=b.weight.requires_grad), shard, interleave=r)
+        a.out_features, b.in_features = r * n, r * n
+    m.num_experts = E // shard.size
+    m.mmpipe_shard = shard
+
+
+def is_parameter_lora(m: nn.Module) -> bool:
+    """peft's ``ParamWrapper`` over several experts (a parameter LoRA on fused experts)."""
+    return hasattr(m, "parameter_name") and hasattr(m, "lora_A") and getattr(m, "num_experts", 1) > 1
+
+
 def shard_experts(module: nn.Module, shard: ExpertShard) -> int:
     """Keep this rank's slice of every fused-experts module's tensors (as new parameters, marked for DeepSpeed's expert
-    reduction: ``allreduce = False``, ``group_name``) and route their forward through ``dispatch``. Returns the
-    number of modules split."""
+    reduction: ``allreduce = False``, ``group_name``), and of a parameter LoRA's adapters on them, and route their
+    forward through ``dispatch``. Returns the number of modules split."""
     n = 0
+    for m in module.modules():
+        if is_parameter_lora(m) and getattr(m, "mmpipe_shard", None) is None:
+            _split_parameter_lora(m, shard)
     for m in module.modules():
         if not is_fused_experts(m) or getattr(m, "mmpipe_shard", None) is not None:
             continue
@@ -69,9 +144,7 @@ def shard_experts(module: nn.Module, shard: ExpertShard) -> int:
             p = m._parameters.get(name)
             if p is None:
                 continue
-            q = nn.Parameter(shard.take(p.data).clone(), requires_grad=p.requires_grad)
-            q.allreduce, q.group_name, q.mmpipe_shard = False, shard.group_name, shard
-            m._parameters[name] = q
+            m._parameters[name] = _mark(nn.Parameter(shard.take(p.data).clone(), requires_grad=p.requires_grad), shard)
         m.mmpipe_global_experts = m.num_experts
         m.num_experts = m.num_experts // shard.size
         m.mmpipe_shard = shard

@@ -16,7 +16,7 @@ import re
 
 import torch
 
-from mmpipe.families.expert_dispatch import shard_of
+from mmpipe.families.expert_dispatch import shard_of, whole
 from mmpipe.parallel.ds_compat import optimizer_kind, unfused_masters
 
 FILE = "step{:06d}.stage{}.safetensors"
@@ -36,7 +36,7 @@ def save_grads(engine, named_params, out_dir: str, step: int, stage: int, dp_ran
         else:
             g = getattr(masters.get(id(p), p), "grad", None)
         if shard_of(p) is not None:  # (DeepSpeed gives every expert slice a gradient: each rank joins the gather)
-            g = shard_of(p).gather((g if g is not None else torch.zeros_like(p)).detach().float().reshape(p.shape))
+            g = whole(p, (g if g is not None else torch.zeros_like(p)).detach().float())
         if g is not None:
             out[name] = g.detach().float().cpu().contiguous()
     if dp_rank == 0:

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from mmpipe.errors import MmpipeError
-from mmpipe.families.expert_dispatch import shard_of
+from mmpipe.families.expert_dispatch import mine, shard_of, whole
 from mmpipe.parallel.ds_compat import (
     ensure_zero_optimizer_state,
     is_zero3_param,
@@ -77,8 +77,7 @@ def save_plain_optimizer(engine, inner, named_params, tag_dir: str, stage: int, 
 def _whole(p):
     """An expert slice's tensor -> every expert's (gathered over its expert-parallel group: a collective every rank
     of the group calls for the same parameters); any other parameter's as it is."""
-    shard = shard_of(p)
-    return (lambda t: t) if shard is None else (lambda t: shard.gather(t.reshape(p.shape)))
+    return lambda t: whole(p, t)
 
 
 def save_expert_weights(named_params, tag_dir: str, stage: int, dp_rank: int, exclude_frozen: bool = False) -> None:
@@ -87,7 +86,7 @@ def save_expert_weights(named_params, tag_dir: str, stage: int, dp_rank: int, ex
     (``EXPERTS_FILE``; ``checkpoint_weights.load_model_weights`` lays them over DeepSpeed's); frozen ones left out
     with the frozen base (``exclude_frozen``: a LoRA run's, rebuilt from its config)."""
     from safetensors.torch import save_file
-    out = {name: shard_of(p).gather(p.detach()).cpu().contiguous() for name, p in named_params
+    out = {name: whole(p, p.detach()).cpu().contiguous() for name, p in named_params
            if shard_of(p) and (p.requires_grad or not exclude_frozen)}
     if dp_rank == 0 and out:
         save_file(out, os.path.join(tag_dir, EXPERTS_FILE.format(stage)))
@@ -170,8 +169,7 @@ def load_elsewhere(engine, inner, named_params, tag_dir: str, step: int, aliases
 
 def _mine(p):
     """Every expert's tensor -> this rank's slice for an expert parameter (``shard_of``); any other as it is."""
-    shard = shard_of(p)
-    return (lambda t: t) if shard is None else (lambda t: shard.take(t).contiguous())
+    return lambda t: mine(p, t)
 
 
 def _restore_schedule(engine, step: int) -> None:

@@ -8,7 +8,7 @@ import os
 from typing import Optional
 
 from mmpipe.errors import MmpipeError
-from mmpipe.families.expert_dispatch import shard_of
+from mmpipe.families.expert_dispatch import whole_shape
 from mmpipe.families.lora import is_adapter
 from mmpipe.train.checkpoint_files import check_complete, latest_tag, readable
 from mmpipe.train.checkpoint_record import FROZEN_EXCLUDED, absolute_paths, check_base, flat_keys, read_record
@@ -114,12 +114,6 @@ def check_layout(saved: dict, current: dict, where: str) -> None:
                           f"this run has {_describe(current)}: resume with the checkpoint's layout "
                           "(parallel.pipeline_stages, parallel.placement or parallel.plan, parallel.zero_stage and the "
                           "number of ranks); it was saved before mmpipe wrote layout-free optimizer state")
-
-
-def whole_shape(p) -> tuple:
-    """A parameter's shape in a checkpoint: an expert slice's over every expert (``expert_dispatch.shard_of``)."""
-    shard = shard_of(p)
-    return tuple(p.shape) if shard is None else (p.shape[0] * shard.size,) + tuple(p.shape[1:])
 
 
 def check_adapters(tag_dir: str, named_params, stages: Optional[list], aliases: dict) -> None:
