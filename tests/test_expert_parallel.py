@@ -140,20 +140,73 @@ def test_a_moe_layer_is_priced_with_its_token_exchanges():
     assert dense == prof["layers"][1] and two["expert_parallel"] == 2
 
 
-def test_a_parameter_loras_adapters_split_and_gather_back():
-    """peft's parameter LoRA on fused experts (``lora_A`` [r E, in] by expert rows, ``lora_B`` [out, r E] with the
-    experts interleaved every r columns): each of two ranks keeps its experts' rank-r factors, whose update is the
-    full update's slice for its experts; ``mine`` / ``whole_shape`` say where a checkpoint's tensor goes."""
-    from mmpipe.families.expert_dispatch import ExpertShard, mine, whole_shape
+def _lora_block(targets: tuple, seed: int = 0):
+    """A Qwen3.5-MoE sparse block (4 experts) with peft's parameter LoRA on ``targets`` (and all-linear), its factors
+    random (B too: a non-zero update)."""
+    import contextlib
+
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    from mmpipe.families.lora import LoraSpec, inject
+    from mmpipe.families.qwen_vl.experts import use_experts
+    cfg = Qwen3_5MoeTextConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2,
+                               shared_expert_intermediate_size=8)
+    use_experts(cfg)
+    torch.manual_seed(seed)
+    block = torch.nn.Module()
+    block.mlp = Qwen3_5MoeSparseMoeBlock(cfg)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    spec = LoraSpec(2, 4, 0.0, ("all-linear",), frozenset(), targets)
+    block = inject(block, spec, contextlib.nullcontext())
+    with torch.no_grad():
+        for n, p in block.named_parameters():
+            if ".lora_" in n:
+                p.normal_(std=0.2)
+    return block, spec, cfg
+
+
+@pytest.mark.parametrize("targets", [("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+                                     ("experts.gate_up_proj", "mlp.experts.down_proj"), ("experts.gate_up_proj",),
+                                     ("mlp.experts.down_proj",)])
+def test_a_parameter_lora_merges_as_peft_folds_it(targets):
+    """``merged`` folds each fused-experts adapter into its own parameter whatever the targets' prefixes (peft nests
+    one wrapper per parameter by the module's order, not the targets'): the merged block gives the adapted block's
+    output; the adapters are told from the Linear ones' (``peft_targets``)."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    from mmpipe.families.lora import merged, parameter_adapter
+    block, spec, cfg = _lora_block(targets)
+    x = torch.randn(1, 5, 16)
+    plain = torch.nn.Module()
+    plain.mlp = Qwen3_5MoeSparseMoeBlock(cfg)
+    plain.load_state_dict(merged(block.state_dict(), spec))
+    out = lambda m: (lambda y: y[0] if isinstance(y, tuple) else y)(m.mlp(x))  # noqa: E731
+    torch.testing.assert_close(out(plain), out(block), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(out(plain), out(_lora_block(())[0]), atol=1e-4)  # (the update is not nothing)
+    kinds = {k.split(".lora_")[0]: parameter_adapter(k, spec) for k in block.state_dict() if ".lora_" in k}
+    assert {k for k, v in kinds.items() if v} == {"mlp.experts" + ".base_layer" * d for d in range(len(targets))}
+    assert kinds["mlp.shared_expert.up_proj"] is False
+
+
+def test_a_parameter_loras_adapters_split_over_expert_ranks():
+    """Under expert parallelism each of two ranks keeps its experts' rank-r factors (``lora_A``'s rows, ``lora_B``'s
+    interleaved columns): its block's update is the full update's slice for its experts; ``mine`` / ``whole_shape``
+    say where a checkpoint's tensor goes."""
+    from mmpipe.families.expert_dispatch import ExpertShard, mine, shard_experts, whole_shape
     from mmpipe.families.lora import expert_delta
-    E, r, out, inp = 4, 2, 5, 3
-    a, b = torch.randn(r * E, inp), torch.randn(out, r * E)
-    full = expert_delta(a, b, E, 1.0)
+    targets = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    full, _, _ = _lora_block(targets)
+    wrapper = full.mlp.experts  # (down_proj's, outermost)
+    A, B = wrapper.lora_A["default"].weight.detach().clone(), wrapper.lora_B["default"].weight.detach().clone()
+    want = expert_delta(A, B, 4, 1.0)
     for rank in range(2):
+        block, _, _ = _lora_block(targets)
         shard = ExpertShard(None, rank, 2, "ep_size_2")
-        pa, pb = torch.nn.Parameter(shard.take(a)), torch.nn.Parameter(torch.zeros(out, r * 2))
-        pa.mmpipe_shard = pb.mmpipe_shard = shard
-        pb.mmpipe_interleave = r
-        pb.data = mine(pb, b)
-        torch.testing.assert_close(expert_delta(pa.data, pb.data, 2, 1.0), full[2 * rank:2 * rank + 2])
-        assert whole_shape(pa) == (r * E, inp) and whole_shape(pb) == (out, r * E)
+        assert shard_experts(block, shard) == 1 and block.mlp.experts.num_experts == 2
+        a, b = block.mlp.experts.lora_A["default"].weight, block.mlp.experts.lora_B["default"].weight
+        torch.testing.assert_close(expert_delta(a, b, 2, 1.0), want[2 * rank:2 * rank + 2])
+        torch.testing.assert_close(mine(b, B), b.detach()) and torch.testing.assert_close(mine(a, A), a.detach())
+        assert whole_shape(a) == tuple(A.shape) and whole_shape(b) == tuple(B.shape)
+        assert block.mlp.experts.base_layer.base_layer.gate_up_proj.shape[0] == 2

@@ -21,7 +21,8 @@ from mmpipe.train.metrics import measured_from_run, read_memory_record
 
 
 def _layout_sets(row) -> list:
-    sets = [f"parallel.pipeline_stages={row.pipeline_stages}", f"parallel.zero_stage={row.zero_stage}"]
+    sets = [f"parallel.pipeline_stages={row.pipeline_stages}", f"parallel.zero_stage={row.zero_stage}",
+            f"parallel.expert_parallel={row.expert_parallel}"]
     if row.pipeline_stages > 1:
         sets.append(f"parallel.placement={(row.placement or 'modality').split(':')[0]}")
     return sets

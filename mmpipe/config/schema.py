@@ -531,6 +531,10 @@ def validate(cfg: RunConfig) -> None:
             f"{where}: parallel.zero_stage={cfg.parallel.zero_stage} with parallel.pipeline_stages="
             f"{cfg.parallel.pipeline_stages}: DeepSpeed's pipeline engine supports ZeRO 0/1 only "
             "(ZeRO-2/3 partition gradients the pipeline schedule reduces itself); use zero_stage 0 or 1, or pipeline_stages 1")
+    if cfg.optim.target_parameters and cfg.optim.train_type != "lora":
+        raise ConfigError(f"{where}: optim.target_parameters={cfg.optim.target_parameters} is LoRA's (peft's parameter "
+                          f"LoRA) and optim.train_type={cfg.optim.train_type} trains every weight: set "
+                          "optim.train_type=lora, or leave target_parameters out")
     ep = cfg.parallel.expert_parallel
     if ep > 1 and not getattr(fam, "routed_experts", False):  # (a MoE family's mark: ``RoutedExperts``)
         raise ConfigError(f"{where}: parallel.expert_parallel={ep}: model.type={cfg.model.type} has no routed experts "

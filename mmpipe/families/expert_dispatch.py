@@ -191,7 +191,9 @@ def dispatch(experts: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor
     if rows.shape[0]:
         out = local(experts, rows, got_ids.unsqueeze(-1), rows.new_ones((rows.shape[0], 1)))
     else:  # no row for this rank's experts: still joins the exchanges, forward and backward
-        tie = sum(p.reshape(-1)[:1].sum() for p in experts.parameters() if p.requires_grad)
+        # (through the attributes: under a parameter LoRA they are the weights with the adapters' update folded in)
+        ties = [getattr(experts, n) for n in SLICED if hasattr(experts, n) and getattr(experts, n) is not None]
+        tie = sum(t.reshape(-1)[:1].sum() for t in ties if t.requires_grad)
         out = rows * 0 + (tie * 0 if torch.is_tensor(tie) else 0)
     back = _AllToAll.apply(out, recv, send, shard.group)
     weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1)

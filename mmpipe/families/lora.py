@@ -75,12 +75,11 @@ def expert_delta(a: torch.Tensor, b: torch.Tensor, experts: int, scaling: float)
 
 def parameter_adapter(name: str, spec: "LoraSpec") -> bool:
     """Whether an adapter (``...experts.base_layer.lora_A.default.weight``) is a parameter LoRA's (peft's
-    ``target_parameters``) rather than a Linear's."""
-    stem = name.split(".lora_")[0]
+    ``target_parameters``) rather than a Linear's: its unwrapped module holds a targeted parameter's name."""
+    stem = base_name(name.split(".lora_")[0] + ".")[:-1]
     while stem.endswith(".base_layer"):
         stem = stem[:-len(".base_layer")]
-    modules = {t.rpartition(".")[0] for t in spec.target_parameters}
-    return any(m and (stem == m or stem.endswith("." + m)) for m in modules)
+    return any(matches(f"{stem}.{t.rpartition('.')[2]}", spec.target_parameters) for t in spec.target_parameters)
 
 
 def peft_targets(spec: "LoraSpec", adapters) -> dict:
@@ -91,19 +90,32 @@ def peft_targets(spec: "LoraSpec", adapters) -> dict:
     return {"target_modules": modules or None, "target_parameters": list(spec.target_parameters) if params else None}
 
 
-def parameter_wrappers(names, targets_: tuple) -> dict:
-    """{plain parameter name: the module path whose ``lora_A`` / ``lora_B`` adapt it}: peft wraps a module once per
-    targeted parameter, in sorted order of the targets, each wrapper around the next (the first is outermost)."""
-    out = {}
+def parameter_wrappers(state: dict, targets_: tuple) -> dict:
+    """{plain parameter name: the module path whose ``lora_A`` / ``lora_B`` adapt it}, from a state dict: peft wraps
+    a module once per targeted parameter, each wrapper around the previous (the first parameter it meets innermost);
+    each wrapper's factors have its parameter's shape ([E, out, in]: ``lora_B`` out rows, ``lora_A`` in columns),
+    which names the parameter (registration order, innermost first, where two have one shape)."""
+    names = [base_name(k) for k in state if not is_adapter(k)]
     by_module: dict = {}
     for n in names:
         if matches(n, targets_):
             module, _, param = n.rpartition(".")
             by_module.setdefault(module, []).append(param)
+    plain = {base_name(k): v for k, v in state.items() if not is_adapter(k)}
+    out = {}
     for module, params in by_module.items():
-        order = sorted(params, key=lambda p: sorted(t for t in targets_ if (module + "." + p).endswith(t))[0])
-        for depth, p in enumerate(order):
-            out[f"{module}.{p}"] = module + ".base_layer" * depth
+        left = list(params)
+        for depth in range(len(params)):
+            stem = module + ".base_layer" * depth
+            a, b = state.get(f"{stem}.lora_A.{ADAPTER}.weight"), state.get(f"{stem}.lora_B.{ADAPTER}.weight")
+            if a is None or b is None:
+                break
+            fits = [p for p in left if tuple(plain[f"{module}.{p}"].shape[1:]) == (b.shape[0], a.shape[1])]
+            if not fits:
+                break
+            p = fits[-1]  # (the outermost wrapper adapts the last-registered parameter)
+            out[f"{module}.{p}"] = stem
+            left.remove(p)
     return out
 
 
@@ -161,7 +173,7 @@ def merged(state: dict, spec: Optional[LoraSpec]) -> dict:
     if spec is None:
         raise ValueError("LoRA weights without a LoRA spec")
     out = {}
-    wrapped = parameter_wrappers([base_name(k) for k in state if not is_adapter(k)], spec.target_parameters)
+    wrapped = parameter_wrappers(state, spec.target_parameters)
     for k, v in state.items():
         if is_adapter(k):
             continue
@@ -200,6 +212,10 @@ def spec_from(optim_cfg, family, groups) -> Optional[LoraSpec]:
         raise ConfigError(f"optim.target_modules={list(tm)}: the output head ({', '.join(HEAD_NAMES)}) takes no "
                           "adapter in mmpipe (it may be tied to the embedding); leave it out")
     tp = tuple(getattr(optim_cfg, "target_parameters", None) or ())
+    bare = [t for t in tp if "." not in t]
+    if bare:
+        raise ConfigError(f"optim.target_parameters: {bare[0]} names a parameter without its module: give it as "
+                          f"peft does, e.g. mlp.experts.{bare[0]} (a bare name would match Linear layers' paths too)")
     if tp and float(optim_cfg.lora_dropout) > 0:
         raise ConfigError(f"optim.target_parameters={list(tp)} with optim.lora_dropout={optim_cfg.lora_dropout}: peft's "
                           "parameter LoRA has no dropout (the update is folded into the weight); set lora_dropout 0")
@@ -207,9 +223,15 @@ def spec_from(optim_cfg, family, groups) -> Optional[LoraSpec]:
     with torch.device("meta"):
         built = {name: family.build_unseeded(name) for name in sorted(layers)} if tp else {}
         hit = sum(len(targets(built.get(name) or family.build_unseeded(name), tm, name)) for name in sorted(layers))
-    if tp and not any(matches(n, tp) for m in built.values() for n, _ in m.named_parameters()):
+    hits = [(n, p) for m in built.values() for n, p in m.named_parameters() if matches(n, tp)]
+    if tp and not hits:
         raise ConfigError(f"optim.target_parameters={list(tp)} matches no parameter of the trained layers: name a "
                           "MoE's fused experts, e.g. mlp.experts.gate_up_proj")
+    flat = sorted({n for n, p in hits if p.dim() != 3})
+    if flat:
+        raise ConfigError(f"optim.target_parameters={list(tp)} matches {flat[0]}, which is not a fused experts tensor "
+                          "([experts, out, in]): parameter LoRA here is for a MoE's routed experts (mlp.experts."
+                          "gate_up_proj, mlp.experts.down_proj); adapt other weights with optim.target_modules")
     if not hit:
         raise ConfigError(f"optim.target_modules={list(tm)} matches no linear layer of the trained layers "
                           f"({', '.join(sorted(layers)[:4])}...): name modules such as q_proj, or use all-linear")

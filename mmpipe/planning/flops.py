@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
-from mmpipe.families.lora import ADAPTER, base_name, is_adapter
+from mmpipe.families.lora import ADAPTER, base_name, is_adapter, matches
 from mmpipe.families.products import Matmul, MicroBatch
 
 
@@ -64,6 +64,7 @@ class Training:
     frozen: frozenset
     params: frozenset
     lora_rank: int = 0
+    lora_parameters: tuple = ()  # peft's target_parameters (a parameter LoRA folds its update into the weight)
 
 
 def training(family, layout: tuple, checkpointing: bool = False, step_loss: Optional[bool] = None) -> Training:
@@ -81,7 +82,7 @@ def training(family, layout: tuple, checkpointing: bool = False, step_loss: Opti
              for la in part_params}
     lora = family.lora
     return Training(roles, frozenset(frozen), frozenset(n for v in part_params.values() for n in v),
-                    lora.rank if lora is not None else 0)
+                    lora.rank if lora is not None else 0, lora.target_parameters if lora is not None else ())
 
 
 def _param(layer: str, module: str, leaf: str) -> str:
@@ -107,7 +108,8 @@ def product_flops(p: Matmul, layer: str, role: Role, t: Training) -> tuple:
     folded = False
     if weight not in t.params:  # a parameter LoRA (peft's target_parameters: a MoE's fused experts) wraps its module
         weight = next((n for n in t.params if base_name(n) == _param(layer, p.weight, "")), weight)
-        folded = weight in t.params  # its update is folded into the weight, which then takes a gradient
+        # a targeted one has its update folded into the weight, which then takes a gradient
+        folded = weight in t.params and matches(base_name(weight), t.lora_parameters)
     if weight not in t.params:
         raise KeyError(f"{layer}: no parameter {weight} for the product {p} (Family.matmuls names the module)")
     back = f * (int(grad_in) + int(folded or weight not in t.frozen))
