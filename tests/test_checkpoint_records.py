@@ -182,7 +182,7 @@ def test_a_precision_change_resumes_through_the_layout_free_files(lora_run, tmp_
 
 
 class _Topo:
-    pipeline_stages, data_parallel = 1, 1
+    pipeline_stages, data_parallel, expert_parallel = 1, 1, 1
 
 
 def _cfg(precision):
