@@ -110,14 +110,14 @@ def _split_parameter_lora(m: nn.Module, shard: ExpertShard) -> None:
     E = m.num_experts
     if E % shard.size:
         raise ValueError(f"{E} experts do not split over {shard.size} expert-parallel ranks")
-    n = E // shard.size
     for key in list(m.lora_A.keys()):
         a, b = m.lora_A[key], m.lora_B[key]
-        r, out = a.weight.shape[0] // E, b.weight.shape[0]
-        a.weight = _mark(nn.Parameter(shard.take(a.weight.data).clone(), requires_grad=a.weight.requires_grad), shard)
-        cols = b.weight.data.reshape(out, r, E)[:, :, shard.rank * n:(shard.rank + 1) * n].reshape(out, r * n)
-        b.weight = _mark(nn.Parameter(cols.clone(), requires_grad=b.weight.requires_grad), shard, interleave=r)
-        a.out_features, b.in_features = r * n, r * n
+        r = a.weight.shape[0] // E
+        for lin, interleave in ((a, None), (b, r)):  # (``mine`` slices each as a checkpoint's tensor is sliced)
+            q = _mark(nn.Parameter(torch.empty(0), requires_grad=lin.weight.requires_grad), shard, interleave)
+            q.data = mine(q, lin.weight.data).clone()
+            lin.weight = q
+        a.out_features = b.in_features = a.weight.shape[0]
     m.num_experts = E // shard.size
     m.mmpipe_shard = shard
 

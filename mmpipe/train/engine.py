@@ -46,7 +46,6 @@ class Engine:
     record: dict  # the checkpoint's run record
     monitor: Any  # DeepSpeed's monitors (tensorboard, csv, wandb blocks of its JSON) or None
     stage_ranks: list  # ranks per stage (per-stage means of the step gather)
-    experts: Optional[ExpertShard] = None  # parallel.expert_parallel > 1: this rank's expert shard
 
 
 def mark_embeddings(model, strategy, family) -> None:
@@ -138,8 +137,7 @@ def build_engine(run) -> Engine:
         trainable=[g for g in run.groups if not g.frozen], layer_names=layer_names, parts=parts, layout=layout,
         record=run_record(cfg, layout, run.plan.to_json()),
         monitor=monitor if monitor is not None and monitor.enabled else None,
-        stage_ranks=[[r for r in range(run.world) if stage_of[r] == s] for s in range(topo.pipeline_stages)],
-        experts=shard)
+        stage_ranks=[[r for r in range(run.world) if stage_of[r] == s] for s in range(topo.pipeline_stages)])
     if cfg.log.grads:  # the gradients of these steps, by plain name, before clipping (train.grad_dump)
         steps, out = set(cfg.log.grads), os.path.join(cfg.train.output_dir, "grads")
         eng.clipper.before_clip = lambda step: save_grads(engine, eng.named_params, out, step, run.where.stage,
